@@ -1,0 +1,68 @@
+"""Let megatron-core 0.16 train on CPU with gloo.
+
+Applied only when CUDA is absent (see :func:`patches.install`). Each listed
+function has its CUDA-only snippets (``device="cuda"``,
+``torch.cuda.current_device()``, ``torch.cuda.synchronize()``, CUDA type
+strings, ``.cuda()``) rewritten to their CPU equivalents. The list was found by
+reading megatron-core 0.16.1 and by tracing TP/PP/DP training with DDP and the
+distributed optimizer; a listed function whose source no longer matches fails
+loudly at install time.
+"""
+
+from __future__ import annotations
+
+from ._rewrite import rewrite_all
+
+CPU_REPLACEMENTS = [
+    ('device="cuda"', 'device="cpu"'),
+    ("device='cuda'", "device='cpu'"),
+    ("device=torch.cuda.current_device()", "device='cpu'"),
+    ("torch.cuda.current_device()", "'cpu'"),
+    ("torch.cuda.synchronize()", "None"),
+    ("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),
+    (".cuda()", ""),
+]
+
+# module -> functions (or Class.method) that reach CUDA-only code on the CPU path.
+CPU_TARGETS: dict[str, list[str]] = {
+    "megatron.core.pipeline_parallel.schedules": [
+        "forward_backward_no_pipelining",
+        "forward_backward_pipelining_with_interleaving",
+        "forward_backward_pipelining_without_interleaving",
+    ],
+    "megatron.core.pipeline_parallel.p2p_communication": [
+        "P2PCommunicator._communicate_shapes",
+        "P2PCommunicator._communicate",
+    ],
+    "megatron.core.transformer.utils": [
+        "get_default_causal_mask",
+        "get_sliding_window_causal_mask",
+    ],
+    "megatron.core.optimizer.clip_grads": [
+        "get_grad_norm_fp32",
+        "clip_grad_by_total_norm_fp32",
+        "count_zeros_fp32",
+    ],
+    "megatron.core.optimizer.optimizer": [
+        "MixedPrecisionOptimizer.__init__",
+        "Float16OptimizerWithFloat16Params.__init__",
+        "FP32Optimizer.__init__",
+    ],
+    "megatron.core.optimizer.distrib_optimizer": [
+        "DistributedOptimizer._build_model_and_main_param_groups",
+    ],
+    "megatron.core.distributed.param_and_grad_buffer": [
+        "_ParamAndGradBuffer.__init__",
+    ],
+    "megatron.core.utils": [
+        "GlobalMemoryBuffer.get_tensor",
+    ],
+    "megatron.core.tensor_parallel.layers": [
+        "LinearWithGradAccumulationAndAsyncCommunication.backward",
+    ],
+}
+
+
+def install() -> list[str]:
+    """Rewrite every CUDA-only snippet on the CPU training path; returns what was patched."""
+    return rewrite_all(CPU_TARGETS, CPU_REPLACEMENTS)

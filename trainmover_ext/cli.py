@@ -1,0 +1,65 @@
+"""The ``trainmover`` command line.
+
+Each subcommand lives in its own module, which exposes
+``add_parser(subparsers) -> argparse.ArgumentParser`` and sets ``func`` (a
+callable taking the parsed namespace and returning an exit code) with
+``parser.set_defaults(func=...)``. Modules are imported lazily so that
+``trainmover --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from trainmover_ext.errors import TrainMoverError
+
+# Subcommand modules, in the order --help lists them.
+SUBCOMMAND_MODULES = (
+    "trainmover_ext.launch.cli",
+    "trainmover_ext.control.cli",
+    "trainmover_ext.simulate.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every available subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="trainmover",
+        description="TrainMover: resilient Megatron-core training with warm standbys and live migration.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in SUBCOMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name and module_name.startswith(exc.name):
+                continue  # that capability is not built yet
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``trainmover`` console script; returns the exit code."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    if rest and not getattr(args, "accepts_rest", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)} (see `trainmover {args.command} --help`)")
+    if getattr(args, "accepts_rest", False):
+        args.rest = rest
+    try:
+        return int(args.func(args) or 0)
+    except TrainMoverError as exc:
+        print(f"trainmover {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
