@@ -1,0 +1,91 @@
+"""Pretrain a GPT model with megatron-core, optionally under TrainMover (``--trainmover``).
+
+Same shape as Megatron-LM's ``pretrain_gpt.py``: ``model_provider``,
+``train_valid_test_datasets_provider`` and ``forward_step`` are handed to
+``pretrain``. Run one process per rank, e.g.::
+
+    trainmover launch --nproc-per-node 8 pretrain_gpt.py \\
+        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \\
+        --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \\
+        --micro-batch-size 2 --global-batch-size 8 --train-iters 20 --lr 1e-3 \\
+        --data-path data/corpus_text_document --trainmover
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from megatron.training import get_args, get_tokenizer, pretrain  # first: quiets CPU fallback warnings
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.training.data import build_dataset
+from megatron.training.model import gpt_layer_spec, transformer_config_from_args
+from trainmover_ext.config import add_trainmover_args
+from trainmover_ext.errors import exit_on_error
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
+    """Build this pipeline stage's GPT model chunk."""
+    from megatron.training.initialize import select_backend
+
+    args = get_args()
+
+    class _Layout:  # only the backend matters for the config here
+        backend = select_backend(args.distributed_backend)
+
+    config = transformer_config_from_args(args, _Layout)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_layer_spec(args),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute",
+        vp_stage=vp_stage,
+    )
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """Training dataset from ``--data-path`` or ``--mock-data`` (no validation/test sets)."""
+    args = get_args()
+    return build_dataset(args, get_tokenizer()), None, None
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean token loss; the logged value is a copy (the schedule scales the loss in place)."""
+    losses = output_tensor.float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses.view(-1) * loss_mask) / loss_mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def forward_step(data_iterator, model: GPTModel):
+    """One micro-batch forward; returns the output and the loss function."""
+    from megatron.core import parallel_state as mpu
+
+    vp_stage = getattr(getattr(model, "module", model), "vp_stage", None)
+    first = mpu.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    last = mpu.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    batch = next(data_iterator) if (first or last) else None
+    device = next(model.parameters()).device
+    tokens = batch["tokens"].to(device) if first else None
+    position_ids = batch["position_ids"].to(device) if first else None
+    labels = batch["labels"].to(device) if last else None
+    loss_mask = batch["loss_mask"].to(device) if last else None
+    output = model(tokens, position_ids, None, labels=labels)
+    return output, partial(loss_func, loss_mask)
+
+
+if __name__ == "__main__":
+    with exit_on_error("pretrain_gpt.py"):
+        pretrain(
+            train_valid_test_datasets_provider,
+            model_provider,
+            ModelType.encoder_or_decoder,
+            forward_step,
+            extra_args_provider=add_trainmover_args,
+        )

@@ -54,8 +54,12 @@ CPU_TARGETS: dict[str, list[str]] = {
     "megatron.core.distributed.param_and_grad_buffer": [
         "_ParamAndGradBuffer.__init__",
     ],
+    "megatron.core.models.common.language_module.language_module": [
+        "LanguageModule.setup_embeddings_and_output_layer",
+    ],
     "megatron.core.utils": [
         "GlobalMemoryBuffer.get_tensor",
+        "local_multi_tensor_l2_norm",
     ],
     "megatron.core.tensor_parallel.layers": [
         "LinearWithGradAccumulationAndAsyncCommunication.backward",

@@ -62,3 +62,55 @@ class MigrationAborted(TrainMoverError):
 
 class ReplayMismatch(TrainMoverError):
     """A sandbox replay call differs from what was recorded (op, shape or dtype)."""
+
+
+# --- control plane (issue 3) ---
+
+
+class EtcdNotFound(ConfigError):
+    """No etcd binary was found; the message says how to install one or which flag names it."""
+
+
+class EtcdUnavailable(StoreError):
+    """No etcd endpoint answered within the deadline; the message names the endpoints tried."""
+
+
+class MalformedValue(StoreError):
+    """A key holds bytes that are not the versioned JSON TrainMover expects; the key is left untouched."""
+
+
+class SchemaVersionError(MalformedValue):
+    """A key holds a value written by an incompatible TrainMover version; the key is left untouched."""
+
+
+class LeadershipLost(TrainMoverError):
+    """This controller's leader lease expired or another controller took over; its write was refused."""
+
+
+def exit_on_error(prog: str):
+    """Context manager for ``__main__`` blocks: print a TrainMoverError as one line and exit 2.
+
+    Configuration errors are identical on every rank, so only rank 0 prints them.
+    """
+    import contextlib
+    import os
+    import sys
+
+    @contextlib.contextmanager
+    def _guard():
+        try:
+            yield
+        except TrainMoverError as exc:
+            if not isinstance(exc, ConfigError) or os.environ.get("RANK", "0") == "0":
+                print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+
+    return _guard()
+
+
+class CommAbandoned(CommLinkError):
+    """An op was cut short because the control plane abandoned its epoch; rebuild links with ``recover(epoch)``."""
+
+
+class CommTimeout(CommLinkError, TimeoutError):
+    """A link op or link rendezvous ran past its deadline; the peer is hung or never arrived."""

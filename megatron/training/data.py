@@ -1,0 +1,143 @@
+"""Training data: deterministic sample order addressed by consumed samples.
+
+A dataset maps a global sample index to ``seq_length + 1`` tokens. The order of
+samples depends only on ``--seed`` and the sample index, never on the parallel
+layout or on how often the job restarted. A data iterator is therefore fully
+described by ``consumed_samples``: this is what checkpoints and migrations carry
+to resume exactly.
+
+Batch layout follows Megatron's pretraining sampler: within an iteration, micro
+batch ``m`` of data-parallel rank ``d`` holds global samples
+``consumed + m * (mbs * dp) + d * mbs + [0, mbs)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from trainmover_ext.errors import DataError
+
+
+class MockGPTDataset:
+    """Synthetic tokens: sample ``i`` is a seeded random sequence (independent of layout)."""
+
+    def __init__(self, vocab_size: int, seq_length: int, seed: int, num_samples: int = 1 << 30):
+        self.vocab_size = vocab_size
+        self.seq_length = seq_length
+        self.seed = seed
+        self.num_samples = num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, idx])
+        return rng.integers(0, self.vocab_size - 1, size=self.seq_length + 1, dtype=np.int64)
+
+
+class IndexedGPTDataset:
+    """Fixed-length windows over a Megatron indexed dataset (``PREFIX.bin/.idx``).
+
+    The ``.bin`` file is the concatenation of every document's tokens (the
+    builder appends end-of-document tokens), so sample ``j`` of an epoch is the
+    window ``[j * seq, j * seq + seq + 1)`` of that stream. Epochs visit windows
+    in a seeded permutation.
+    """
+
+    def __init__(self, prefixes: list[str], seq_length: int, seed: int):
+        from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+        streams = []
+        for prefix in prefixes:
+            try:
+                index = IndexedDataset(prefix, mmap=True)
+            except (OSError, ValueError, AssertionError) as exc:
+                raise DataError(f"cannot read indexed dataset {prefix}(.bin/.idx): {exc}; rebuild it with "
+                                "scripts/prepare_data.py") from exc
+            streams.append(np.memmap(prefix + ".bin", dtype=index.index.dtype, mode="r"))
+        self.tokens = streams[0] if len(streams) == 1 else np.concatenate([np.asarray(s) for s in streams])
+        self.seq_length = seq_length
+        self.seed = seed
+        self.windows = (len(self.tokens) - 1) // seq_length
+        if self.windows < 1:
+            raise DataError(
+                f"dataset {prefixes} has {len(self.tokens)} tokens, fewer than one sample of --seq-length "
+                f"{seq_length} + 1; use more text or a shorter --seq-length"
+            )
+        self._epoch_perm: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return 1 << 62  # epochs repeat with a fresh permutation
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        perm = self._epoch_perm.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
+            self._epoch_perm = {epoch: perm}  # keep one epoch: memory stays bounded
+        return perm
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        epoch, pos = divmod(idx, self.windows)
+        start = int(self._permutation(epoch)[pos]) * self.seq_length
+        return np.asarray(self.tokens[start : start + self.seq_length + 1], dtype=np.int64)
+
+
+@dataclass(kw_only=True)
+class BatchPlan:
+    """Which samples a data-parallel rank reads."""
+
+    micro_batch_size: int
+    """Samples per micro-batch."""
+    data_parallel_size: int
+    """DP world size."""
+    data_parallel_rank: int
+    """This rank's DP index."""
+
+
+def micro_batch_indices(plan: BatchPlan, consumed_samples: int) -> list[int]:
+    """Global sample indices of the micro-batch that starts at ``consumed_samples``."""
+    start = consumed_samples + plan.data_parallel_rank * plan.micro_batch_size
+    return list(range(start, start + plan.micro_batch_size))
+
+
+class GPTBatchIterator:
+    """Yields micro-batches ``{tokens, labels, loss_mask, position_ids}`` for one DP rank.
+
+    ``consumed_samples`` counts samples of the whole job (all DP ranks) and is
+    advanced by ``mbs * dp`` per micro-batch, as in Megatron's sampler.
+    """
+
+    def __init__(self, dataset, plan: BatchPlan, consumed_samples: int = 0):
+        self.dataset = dataset
+        self.plan = plan
+        self.consumed_samples = consumed_samples
+
+    def __iter__(self) -> Iterator[dict]:
+        return self
+
+    def __next__(self) -> dict:
+        idx = micro_batch_indices(self.plan, self.consumed_samples)
+        self.consumed_samples += self.plan.micro_batch_size * self.plan.data_parallel_size
+        data = torch.from_numpy(np.stack([self.dataset[i] for i in idx]))
+        tokens = data[:, :-1].contiguous()
+        labels = data[:, 1:].contiguous()
+        seq = tokens.shape[1]
+        return {
+            "tokens": tokens,
+            "labels": labels,
+            "loss_mask": torch.ones_like(tokens, dtype=torch.float),
+            "position_ids": torch.arange(seq, dtype=torch.long).unsqueeze(0).expand_as(tokens).contiguous(),
+            "sample_indices": idx,
+        }
+
+
+def build_dataset(args, tokenizer):
+    """The training dataset named by ``--mock-data`` / ``--data-path``."""
+    if args.mock_data and not args.data_path:
+        vocab = args.vocab_size or tokenizer.vocab_size
+        return MockGPTDataset(vocab, args.seq_length, args.seed)
+    return IndexedGPTDataset(list(args.data_path), args.seq_length, args.seed)

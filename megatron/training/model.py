@@ -1,0 +1,157 @@
+"""Model construction: transformer config, layer spec, DDP wrap, layout-independent init.
+
+``get_model`` calls the user's ``model_provider`` once per (virtual) pipeline
+stage, re-initialises every weight with :func:`layout_independent_init_`, moves
+the chunks to the rank's device and wraps them in megatron-core's DDP.
+
+Layout-independent initialisation: every parameter is drawn in full from a
+generator seeded by ``(seed, its global name)`` and sliced to this rank's TP
+shard. The global name numbers layers globally, so TP1-PP1 and TP2-PP2 start
+from identical weights and their losses can be compared.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from typing import Callable
+
+import torch
+
+
+def transformer_config_from_args(args, layout):
+    """megatron-core ``TransformerConfig`` for the flags."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32)
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        # gloo matches both directions of a batched exchange with the same peer
+        # and tag in posting order: with interleaved PP=2 that silently swaps
+        # activations and gradients. Never batch on gloo.
+        batch_p2p_comm=not (layout.backend == "gloo" and interleaved),
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        deallocate_pipeline_outputs=True,
+    )
+
+
+def use_transformer_engine(args) -> bool:
+    """TE spec when requested/auto and both TE and CUDA are present."""
+    if args.transformer_impl == "local":
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+
+        available = torch.cuda.is_available()
+    except ImportError:
+        available = False
+    if args.transformer_impl == "transformer_engine" and not available:
+        from trainmover_ext.errors import ConfigError
+
+        raise ConfigError("--transformer-impl transformer_engine needs TransformerEngine and CUDA; use auto or local")
+    return available
+
+
+def gpt_layer_spec(args):
+    """The TransformerEngine spec on GPU with TE, megatron-core's local spec otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_transformer_engine(args):
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec()
+
+
+_LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.")
+
+
+def _global_name(name: str, chunk) -> str:
+    """Parameter name with the layer index replaced by its global layer number."""
+    module = getattr(chunk, "module", chunk)
+    match = _LAYER_RE.search(name)
+    if match:
+        layer = module.decoder.layers[int(match.group(1))]
+        name = name.replace(match.group(0), f"decoder.layers.{layer.layer_number - 1}.", 1)
+    if name.startswith("output_layer.") and getattr(module, "share_embeddings_and_output_weights", False):
+        # the last stage's copy of the tied embedding starts equal to the first stage's
+        name = "embedding.word_embeddings.weight"
+    return name
+
+
+def layout_independent_init_(chunk, seed: int, init_std: float, num_layers: int, tp_rank: int, tp_size: int) -> None:
+    """Overwrite every parameter of ``chunk`` from a name-seeded full tensor (see module doc)."""
+    scaled_std = init_std / math.sqrt(2.0 * num_layers)
+    with torch.no_grad():
+        for name, param in chunk.named_parameters():
+            key = _global_name(name, chunk)
+            full_shape = list(param.shape)
+            dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
+            if dim >= 0:
+                full_shape[dim] *= tp_size
+            leaf = key.rsplit(".", 1)[-1]
+            if "norm" in key and leaf in ("weight", "layer_norm_weight"):
+                full = torch.ones(full_shape, dtype=torch.float32)
+            elif leaf.endswith("bias"):
+                full = torch.zeros(full_shape, dtype=torch.float32)
+            else:
+                gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63))
+                std = scaled_std if ("linear_proj" in key or "linear_fc2" in key) else init_std
+                full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            if dim >= 0:
+                full = full.chunk(tp_size, dim=dim)[tp_rank]
+            param.copy_(full.to(param.dtype))
+
+
+def get_model(model_provider: Callable, args, layout, transformer_config) -> list:
+    """Build, initialise and DDP-wrap this rank's model chunks."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    vpp = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage if vpp else None)
+        post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage if vpp else None)
+        chunk = model_provider(pre_process=pre, post_process=post, vp_stage=vp_stage if vpp else None)
+        layout_independent_init_(
+            chunk, args.seed, args.init_method_std, args.num_layers, layout.tp_rank, layout.tp_size
+        )
+        chunk.to(layout.device)
+        chunks.append(chunk)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+        bucket_size=None,
+    )
+    return [
+        DistributedDataParallel(
+            config=transformer_config,
+            ddp_config=ddp_config,
+            module=chunk,
+            disable_bucketing=(i > 0),
+        )
+        for i, chunk in enumerate(chunks)
+    ]

@@ -1,0 +1,246 @@
+"""``pretrain``: the training entry used by ``pretrain_gpt.py``.
+
+Shape and signature follow Megatron-LM so a user's script ports unchanged:
+``pretrain(train_valid_test_dataset_provider, model_provider, model_type,
+forward_step_func, extra_args_provider=...)``. Every rank runs it. On exit,
+normal or not, the process group and model-parallel state are torn down.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from megatron.training import checkpointing, global_vars
+from megatron.training.arguments import parse_args
+from megatron.training.data import BatchPlan, GPTBatchIterator
+from megatron.training.initialize import initialize_distributed, set_random_seeds, shutdown
+from megatron.training.model import get_model, transformer_config_from_args
+from megatron.training.tokenizer import build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def process_start_time() -> float:
+    """Wall-clock time at which this OS process started (fork or exec)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, ValueError, IndexError):
+        return time.time()
+
+
+class MetricsLog:
+    """Appends JSON lines (one per event) when ``--tm-metrics-file`` is given; logging rank only."""
+
+    def __init__(self, path: Optional[str], enabled: bool):
+        self.file = open(path, "a", buffering=1) if (path and enabled) else None
+
+    def write(self, **record) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def setup_optimizer(model, args):
+    """megatron-core optimizer and LR/WD scheduler for the flags."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32),
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(config, model, use_gloo_process_groups=False)
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, args, layout):
+    """One iteration; returns the DP-averaged loss on the last stage (else None) and the grad norm."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    forward_backward = get_forward_backward_func()
+    iterators = data_iterator if len(model) > 1 else data_iterator[0]
+    losses = forward_backward(
+        forward_step_func=forward_step_func,
+        data_iterator=iterators,
+        model=model if len(model) > 1 else model[0],
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    _, grad_norm, _ = optimizer.step()
+    scheduler.step(increment=args.global_batch_size)
+    if not layout.is_last_stage:
+        return None, grad_norm
+    loss = torch.stack([entry["lm loss"] for entry in losses]).mean().detach().clone()
+    if layout.dp_size > 1:
+        torch.distributed.all_reduce(loss, group=mpu.get_data_parallel_group())
+        loss /= layout.dp_size
+    return loss.item(), grad_norm
+
+
+def _build_iterators(args, layout, dataset, consumed, num_chunks):
+    plan = BatchPlan(
+        micro_batch_size=args.micro_batch_size, data_parallel_size=layout.dp_size, data_parallel_rank=layout.dp_rank
+    )
+    # Interleaved schedules take one iterator per model chunk; all read the same samples.
+    return [GPTBatchIterator(dataset, plan, consumed) for _ in range(num_chunks)]
+
+
+def pretrain(
+    train_valid_test_dataset_provider: Callable,
+    model_provider: Callable,
+    model_type,
+    forward_step_func: Callable,
+    extra_args_provider: Optional[Callable] = None,
+    args_defaults: Optional[dict] = None,
+    argv: Optional[Sequence[str]] = None,
+) -> dict:
+    """Parse flags, initialise, build, train, and tear down; returns a summary dict."""
+    t_process = process_start_time()
+    args = parse_args(extra_args_provider, argv)
+    for key, value in (args_defaults or {}).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    tm_config = None
+    if extra_args_provider is not None:
+        from trainmover_ext.config import config_from_args
+
+        tm_config = config_from_args(args)
+    tokenizer = build_tokenizer(args)
+    global_vars.set_global_variables(args, tokenizer)
+    t_args = time.time()
+    layout = initialize_distributed(args)
+    t_rendezvous = time.time()
+    metrics = MetricsLog(tm_config.metrics_file if tm_config else None, layout.is_logging_rank)
+    try:
+        set_random_seeds(args.seed, layout)
+        config = transformer_config_from_args(args, layout)
+        model = get_model(model_provider, args, layout, config)
+        optimizer, scheduler = setup_optimizer(model, args)
+        _wire_config(config, model, optimizer)
+        t_model = time.time()
+        iteration, consumed = 0, 0
+        if args.load:
+            iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args, layout)
+        t_loaded = time.time()
+        args.iteration, args.consumed_train_samples = iteration, consumed
+        datasets = train_valid_test_dataset_provider([args.train_iters * args.global_batch_size, 0, 0])
+        iterators = _build_iterators(args, layout, datasets[0], consumed, len(model))
+        metrics.write(
+            event="startup", process_start=t_process, args_parsed=t_args, rendezvous=t_rendezvous,
+            model_built=t_model, checkpoint_loaded=t_loaded, resumed_iteration=iteration,
+        )
+        if layout.is_logging_rank:
+            print(
+                f"[trainmover] world {layout.world_size} = TP{layout.tp_size} x PP{layout.pp_size} x "
+                f"DP{layout.dp_size} | backend {layout.backend} | start iteration {iteration} | "
+                f"consumed samples {consumed}",
+                flush=True,
+            )
+        return _train_loop(forward_step_func, iterators, model, optimizer, scheduler, args, layout, metrics)
+    finally:
+        metrics.close()
+        shutdown()
+
+
+def _wire_config(config, model, optimizer) -> None:
+    """Hooks the schedules call: grad finalisation, loss scaling, no_sync."""
+    from megatron.core.distributed import finalize_model_grads
+
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+
+
+def _train_loop(forward_step_func, iterators, model, optimizer, scheduler, args, layout, metrics) -> dict:
+    tokens_per_iter = args.global_batch_size * args.seq_length
+    times: list[float] = []
+    losses: list[float] = []
+    start_iter = args.iteration
+    for chunk in model:
+        chunk.train()
+    while args.iteration < args.train_iters:
+        t0 = time.time()
+        loss, grad_norm = train_step(forward_step_func, iterators, model, optimizer, scheduler, args, layout)
+        dt = time.time() - t0
+        args.iteration += 1
+        args.consumed_train_samples += args.global_batch_size
+        times.append(dt)
+        if loss is not None:
+            losses.append(loss)
+        if layout.is_logging_rank:
+            metrics.write(
+                event="iteration", iteration=args.iteration, loss=loss, iteration_s=dt, t_end=time.time(),
+                consumed_samples=args.consumed_train_samples, grad_norm=float(grad_norm or 0.0),
+                lr=optimizer.param_groups[0]["lr"],
+            )
+            if args.iteration % args.log_interval == 0 or args.iteration == args.train_iters:
+                print(
+                    f"iteration {args.iteration:6d}/{args.train_iters} | loss {loss:.6f} | "
+                    f"ms/iter {dt * 1000:8.1f} | tokens/s {tokens_per_iter / dt:9.1f} | "
+                    f"consumed samples {args.consumed_train_samples}",
+                    flush=True,
+                )
+        if args.save and args.save_interval and args.iteration % args.save_interval == 0:
+            checkpointing.save_checkpoint(
+                args.save, args.iteration, model, optimizer, scheduler, args.consumed_train_samples, args, layout
+            )
+    steady = sorted(times[1:]) if len(times) > 1 else times
+    summary = {
+        "iterations": args.iteration - start_iter,
+        "final_loss": losses[-1] if losses else None,
+        "median_iteration_s": steady[len(steady) // 2] if steady else None,
+        "tokens_per_s": (tokens_per_iter / steady[len(steady) // 2]) if steady else None,
+    }
+    if layout.is_logging_rank and summary["iterations"]:
+        print(
+            f"[trainmover] done: {summary['iterations']} iterations | final loss {summary['final_loss']:.6f} | "
+            f"median {summary['median_iteration_s'] * 1000:.1f} ms/iter | {summary['tokens_per_s']:.1f} tokens/s",
+            flush=True,
+        )
+        sys.stdout.flush()
+    return summary

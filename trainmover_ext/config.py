@@ -1,0 +1,146 @@
+"""TrainMover's flags and their typed config.
+
+``add_trainmover_args`` is the one ``extra_args_provider`` that adds every
+``--trainmover``/``--tm-*`` flag to ``pretrain_gpt.py``; ``TrainMoverConfig``
+is the typed view the runtime uses. A flag whose capability is not built yet
+is declared so that ``--help`` shows the whole surface, but setting it raises
+:class:`ConfigError` instead of silently doing nothing (see ``NOT_WIRED``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+from typing import Optional
+
+from trainmover_ext.errors import ConfigError
+
+# flag attribute -> why it cannot be used yet. Remove an entry when wiring it.
+NOT_WIRED: dict[str, str] = {
+    "tm_role": "standbys (--tm-role standby) arrive with the sandbox/standby capability",
+    "tm_standbys": "the standby pool arrives with the sandbox/standby capability",
+    "tm_record_iters": "collective recording arrives with the sandbox capability",
+    "tm_record_dir": "collective recording arrives with the sandbox capability",
+    "tm_compile": "--tm-compile arrives with the sandbox capability",
+    "tm_leaver_becomes_standby": "live migration is not wired into training yet",
+}
+
+
+@dataclass(kw_only=True)
+class TrainMoverConfig:
+    """Typed view of the ``--trainmover`` / ``--tm-*`` flags."""
+
+    enabled: bool = False
+    """``--trainmover``: run under the TrainMover runtime."""
+    role: str = "worker"
+    """``--tm-role``: ``worker`` trains a rank; ``standby`` warms up and waits to be promoted."""
+    job: str = "trainmover"
+    """``--tm-job``: job name; namespaces every etcd key under ``/trainmover/<job>/``."""
+    job_token: Optional[str] = None
+    """``--tm-job-token``: shared secret gating writes to the job's keys (generated when absent)."""
+    etcd_endpoints: list[str] = field(default_factory=list)
+    """``--tm-etcd-endpoints``: external etcd cluster; empty starts an embedded one."""
+    etcd_ca: Optional[str] = None
+    """``--tm-etcd-ca``: CA certificate for TLS to etcd."""
+    etcd_cert: Optional[str] = None
+    """``--tm-etcd-cert``: client certificate for TLS to etcd."""
+    etcd_key: Optional[str] = None
+    """``--tm-etcd-key``: client key for TLS to etcd."""
+    etcd_user: Optional[str] = None
+    """``--tm-etcd-user``: etcd user for password auth."""
+    etcd_password: Optional[str] = None
+    """``--tm-etcd-password``: etcd password for password auth."""
+    lease_ttl_s: float = 2.0
+    """``--tm-lease-ttl``: membership lease TTL in seconds; refreshed every TTL/3."""
+    standbys: int = 0
+    """``--tm-standbys``: number of warm standbys the launcher keeps."""
+    record_iters: int = 2
+    """``--tm-record-iters``: iterations whose collectives are recorded for the sandbox."""
+    record_dir: Optional[str] = None
+    """``--tm-record-dir``: shared directory for recorded collective tensors."""
+    compile: bool = False
+    """``--tm-compile``: wrap the model in ``torch.compile``."""
+    leaver_becomes_standby: bool = False
+    """``--tm-leaver-becomes-standby``: a planned leaver rejoins the pool instead of exiting."""
+    metrics_file: Optional[str] = None
+    """``--tm-metrics-file``: append one JSON line per iteration (loss, timings, consumed samples)."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ("worker", "standby"):
+            raise ConfigError("--tm-role must be 'worker' or 'standby'")
+        if self.lease_ttl_s <= 0:
+            raise ConfigError("--tm-lease-ttl must be positive")
+        if self.standbys < 0:
+            raise ConfigError("--tm-standbys must be >= 0")
+        if self.record_iters < 1:
+            raise ConfigError("--tm-record-iters must be >= 1")
+        if any(getattr(self, name) for name in ("etcd_cert", "etcd_key")) and not (self.etcd_cert and self.etcd_key):
+            raise ConfigError("--tm-etcd-cert and --tm-etcd-key must be given together")
+
+
+_FLAG_TO_FIELD = {
+    "trainmover": "enabled",
+    "tm_role": "role",
+    "tm_job": "job",
+    "tm_job_token": "job_token",
+    "tm_etcd_endpoints": "etcd_endpoints",
+    "tm_etcd_ca": "etcd_ca",
+    "tm_etcd_cert": "etcd_cert",
+    "tm_etcd_key": "etcd_key",
+    "tm_etcd_user": "etcd_user",
+    "tm_etcd_password": "etcd_password",
+    "tm_lease_ttl": "lease_ttl_s",
+    "tm_standbys": "standbys",
+    "tm_record_iters": "record_iters",
+    "tm_record_dir": "record_dir",
+    "tm_compile": "compile",
+    "tm_leaver_becomes_standby": "leaver_becomes_standby",
+    "tm_metrics_file": "metrics_file",
+}
+
+
+def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``extra_args_provider`` adding every TrainMover flag (defaults are ``None``
+    so that :func:`config_from_args` can tell a flag that was given)."""
+    g = parser.add_argument_group("trainmover", "Resilient runtime: warm standbys, delta communicator, live migration.")
+    g.add_argument("--trainmover", action="store_true", default=None, help="Run under the TrainMover runtime.")
+    g.add_argument("--tm-role", choices=["worker", "standby"], default=None,
+                   help="'worker' trains a rank; 'standby' warms up in a sandbox and waits to be promoted.")
+    g.add_argument("--tm-job", default=None, help="Job name; namespaces the job's etcd keys (default 'trainmover').")
+    g.add_argument("--tm-job-token", default=None,
+                   help="Shared secret for the job's etcd keys (default: generated by the launcher).")
+    g.add_argument("--tm-etcd-endpoints", nargs="+", default=None, metavar="HOST:PORT",
+                   help="External etcd endpoints; without it the launcher starts an embedded etcd.")
+    g.add_argument("--tm-etcd-ca", default=None, help="CA certificate file for TLS to etcd.")
+    g.add_argument("--tm-etcd-cert", default=None, help="Client certificate file for TLS to etcd.")
+    g.add_argument("--tm-etcd-key", default=None, help="Client private key file for TLS to etcd.")
+    g.add_argument("--tm-etcd-user", default=None, help="etcd user name for password authentication.")
+    g.add_argument("--tm-etcd-password", default=None, help="etcd password for password authentication.")
+    g.add_argument("--tm-lease-ttl", type=float, default=None,
+                   help="Membership lease TTL in seconds (default 2); a hung member is declared dead after it.")
+    g.add_argument("--tm-standbys", type=int, default=None, help="Number of warm standbys to keep (default 0).")
+    g.add_argument("--tm-record-iters", type=int, default=None,
+                   help="Iterations whose collectives are recorded for standby warm-up (default 2).")
+    g.add_argument("--tm-record-dir", default=None, help="Shared directory for the recorded collective tensors.")
+    g.add_argument("--tm-compile", action="store_true", default=None, help="Wrap the model in torch.compile.")
+    g.add_argument("--tm-leaver-becomes-standby", action="store_true", default=None,
+                   help="After a planned migration the leaver rejoins the standby pool instead of exiting.")
+    g.add_argument("--tm-metrics-file", default=None,
+                   help="Append one JSON line per iteration (iteration, loss, ms, consumed samples) to this file.")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainMoverConfig:
+    """Build the typed config; raises :class:`ConfigError` for a flag that is not wired yet."""
+    given = {}
+    for flag, name in _FLAG_TO_FIELD.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            if flag in NOT_WIRED:
+                raise ConfigError(
+                    f"--{flag.replace('_', '-')} is declared but not available in this build: "
+                    f"{NOT_WIRED[flag]}. Remove the flag."
+                )
+            given[name] = value
+    valid = {f.name for f in fields(TrainMoverConfig)}
+    return TrainMoverConfig(**{k: v for k, v in given.items() if k in valid})

@@ -1,0 +1,1 @@
+"""``trainmover launch``: a torchrun-like agent that starts, supervises and restarts ranks."""

@@ -1,0 +1,141 @@
+"""The node agent: start this node's ranks, watch them, tear down or restart.
+
+Contract:
+- ``run()`` returns 0 when every rank exited 0, else the first failing rank's
+  exit code (128 + signal for a killed rank), after all ranks are gone.
+- When a rank fails, every other rank of this node is stopped (SIGTERM, then
+  SIGKILL after ``term_timeout_s``). With restarts left, all ranks start again
+  as fresh processes; the script is expected to resume from ``--load``.
+- SIGINT/SIGTERM to the agent tears every rank down and returns 130/143.
+- Ranks die with the agent (PR_SET_PDEATHSIG), so none is orphaned.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Optional
+
+from trainmover_ext.launch.config import LaunchConfig
+from trainmover_ext.launch.process import RankProcess, fork_rank, preimport_for_fork, spawn_rank
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A currently free TCP port on ``host``."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+class Agent:
+    """Starts and supervises one node's ranks; see the module docstring."""
+
+    def __init__(self, config: LaunchConfig, log=None):
+        self.config = config
+        self.procs: list[RankProcess] = []
+        self.restarts = 0
+        self._stop_signal: Optional[int] = None
+        self.log = log or (lambda msg: print(f"[trainmover launch] {msg}", file=sys.stderr, flush=True))
+        self.events: list[dict] = []
+
+    def _env(self, local_rank: int, port: int) -> dict[str, str]:
+        cfg = self.config
+        return {
+            "RANK": str(cfg.node_rank * cfg.nproc_per_node + local_rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(cfg.world_size),
+            "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
+            "GROUP_RANK": str(cfg.node_rank),
+            "MASTER_ADDR": cfg.master_addr,
+            "MASTER_PORT": str(port),
+            "TRAINMOVER_RESTART_COUNT": str(self.restarts),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        }
+
+    def start_ranks(self, method: str) -> None:
+        cfg = self.config
+        port = cfg.master_port or free_port(cfg.master_addr)
+        if method == "fork":
+            preimport_for_fork()
+        start = spawn_rank if method == "spawn" else fork_rank
+        self.procs = [
+            start(cfg.node_rank * cfg.nproc_per_node + i, self._env(i, port), cfg.script, cfg.script_args)
+            for i in range(cfg.nproc_per_node)
+        ]
+        self.events.append({"event": "start", "t": time.time(), "method": method, "restart": self.restarts,
+                            "pids": [p.pid for p in self.procs]})
+        self.log(f"started {len(self.procs)} ranks ({method}), pids {[p.pid for p in self.procs]}")
+
+    def stop_ranks(self) -> None:
+        """SIGTERM every live rank, SIGKILL what is left after the grace period, reap all."""
+        for proc in self.procs:
+            proc.signal(signal.SIGTERM)
+        deadline = time.time() + self.config.term_timeout_s
+        while time.time() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.02)
+        for proc in self.procs:
+            proc.signal(signal.SIGKILL)
+        for proc in self.procs:
+            while proc.poll() is None:
+                time.sleep(0.01)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._stop_signal = signum
+
+    def _wait(self) -> tuple[Optional[RankProcess], bool]:
+        """Block until a rank fails (returns it) or all succeed (returns None)."""
+        while True:
+            if self._stop_signal is not None:
+                return None, False
+            codes = [p.poll() for p in self.procs]
+            for proc, code in zip(self.procs, codes):
+                if code not in (None, 0):
+                    return proc, False
+            if all(code == 0 for code in codes):
+                return None, True
+            time.sleep(self.config.monitor_interval_s)
+
+    def run(self) -> int:
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start_ranks(self.config.start_method)
+            while True:
+                failed, ok = self._wait()
+                if ok:
+                    self.log("all ranks finished")
+                    return 0
+                if failed is None:  # asked to stop
+                    self.log(f"received {signal.Signals(self._stop_signal).name}; stopping ranks")
+                    self.stop_ranks()
+                    return 128 + self._stop_signal
+                code = failed.returncode
+                t_fail = time.time()
+                self.events.append({"event": "failure", "t": t_fail, "rank": failed.rank, "code": code})
+                self.log(f"rank {failed.rank} (pid {failed.pid}) failed with {_describe(code)}; stopping all ranks")
+                self.stop_ranks()
+                if self.restarts >= self.config.max_restarts:
+                    if self.config.max_restarts:
+                        self.log(f"no restarts left (--max-restarts {self.config.max_restarts}); giving up")
+                    return 128 - code if code < 0 else code
+                self.restarts += 1
+                self.log(f"restart {self.restarts}/{self.config.max_restarts}: all ranks start again and "
+                         "resume from the latest checkpoint")
+                self.start_ranks(self.config.restart_start_method)
+        finally:
+            if any(p.poll() is None for p in self.procs):
+                self.stop_ranks()
+            for sig, handler in old.items():
+                signal.signal(sig, handler)

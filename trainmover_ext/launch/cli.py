@@ -1,0 +1,51 @@
+"""``trainmover launch``: the torchrun-like entry point."""
+
+from __future__ import annotations
+
+import argparse
+
+from trainmover_ext.launch.agent import Agent
+from trainmover_ext.launch.config import LaunchConfig
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "launch",
+        help="Start and supervise this node's ranks (like torchrun).",
+        description="Start --nproc-per-node ranks of a training script on this node and supervise them. "
+        "Example: trainmover launch --nproc-per-node 8 pretrain_gpt.py --mock-data ...",
+    )
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="Ranks to start on this node.")
+    parser.add_argument("--nnodes", type=int, default=1, help="Number of nodes in the job.")
+    parser.add_argument("--node-rank", type=int, default=0, help="This node's index in [0, nnodes).")
+    parser.add_argument("--master-addr", default="127.0.0.1", help="Rendezvous host (node 0's address).")
+    parser.add_argument("--master-port", type=int, default=0,
+                        help="Rendezvous port (default: a free port; required with --nnodes > 1).")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="On a rank failure, restart all ranks from the latest checkpoint up to K times "
+                        "(the classic stop-restart baseline). 0 = fail the job.")
+    parser.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
+                        help="'fork' forks ranks from this already-warm process (fast start on few cores); "
+                        "'spawn' starts fresh interpreters. Restarts always spawn fresh processes.")
+    parser.add_argument("--term-timeout", type=float, default=5.0,
+                        help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
+    parser.add_argument("script", help="Training script, e.g. pretrain_gpt.py.")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Arguments for the training script.")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    config = LaunchConfig(
+        script=args.script,
+        script_args=list(args.script_args),
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        max_restarts=args.max_restarts,
+        start_method=args.start_method,
+        term_timeout_s=args.term_timeout,
+    )
+    return Agent(config).run()

@@ -1,0 +1,56 @@
+"""Typed configuration of ``trainmover launch``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from trainmover_ext.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """What the agent starts and how it reacts to failures."""
+
+    script: str
+    """Training script run in every rank (e.g. ``pretrain_gpt.py``)."""
+    script_args: list[str] = field(default_factory=list)
+    """Arguments passed to the script unchanged."""
+    nproc_per_node: int = 1
+    """``--nproc-per-node``: ranks started on this node."""
+    nnodes: int = 1
+    """``--nnodes``: number of nodes in the job."""
+    node_rank: int = 0
+    """``--node-rank``: this node's index in ``[0, nnodes)``."""
+    master_addr: str = "127.0.0.1"
+    """``--master-addr``: address of the rendezvous host (node 0)."""
+    master_port: int = 0
+    """``--master-port``: rendezvous port; 0 picks a free port (single node only)."""
+    max_restarts: int = 0
+    """``--max-restarts``: stop-restart from the latest checkpoint up to this many times."""
+    start_method: str = "fork"
+    """``--start-method``: 'fork' forks ranks from this warm process; 'spawn' starts fresh interpreters."""
+    restart_start_method: str = "spawn"
+    """How restarted ranks start: fresh interpreters, as torchrun does (the baseline pays imports)."""
+    term_timeout_s: float = 5.0
+    """``--term-timeout``: grace between SIGTERM and SIGKILL when tearing ranks down."""
+    monitor_interval_s: float = 0.05
+    """How often the agent polls its children."""
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise ConfigError("--nproc-per-node must be >= 1")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError("--node-rank must be in [0, --nnodes)")
+        if self.max_restarts < 0:
+            raise ConfigError("--max-restarts must be >= 0")
+        if self.start_method not in ("fork", "spawn"):
+            raise ConfigError("--start-method must be 'fork' or 'spawn'")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ConfigError("--master-port is required with --nnodes > 1")
+        if not os.path.isfile(self.script):
+            raise ConfigError(f"training script {self.script} does not exist")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node

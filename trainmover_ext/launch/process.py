@@ -1,0 +1,122 @@
+"""Starting one rank: fork from the warm agent, or spawn a fresh interpreter.
+
+Both start the child in its own process group (a terminal Ctrl-C reaches only
+the agent, which tears ranks down in order) and ask the kernel to SIGKILL the
+child if the agent dies, so no rank outlives its agent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except OSError:
+        pass  # not Linux: the agent's teardown still kills children
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def preimport_for_fork() -> None:
+    """Import the heavy modules once in the agent so forked ranks skip 4-10 s of imports."""
+    import torch  # noqa: F401
+
+    import megatron.training  # noqa: F401  (quiets CPU fallback warnings first)
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import trainmover_ext.patches  # noqa: F401
+
+
+@dataclass
+class RankProcess:
+    """A started rank: its global rank, pid and, for spawned ones, the Popen handle."""
+
+    rank: int
+    pid: int
+    popen: Optional[subprocess.Popen] = None
+    returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        """Return code (negative signal number when killed) once it exited, else None."""
+        if self.returncode is not None:
+            return self.returncode
+        if self.popen is not None:
+            self.returncode = self.popen.poll()
+            return self.returncode
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            self.returncode = -signal.SIGKILL
+            return self.returncode
+        if pid == 0:
+            return None
+        self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def fork_rank(rank: int, env: dict[str, str], script: str, script_args: list[str]) -> RankProcess:
+    """Fork a child that runs ``script`` as ``__main__`` with ``env`` applied."""
+    parent = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return RankProcess(rank=rank, pid=pid)
+    # child
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        _die_with_parent(parent)
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        os.environ.update(env)
+        sys.argv = [script] + list(script_args)
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - a rank must report anything and exit non-zero
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # os._exit: a rank that abandoned pending gloo ops would abort in atexit handlers.
+        os._exit(code)
+
+
+def spawn_rank(rank: int, env: dict[str, str], script: str, script_args: list[str]) -> RankProcess:
+    """Start ``python script args`` as a fresh interpreter, as torchrun does."""
+    parent = os.getpid()
+    full_env = dict(os.environ)
+    full_env.update(env)
+    popen = subprocess.Popen(
+        [sys.executable, "-u", script, *script_args],
+        env=full_env,
+        preexec_fn=lambda: (os.setpgid(0, 0), _die_with_parent(parent)),
+    )
+    return RankProcess(rank=rank, pid=popen.pid, popen=popen)
