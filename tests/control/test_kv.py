@@ -1,0 +1,126 @@
+"""The KV interface: the same contract checked on the in-memory fake and on a real etcd."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from trainmover_ext.errors import AuthError, ConfigError, MalformedValue, SchemaVersionError, StoreError
+from trainmover_ext.kv import Delete, Guard, MemoryKV, Put
+from trainmover_ext.kv.codec import decode, encode
+from trainmover_ext.kv.job import JobSpace
+
+
+@pytest.fixture(params=["memory", "etcd"])
+def anykv(request):
+    if request.param == "memory":
+        return MemoryKV()
+    return request.getfixturevalue("kv")
+
+
+def test_cas_put_if_absent_and_commit(anykv):
+    rev = anykv.put("/t/a", b"1")
+    entry = anykv.get("/t/a")
+    assert entry.value == b"1" and entry.mod_revision == rev
+    assert anykv.compare_and_swap("/t/a", entry.mod_revision, b"2")
+    assert not anykv.compare_and_swap("/t/a", entry.mod_revision, b"3"), "a stale revision must lose"
+    assert anykv.get("/t/a").value == b"2"
+    assert anykv.put_if_absent("/t/b", b"x") and not anykv.put_if_absent("/t/b", b"y")
+    assert anykv.get("/t/b").value == b"x"
+    # A failed guard applies nothing, even the writes that would have succeeded alone.
+    assert not anykv.commit([Guard.value("/t/a", b"nope")], [Put("/t/c", b"c"), Delete("/t/b")])
+    assert anykv.get("/t/c") is None and anykv.get("/t/b") is not None
+    assert anykv.commit([Guard.value("/t/a", b"2"), Guard.absent("/t/c")], [Put("/t/c", b"c"), Delete("/t/a")])
+    assert [e.key for e in anykv.get_prefix("/t/").entries] == ["/t/b", "/t/c"]
+    # etcd refuses a transaction that touches one key twice; the fake must refuse it too.
+    with pytest.raises(StoreError):
+        anykv.commit([], [Put("/t/x", b"1"), Delete("/t/", prefix=True)])
+
+
+def test_watch_sees_changes_in_order(anykv):
+    seen: list = []
+    done = threading.Event()
+
+    def on(events):
+        seen.extend(events)
+        if any(e.key == "/w/end" for e in events):
+            done.set()
+
+    start = anykv.get_prefix("/w/").revision
+    anykv.put("/w/before", b"0")  # written before the watch, replayed from start_revision
+    watch = anykv.watch_prefix("/w/", on, start_revision=start + 1)
+    anykv.put("/w/a", b"1")
+    anykv.delete("/w/a")
+    anykv.put("/other", b"x")
+    anykv.put("/w/end", b"2")
+    assert done.wait(5)
+    watch.cancel()
+    assert [(e.kind, e.key) for e in seen] == [("put", "/w/before"), ("put", "/w/a"), ("delete", "/w/a"), ("put", "/w/end")]
+
+
+def test_codec_rejects_garbage_and_old_versions():
+    assert decode(encode("rank", {"m": "a"}), kind="rank", key="/k") == {"m": "a"}
+    with pytest.raises(MalformedValue, match="/k does not hold TrainMover JSON"):
+        decode(b"\x80garbage", kind="rank", key="/k")
+    with pytest.raises(MalformedValue, match="envelope"):
+        decode(b'{"a": 1}', kind="rank", key="/k")
+    with pytest.raises(MalformedValue, match="'member' record where a 'rank'"):
+        decode(encode("member", {}), kind="rank", key="/k")
+    with pytest.raises(SchemaVersionError, match="schema version 0"):
+        decode(encode("rank", {}, version=0), kind="rank", key="/k")
+
+
+def test_job_token_gating_and_isolation(anykv):
+    space = JobSpace.create(anykv, "job-a")
+    assert len(space.token) >= 24
+    again = JobSpace.create(anykv, "job-a", space.token)  # a second agent joining
+    assert again.token == space.token
+    with pytest.raises(AuthError, match="wrong job token"):
+        JobSpace.open(anykv, "job-a", "not-the-token")
+    with pytest.raises(AuthError, match="wrong job token"):
+        JobSpace.create(anykv, "job-a", "not-the-token")
+    with pytest.raises(StoreError, match="no job 'job-b'"):
+        JobSpace.open(anykv, "job-b", "t")
+    with pytest.raises(ConfigError, match="--tm-job"):
+        JobSpace.open(anykv, "a/b", "t")
+    # Jobs whose names share a prefix never see each other's keys.
+    other = JobSpace.create(anykv, "job-ab")
+    space.put(space.key("ranks", 0), b"a")
+    other.put(other.key("ranks", 0), b"b")
+    assert [e.value for e in anykv.get_prefix(space.root).entries if "ranks" in e.key] == [b"a"]
+    with pytest.raises(StoreError, match="outside its namespace"):
+        space.put(other.key("ranks", 1), b"x")
+    # A process holding a stale token (the job was re-created) cannot write, and nothing is changed.
+    anykv.put(space.job_key, encode("job", {"job": "job-a", "token_sha256": "0" * 64}))
+    with pytest.raises(AuthError, match="record changed"):
+        space.put(space.key("ranks", 0), b"evil")
+    assert anykv.get(space.key("ranks", 0)).value == b"a"
+
+
+def test_memory_leases_expire_on_the_injected_clock():
+    now = [0.0]
+    kv = MemoryKV(clock=lambda: now[0])
+    lease = kv.grant_lease(2)
+    kv.put("/m/a", b"x", lease=lease)
+    now[0] = 1.5
+    assert kv.refresh_lease(lease) == 2
+    now[0] = 3.0
+    assert kv.expire_leases() == []
+    now[0] = 3.6
+    assert kv.expire_leases() == [lease]
+    assert kv.get("/m/a") is None and kv.refresh_lease(lease) == 0
+
+
+def test_etcd_lease_expiry_deletes_keys(kv):
+    lease = kv.grant_lease(1)
+    kv.put("/l/a", b"x", lease=lease)
+    assert kv.refresh_lease(lease) == 1
+    t0 = time.monotonic()
+    while kv.get("/l/a") is not None:
+        assert time.monotonic() - t0 < 5, "a TTL-1 lease must expire within seconds"
+        time.sleep(0.05)
+    assert kv.refresh_lease(lease) == 0
+    with pytest.raises(StoreError, match="lease"):
+        kv.put("/l/b", b"x", lease=lease)

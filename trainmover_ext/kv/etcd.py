@@ -1,0 +1,327 @@
+"""The real :class:`~trainmover_ext.kv.base.KV`, on an etcd v3 server through ``pyetcd``.
+
+Contract:
+- Every call carries the client timeout (``EtcdClientConfig.timeout_s``).
+  Calls that fail because an endpoint is down are retried on the other
+  endpoints until that deadline, then raise :class:`EtcdUnavailable` naming the
+  endpoints. A guarded :meth:`commit` whose reply was lost may have applied; a
+  retry then finds its guard false and returns False, so callers re-read.
+- Construction checks that some endpoint answers (``connect_timeout_s``), so a
+  wrong ``--tm-etcd-endpoints`` fails at start with a clear message.
+- Fork safety: a gRPC channel must not cross ``fork()``. An ``EtcdKV`` refuses
+  use in a child process (:class:`StoreError`); build a new one there (the
+  torch store does this for you).
+- Watches survive a server restart: they re-subscribe from the revision after
+  the last delivered event.
+
+Example::
+
+    cfg = EtcdClientConfig(endpoints=["127.0.0.1:2379"])
+    with EtcdKV(cfg) as kv:
+        kv.put("/trainmover/demo/x", b"1")
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import grpc
+
+from trainmover_ext.errors import AuthError, ConfigError, EtcdUnavailable, StoreError
+from trainmover_ext.kv.base import KV, Delete, Entry, Guard, Put, Snapshot, WatchCallback, WatchEvent, WatchHandle, prefix_end
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class EtcdClientConfig:
+    """How to reach etcd. Mirrors the ``--tm-etcd-*`` flags."""
+
+    endpoints: list[str] = field(default_factory=list)
+    """``host:port`` (optionally ``http://`` or ``https://``) of each etcd member (``--tm-etcd-endpoints``)."""
+    ca_cert: str | None = None
+    """CA certificate file; enables TLS (``--tm-etcd-ca``)."""
+    client_cert: str | None = None
+    """Client certificate file for ``--client-cert-auth`` servers (``--tm-etcd-cert``)."""
+    client_key: str | None = None
+    """Private key of ``client_cert`` (``--tm-etcd-key``)."""
+    user: str | None = None
+    """etcd user for password auth (``--tm-etcd-user``)."""
+    password: str | None = None
+    """Password of ``user`` (``--tm-etcd-password``)."""
+    timeout_s: float = 5.0
+    """Deadline of each call, retries included (``--tm-etcd-timeout``)."""
+    connect_timeout_s: float = 5.0
+    """How long construction waits for some endpoint to answer."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.endpoints, str):
+            self.endpoints = [e for e in self.endpoints.split(",") if e.strip()]
+        if not self.endpoints:
+            raise ConfigError("no etcd endpoint given: pass --tm-etcd-endpoints host:port[,host:port]")
+        for ep in self.endpoints:
+            host, _, port = ep.split("://")[-1].rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"--tm-etcd-endpoints entry {ep!r} is not host:port")
+        if (self.client_cert is None) != (self.client_key is None):
+            raise ConfigError("--tm-etcd-cert and --tm-etcd-key must be given together")
+        if self.client_cert and not self.ca_cert:
+            raise ConfigError("--tm-etcd-cert needs --tm-etcd-ca (the CA that signed the server certificate)")
+        if (self.user is None) != (self.password is None):
+            raise ConfigError("--tm-etcd-user and --tm-etcd-password must be given together")
+        for flag, path in (("--tm-etcd-ca", self.ca_cert), ("--tm-etcd-cert", self.client_cert), ("--tm-etcd-key", self.client_key)):
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{flag} {path}: no such file")
+        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ConfigError("--tm-etcd-timeout must be positive")
+
+    def host_ports(self) -> list[tuple[str, int]]:
+        out = []
+        for ep in self.endpoints:
+            host, _, port = ep.split("://")[-1].rpartition(":")
+            out.append((host, int(port)))
+        return out
+
+
+def _is_unavailable(exc: BaseException) -> bool:
+    import pyetcd.exceptions as pe
+
+    if isinstance(exc, (pe.ConnectionFailedError, pe.ConnectionTimeoutError, pe.NoServerAvailableError, pe.InternalServerError)):
+        return True
+    return isinstance(exc, grpc.RpcError) and exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class _EtcdWatch(WatchHandle):
+    """A prefix watch that re-subscribes after stream loss, from the last revision seen."""
+
+    def __init__(self, kv: "EtcdKV", prefix: str, callback: WatchCallback, start_revision: int) -> None:
+        self.kv, self.prefix, self.callback = kv, prefix, callback
+        self.next_revision = start_revision
+        self.watch_id: int | None = None
+        self.cancelled = threading.Event()
+        self._lock = threading.Lock()
+
+    def _on_response(self, response: Any) -> None:
+        if self.cancelled.is_set():
+            return
+        if isinstance(response, Exception):
+            # The stream died (server restart, network). Re-subscribe from where we stopped
+            # on another thread: this callback runs on the dying watcher thread.
+            logger.info("etcd watch on %s lost (%s); re-subscribing from revision %d", self.prefix, response, self.next_revision)
+            threading.Thread(target=self._resubscribe, name="tm-etcd-rewatch", daemon=True).start()
+            return
+        events = []
+        for ev in response.events:
+            kind = "delete" if type(ev).__name__ == "DeleteEvent" else "put"
+            events.append(WatchEvent(kind=kind, key=ev.key.decode(), value=bytes(ev.value), mod_revision=ev.mod_revision))
+        if not events:
+            return
+        self.next_revision = events[-1].mod_revision + 1
+        try:
+            self.callback(events)
+        except Exception:  # a user callback bug must not kill the shared watcher thread
+            logger.exception("watch callback on %s failed", self.prefix)
+
+    def subscribe(self) -> None:
+        client = self.kv._client()
+        kwargs: dict[str, Any] = {"range_end": prefix_end(self.prefix)}
+        if self.next_revision:
+            kwargs["start_revision"] = self.next_revision
+        self.watch_id = client.add_watch_callback(self.prefix, self._on_response, **kwargs)
+
+    def _resubscribe(self) -> None:
+        delay = 0.05
+        while not self.cancelled.is_set() and not self.kv._closed:
+            try:
+                with self._lock:
+                    self.subscribe()
+                return
+            except Exception as exc:  # keep trying until cancelled: watchers must outlive outages
+                logger.debug("re-watch of %s failed: %s", self.prefix, exc)
+                self.cancelled.wait(delay)
+                delay = min(delay * 2, 1.0)
+
+    def cancel(self) -> None:
+        if self.cancelled.is_set():
+            return
+        self.cancelled.set()
+        if self.watch_id is not None and not self.kv._closed:
+            try:
+                self.kv._client().cancel_watch(self.watch_id)
+            except Exception:  # the stream may already be gone; nothing to cancel then
+                pass
+
+
+class EtcdKV(KV):
+    """See the module docstring."""
+
+    def __init__(self, config: EtcdClientConfig) -> None:
+        self.config = config
+        self._pid = os.getpid()
+        self._closed = False
+        self._etcd = self._make_client()
+        self._wait_ready()
+
+    def _make_client(self) -> Any:
+        try:
+            import pyetcd
+        except ImportError as exc:  # pragma: no cover - environment problem
+            raise StoreError("the etcd client is missing: pip install etcd-sdk-python==0.0.7 protobuf") from exc
+        cfg = self.config
+        creds = None
+        if cfg.ca_cert:
+            creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(cfg.ca_cert, cfg.client_key, cfg.client_cert)
+        # time_retry: how long a failed endpoint is skipped. pyetcd's default (300 s) would lock
+        # a restarted single etcd out for five minutes, so retry it almost at once.
+        eps = [pyetcd.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=0.2) for h, p in cfg.host_ports()]
+        try:
+            return pyetcd.MultiEndpointEtcd3Client(
+                endpoints=eps, timeout=cfg.timeout_s, user=cfg.user, password=cfg.password, failover=True
+            )
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise AuthError(f"etcd refused user {cfg.user!r}: check --tm-etcd-user/--tm-etcd-password ({exc.details()})") from exc
+            raise EtcdUnavailable(f"etcd at {','.join(cfg.endpoints)} did not answer the login: {exc.details()}") from exc
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        last: BaseException | None = None
+        while True:
+            try:
+                self._etcd.get_response("/trainmover/.ping")
+                return
+            except Exception as exc:
+                last = exc
+                if not _is_unavailable(exc):
+                    raise self._translate(exc, "connect") from exc
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        self._etcd.close()
+        tls_hint = " (TLS: check --tm-etcd-ca/--tm-etcd-cert/--tm-etcd-key match the server)" if self.config.ca_cert else ""
+        raise EtcdUnavailable(
+            f"no etcd answered at {','.join(self.config.endpoints)} within {self.config.connect_timeout_s:.1f}s{tls_hint}: "
+            "start etcd, fix --tm-etcd-endpoints, or omit it to let `trainmover launch` start an embedded etcd"
+        ) from last
+
+    def _client(self) -> Any:
+        if self._closed:
+            raise StoreError("this etcd client is closed; build a new EtcdKV")
+        if os.getpid() != self._pid:
+            raise StoreError("an EtcdKV cannot be used across fork(): build a new EtcdKV in the child process")
+        return self._etcd
+
+    def _translate(self, exc: BaseException, what: str) -> StoreError:
+        if isinstance(exc, StoreError):
+            return exc
+        if isinstance(exc, grpc.RpcError):
+            code, details = exc.code(), exc.details()
+            if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                return AuthError(f"etcd refused {what}: {details}; check --tm-etcd-user/--tm-etcd-password and certificates")
+            if code == grpc.StatusCode.NOT_FOUND and "lease" in (details or ""):
+                return StoreError(f"etcd {what}: lease not found (expired); the member must re-register")
+            return StoreError(f"etcd {what} failed: {code.name} {details}")
+        if _is_unavailable(exc):
+            return EtcdUnavailable(
+                f"etcd at {','.join(self.config.endpoints)} unreachable during {what} for {self.config.timeout_s:.1f}s: "
+                "check the etcd servers are running (`trainmover status` shows the endpoints in use)"
+            )
+        return StoreError(f"etcd {what} failed: {exc!r}")
+
+    def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
+        deadline = time.monotonic() + self.config.timeout_s
+        delay = 0.02
+        while True:
+            try:
+                return fn(self._client())
+            except StoreError:
+                raise
+            except Exception as exc:
+                if not _is_unavailable(exc) or time.monotonic() + delay >= deadline:
+                    raise self._translate(exc, what) from exc
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    # -- KV --
+    def get(self, key: str) -> Entry | None:
+        resp = self._call(f"get {key}", lambda c: c.get_response(key))
+        if not resp.kvs:
+            return None
+        return self._entry(resp.kvs[0])
+
+    @staticmethod
+    def _entry(kv: Any) -> Entry:
+        return Entry(key=kv.key.decode(), value=bytes(kv.value), mod_revision=kv.mod_revision,
+                     create_revision=kv.create_revision, lease=kv.lease)
+
+    def get_prefix(self, prefix: str) -> Snapshot:
+        resp = self._call(f"get prefix {prefix}", lambda c: c.get_prefix_response(prefix, sort_order="ascend", sort_target="key"))
+        return Snapshot(revision=resp.header.revision, entries=[self._entry(kv) for kv in resp.kvs])
+
+    def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        resp = self._call(f"put {key}", lambda c: c.put(key, value, lease=lease or None))
+        return resp.header.revision
+
+    def commit(self, guards: Sequence[Guard], ops: Sequence[Put | Delete]) -> bool:
+        def run(c: Any) -> bool:
+            t = c.transactions
+            compare = []
+            for g in guards:
+                if g.target == "mod":
+                    compare.append(t.mod(g.key) == g.expected)
+                else:
+                    compare.append(t.value(g.key) == g.expected)
+            success = []
+            for op in ops:
+                if isinstance(op, Put):
+                    success.append(t.put(op.key, op.value, lease=op.lease or None))
+                else:
+                    success.append(t.delete(op.key, range_end=prefix_end(op.key).encode("utf-8", "surrogateescape") if op.prefix else None))
+            ok, _ = c.transaction(compare=compare, success=success, failure=[])
+            return bool(ok)
+
+        return self._call(f"commit {[g.key for g in guards]}", run)
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call(f"delete {key}", lambda c: c.delete(key)))
+
+    def delete_prefix(self, prefix: str) -> int:
+        return int(self._call(f"delete prefix {prefix}", lambda c: c.delete_prefix(prefix)).deleted)
+
+    def grant_lease(self, ttl_s: int) -> int:
+        return int(self._call("grant lease", lambda c: c.lease(int(ttl_s))).id)
+
+    def refresh_lease(self, lease_id: int) -> int:
+        responses = self._call("refresh lease", lambda c: list(c.refresh_lease(lease_id)))
+        return int(responses[0].TTL) if responses else 0
+
+    def revoke_lease(self, lease_id: int) -> None:
+        try:
+            self._call("revoke lease", lambda c: c.revoke_lease(lease_id))
+        except StoreError as exc:
+            if "not found" not in str(exc):
+                raise
+
+    def watch_prefix(self, prefix: str, callback: WatchCallback, *, start_revision: int = 0) -> WatchHandle:
+        watch = _EtcdWatch(self, prefix, callback, start_revision)
+        try:
+            self._call(f"watch {prefix}", lambda c: watch.subscribe())
+        except BaseException:
+            watch.cancel()
+            raise
+        return watch
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if os.getpid() == self._pid:
+            try:
+                self._etcd.close()
+            except Exception:  # closing a channel to a dead server may raise; it is gone either way
+                pass

@@ -1,0 +1,126 @@
+"""One job's namespace in etcd, ``/trainmover/<job>/``, gated by the job token.
+
+Contract:
+- :meth:`JobSpace.create` registers a job: it stores the SHA-256 of the token
+  (generated when not given) at ``/trainmover/<job>/job``. Creating an existing
+  job with the same token is a no-op (agents on several nodes all call it); with
+  another token it raises :class:`AuthError`.
+- :meth:`JobSpace.open` checks the token against that record and raises
+  :class:`AuthError` on a mismatch, before anything is read or written.
+- Every write goes through :meth:`JobSpace.commit`, which adds a guard on the
+  exact job record. A write by a process holding a wrong or stale token (the job
+  was re-created) is refused by etcd atomically and raises :class:`AuthError`.
+- Keys of different jobs never mix: job names cannot contain ``/`` and the
+  namespace ends with ``/``.
+
+The token protects a job from other TrainMover jobs and stale processes. It is
+not access control against a hostile etcd client: use etcd's TLS client
+certificates and RBAC for that (``--tm-etcd-ca/--tm-etcd-cert/--tm-etcd-key``).
+
+Example::
+
+    space = JobSpace.create(kv, "llama7b", token=None)    # launcher; space.token is the new token
+    space = JobSpace.open(kv, "llama7b", token)           # every other process
+    space.commit([], [Put(space.key("ranks", "0"), encode("rank", {...}))])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from typing import Sequence
+
+from trainmover_ext.errors import AuthError, ConfigError, StoreError
+from trainmover_ext.kv.base import KV, Delete, Guard, Put
+from trainmover_ext.kv.codec import decode, encode
+
+ROOT = "/trainmover/"
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def new_token() -> str:
+    """A fresh random job token (192 bits, URL-safe)."""
+    return secrets.token_urlsafe(24)
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def job_root(job: str) -> str:
+    """``/trainmover/<job>/`` after validating the job name."""
+    if not _JOB_NAME.match(job or ""):
+        raise ConfigError(f"--tm-job {job!r} is not a valid job name: use letters, digits, '.', '_' or '-' (no '/')")
+    return f"{ROOT}{job}/"
+
+
+class JobSpace:
+    """See the module docstring. Build with :meth:`create` or :meth:`open`."""
+
+    def __init__(self, kv: KV, job: str, token: str, record: bytes) -> None:
+        self.kv, self.job, self.token = kv, job, token
+        self.root = job_root(job)
+        self._record = record
+
+    def key(self, *parts: object) -> str:
+        """The full key of ``parts`` inside this job, e.g. ``key("ranks", 3)``."""
+        return self.root + "/".join(str(p) for p in parts)
+
+    @property
+    def job_key(self) -> str:
+        return self.root + "job"
+
+    @classmethod
+    def create(cls, kv: KV, job: str, token: str | None = None) -> "JobSpace":
+        """Register ``job`` (or join it with the same token); see the module docstring."""
+        token = token or new_token()
+        root = job_root(job)
+        record = encode("job", {"job": job, "token_sha256": _digest(token), "created_at": time.time()})
+        if kv.put_if_absent(root + "job", record):
+            return cls(kv, job, token, record)
+        return cls.open(kv, job, token)
+
+    @classmethod
+    def open(cls, kv: KV, job: str, token: str | None) -> "JobSpace":
+        """Join an existing job; :class:`AuthError` on a wrong token, :class:`StoreError` if there is no such job."""
+        root = job_root(job)
+        if not token:
+            raise AuthError(f"job {job!r} needs its token: pass --tm-job-token or set TRAINMOVER_JOB_TOKEN")
+        entry = kv.get(root + "job")
+        if entry is None:
+            raise StoreError(f"no job {job!r} in etcd: check --tm-job and --tm-etcd-endpoints, or start it with `trainmover launch`")
+        data = decode(entry.value, kind="job", key=root + "job")
+        if not hmac.compare_digest(str(data.get("token_sha256", "")), _digest(token)):
+            raise AuthError(f"wrong job token for job {job!r}: use the token printed by `trainmover launch` (--tm-job-token / TRAINMOVER_JOB_TOKEN)")
+        return cls(kv, job, token, entry.value)
+
+    def token_guard(self) -> Guard:
+        """Holds while the job record is the one this process authenticated against."""
+        return Guard.value(self.job_key, self._record)
+
+    def commit(self, guards: Sequence[Guard], ops: Sequence[Put | Delete]) -> bool:
+        """:meth:`KV.commit` plus the token guard; :class:`AuthError` if the token no longer matches."""
+        for op in ops:
+            if not op.key.startswith(self.root) or op.key == self.job_key:
+                raise StoreError(f"refusing to write {op.key} from job {self.job!r}: outside its namespace {self.root}")
+        if self.kv.commit([self.token_guard(), *guards], ops):
+            return True
+        if not self.kv.commit([self.token_guard()], []):
+            raise AuthError(
+                f"etcd refused a write to job {self.job!r}: the job record changed (wrong or stale token, or the "
+                "job was re-created). Restart this process with the current --tm-job-token"
+            )
+        return False
+
+    def put(self, key: str, value: bytes, *, lease: int = 0) -> None:
+        """Token-gated unconditional write."""
+        self.commit([], [Put(key, value, lease)])
+
+    def put_if_absent(self, key: str, value: bytes, *, lease: int = 0) -> bool:
+        return self.commit([Guard.absent(key)], [Put(key, value, lease)])
+
+    def delete(self, key: str) -> None:
+        self.commit([], [Delete(key)])

@@ -1,0 +1,194 @@
+"""A ``torch.distributed.Store`` backed by etcd: rendezvous with no rank-0 TCPStore.
+
+Contract:
+- Usable directly as ``init_process_group(store=EtcdStore(...), ...)``, and as
+  the store of standalone gloo groups (wrap it in a ``PrefixStore`` per group).
+- Every key lives under ``prefix`` (use ``/trainmover/<job>/store/<generation>/``
+  so that a job's rendezvous never mixes with another's or with an older
+  generation's).
+- ``wait`` and ``get`` block at most ``timeout`` (the store timeout, or the one
+  passed to ``wait``) and raise ``torch.distributed.DistStoreError``-compatible
+  errors (:class:`StoreTimeout`, a ``TimeoutError``) naming the missing keys.
+- Fork safety: the etcd client is built lazily, per process. A store built in a
+  launcher and inherited by forked workers opens its own connection in each
+  child; the parent should not have used it before forking (a gRPC channel must
+  not cross ``fork()``).
+- ``add`` is a compare-and-swap loop, so concurrent adds from many ranks are
+  exact. Values written by ``add`` are ASCII decimals, as with TCPStore.
+- Losing the etcd server blocks calls for up to the client timeout, then raises
+  :class:`EtcdUnavailable`; with a multi-member etcd the calls fail over.
+
+Example::
+
+    store = EtcdStore(EtcdClientConfig(endpoints=["127.0.0.1:2379"]), prefix="/trainmover/j/store/0/",
+                      timeout=timedelta(seconds=60))
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from trainmover_ext.errors import ConfigError, StoreTimeout
+from trainmover_ext.kv.base import KV, Guard, Put
+from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
+
+
+def _as_bytes(value: object) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (list, tuple)):
+        return bytes(value)
+    raise TypeError(f"store values must be bytes or str, got {type(value).__name__}")
+
+
+class EtcdStore(dist.Store):
+    """See the module docstring."""
+
+    def __init__(self, config: EtcdClientConfig | list[str], prefix: str, timeout: timedelta | float = 300.0,
+                 *, kv: KV | None = None) -> None:
+        super().__init__()
+        self.config = config if isinstance(config, EtcdClientConfig) else EtcdClientConfig(endpoints=list(config))
+        if not prefix.endswith("/"):
+            raise ConfigError(f"EtcdStore prefix {prefix!r} must end with '/' so that stores never overlap")
+        self.prefix = prefix
+        self.set_timeout(timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout)))
+        # kv injected only by tests and by callers that manage the client themselves.
+        self._given_kv = kv
+        self._kv_by_pid: dict[int, KV] = {}
+        self._lock = threading.Lock()
+
+    # -- plumbing --
+    def _kv(self) -> KV:
+        if self._given_kv is not None:
+            return self._given_kv
+        pid = os.getpid()
+        kv = self._kv_by_pid.get(pid)
+        if kv is None:
+            with self._lock:
+                kv = self._kv_by_pid.get(pid)
+                if kv is None:
+                    # A client inherited through fork() is unusable (gRPC), so each process builds its own.
+                    self._kv_by_pid = {pid: EtcdKV(self.config)}
+                    kv = self._kv_by_pid[pid]
+        return kv
+
+    def _full(self, key: str) -> str:
+        return self.prefix + key
+
+    def _timeout_s(self, timeout: timedelta | None = None) -> float:
+        return (timeout or self.timeout).total_seconds()
+
+    def close(self) -> None:
+        """Close this process's etcd client (the keys stay)."""
+        kv = self._kv_by_pid.pop(os.getpid(), None)
+        if kv is not None:
+            kv.close()
+
+    # -- torch.distributed.Store API --
+    def set(self, key: str, value: object) -> None:
+        self._kv().put(self._full(key), _as_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        # TCPStore semantics: get blocks until the key exists (or the store timeout passes).
+        entry = self._kv().get(self._full(key))
+        if entry is None:
+            self._wait_one(key, self._timeout_s())
+            entry = self._kv().get(self._full(key))
+            if entry is None:  # deleted between the wait and the read
+                raise StoreTimeout(f"key {key!r} under {self.prefix} vanished while being read")
+        return entry.value
+
+    def add(self, key: str, amount: int) -> int:
+        kv, full = self._kv(), self._full(key)
+        deadline = time.monotonic() + self._timeout_s()
+        while True:
+            entry = kv.get(full)
+            current = int(entry.value) if entry else 0
+            new = current + int(amount)
+            if kv.commit([Guard.mod_revision(full, entry.mod_revision if entry else 0)], [Put(full, str(new).encode())]):
+                return new
+            if time.monotonic() > deadline:  # only under pathological contention
+                raise StoreTimeout(f"add({key!r}) lost every compare-and-swap race for {self._timeout_s():.0f}s")
+
+    def compare_set(self, key: str, expected_value: object, desired_value: object) -> bytes:
+        kv, full = self._kv(), self._full(key)
+        expected, desired = _as_bytes(expected_value), _as_bytes(desired_value)
+        while True:
+            entry = kv.get(full)
+            if entry is None:
+                if expected:
+                    return expected  # HashStore/TCPStore: a missing key with a non-empty expectation is not set
+                if kv.commit([Guard.absent(full)], [Put(full, desired)]):
+                    return desired
+                continue
+            if entry.value != expected:
+                return entry.value
+            if kv.commit([Guard.mod_revision(full, entry.mod_revision)], [Put(full, desired)]):
+                return desired
+
+    def delete_key(self, key: str) -> bool:
+        return self._kv().delete(self._full(key))
+
+    def num_keys(self) -> int:
+        return len(self._kv().get_prefix(self.prefix).entries)
+
+    def check(self, keys: list[str]) -> bool:
+        kv = self._kv()
+        return all(kv.get(self._full(k)) is not None for k in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        budget = self._timeout_s(timeout)
+        deadline = time.monotonic() + budget
+        for key in keys:
+            self._wait_one(key, max(0.0, deadline - time.monotonic()), total=budget, all_keys=keys)
+
+    def append(self, key: str, value: object) -> None:
+        kv, full = self._kv(), self._full(key)
+        while True:
+            entry = kv.get(full)
+            new = (entry.value if entry else b"") + _as_bytes(value)
+            if kv.commit([Guard.mod_revision(full, entry.mod_revision if entry else 0)], [Put(full, new)]):
+                return
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
+    def multi_set(self, keys: list[str], values: list[object]) -> None:
+        self._kv().commit([], [Put(self._full(k), _as_bytes(v)) for k, v in zip(keys, values, strict=True)])
+
+    def has_extended_api(self) -> bool:
+        return True
+
+    # -- waiting --
+    def _wait_one(self, key: str, remaining: float, *, total: float | None = None, all_keys: list[str] | None = None) -> None:
+        kv, full = self._kv(), self._full(key)
+        snap = kv.get_prefix(full)
+        if any(e.key == full for e in snap.entries):
+            return
+        arrived = threading.Event()
+
+        def on_events(events: list) -> None:
+            if any(e.key == full and e.kind == "put" for e in events):
+                arrived.set()
+
+        # Watch from the revision right after the read: a put in between is replayed, never missed.
+        watch = kv.watch_prefix(full, on_events, start_revision=snap.revision + 1)
+        try:
+            if not arrived.wait(remaining):
+                raise StoreTimeout(
+                    f"timed out after {total if total is not None else remaining:.1f}s waiting for store keys "
+                    f"{all_keys or [key]} under {self.prefix} (missing: {key!r}); a peer did not arrive: check that "
+                    "every rank started and uses the same --tm-job and store generation"
+                )
+        finally:
+            watch.cancel()
