@@ -1,0 +1,208 @@
+"""Unit tests of the pure decision functions, and of the executor against the in-memory fake."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainmover_ext.control.decide import DropStaleReport, PlanMigration, RaiseAlert, RejectRequest, decide
+from trainmover_ext.control.executor import Executor, Outcome
+from trainmover_ext.control.records import FailureReport, MemberRecord, MigrationPlan, MigrationRequest, RankRecord
+from trainmover_ext.control.view import View, epoch_value, read_view
+from trainmover_ext.errors import LeadershipLost
+from trainmover_ext.kv import Guard, MemoryKV
+from trainmover_ext.kv.job import JobSpace
+
+ROOT = "/trainmover/j/"
+ALL = ["first", "middle", "last"]
+
+
+def member(mid, kind="worker", host="h1", roles=(), t=0.0):
+    return MemberRecord(member_id=mid, kind=kind, host=host, pid=1, warm_roles=list(roles), registered_at=t)
+
+
+def base_view(**kw) -> View:
+    """4 ranks: PP2 x DP2; ranks 0,1 are first-stage DP replicas, 2,3 last-stage replicas."""
+    v = View(root=ROOT, epoch=3, epoch_rev=42)
+    for r in range(4):
+        v.members[f"w{r}"] = member(f"w{r}", host=f"h{r // 2}")
+        v.ranks[r] = RankRecord(rank=r, member_id=f"w{r}", host=f"h{r // 2}", role="first" if r < 2 else "last", replicas=[r ^ 1])
+    v.members["s1"] = member("s1", "standby", host="h0", roles=ALL, t=1)
+    v.members["s2"] = member("s2", "standby", host="h9", roles=ALL, t=2)
+    v.progress = {0: 10, 1: 10, 2: 9, 3: 10}
+    v.checkpoint_iteration = 5
+    for k, val in kw.items():
+        setattr(v, k, val)
+    return v
+
+
+def only(actions, cls):
+    found = [a for a in actions if isinstance(a, cls)]
+    assert len(found) == 1, actions
+    return found[0]
+
+
+def report(rank, mid, t=100.0, by="w9", epoch=3):
+    return FailureReport(rank=rank, member_id=mid, reporter=by, reason="Connection closed by peer", epoch=epoch, reported_at=t)
+
+
+def test_healthy_job_decides_nothing():
+    assert decide(base_view(), 200.0) == []
+
+
+def test_rank_orphaned_by_lease_expiry_is_planned_with_replica_source():
+    v = base_view()
+    del v.members["w1"]  # lease expired (SIGSTOP)
+    act = only(decide(v, 200.0), PlanMigration)
+    assert act.expected_epoch == 3 and act.expected_epoch_rev == 42
+    plan = act.plan
+    assert plan.epoch == 4 and plan.reason == "failure"
+    (rep,) = plan.replacement_list()
+    # w1 lived on h0; s2 on h9 is preferred over s1 on the same host.
+    assert (rep.rank, rep.leaver, rep.joiner, rep.role) == (1, "w1", "s2", "first")
+    assert rep.state_source == {"kind": "replica", "rank": 0, "member": "w0"}
+    assert plan.resume_iteration == 9, "resume at the last iteration every shard completed"
+    assert act.rank_updates[0].member_id == "s2" and act.rank_updates[0].since_epoch == 4
+
+
+def test_member_dead_by_report_is_planned_before_lease_expiry():
+    v = base_view(reports={ROOT + "reports/2/w3": report(2, "w2", t=99.5)})
+    act = only(decide(v, 100.0), PlanMigration)
+    assert act.plan.replacement_list()[0].leaver == "w2"
+    assert act.plan.detected_at == 99.5 and act.plan.steps["decided"] == 100.0
+    assert act.consumed == (ROOT + "reports/2/w3",)
+
+
+def test_stale_report_is_dropped_without_a_plan():
+    # Rank 2 was already migrated to s9; a late report about its old member w2 must not trigger anything.
+    v = base_view(reports={ROOT + "reports/2/w3": report(2, "w2")})
+    v.members["s9"] = member("s9", "standby", roles=ALL)
+    v.ranks[2] = RankRecord(rank=2, member_id="s9", role="last", replicas=[3], since_epoch=3)
+    del v.members["w2"]
+    actions = decide(v, 200.0)
+    assert [type(a) for a in actions] == [DropStaleReport]
+
+
+def test_two_failures_at_once_make_one_plan():
+    v = base_view()
+    del v.members["w0"], v.members["w1"]  # both replicas of the first stage: no replica left
+    act = only(decide(v, 200.0), PlanMigration)
+    reps = act.plan.replacement_list()
+    assert [r.rank for r in reps] == [0, 1] and {r.joiner for r in reps} == {"s1", "s2"}
+    assert all(r.state_source == {"kind": "checkpoint", "iteration": 5} for r in reps)
+    assert act.plan.resume_iteration == 5, "a shard restored from the checkpoint pulls every rank back to it"
+
+
+def test_no_standby_left_raises_one_alert_and_partial_plan():
+    v = base_view()
+    del v.members["s2"]
+    del v.members["w0"], v.members["w2"]
+    actions = decide(v, 200.0)
+    plan = only(actions, PlanMigration).plan
+    alert = only(actions, RaiseAlert).alert
+    assert [r.rank for r in plan.replacement_list()] == [0] and plan.unserved == [2]
+    assert alert.rank == 2 and alert.member_id == "w2" and "no warm standby" in alert.reason
+    # Once the alert is recorded it is not raised again.
+    # Apply the plan by hand: s1 now serves rank 0, the alert is recorded; nothing is raised again.
+    v.alerts[2] = alert
+    v.ranks[0] = RankRecord(rank=0, member_id="s1", host="h0", role="first", replicas=[1])
+    assert decide(v, 201.0) == []
+    # A standby that registers later is used for the orphaned rank, and the alert is settled.
+    v.members["s3"] = member("s3", "standby", roles=ALL)
+    act = only(decide(v, 202.0), PlanMigration)
+    assert act.plan.replacement_list()[0].rank == 2 and ROOT + "alerts/2" in act.consumed
+
+
+def test_standby_without_the_role_is_not_chosen():
+    v = base_view()
+    v.members["s1"].warm_roles = ["middle"]
+    v.members["s2"].warm_roles = ["first"]
+    del v.members["w3"]  # a "last" rank
+    actions = decide(v, 200.0)
+    assert not any(isinstance(a, PlanMigration) for a in actions)
+    assert only(actions, RaiseAlert).alert.rank == 3
+
+
+def test_planned_request_uses_the_leaver_as_source():
+    req = MigrationRequest(request_id="r1", rank=3, to="s1", requested_at=50.0)
+    act = only(decide(base_view(requests={ROOT + "requests/r1": req}), 60.0), PlanMigration)
+    rep = act.plan.replacement_list()[0]
+    assert (act.plan.reason, rep.leaver, rep.joiner) == ("planned", "w3", "s1")
+    assert rep.state_source == {"kind": "leaver", "member": "w3"} and act.plan.resume_iteration is None
+
+
+@pytest.mark.parametrize("req,msg", [
+    (MigrationRequest(request_id="r", rank=7), "does not exist"),
+    (MigrationRequest(request_id="r", rank=1, to="w2"), "not an idle standby"),
+])
+def test_bad_requests_are_rejected(req, msg):
+    act = only(decide(base_view(requests={ROOT + "requests/r": req}), 1.0), RejectRequest)
+    assert msg in act.reason
+
+
+def test_failures_take_precedence_over_requests():
+    v = base_view(requests={ROOT + "requests/r1": MigrationRequest(request_id="r1", rank=3)})
+    del v.members["w0"]
+    plan = only(decide(v, 1.0), PlanMigration).plan
+    assert plan.reason == "failure" and ROOT + "requests/r1" in v.requests
+
+
+def test_malformed_epoch_decides_nothing():
+    v = base_view(epoch=None)
+    del v.members["w0"]
+    assert decide(v, 1.0) == []
+
+
+# --- executor with the fake: CAS, fencing, epoch race ---
+
+
+def seeded_space():
+    kv = MemoryKV()
+    space = JobSpace.create(kv, "j", "tok")
+    space.put(space.key("epoch"), epoch_value(3))
+    v = base_view()
+    for m in v.members.values():
+        space.put(space.key("members", m.member_id), m.to_bytes())
+    for r in v.ranks.values():
+        space.put(space.key("ranks", r.rank), r.to_bytes())
+    return kv, space
+
+
+def test_executor_commits_and_epoch_race_commits_once():
+    kv, space = seeded_space()
+    space.delete(space.key("members", "w1"))
+    view = read_view(space)
+    a1 = only(decide(view, 10.0, decided_by="c1"), PlanMigration)
+    a2 = only(decide(view, 10.5, decided_by="c2"), PlanMigration)
+    assert Executor(space).apply(a1) is Outcome.APPLIED
+    assert Executor(space).apply(a2) is Outcome.CONFLICT, "the second decision on the same epoch must lose the CAS"
+    after = read_view(space)
+    assert after.epoch == 4 and after.ranks[1].member_id == "s2"
+    assert after.last_plan.decided_by == "c1"
+    assert decide(after, 11.0) == [], "after the plan the rank is served: nothing left to decide"
+    assert len(kv.get_prefix(space.key("migrations/")).entries) == 1
+
+
+def test_deposed_leader_cannot_write():
+    kv, space = seeded_space()
+    space.put(space.key("leader"), b"other")
+    space.delete(space.key("members", "w1"))
+    act = only(decide(read_view(space), 1.0), PlanMigration)
+    with pytest.raises(LeadershipLost):
+        Executor(space, leader_guard=Guard.value(space.key("leader"), b"me")).apply(act)
+    assert read_view(space).epoch == 3
+
+
+def test_malformed_values_are_reported_and_kept():
+    kv, space = seeded_space()
+    space.put(space.key("members", "junk"), b"\x00not json")
+    space.put(space.key("ranks", "9"), b'{"tm": "rank", "v": 99, "data": {}}')
+    view = read_view(space)
+    assert set(view.malformed) == {space.key("members", "junk"), space.key("ranks", "9")}
+    assert "schema version 99" in view.malformed[space.key("ranks", "9")]
+    assert decide(view, 1.0) == []
+    assert kv.get(space.key("members", "junk")).value == b"\x00not json"
+
+
+def test_plan_record_round_trips():
+    plan = MigrationPlan(epoch=2, reason="failure", replacements=[], resume_iteration=3)
+    assert MigrationPlan.from_bytes(plan.to_bytes(), key="k") == plan

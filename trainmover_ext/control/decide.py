@@ -1,0 +1,220 @@
+"""Pure decision functions of the controller: ``decide(view, now) -> [actions]``.
+
+Contract: no I/O, no clock, no randomness; the same view and ``now`` give the
+same actions. The executor (:mod:`trainmover_ext.control.executor`) applies them
+with compare-and-swap; if the epoch moved meanwhile, nothing is applied and the
+controller decides again from a fresh view. Decisions are level-triggered: they
+depend only on what etcd holds, so a new leader re-derives whatever an old one
+did not commit, and never repeats what it did commit.
+
+Cases:
+- **rank orphaned**: ``ranks/<r>`` names a member whose key is gone (lease
+  expired: SIGSTOP, hang, machine loss) -> migrate r.
+- **member dead**: a fresh report says r's link broke (SIGKILL, crash) -> migrate r
+  without waiting for the lease.
+- **stale report**: the report names a member that no longer serves r -> drop it.
+- **two failures at once**: one plan replaces every failed rank (one epoch step).
+- **no standby left**: the rank is listed in ``unserved`` and an alert is raised
+  once per (rank, member); it is planned as soon as a standby registers.
+- **planned request**: handled only when nothing has failed; the leaver is the
+  state source. An unknown rank or an unusable ``--to`` standby is rejected.
+- **epoch race / malformed epoch**: no action when the epoch is unreadable; a
+  lost race is the executor's CAS returning False.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from trainmover_ext.control.records import Alert, MigrationPlan, RankRecord, Replacement
+from trainmover_ext.control.view import View
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanMigration:
+    """Open epoch ``plan.epoch`` with ``plan``; CAS on ``expected_epoch_rev``."""
+
+    plan: MigrationPlan
+    expected_epoch: int
+    expected_epoch_rev: int
+    rank_updates: tuple[RankRecord, ...]
+    """New ``ranks/<r>`` records naming the joiners."""
+    consumed: tuple[str, ...] = ()
+    """Report/request/alert keys this plan settles; deleted in the same transaction."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DropStaleReport:
+    key: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RaiseAlert:
+    alert: Alert
+
+
+@dataclass(frozen=True, kw_only=True)
+class RejectRequest:
+    key: str
+    request_id: str
+    reason: str
+
+
+Action = PlanMigration | DropStaleReport | RaiseAlert | RejectRequest
+
+
+@dataclass(kw_only=True)
+class _Failure:
+    rank: RankRecord
+    reason: str
+    detected_at: float | None
+    consumed: list[str] = field(default_factory=list)
+
+
+def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
+    failed: dict[int, _Failure] = {}
+    actions: list[Action] = []
+    for r, rec in sorted(view.ranks.items()):
+        if rec.member_id not in view.members:
+            failed[r] = _Failure(rank=rec, reason="lease expired", detected_at=view.gone_at.get(rec.member_id))
+    for key, rep in sorted(view.reports.items()):
+        rec = view.ranks.get(rep.rank)
+        if rec is None or rec.member_id != rep.member_id:
+            actions.append(DropStaleReport(key=key, reason=f"rank {rep.rank} is no longer served by {rep.member_id}"))
+            continue
+        f = failed.setdefault(rep.rank, _Failure(rank=rec, reason=f"link broken: {rep.reason}", detected_at=rep.reported_at))
+        f.consumed.append(key)
+        if f.detected_at is None or rep.reported_at < f.detected_at:
+            f.detected_at = rep.reported_at
+    return [failed[r] for r in sorted(failed)], actions
+
+
+def _available_standbys(view: View, excluded: set[str]) -> list[str]:
+    serving = {rec.member_id for rec in view.ranks.values()}
+    return sorted(
+        (m.member_id for m in view.members.values()
+         if m.kind == "standby" and m.health == "ok" and m.member_id not in serving and m.member_id not in excluded),
+        key=lambda mid: (view.members[mid].registered_at, mid),
+    )
+
+
+def _pick_standby(view: View, candidates: list[str], rec: RankRecord) -> str | None:
+    able = [c for c in candidates if rec.role in view.members[c].warm_roles]
+    if not able:
+        return None
+    # A machine that lost one process may lose the rest: prefer a standby on another host.
+    leaver_host = view.members[rec.member_id].host if rec.member_id in view.members else rec.host
+    other_host = [c for c in able if view.members[c].host != leaver_host]
+    return (other_host or able)[0]
+
+
+def _state_source(view: View, rec: RankRecord, failed: set[int]) -> dict:
+    for q in sorted(rec.replicas):
+        peer = view.ranks.get(q)
+        if q not in failed and peer is not None and peer.member_id in view.members:
+            return {"kind": "replica", "rank": q, "member": peer.member_id}
+    return {"kind": "checkpoint", "iteration": view.checkpoint_iteration}
+
+
+def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by: str) -> list[Action]:
+    assert view.epoch is not None
+    failed_ranks = {f.rank.rank for f in failures}
+    taken: set[str] = set()
+    replacements: list[Replacement] = []
+    updates: list[RankRecord] = []
+    consumed: list[str] = []
+    unserved: list[_Failure] = []
+    for f in failures:
+        joiner = _pick_standby(view, _available_standbys(view, taken), f.rank)
+        if joiner is None:
+            unserved.append(f)
+            continue
+        taken.add(joiner)
+        replacements.append(Replacement(rank=f.rank.rank, leaver=f.rank.member_id, joiner=joiner, role=f.rank.role,
+                                        state_source=_state_source(view, f.rank, failed_ranks)))
+        updates.append(dataclasses.replace(f.rank, member_id=joiner, host=view.members[joiner].host, since_epoch=view.epoch + 1))
+        consumed += f.consumed
+        if f.rank.rank in view.alerts:
+            consumed.append(_alert_key(view, f.rank.rank))
+    actions: list[Action] = []
+    for f in unserved:
+        old = view.alerts.get(f.rank.rank)
+        if old is None or old.member_id != f.rank.member_id:
+            actions.append(RaiseAlert(alert=Alert(
+                rank=f.rank.rank, member_id=f.rank.member_id, epoch=view.epoch, raised_at=now,
+                reason=f"{f.reason}; no warm standby with role {f.rank.role!r} is left: start one "
+                       "(`trainmover launch --tm-role standby`) or restart the job from its checkpoint",
+            )))
+    if not replacements:
+        return actions
+    if any(r.state_source["kind"] == "checkpoint" for r in replacements):
+        # Every shard must resume at one iteration: a lost shard without a replica pulls all back to the checkpoint.
+        resume = view.checkpoint_iteration
+    else:
+        resume = min(view.progress.values(), default=0)
+    detected = [f.detected_at for f in failures if f.detected_at is not None and f.rank.rank in {r.rank for r in replacements}]
+    detected_at = min(detected) if detected else now
+    plan = MigrationPlan(
+        epoch=view.epoch + 1, reason="failure", replacements=[dataclasses.asdict(r) for r in replacements],
+        resume_iteration=resume, unserved=[f.rank.rank for f in unserved], detected_at=detected_at,
+        decided_at=now, decided_by=decided_by, steps={"detected": detected_at, "decided": now},
+    )
+    actions.append(PlanMigration(plan=plan, expected_epoch=view.epoch, expected_epoch_rev=view.epoch_rev,
+                                 rank_updates=tuple(updates), consumed=tuple(consumed)))
+    return actions
+
+
+def _alert_key(view: View, rank: int) -> str:
+    return f"{view.root}alerts/{rank}"
+
+
+def _plan_request(view: View, now: float, decided_by: str) -> list[Action]:
+    assert view.epoch is not None
+    actions: list[Action] = []
+    for key, req in sorted(view.requests.items(), key=lambda kv: (kv[1].requested_at, kv[0])):
+        rec = view.ranks.get(req.rank)
+        if rec is None:
+            actions.append(RejectRequest(key=key, request_id=req.request_id, reason=f"rank {req.rank} does not exist"))
+            continue
+        standbys = _available_standbys(view, set())
+        if req.to is not None:
+            if req.to not in standbys:
+                actions.append(RejectRequest(key=key, request_id=req.request_id,
+                                             reason=f"{req.to} is not an idle standby (see `trainmover status`)"))
+                continue
+            if rec.role not in view.members[req.to].warm_roles:
+                actions.append(RejectRequest(key=key, request_id=req.request_id,
+                                             reason=f"{req.to} has not warmed role {rec.role!r}"))
+                continue
+            joiner: str | None = req.to
+        else:
+            joiner = _pick_standby(view, standbys, rec)
+        if joiner is None:
+            actions.append(RejectRequest(key=key, request_id=req.request_id,
+                                         reason=f"no idle standby has warmed role {rec.role!r}; start one and retry"))
+            continue
+        rep = Replacement(rank=rec.rank, leaver=rec.member_id, joiner=joiner, role=rec.role,
+                          state_source={"kind": "leaver", "member": rec.member_id})
+        plan = MigrationPlan(
+            epoch=view.epoch + 1, reason="planned", replacements=[dataclasses.asdict(rep)], resume_iteration=None,
+            detected_at=req.requested_at, decided_at=now, decided_by=decided_by,
+            steps={"requested": req.requested_at, "decided": now},
+        )
+        actions.append(PlanMigration(
+            plan=plan, expected_epoch=view.epoch, expected_epoch_rev=view.epoch_rev,
+            rank_updates=(dataclasses.replace(rec, member_id=joiner, host=view.members[joiner].host, since_epoch=view.epoch + 1),), consumed=(key,),
+        ))
+        break  # at most one migration per epoch; the next request waits for the next round
+    return actions
+
+
+def decide(view: View, now: float, *, decided_by: str = "") -> list[Action]:
+    """The actions that move the job toward a healthy membership (see the module docstring)."""
+    if view.epoch is None:
+        return []
+    failures, actions = _failures(view)
+    if failures:
+        return actions + _plan_failures(view, now, failures, decided_by)
+    return actions + _plan_request(view, now, decided_by)

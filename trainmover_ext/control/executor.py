@@ -1,0 +1,106 @@
+"""The one place where controller decisions are written to etcd.
+
+Contract: :meth:`Executor.apply` writes each action in one token-gated etcd
+transaction. A :class:`PlanMigration` commits only if ``epoch`` is still at the
+revision the decision saw *and* this controller still holds the leader key
+(fencing: a deposed leader whose lease ran out cannot write). It bumps
+``epoch``, writes ``migrations/<e+1>``, repoints ``ranks/<r>`` at the joiners,
+deletes the reports/requests/alerts it settles and appends an event, all at one
+revision. Hence at most one migration commits per epoch, and a decision is
+either wholly visible or absent.
+
+A lost race returns ``Outcome.CONFLICT`` (re-read and decide again); a lost
+leadership raises :class:`LeadershipLost`.
+
+Example::
+
+    executor = Executor(space, leader_guard=election.guard())
+    for action in decide(read_view(space), time.time()):
+        executor.apply(action)
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+from trainmover_ext.control.decide import Action, DropStaleReport, PlanMigration, RaiseAlert, RejectRequest
+from trainmover_ext.control.records import Event, event_key_suffix, migration_key_suffix
+from trainmover_ext.control.view import epoch_value
+from trainmover_ext.errors import LeadershipLost
+from trainmover_ext.kv.base import Delete, Guard, Put
+from trainmover_ext.kv.job import JobSpace
+
+logger = logging.getLogger(__name__)
+
+
+class Outcome(enum.Enum):
+    APPLIED = "applied"
+    CONFLICT = "conflict"
+
+
+def event_put(space: JobSpace, what: str, detail: dict, now: float) -> Put:
+    """A ``Put`` of one timeline event (append-only; keys sort by time)."""
+    return Put(space.key("events", event_key_suffix(now)), Event(time=now, what=what, detail=detail).to_bytes())
+
+
+class Executor:
+    """Applies :mod:`~trainmover_ext.control.decide` actions; see the module docstring."""
+
+    def __init__(self, space: JobSpace, *, leader_guard: Guard | None = None) -> None:
+        self.space = space
+        self.leader_guard = leader_guard
+        """When set, every write also requires this guard (the leader key still being ours)."""
+
+    def _guards(self, *extra: Guard) -> list[Guard]:
+        return ([self.leader_guard] if self.leader_guard else []) + list(extra)
+
+    def _commit(self, guards: list[Guard], ops: list) -> Outcome:
+        if self.space.commit(self._guards(*guards), ops):
+            return Outcome.APPLIED
+        if self.leader_guard is not None and not self.space.kv.commit([self.leader_guard], []):
+            raise LeadershipLost(f"controller lost the leader key of job {self.space.job!r}; another controller decides now")
+        return Outcome.CONFLICT
+
+    def apply(self, action: Action) -> Outcome:
+        s = self.space
+        if isinstance(action, PlanMigration):
+            plan = action.plan
+            ops: list = [
+                Put(s.key("epoch"), epoch_value(plan.epoch)),
+                Put(s.key("migrations", migration_key_suffix(plan.epoch)), plan.to_bytes()),
+            ]
+            ops += [Put(s.key("ranks", rec.rank), rec.to_bytes()) for rec in action.rank_updates]
+            ops += [Delete(k) for k in action.consumed]
+            ops.append(event_put(s, "migration_planned", {
+                "epoch": plan.epoch, "reason": plan.reason, "unserved": plan.unserved,
+                "replacements": [{k: r[k] for k in ("rank", "leaver", "joiner")} for r in plan.replacements],
+            }, plan.decided_at))
+            guards = [Guard.mod_revision(s.key("epoch"), action.expected_epoch_rev),
+                      Guard.absent(s.key("migrations", migration_key_suffix(plan.epoch)))]
+            outcome = self._commit(guards, ops)
+            logger.info("plan for epoch %d (%s): %s", plan.epoch, plan.reason, outcome.value)
+            return outcome
+        if isinstance(action, DropStaleReport):
+            entry = s.kv.get(action.key)
+            if entry is None:
+                return Outcome.CONFLICT
+            return self._commit([Guard.mod_revision(action.key, entry.mod_revision)],
+                                [Delete(action.key), event_put(s, "stale_report_dropped", {"key": action.key, "reason": action.reason}, _now())])
+        if isinstance(action, RaiseAlert):
+            a = action.alert
+            return self._commit([], [Put(s.key("alerts", a.rank), a.to_bytes()),
+                                     event_put(s, "alert", {"rank": a.rank, "member": a.member_id, "reason": a.reason}, a.raised_at)])
+        if isinstance(action, RejectRequest):
+            entry = s.kv.get(action.key)
+            if entry is None:
+                return Outcome.CONFLICT
+            return self._commit([Guard.mod_revision(action.key, entry.mod_revision)],
+                                [Delete(action.key), event_put(s, "request_rejected", {"request": action.request_id, "reason": action.reason}, _now())])
+        raise TypeError(f"unknown action {action!r}")
+
+
+def _now() -> float:
+    import time
+
+    return time.time()

@@ -1,0 +1,193 @@
+"""The records the control plane keeps in etcd, their keys, and their JSON form.
+
+Keys, all under ``/trainmover/<job>/`` (see ARCHITECTURE.md):
+
+=====================  ==========================================================
+``members/<id>``       :class:`MemberRecord`, attached to the member's lease
+``ranks/<r>``          :class:`RankRecord`: the member serving logical rank r
+``epoch``              ``{"epoch": e}``; changes only by compare-and-swap
+``migrations/<e>``     :class:`MigrationPlan` that opened epoch e (zero-padded e)
+``reports/<r>/<by>``   :class:`FailureReport`: member ``by`` says rank r's link broke
+``requests/<id>``      :class:`MigrationRequest` from ``trainmover migrate``
+``alerts/<r>``         :class:`Alert`: rank r is orphaned and nothing can serve it
+``progress/<r>``       ``{"iteration": k}``: the last iteration rank r completed
+``checkpoint``         ``{"iteration": k}``: the newest complete checkpoint
+``leader``             the controller leader's id, attached to its lease
+``events/<ns>-<id>``   :class:`Event`, the timeline shown by ``trainmover events``
+=====================  ==========================================================
+
+Each record type converts to and from versioned JSON (:mod:`trainmover_ext.kv.codec`)
+with ``to_bytes`` / ``from_bytes``; unknown fields from newer writers are ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from trainmover_ext.kv.codec import decode, encode
+
+ROLES = ("first", "middle", "last")
+"""Pipeline stage kinds a standby can warm: embedding stage, middle stages, output/loss stage."""
+KINDS = ("worker", "standby", "agent")
+
+T = TypeVar("T", bound="Record")
+
+
+class Record:
+    """Mixin: versioned-JSON (de)serialization of a dataclass."""
+
+    KIND: ClassVar[str]
+
+    def to_bytes(self) -> bytes:
+        return encode(self.KIND, dataclasses.asdict(self))  # type: ignore[call-overload]
+
+    @classmethod
+    def from_bytes(cls: type[T], raw: bytes, *, key: str) -> T:
+        data = decode(raw, kind=cls.KIND, key=key)
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        try:
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except TypeError as exc:
+            from trainmover_ext.errors import MalformedValue
+
+            raise MalformedValue(f"{key} is a {cls.KIND!r} record with missing fields ({exc}); the value is left untouched") from exc
+
+
+@dataclass(kw_only=True)
+class MemberRecord(Record):
+    """A live process of the job (worker, standby or agent)."""
+
+    KIND: ClassVar[str] = "member"
+    member_id: str
+    """Unique id, e.g. ``<host>-<pid>-<random>``."""
+    kind: str
+    """``worker``, ``standby`` or ``agent``."""
+    host: str
+    """Host name (the controller prefers a standby on another host than the leaver)."""
+    pid: int
+    """Process id on ``host``."""
+    warm_roles: list[str] = field(default_factory=list)
+    """Stage roles a standby has warmed (subset of :data:`ROLES`)."""
+    health: str = "ok"
+    """``ok`` or a reason the member should not be chosen."""
+    registered_at: float = 0.0
+    """Wall-clock time of registration."""
+
+
+@dataclass(kw_only=True)
+class RankRecord(Record):
+    """Which member serves logical rank ``rank`` (a logical rank never changes)."""
+
+    KIND: ClassVar[str] = "rank"
+    rank: int
+    member_id: str
+    host: str = ""
+    """Host of ``member_id``, kept here because the member record vanishes with its lease."""
+    role: str = "middle"
+    """Stage role of this rank (:data:`ROLES`)."""
+    replicas: list[int] = field(default_factory=list)
+    """Other ranks holding the same parameter shard (its data-parallel peers); empty with a distributed optimizer."""
+    since_epoch: int = 0
+    """Epoch at which ``member_id`` started serving the rank."""
+
+
+@dataclass(kw_only=True)
+class FailureReport(Record):
+    """Fast-path detection: ``reporter`` saw its link to ``rank`` (served by ``member_id``) break."""
+
+    KIND: ClassVar[str] = "report"
+    rank: int
+    member_id: str
+    """The member the reporter believed served the rank; a report on a replaced member is stale."""
+    reporter: str
+    reason: str
+    epoch: int
+    reported_at: float
+
+
+@dataclass(kw_only=True)
+class MigrationRequest(Record):
+    """A planned migration asked for by ``trainmover migrate``."""
+
+    KIND: ClassVar[str] = "request"
+    request_id: str
+    rank: int
+    to: str | None = None
+    """A chosen standby member id; None lets the controller pick."""
+    requested_by: str = ""
+    requested_at: float = 0.0
+
+
+@dataclass(kw_only=True)
+class Replacement:
+    """One rank's move inside a :class:`MigrationPlan`."""
+
+    rank: int
+    leaver: str
+    joiner: str
+    role: str
+    state_source: dict[str, Any]
+    """``{"kind": "replica", "rank": q, "member": m}``, ``{"kind": "checkpoint", "iteration": k|None}``
+    or, for a planned move, ``{"kind": "leaver", "member": m}``."""
+
+
+@dataclass(kw_only=True)
+class MigrationPlan(Record):
+    """The decision that opens epoch ``epoch``; carried out by the migration layer."""
+
+    KIND: ClassVar[str] = "migration"
+    epoch: int
+    reason: str
+    """``failure`` or ``planned``."""
+    replacements: list[dict[str, Any]]
+    """:class:`Replacement` as dicts (JSON)."""
+    resume_iteration: int | None
+    """Iteration every rank resumes at; None for a planned move (decided at the next iteration boundary)."""
+    unserved: list[int] = field(default_factory=list)
+    """Failed ranks with no warm standby left (an :class:`Alert` is raised for each)."""
+    detected_at: float | None = None
+    """Earliest detection time (report or lease loss) behind this plan."""
+    decided_at: float = 0.0
+    decided_by: str = ""
+    status: str = "planned"
+    """``planned`` here; the migration layer moves it on (``preparing``, ``switched``, ``done``, ``aborted``)."""
+    steps: dict[str, float] = field(default_factory=dict)
+    """Per-step wall-clock timestamps (``detected``, ``decided``, and later steps by the migration layer)."""
+
+    def replacement_list(self) -> list[Replacement]:
+        return [Replacement(**r) for r in self.replacements]
+
+
+@dataclass(kw_only=True)
+class Alert(Record):
+    """Rank ``rank`` lost member ``member_id`` and no warm standby could take it."""
+
+    KIND: ClassVar[str] = "alert"
+    rank: int
+    member_id: str
+    epoch: int
+    reason: str
+    raised_at: float
+
+
+@dataclass(kw_only=True)
+class Event(Record):
+    """One line of the ``trainmover events`` timeline."""
+
+    KIND: ClassVar[str] = "event"
+    time: float
+    what: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+def event_key_suffix(now: float | None = None) -> str:
+    """A sortable, unique ``events/`` key suffix."""
+    return f"{int((now if now is not None else time.time()) * 1e9):020d}-{os.urandom(3).hex()}"
+
+
+def migration_key_suffix(epoch: int) -> str:
+    return f"{epoch:010d}"
