@@ -1,0 +1,88 @@
+"""Seeded interruption streams.
+
+Contract: :func:`interruption_stream` yields :class:`Interruption` objects in
+increasing *running time* (the seconds the job has spent computing, useful or
+redone). Failures are a Poisson process in running time with rate
+``gpus / gpu_mttf``; a recovery that is itself interrupted is folded into that
+recovery, which is why downtime does not advance the failure clock. Planned
+interruptions are a second Poisson process at ``1 / unexpected_per_planned`` of
+the failure rate. The same ``(config, seed)`` always yields the same stream, so
+every strategy is evaluated on the same interruptions (common random numbers:
+the differences between strategies are not sampling noise).
+
+Rebalances are not random: the engine asks :func:`next_rebalance_in` how much
+running time remains before the next one.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from trainmover_ext.simulate.config import SimConfig
+
+# Draw random numbers in blocks: one numpy call per block keeps a 128K-GPU week
+# (thousands of events) fast without materialising an unbounded list.
+_BLOCK = 256
+
+
+class EventKind(enum.Enum):
+    """Why the job is interrupted."""
+
+    UNEXPECTED = "unexpected"
+    """A machine failed; its state is gone."""
+    PLANNED = "planned"
+    """Maintenance takes a machine away; it is alive until the switch (infra cost applies)."""
+    REBALANCE = "rebalance"
+    """The scheduler moves a machine at a boundary it chose (no infra cost)."""
+
+
+@dataclass(frozen=True)
+class Interruption:
+    """One interruption of the job."""
+
+    run_s: float
+    """Running time of the job at which it happens."""
+    kind: EventKind
+    """Unexpected or planned (rebalances come from the engine's timer)."""
+    inflight_fraction: float = 0.0
+    """Fraction of the in-flight iteration already computed, uniform in [0, 1); that work is
+    abandoned by strategies that do not roll back to a checkpoint."""
+
+
+def rates_per_s(cfg: SimConfig) -> tuple[float, float]:
+    """(unexpected, planned) interruption rates per second of running time."""
+    unexpected = 1.0 / cfg.job_mttf_s
+    planned = unexpected / cfg.unexpected_per_planned if cfg.unexpected_per_planned > 0 else 0.0
+    return unexpected, planned
+
+
+def interruption_stream(cfg: SimConfig, seed: int) -> Iterator[Interruption]:
+    """Infinite, seeded stream of unexpected and planned interruptions in running time."""
+    unexpected_rate, planned_rate = rates_per_s(cfg)
+    total_rate = unexpected_rate + planned_rate
+    planned_share = planned_rate / total_rate
+    rng = np.random.default_rng(seed)
+    clock = 0.0
+    while True:
+        gaps = rng.exponential(1.0 / total_rate, _BLOCK)
+        kinds = rng.random(_BLOCK)
+        fractions = rng.random(_BLOCK)
+        for gap, kind_draw, fraction in zip(gaps, kinds, fractions):
+            clock += float(gap)
+            kind = EventKind.PLANNED if kind_draw < planned_share else EventKind.UNEXPECTED
+            yield Interruption(run_s=clock, kind=kind, inflight_fraction=float(fraction))
+
+
+def next_rebalance_in(cfg: SimConfig, running_since_resume_s: float) -> float:
+    """Running time left before the next rebalance; ``inf`` when rebalancing is off.
+
+    The timer restarts at every resume, so a strategy whose recovery takes longer than the
+    period still trains M minutes between rebalances (it is never starved to zero).
+    """
+    if cfg.rebalance_minutes <= 0:
+        return float("inf")
+    return max(0.0, cfg.rebalance_minutes * 60.0 - running_since_resume_s)
