@@ -1,0 +1,67 @@
+"""Bad input: a clear error that names the fix, exit code 2, nothing started."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainmover_ext.jobs import PRETRAIN, REPO_ROOT
+from helpers import tiny_args
+
+
+def _run(args, world_size=1, launcher_nproc=None):
+    env = dict(os.environ, WORLD_SIZE=str(world_size), RANK="0")
+    cmd = [sys.executable, PRETRAIN, *args]
+    if launcher_nproc:
+        cmd = [sys.executable, "-m", "trainmover_ext.cli", "launch", "--nproc-per-node", str(launcher_nproc),
+               PRETRAIN, *args]
+        env.pop("WORLD_SIZE"), env.pop("RANK")
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+
+
+def test_unknown_flag():
+    res = _run(tiny_args(None) + ["--no-such-flag"])
+    assert res.returncode == 2
+    assert "unrecognized arguments: --no-such-flag" in res.stderr and "--help" in res.stderr
+
+
+def test_global_batch_not_divisible():
+    res = _run(tiny_args(None, gbs=6), world_size=4)  # TP1 PP1 -> DP4, mbs 1: 6 % 4 != 0
+    assert res.returncode == 2
+    assert "--global-batch-size 6" in res.stderr and "multiple of 4" in res.stderr
+
+
+def test_tp_pp_must_divide_world():
+    res = _run(tiny_args(None, tp=2, pp=2), world_size=6)
+    assert res.returncode == 2
+    assert "not divisible by TP x PP" in res.stderr and "--nproc-per-node" in res.stderr
+
+
+def test_missing_data_file(tmp_path):
+    missing = str(tmp_path / "nope")
+    res = _run(tiny_args(None) + ["--data-path", missing], world_size=1)
+    assert res.returncode == 2
+    assert f"{missing}_text_document.bin does not exist" in res.stderr or f"{missing}.bin does not exist" in res.stderr
+    assert "prepare_data.py" in res.stderr
+
+
+def test_missing_data_file_under_launcher_prints_once(tmp_path):
+    missing = str(tmp_path / "nope")
+    res = _run(tiny_args(None, pp=2) + ["--data-path", missing], launcher_nproc=2)
+    assert res.returncode == 2
+    assert res.stderr.count("does not exist") == 1
+
+
+def test_unwired_trainmover_flag_is_refused():
+    res = _run(tiny_args(None) + ["--tm-standbys", "1"])
+    assert res.returncode == 2
+    assert "--tm-standbys is declared but not available" in res.stderr
+
+
+def test_launcher_rejects_missing_script(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "trainmover_ext.cli", "launch", str(tmp_path / "x.py")],
+                         capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    assert res.returncode == 2 and "does not exist" in res.stderr

@@ -1,0 +1,125 @@
+"""Shared helpers for integration tests: run the launcher, read metrics, find processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from trainmover_ext.jobs import PRETRAIN, REPO_ROOT
+
+
+def launch_cmd(nproc: int, script_args: list[str], *launch_flags: str) -> list[str]:
+    return [sys.executable, "-m", "trainmover_ext.cli", "launch", "--nproc-per-node", str(nproc),
+            *launch_flags, PRETRAIN, *script_args]
+
+
+@dataclass
+class LaunchedJob:
+    """A ``trainmover launch`` process with its log files."""
+
+    popen: subprocess.Popen
+    stdout_path: str
+    stderr_path: str
+    metrics_path: str
+    pids_seen: list[int] = field(default_factory=list)
+
+    def stderr(self) -> str:
+        return open(self.stderr_path).read()
+
+    def stdout(self) -> str:
+        return open(self.stdout_path).read()
+
+    def rank_pids(self) -> list[list[int]]:
+        """Rank pid lists, one per (re)start, parsed from the launcher's log."""
+        return [json.loads(m) for m in re.findall(r"pids (\[[\d, ]+\])", self.stderr())]
+
+    def wait(self, timeout: float = 300) -> int:
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            raise AssertionError(f"job did not finish in {timeout}s; stderr tail:\n{self.stderr()[-3000:]}")
+
+
+def start_job(tmp_path, nproc: int, script_args: list[str], *launch_flags: str, name: str = "job") -> LaunchedJob:
+    metrics = str(tmp_path / f"{name}.metrics.jsonl")
+    out, err = str(tmp_path / f"{name}.out"), str(tmp_path / f"{name}.err")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    popen = subprocess.Popen(
+        launch_cmd(nproc, script_args + ["--tm-metrics-file", metrics], *launch_flags),
+        stdout=open(out, "w"), stderr=open(err, "w"), cwd=REPO_ROOT, env=env,
+    )
+    return LaunchedJob(popen, out, err, metrics)
+
+
+def run_job(tmp_path, nproc: int, script_args: list[str], *launch_flags: str, name: str = "job",
+            timeout: float = 300) -> LaunchedJob:
+    job = start_job(tmp_path, nproc, script_args, *launch_flags, name=name)
+    code = job.wait(timeout)
+    assert code == 0, f"{name} exited {code}; stderr tail:\n{job.stderr()[-4000:]}"
+    return job
+
+
+def read_metrics(path: str, event: str = "iteration") -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    records = []
+    for line in open(path):
+        line = line.strip()
+        if line:
+            rec = json.loads(line)
+            if rec.get("event") == event:
+                records.append(rec)
+    return records
+
+
+def losses_by_iteration(path: str) -> dict[int, float]:
+    return {rec["iteration"]: rec["loss"] for rec in read_metrics(path)}
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.01, what: str = "condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def kill_quietly(pid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def tiny_args(data_prefix: Optional[str], *, tp: int = 1, pp: int = 1, iters: int = 10, gbs: int = 8,
+              extra: Optional[list[str]] = None) -> list[str]:
+    """A tiny GPT for tests: 4 layers, hidden 32, seq 32."""
+    from trainmover_ext.jobs import model_args
+
+    args = model_args(layers=4, hidden=32, heads=4, seq=32, mbs=1, gbs=gbs, iters=iters, lr=1e-3)
+    args += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    if data_prefix:
+        args += ["--data-path", data_prefix + "_text_document"]
+    else:
+        args += ["--mock-data"]
+    return args + (extra or [])

@@ -1,0 +1,49 @@
+"""Ready-made job definitions shared by ``make demo``, the tests and the benchmarks.
+
+Keeping the demo job in one place means the README's figures, the benchmarks
+and the demo all describe the same training run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRETRAIN = os.path.join(REPO_ROOT, "pretrain_gpt.py")
+DEFAULT_CORPUS_PREFIX = os.path.join(REPO_ROOT, "data", "corpus")
+
+
+def model_args(
+    *, layers: int = 4, hidden: int = 128, heads: int = 4, seq: int = 128, mbs: int = 2, gbs: int = 16,
+    iters: int = 30, lr: float = 3e-4,
+) -> list[str]:
+    """Megatron flags for a small GPT (dropout off so layouts compare exactly)."""
+    return [
+        "--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", str(heads),
+        "--seq-length", str(seq), "--max-position-embeddings", str(seq),
+        "--micro-batch-size", str(mbs), "--global-batch-size", str(gbs), "--train-iters", str(iters),
+        "--lr", str(lr), "--min-lr", str(lr / 10), "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+        "--weight-decay", "0.01", "--clip-grad", "1.0", "--seed", "1234",
+        "--hidden-dropout", "0", "--attention-dropout", "0",
+    ]
+
+
+def demo_args(data_prefix: str, iters: int = 30) -> list[str]:
+    """The demo job: 8 ranks, TP2 x PP2 x DP2, on the bundled corpus."""
+    return model_args(iters=iters) + [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--data-path", data_prefix + "_text_document", "--tokenizer-type", "ByteLevelTokenizer",
+    ]
+
+
+def ensure_corpus(prefix: str = DEFAULT_CORPUS_PREFIX) -> str:
+    """Build the stdlib-docstring corpus at ``prefix`` unless it exists; returns the prefix."""
+    if not os.path.isfile(prefix + "_text_document.idx"):
+        subprocess.run(
+            [sys.executable, os.path.join(REPO_ROOT, "scripts", "prepare_data.py"), "--stdlib-corpus",
+             "--output-prefix", prefix],
+            check=True,
+        )
+    return prefix
