@@ -1,0 +1,165 @@
+"""``trainmover simulate``: the command line of the projection simulator.
+
+Contract: :func:`add_parser` registers the subcommand on the ``trainmover``
+dispatcher; :func:`run` returns 0 on success and 1 when ``--check`` finds a
+figure outside the paper tolerance. Invalid inputs raise
+:class:`~trainmover_ext.errors.ConfigError` naming the flag (the dispatcher
+prints it and exits 2). Defaults are the paper's inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+from trainmover_ext.simulate.config import DowntimeModel, SimConfig
+
+# flag -> DowntimeModel field; defaults are None so that a flag given on the command
+# line is told apart from one left alone (flags beat --downtimes-json, which beats defaults)
+_DOWNTIME_FLAGS = {
+    "restart_s": ("restart_ref_s", float, "stop-restart relaunch+init seconds at --restart-ref-gpus (default 540)"),
+    "restart_ref_gpus": ("restart_ref_gpus", int, "GPU count at which --restart-s holds (default 128)"),
+    "restart_scale_exp": ("restart_scale_exp", float, "stop-restart growth exponent with GPUs (default 0.17)"),
+    "parcae_reconfig_s": ("parcae_reconfig_ref_s", float, "shrink/rebuild downtime at 1,024 GPUs (default 880)"),
+    "parcae_scale_exp": ("parcae_scale_exp", float, "shrink/rebuild growth exponent (default 0.06)"),
+    "parcae_shrink_gpus": ("parcae_shrink_gpus", int, "GPUs idle while a shrunk job waits to regrow (default 64)"),
+    "parcae_regrow_hours": ("parcae_regrow_hours", float, "hours a shrunk job runs short (default 1)"),
+    "nvrx_s": ("nvrx_inprocess_s", float, "NVRx in-process restart seconds at 1,024 GPUs (default 90)"),
+    "nvrx_scale_exp": ("nvrx_scale_exp", float, "NVRx growth exponent with GPUs (default 0.1)"),
+    "tm_unexpected_s": ("tm_unexpected_s", float, "TrainMover unexpected downtime with a standby (default 20)"),
+    "tm_planned_s": ("tm_planned_s", float, "TrainMover planned/rebalance downtime (default 10)"),
+    "tm_cold_join_s": ("tm_cold_join_s", float, "extra seconds when no warm standby is free (default 190)"),
+}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``simulate`` on the dispatcher's subparsers."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="project ETTR and wasted GPU-hours at 1K-128K GPUs (event-driven simulator)",
+        description="Event-driven projection of a long training job under failures, planned "
+        "interruptions and rebalancing, for stop-restart, shrink/rebuild (Parcae-like), NVRx "
+        "in-process restart and TrainMover with and without standbys. Defaults are the paper's inputs.",
+    )
+    job = p.add_argument_group("job and failure model")
+    job.add_argument("--gpus", type=int, default=8192, help="GPUs in the job (default 8192)")
+    job.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per machine (default 8)")
+    job.add_argument("--gpu-mttf-hours", type=float, default=SimConfig.gpu_mttf_hours,
+                     help="per-GPU MTTF in GPU-hours (default 24576: 3 h at 8K GPUs, the paper's "
+                          "operating point; 50676 is the raw Llama 3 count)")
+    job.add_argument("--mttf-hours", type=float, default=None,
+                     help="job-level MTTF in hours; overrides --gpu-mttf-hours")
+    job.add_argument("--unexpected-per-planned", type=float, default=SimConfig.unexpected_per_planned,
+                     help="unexpected interruptions per planned one (default 8.9, Llama 3's 419:47; 0 = none planned)")
+    job.add_argument("--rebalance-minutes", type=float, default=0.0,
+                     help="rebalance every M minutes of running time (default 0 = never)")
+    job.add_argument("--infra-cost-min", type=float, default=2.0,
+                     help="infrastructure minutes added to each unexpected/planned interruption (default 2)")
+    job.add_argument("--iteration-s", type=float, default=None, help="steady iteration seconds (default 6)")
+    ckpt = p.add_argument_group("checkpointing")
+    ckpt.add_argument("--checkpoint-interval-min", type=float, default=30.0, help="checkpoint interval (default 30)")
+    ckpt.add_argument("--checkpoint-save-s", type=float, default=0.0, help="stall per save (default 0: async)")
+    ckpt.add_argument("--checkpoint-load-s", type=float, default=60.0, help="load seconds per restart (default 60)")
+    sb = p.add_argument_group("standbys")
+    sb.add_argument("--standbys", type=int, default=None, help="fixed standby machines (default: search the best)")
+    sb.add_argument("--max-standbys", type=int, default=512, help="upper bound of the search (default 512)")
+    sb.add_argument("--standby-replace-hours", type=float, default=SimConfig.standby_replace_hours,
+                    help="hours before a consumed standby slot is warm again (default 48)")
+    dt = p.add_argument_group("downtime models (override the paper defaults)")
+    dt.add_argument("--downtimes-json", default=None,
+                    help="JSON from benchmarks/downtime.py (restart_s, unexpected_s, planned_s, "
+                         "nvrx_inprocess_s, iteration_s, scale); missing keys keep the defaults")
+    for flag, (_, kind, text) in _DOWNTIME_FLAGS.items():
+        dt.add_argument("--" + flag.replace("_", "-"), type=kind, default=None, help=text)
+    run_group = p.add_argument_group("run and output")
+    horizon = run_group.add_mutually_exclusive_group()
+    horizon.add_argument("--weeks", type=float, default=None, help="weeks of progress to simulate (default 4)")
+    horizon.add_argument("--days", type=float, default=None, help="days of progress to simulate")
+    run_group.add_argument("--seed", type=int, default=0, help="seed of the interruption streams (default 0)")
+    run_group.add_argument("--replicas", type=int, default=2, help="seeded runs averaged per point (default 2)")
+    run_group.add_argument("--json", default=None, metavar="OUT", help="write the projection as JSON to OUT")
+    run_group.add_argument("--plot", default=None, metavar="FILE", help="sweep 1K-128K GPUs and plot to FILE (PNG/PDF/SVG)")
+    run_group.add_argument("--paper", action="store_true",
+                           help="also print the paper's figures beside ours (8K/64K/128K, 10-min rebalance)")
+    run_group.add_argument("--check", action="store_true", help="with --paper: exit 1 if a figure is off by > 5 pp")
+    run_group.add_argument("--scale-check", type=int, default=None, metavar="RANKS",
+                           help="also run the membership-scale check with RANKS logical ranks (e.g. 1024)")
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, list[str]]:
+    """Build the SimConfig: defaults, then ``--downtimes-json``, then explicit flags."""
+    from trainmover_ext.simulate.strategies import load_measured_downtimes
+
+    model = DowntimeModel()
+    sources: list[str] = []
+    iteration_s = None
+    if args.downtimes_json:
+        model, iteration_s, applied = load_measured_downtimes(args.downtimes_json, model)
+        sources = [f"{args.downtimes_json}:{key}" for key in applied]
+    explicit = {field: getattr(args, flag) for flag, (field, _, _) in _DOWNTIME_FLAGS.items() if getattr(args, flag) is not None}
+    if explicit:
+        model = replace(model, **explicit)
+        sources += [f"--{flag.replace('_', '-')}" for flag in _DOWNTIME_FLAGS if getattr(args, flag) is not None]
+    if args.iteration_s is not None:
+        iteration_s = args.iteration_s
+    weeks = args.weeks if args.weeks is not None else (args.days / 7.0 if args.days is not None else 4.0)
+    cfg = SimConfig(
+        gpus=args.gpus,
+        gpus_per_node=args.gpus_per_node,
+        gpu_mttf_hours=args.gpu_mttf_hours,
+        mttf_hours=args.mttf_hours,
+        unexpected_per_planned=args.unexpected_per_planned,
+        rebalance_minutes=args.rebalance_minutes,
+        infra_cost_s=args.infra_cost_min * 60.0,
+        checkpoint_interval_min=args.checkpoint_interval_min,
+        checkpoint_save_s=args.checkpoint_save_s,
+        checkpoint_load_s=args.checkpoint_load_s,
+        iteration_s=iteration_s if iteration_s is not None else SimConfig.iteration_s,
+        standbys=args.standbys,
+        max_standbys=args.max_standbys,
+        standby_replace_hours=args.standby_replace_hours,
+        weeks=weeks,
+        seed=args.seed,
+        replicas=args.replicas,
+        downtimes=model,
+    )
+    return cfg, sources
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulate, print the table, and write the requested JSON and plot."""
+    from trainmover_ext.simulate import paper, report
+    from trainmover_ext.simulate.engine import project
+
+    cfg, sources = config_from_args(args)
+    projection = project(cfg)
+    print(report.format_projection(projection))
+    if sources:
+        print("downtimes from: " + ", ".join(sources))
+    doc = report.projection_to_json(projection, downtime_sources=sources)
+    status = 0
+    if args.paper:
+        comparison = paper.compare_with_paper(cfg)
+        rebalance = paper.rebalance_check(cfg)
+        print()
+        print(report.format_paper(comparison, rebalance))
+        doc["paper"] = report.paper_to_json(comparison, rebalance)
+        if args.check and not paper.all_within_tolerance(comparison, rebalance):
+            print("check: at least one figure is outside the 5 pp tolerance")
+            status = 1
+    if args.scale_check is not None:
+        from trainmover_ext.simulate import scale_check
+
+        result = scale_check.run_scale_check(ranks=args.scale_check)
+        print()
+        print(scale_check.format_result(result))
+        doc["scale_check"] = result.to_json()
+    if args.json:
+        report.write_json(doc, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        report.plot_sweep(report.sweep(cfg), args.plot)
+        print(f"wrote {args.plot}")
+    return status
