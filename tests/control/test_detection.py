@@ -1,0 +1,123 @@
+"""Failure detection with a real etcd and real processes: SIGKILL (fast path), SIGSTOP (lease expiry),
+and leader failover without a lost or repeated decision."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from trainmover_ext.control.controller import Controller, ControllerConfig
+from trainmover_ext.control.membership import DecisionWatcher, init_job
+from trainmover_ext.control.records import RankRecord
+from trainmover_ext.control.supervise import ChildExitReporter
+from trainmover_ext.control.view import read_view
+from trainmover_ext.kv import EtcdClientConfig, EtcdKV
+from trainmover_ext.kv.job import JobSpace
+
+from .procs import reap, spawn_member
+
+
+@pytest.fixture
+def space(kv):
+    return JobSpace.create(kv, "det")
+
+
+def start_job(etcd, space, ttl):
+    workers = [spawn_member(etcd.endpoints, "det", space.token, f"w{r}", ttl=ttl, host=f"h{r}") for r in range(2)]
+    standby = spawn_member(etcd.endpoints, "det", space.token, "s0", kind="standby", ttl=ttl, host="h9")
+    init_job(space, [RankRecord(rank=r, member_id=f"w{r}", host=f"h{r}", role="first" if r == 0 else "last", replicas=[]) for r in range(2)])
+    return workers, standby
+
+
+def wait_plan(space, epoch, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        view = read_view(space)
+        if view.epoch == epoch and view.last_plan is not None:
+            return view
+        time.sleep(0.01)
+    raise AssertionError(f"no plan for epoch {epoch} within {timeout}s")
+
+
+def test_sigkill_is_detected_by_the_fast_path(etcd, kv, space):
+    ttl = 2
+    workers, standby = start_job(etcd, space, ttl)
+    ctl = Controller(space, ControllerConfig(controller_id="c0", ttl_s=ttl)).start()
+    # A second client stands for another rank that must learn of the decision through its watch.
+    other = EtcdKV(EtcdClientConfig(endpoints=etcd.endpoints))
+    received: list[float] = []
+    watcher = DecisionWatcher(JobSpace.open(other, "det", space.token), lambda plan: received.append(time.time()))
+    try:
+        ChildExitReporter(space, workers[1], rank=1, member_id="w1", reporter="agent-h1")
+        t_kill = time.time()
+        os.kill(workers[1].pid, signal.SIGKILL)
+        view = wait_plan(space, 1, timeout=ttl)
+        plan = view.last_plan
+        latency = plan.decided_at - t_kill
+        assert latency < 0.5, f"SIGKILL detection took {latency:.3f}s (goal < 0.5s)"
+        (rep,) = plan.replacement_list()
+        assert (rep.rank, rep.leaver, rep.joiner) == (1, "w1", "s0")
+        assert rep.state_source == {"kind": "checkpoint", "iteration": None}
+        assert view.ranks[1].member_id == "s0" and not view.reports
+        watcher.wait_for_epoch(1, timeout=2)
+        assert received[0] - plan.decided_at < 0.1, "every process must learn of a decision within ms"
+        # The lease of the killed worker still expires later; that must not cause a second plan.
+        time.sleep(ttl + 1.0)
+        assert read_view(space).epoch == 1 and len(ctl.committed) == 1
+    finally:
+        watcher.close()
+        other.close()
+        ctl.close()
+        reap(*workers, standby)
+
+
+def test_sigstop_is_detected_by_lease_expiry(etcd, kv, space):
+    ttl = 1
+    workers, standby = start_job(etcd, space, ttl)
+    ctl = Controller(space, ControllerConfig(controller_id="c0", ttl_s=2)).start()
+    try:
+        t_stop = time.time()
+        os.kill(workers[0].pid, signal.SIGSTOP)
+        view = wait_plan(space, 1, timeout=4 * ttl)
+        latency = view.last_plan.decided_at - t_stop
+        assert latency < 2 * ttl, f"SIGSTOP detection took {latency:.2f}s (goal < 2x TTL = {2 * ttl}s)"
+        rep = view.last_plan.replacement_list()[0]
+        assert (rep.rank, rep.leaver, rep.joiner) == (0, "w0", "s0")
+    finally:
+        ctl.close()
+        reap(*workers, standby)
+
+
+def test_leader_failover_loses_and_repeats_nothing(etcd, kv, space):
+    ttl = 1
+    workers, standby = start_job(etcd, space, ttl)
+    agents = {f"a{i}": spawn_member(etcd.endpoints, "det", space.token, f"a{i}", kind="agent", ttl=ttl, controller=True) for i in range(2)}
+    try:
+        deadline = time.monotonic() + 5
+        while read_view(space).leader is None:
+            assert time.monotonic() < deadline, "no controller was elected"
+            time.sleep(0.02)
+        leader = read_view(space).leader
+        follower = next(a for a in agents if a != leader)
+        # Kill the leader and, at the same moment, hang a worker: the failure must be decided once, by the follower.
+        t0 = time.time()
+        os.kill(agents[leader].pid, signal.SIGKILL)
+        os.kill(workers[0].pid, signal.SIGSTOP)
+        while read_view(space).leader != follower:
+            assert time.time() - t0 < 2 * ttl + 1.0, "the follower did not take over"
+            time.sleep(0.01)
+        takeover = time.time() - t0
+        view = wait_plan(space, 1, timeout=6 * ttl)
+        assert view.last_plan.decided_by == follower
+        assert takeover < 2 * ttl + 0.5, f"takeover took {takeover:.2f}s"
+        time.sleep(1.0)
+        final = read_view(space)
+        migrations = kv.get_prefix(space.key("migrations/")).entries
+        assert final.epoch == 1 and len(migrations) == 1, "one failure, one decision"
+        assert final.ranks[0].member_id == "s0"
+    finally:
+        reap(*workers, standby, *agents.values())

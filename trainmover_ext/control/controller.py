@@ -1,0 +1,174 @@
+"""The controller runner: election + watch + decide + execute, on one background thread.
+
+Contract:
+- Run one :class:`Controller` per agent. Exactly one of them leads at a time
+  (:mod:`~trainmover_ext.control.election`); the others wait on a watch and take
+  over within about one lease TTL after the leader dies or hangs.
+- The controller has no state of its own. Each round reads the whole job state
+  at one revision, calls the pure :func:`~trainmover_ext.control.decide.decide`
+  and applies the actions through the :class:`~trainmover_ext.control.executor.Executor`,
+  fenced by the leader key. A new leader therefore neither loses nor repeats a
+  decision.
+- Rounds are triggered by a watch on the job's control keys (members, ranks,
+  reports, requests, epoch, leader), so a failure is acted on within
+  milliseconds; a round also runs every ``ttl_s / 3`` as a backstop.
+- :meth:`Controller.close` stops the thread and resigns (revoking the leader
+  lease so a successor is elected at once). It is safe to call twice, or on a
+  controller that never started.
+
+Example::
+
+    ctl = Controller(space, ControllerConfig(controller_id="agent-n1", ttl_s=2))
+    ctl.start()
+    ...
+    ctl.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from trainmover_ext.control.decide import PlanMigration, RaiseAlert, decide
+from trainmover_ext.control.election import LeaderElection
+from trainmover_ext.control.executor import Executor, Outcome
+from trainmover_ext.control.view import read_view
+from trainmover_ext.errors import ConfigError, LeadershipLost, TrainMoverError
+from trainmover_ext.kv.base import WatchEvent
+from trainmover_ext.kv.job import JobSpace
+from trainmover_ext.metrics import ControlMetrics
+
+logger = logging.getLogger(__name__)
+
+_TRIGGERS = ("members", "ranks", "reports", "requests", "epoch", "leader", "checkpoint")
+
+
+@dataclass(kw_only=True)
+class ControllerConfig:
+    """Settings of one controller candidate."""
+
+    controller_id: str
+    """Unique candidate id (usually the agent's member id)."""
+    ttl_s: int = 2
+    """Leader lease TTL in seconds (``--tm-lease-ttl``); failover happens within about this long."""
+    max_rounds: int = 8
+    """Decide/apply rounds per trigger before waiting again (bounds work under constant conflicts)."""
+
+    def __post_init__(self) -> None:
+        if not self.controller_id:
+            raise ConfigError("controller_id must be set (the agent passes its member id)")
+        if self.ttl_s < 1:
+            raise ConfigError("--tm-lease-ttl must be at least 1 second")
+
+
+class Controller:
+    """See the module docstring."""
+
+    def __init__(self, space: JobSpace, config: ControllerConfig, *, metrics: ControlMetrics | None = None) -> None:
+        self.space, self.config = space, config
+        self.metrics = metrics
+        self.election = LeaderElection(space, candidate_id=config.controller_id, ttl_s=config.ttl_s)
+        self.committed: list[PlanMigration] = []
+        """Plans this controller committed (tests and the benchmark read it)."""
+        self.error: BaseException | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._gone_at: dict[str, float] = {}
+        self._thread: threading.Thread | None = None
+        self._watch = None
+
+    # -- lifecycle --
+    def start(self) -> "Controller":
+        start = self.space.kv.get_prefix(self.space.key("leader")).revision + 1
+        self._watch = self.space.kv.watch_prefix(self.space.root, self._on_events, start_revision=start)
+        self._thread = threading.Thread(target=self._run, name=f"tm-controller-{self.config.controller_id}", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._watch is not None:
+            self._watch.cancel()
+        try:
+            self.election.resign()
+        except TrainMoverError as exc:  # etcd gone: the lease expires by itself
+            logger.info("resign failed: %s", exc)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.election.is_leader
+
+    # -- triggers --
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        root = self.space.root
+        relevant = False
+        for ev in events:
+            head = ev.key[len(root):].partition("/")[0]
+            if head in _TRIGGERS:
+                relevant = True
+                if head == "members" and ev.kind == "delete":
+                    # When the lease-expiry was observed: the start of slow-path detection latency.
+                    self._gone_at[ev.key[len(root) + len("members/"):]] = time.time()
+        if relevant:
+            self._wake.set()
+
+    def _run(self) -> None:
+        backstop = self.config.ttl_s / 3.0
+        while not self._stop.is_set():
+            try:
+                if self.election.campaign():
+                    self._reconcile()
+                if self.metrics is not None:
+                    self.metrics.is_leader.labels(self.space.job).set(1 if self.election.is_leader else 0)
+            except LeadershipLost as exc:
+                logger.warning("%s", exc)
+                self.election.resign()
+            except TrainMoverError as exc:
+                # etcd unreachable or refusing: keep the thread alive and retry; the error is visible to callers.
+                self.error = exc
+                logger.warning("controller %s round failed: %s", self.config.controller_id, exc)
+            self._wake.wait(backstop)
+            self._wake.clear()
+
+    def _reconcile(self) -> None:
+        executor = Executor(self.space, leader_guard=self.election.guard())
+        for _ in range(self.config.max_rounds):
+            view = read_view(self.space)
+            view.gone_at = dict(self._gone_at)
+            if self.metrics is not None:
+                self.metrics.observe_view(dict(Counter(m.kind for m in view.members.values())), view.epoch)
+            actions = decide(view, time.time(), decided_by=self.config.controller_id)
+            if not actions:
+                return
+            conflict = False
+            for action in actions:
+                outcome = executor.apply(action)
+                if outcome is Outcome.CONFLICT:
+                    conflict = True
+                    break
+                self._record(action)
+            if not conflict:
+                return
+
+    def _record(self, action: object) -> None:
+        if isinstance(action, PlanMigration):
+            self.committed.append(action)
+            plan = action.plan
+            logger.info("epoch %d: %s", plan.epoch, plan.replacements)
+            if self.metrics is not None:
+                self.metrics.plans.labels(self.space.job, plan.reason).inc()
+                self.metrics.epoch.labels(self.space.job).set(plan.epoch)
+                if plan.reason == "failure":
+                    for r in plan.replacement_list():
+                        path = "lease" if r.leaver in self._gone_at else "report"
+                        self.metrics.detections.labels(self.space.job, path).inc()
+                    if plan.detected_at is not None:
+                        self.metrics.detection_latency.labels(self.space.job).observe(max(0.0, plan.decided_at - plan.detected_at))
+        elif isinstance(action, RaiseAlert) and self.metrics is not None:
+            self.metrics.alerts.labels(self.space.job).inc()

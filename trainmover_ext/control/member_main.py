@@ -1,0 +1,61 @@
+"""A stand-in member process: registers, keeps its lease, and idles until killed.
+
+Used by integration tests and ``benchmarks/detection.py`` to have real
+processes to SIGKILL and SIGSTOP; ``--controller`` also runs a controller
+candidate in it. It prints ``READY <member_id>`` once registered and exits 0 on
+SIGTERM (revoking its lease: a clean leave).
+
+Example::
+
+    python -m trainmover_ext.control.member_main --endpoints 127.0.0.1:2379 --job j --token T \\
+        --member-id w0 --kind worker --ttl 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+
+from trainmover_ext.control.controller import Controller, ControllerConfig
+from trainmover_ext.control.membership import Membership
+from trainmover_ext.control.records import ROLES, MemberRecord
+from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
+from trainmover_ext.kv.job import JobSpace
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--endpoints", required=True, help="etcd host:port list")
+    p.add_argument("--job", required=True, help="job name")
+    p.add_argument("--token", required=True, help="job token")
+    p.add_argument("--member-id", required=True, help="unique member id")
+    p.add_argument("--kind", default="worker", choices=["worker", "standby", "agent"], help="member kind")
+    p.add_argument("--host", default=socket.gethostname(), help="host name to record")
+    p.add_argument("--ttl", type=int, default=2, help="lease TTL in seconds")
+    p.add_argument("--controller", action="store_true", help="also run a controller candidate")
+    args = p.parse_args(argv)
+
+    kv = EtcdKV(EtcdClientConfig(endpoints=args.endpoints, timeout_s=3))
+    space = JobSpace.open(kv, args.job, args.token)
+    roles = list(ROLES) if args.kind == "standby" else []
+    member = Membership(space, MemberRecord(member_id=args.member_id, kind=args.kind, host=args.host, pid=os.getpid(),
+                                            warm_roles=roles), ttl_s=args.ttl)
+    member.register()
+    ctl = Controller(space, ControllerConfig(controller_id=args.member_id, ttl_s=args.ttl)).start() if args.controller else None
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    print(f"READY {args.member_id}", flush=True)
+    done.wait()
+    if ctl is not None:
+        ctl.close()
+    member.close()
+    kv.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Membership: leases kept alive in the background, member registration, failure reports, decision watches.
+
+Contract:
+- :class:`LeaseKeeper` grants an etcd lease of ``ttl_s`` and refreshes it every
+  ``ttl_s / 3`` on a daemon thread (no etcd client does this by itself). When a
+  refresh finds the lease gone, or refreshes keep failing past the lease's
+  deadline, ``lost`` is set and ``on_lost`` runs once; the owner must then stop
+  acting as that member (:class:`MembershipLost`).
+- :class:`Membership` registers ``members/<id>`` on its own lease, so a killed
+  or hung (SIGSTOP) process disappears from etcd within about one TTL.
+  ``close()`` revokes the lease: a clean leave is seen at once.
+- :func:`report_failure` is the fast detection path: a process whose link to
+  rank r broke writes ``reports/<r>/<reporter>``; the controller acts on it
+  without waiting for r's lease.
+- :class:`DecisionWatcher` calls back on every new ``migrations/<e>`` within
+  milliseconds of the controller's commit.
+
+Example (an agent or worker)::
+
+    member = Membership(space, MemberRecord(member_id=mid, kind="worker", host=host, pid=os.getpid()), ttl_s=2)
+    member.register()
+    watcher = DecisionWatcher(space, on_plan=lambda plan: abandon_iteration(plan))
+    ...
+    report_failure(space, rank=3, member_id=ranks[3], reporter=mid, reason=str(exc), epoch=epoch)
+    ...
+    watcher.close(); member.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Callable
+
+from trainmover_ext.control.executor import event_put
+from trainmover_ext.control.records import FailureReport, MemberRecord, MigrationPlan, MigrationRequest, RankRecord
+from trainmover_ext.control.view import epoch_value
+from trainmover_ext.errors import ConfigError, MalformedValue, MembershipLost, StoreError
+from trainmover_ext.kv.base import Guard, Put, WatchEvent
+from trainmover_ext.kv.codec import encode
+from trainmover_ext.kv.job import JobSpace
+
+logger = logging.getLogger(__name__)
+
+
+def new_member_id(kind: str) -> str:
+    """``<kind>-<host>-<pid>-<random>``: unique across restarts on one host."""
+    return f"{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class LeaseKeeper:
+    """One lease kept alive on a daemon thread; see the module docstring."""
+
+    def __init__(self, space: JobSpace, ttl_s: int, *, on_lost: Callable[[], None] | None = None, name: str = "lease") -> None:
+        if int(ttl_s) < 1:
+            raise ConfigError("--tm-lease-ttl must be at least 1 second (etcd grants whole seconds)")
+        self.space, self.ttl_s, self.on_lost, self.name = space, int(ttl_s), on_lost, name
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self.lease_id = space.kv.grant_lease(self.ttl_s)
+        self._deadline = time.monotonic() + self.ttl_s
+        self._thread = threading.Thread(target=self._run, name=f"tm-{name}-keepalive", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        interval = self.ttl_s / 3.0
+        while not self._stop.wait(interval):
+            try:
+                remaining = self.space.kv.refresh_lease(self.lease_id)
+            except StoreError as exc:
+                # etcd unreachable: keep trying while the lease could still be alive on the server.
+                logger.warning("%s keepalive failed: %s", self.name, exc)
+                if time.monotonic() < self._deadline:
+                    continue
+                remaining = 0
+            if remaining <= 0:
+                self._mark_lost()
+                return
+            self._deadline = time.monotonic() + remaining
+
+    def _mark_lost(self) -> None:
+        if self.lost.is_set():
+            return
+        self.lost.set()
+        logger.warning("%s lease %x lost", self.name, self.lease_id)
+        if self.on_lost is not None:
+            try:
+                self.on_lost()
+            except Exception:  # the callback is the owner's; never let it kill this thread silently
+                logger.exception("on_lost callback of %s failed", self.name)
+
+    def close(self, *, revoke: bool = True) -> None:
+        """Stop refreshing; with ``revoke`` the lease (and its keys) end now. Idempotent."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        if revoke and not self.lost.is_set():
+            try:
+                self.space.kv.revoke_lease(self.lease_id)
+            except StoreError as exc:  # the lease expires by itself within one TTL
+                logger.info("could not revoke %s lease: %s", self.name, exc)
+
+
+class Membership:
+    """A registered member of the job; see the module docstring."""
+
+    def __init__(self, space: JobSpace, record: MemberRecord, *, ttl_s: int = 2,
+                 on_lost: Callable[[], None] | None = None) -> None:
+        self.space, self.record, self.ttl_s, self.on_lost = space, record, ttl_s, on_lost
+        self.keeper: LeaseKeeper | None = None
+
+    @property
+    def key(self) -> str:
+        return self.space.key("members", self.record.member_id)
+
+    def register(self) -> "Membership":
+        """Write ``members/<id>`` on a fresh lease; :class:`StoreError` if the id is already taken."""
+        self.keeper = LeaseKeeper(self.space, self.ttl_s, on_lost=self.on_lost, name=f"member {self.record.member_id}")
+        if not self.record.registered_at:
+            self.record.registered_at = time.time()
+        ok = self.space.commit([Guard.absent(self.key)], [
+            Put(self.key, self.record.to_bytes(), self.keeper.lease_id),
+            event_put(self.space, "member_joined", {"member": self.record.member_id, "kind": self.record.kind,
+                                                    "host": self.record.host, "pid": self.record.pid}, time.time()),
+        ])
+        if not ok:
+            self.keeper.close()
+            raise StoreError(f"member id {self.record.member_id} is already registered in job {self.space.job!r}: use a unique id")
+        return self
+
+    def update(self, **changes: object) -> None:
+        """Rewrite the record (e.g. ``warm_roles`` after warm-up) on the same lease."""
+        self.check()
+        for k, v in changes.items():
+            setattr(self.record, k, v)
+        assert self.keeper is not None
+        self.space.put(self.key, self.record.to_bytes(), lease=self.keeper.lease_id)
+
+    def check(self) -> None:
+        """Raise :class:`MembershipLost` if the lease is gone."""
+        if self.keeper is None or self.keeper.lost.is_set():
+            raise MembershipLost(f"member {self.record.member_id} lost its lease in job {self.space.job!r}: "
+                                 "it was declared dead; exit and let a standby take its place")
+
+    def close(self) -> None:
+        """Leave the job cleanly (revokes the lease). Idempotent."""
+        if self.keeper is not None:
+            self.keeper.close(revoke=True)
+
+
+def init_job(space: JobSpace, ranks: list[RankRecord]) -> None:
+    """Launcher: create ``epoch`` (0) and the initial ``ranks/<r>`` if absent (idempotent across agents)."""
+    space.put_if_absent(space.key("epoch"), epoch_value(0))
+    for rec in ranks:
+        space.put_if_absent(space.key("ranks", rec.rank), rec.to_bytes())
+
+
+def report_failure(space: JobSpace, *, rank: int, member_id: str, reporter: str, reason: str, epoch: int) -> None:
+    """Fast path: say that the link to ``rank`` (served by ``member_id``) broke."""
+    rep = FailureReport(rank=rank, member_id=member_id, reporter=reporter, reason=reason, epoch=epoch, reported_at=time.time())
+    space.put(space.key("reports", rank, reporter), rep.to_bytes())
+
+
+def report_progress(space: JobSpace, rank: int, iteration: int) -> None:
+    """Record that ``rank`` completed ``iteration`` (input of the resume iteration)."""
+    space.put(space.key("progress", rank), encode("progress", {"iteration": int(iteration)}))
+
+
+def request_migration(space: JobSpace, *, rank: int, to: str | None = None, requested_by: str = "cli") -> str:
+    """Record a planned-migration request; returns its id."""
+    req = MigrationRequest(request_id=uuid.uuid4().hex[:12], rank=rank, to=to, requested_by=requested_by, requested_at=time.time())
+    space.commit([], [Put(space.key("requests", req.request_id), req.to_bytes()),
+                      event_put(space, "migration_requested", {"request": req.request_id, "rank": rank, "to": to}, req.requested_at)])
+    return req.request_id
+
+
+class DecisionWatcher:
+    """Calls ``on_plan(plan)`` for every migration plan committed after it started; see the module docstring."""
+
+    def __init__(self, space: JobSpace, on_plan: Callable[[MigrationPlan], None]) -> None:
+        self.space, self.on_plan = space, on_plan
+        self.plans: list[MigrationPlan] = []
+        self._cond = threading.Condition()
+        prefix = space.key("migrations/")
+        start = space.kv.get_prefix(prefix).revision + 1
+        self._watch = space.kv.watch_prefix(prefix, self._on_events, start_revision=start)
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        for ev in events:
+            if ev.kind != "put":
+                continue
+            try:
+                plan = MigrationPlan.from_bytes(ev.value, key=ev.key)
+            except MalformedValue as exc:
+                logger.error("ignoring unreadable plan: %s", exc)
+                continue
+            with self._cond:
+                self.plans.append(plan)
+                self._cond.notify_all()
+            self.on_plan(plan)
+
+    def wait_for_epoch(self, epoch: int, timeout: float) -> MigrationPlan:
+        """Block until the plan opening ``epoch`` arrives; ``TimeoutError`` after ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: any(p.epoch == epoch for p in self.plans), timeout):
+                raise TimeoutError(f"no migration plan for epoch {epoch} within {timeout:.1f}s")
+            return next(p for p in self.plans if p.epoch == epoch)
+
+    def close(self) -> None:
+        self._watch.cancel()
