@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import selectors
 import signal
 import socket
+import subprocess
 import sys
 import threading
+import time
 
 from trainmover_ext.control.controller import Controller, ControllerConfig
 from trainmover_ext.control.membership import Membership
 from trainmover_ext.control.records import ROLES, MemberRecord
+from trainmover_ext.errors import LaunchError
 from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
 from trainmover_ext.kv.job import JobSpace
 
@@ -55,6 +59,36 @@ def main(argv: list[str] | None = None) -> int:
     member.close()
     kv.close()
     return 0
+
+
+def spawn_member(endpoints, job, token, member_id, *, kind="worker", ttl=2, controller=False, host="h0", timeout=30.0):
+    """Start ``member_main`` and return the Popen once it printed READY (it holds a registered lease then)."""
+    cmd = [sys.executable, "-m", "trainmover_ext.control.member_main", "--endpoints", ",".join(endpoints), "--job", job,
+           "--token", token, "--member-id", member_id, "--kind", kind, "--ttl", str(ttl), "--host", host]
+    if controller:
+        cmd.append("--controller")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if sel.select(timeout=0.2):
+            line = proc.stdout.readline()
+            if line.startswith("READY"):
+                return proc
+            if not line and proc.poll() is not None:
+                break
+    proc.kill()
+    raise LaunchError(f"member {member_id} did not print READY within {timeout:.0f}s (exit code {proc.poll()}): check etcd and the job token")
+
+
+def reap(*procs):
+    """SIGKILL (after SIGCONT, for stopped ones) and wait, by pid."""
+    for p in procs:
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
 
 
 if __name__ == "__main__":
