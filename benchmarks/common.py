@@ -1,0 +1,69 @@
+"""Helpers shared by the benchmarks: run the launcher, read metrics, print tables."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from trainmover_ext.jobs import PRETRAIN  # noqa: E402
+
+
+def read_events(path: str) -> list[dict]:
+    """All JSON-line records of a ``--tm-metrics-file``."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def start_launcher(nproc: int, script_args: list[str], launch_flags: list[str], log_prefix: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "trainmover_ext.cli", "launch", "--nproc-per-node", str(nproc),
+           *launch_flags, PRETRAIN, *script_args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(cmd, stdout=open(log_prefix + ".out", "w"), stderr=open(log_prefix + ".err", "w"),
+                            cwd=ROOT, env=env)
+
+
+def rank_pids(err_path: str) -> list[list[int]]:
+    return [json.loads(m) for m in re.findall(r"pids (\[[\d, ]+\])", open(err_path).read())]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.005):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"condition not met within {timeout}s")
+
+
+def median(values: list[float]) -> Optional[float]:
+    return statistics.median(values) if values else None
+
+
+def print_table(title: str, rows: list[tuple], headers: tuple) -> None:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    print(title)
+    print("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+
+
+def write_json(path: Optional[str], payload: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)
+        print(f"wrote {path}")

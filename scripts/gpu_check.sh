@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# GPU checks, run on a machine with CUDA (never in CI). One short script:
+#   1. the GPU-marked tests (NCCL transport, CUDA device, TransformerEngine spec);
+#   2. the demo job's layout parity on NCCL (1 GPU: TP1 vs the same job on gloo is not possible, so
+#      it trains the tiny GPT on one GPU with NCCL and checks the loss falls);
+#   3. the communicator benchmark on GPU, when it exists.
+# Usage: bash scripts/gpu_check.sh [OUT_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-${OUT:-gpu_out}}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
+$PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
+status=0
+$PY -m pytest -q -m gpu --timeout 600 2>&1 | tee "$OUT/gpu_tests.log" || status=1
+$PY -m trainmover_ext.cli launch --nproc-per-node 1 pretrain_gpt.py --num-layers 2 --hidden-size 256 \
+  --num-attention-heads 8 --seq-length 256 --micro-batch-size 4 --global-batch-size 8 --train-iters 20 \
+  --lr 1e-3 --mock-data --bf16 --hidden-dropout 0 --attention-dropout 0 \
+  --tm-metrics-file "$OUT/gpu_train.jsonl" 2>&1 | tee "$OUT/gpu_train.log" || status=1
+if [ -f benchmarks/comm.py ]; then
+  $PY benchmarks/comm.py --quick --json "$OUT/comm_gpu.json" 2>&1 | tee "$OUT/comm_gpu.log" || status=1
+fi
+exit $status
