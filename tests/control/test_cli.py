@@ -1,0 +1,68 @@
+"""`trainmover status / events / migrate` against a real etcd, through the top-level CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from trainmover_ext.cli import main
+from trainmover_ext.control.controller import Controller, ControllerConfig
+from trainmover_ext.control.membership import Membership, init_job
+from trainmover_ext.control.records import ROLES, MemberRecord, RankRecord
+from trainmover_ext.control.view import read_view
+from trainmover_ext.kv.job import JobSpace
+
+
+def flags(etcd, token, job="cli"):
+    return ["--tm-etcd-endpoints", ",".join(etcd.endpoints), "--tm-job", job, "--tm-job-token", token, "--tm-etcd-timeout", "2"]
+
+
+def test_status_events_and_migrate(etcd, kv, capsys):
+    space = JobSpace.create(kv, "cli")
+    members = [Membership(space, MemberRecord(member_id=f"w{r}", kind="worker", host="h0", pid=1), ttl_s=5).register() for r in range(2)]
+    members.append(Membership(space, MemberRecord(member_id="s0", kind="standby", host="h1", pid=2, warm_roles=list(ROLES)), ttl_s=5).register())
+    init_job(space, [RankRecord(rank=r, member_id=f"w{r}", host="h0", role=("first", "last")[r], replicas=[]) for r in range(2)])
+    ctl = Controller(space, ControllerConfig(controller_id="c0", ttl_s=2)).start()
+    try:
+        assert main(["status", *flags(etcd, space.token)]) == 0
+        out = capsys.readouterr().out
+        assert "epoch 0" in out and "w1" in out and "s0" in out and "first,middle,last" in out
+
+        assert main(["migrate", "--rank", "1", "--to", "s0", *flags(etcd, space.token)]) == 0
+        assert "requested planned migration" in capsys.readouterr().out
+        deadline = time.monotonic() + 5
+        while read_view(space).epoch != 1:
+            assert time.monotonic() < deadline, "the controller did not act on the request"
+            time.sleep(0.02)
+        assert main(["status", *flags(etcd, space.token)]) == 0
+        out = capsys.readouterr().out
+        assert "rank 1: w1 -> s0 (last), state from the leaver" in out and "decided" in out
+
+        assert main(["events", *flags(etcd, space.token)]) == 0
+        out = capsys.readouterr().out
+        for what in ("member_joined", "leader_elected", "migration_requested", "migration_planned"):
+            assert what in out
+
+        assert main(["migrate", "--rank", "9", *flags(etcd, space.token)]) == 2
+        assert "has no rank 9" in capsys.readouterr().err
+    finally:
+        ctl.close()
+        for m in members:
+            m.close()
+
+
+def test_cli_errors_say_what_to_do(etcd, kv, capsys):
+    space = JobSpace.create(kv, "cli")
+    assert main(["status", *flags(etcd, "wrong")]) == 2
+    assert "wrong job token" in capsys.readouterr().err
+    proc = subprocess.run([sys.executable, "-m", "trainmover_ext.cli", "status", "--tm-job", "cli"], capture_output=True, text=True,
+                          timeout=60, env={"PATH": "/usr/bin"})
+    assert proc.returncode == 2 and "--tm-etcd-endpoints" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "trainmover_ext.cli", "status", "--tm-etcd-endpoints", "127.0.0.1:1",
+                           "--tm-job", "cli", "--tm-job-token", space.token, "--tm-etcd-timeout", "0.5"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no etcd answered at 127.0.0.1:1" in proc.stderr
+    help_text = subprocess.run([sys.executable, "-m", "trainmover_ext.cli", "migrate", "--help"], capture_output=True, text=True, timeout=60).stdout
+    for flag in ("--rank", "--to", "--tm-job-token", "--tm-etcd-ca", "--tm-etcd-cert", "--tm-etcd-key"):
+        assert flag in help_text

@@ -1,0 +1,179 @@
+"""``trainmover status | events | migrate``: look at and steer a running job's control plane.
+
+Each subcommand finds the job through ``--tm-etcd-endpoints``, ``--tm-job`` and
+``--tm-job-token`` (or ``TRAINMOVER_ETCD_ENDPOINTS`` / ``TRAINMOVER_JOB`` /
+``TRAINMOVER_JOB_TOKEN``), plus the TLS and auth flags of the etcd cluster.
+Errors are :class:`TrainMoverError` with a message saying what to do; the
+top-level CLI prints them and exits 2.
+
+Example::
+
+    trainmover status --tm-etcd-endpoints 127.0.0.1:2379 --tm-job llama --tm-job-token $TOKEN
+    trainmover migrate --rank 3 --to standby-n7-1234-ab12cd
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+from typing import Callable
+
+from trainmover_ext.control.membership import request_migration
+from trainmover_ext.control.records import Event
+from trainmover_ext.control.view import View, read_view
+from trainmover_ext.errors import ConfigError, MalformedValue
+from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
+from trainmover_ext.kv.job import JobSpace
+
+
+def add_connection_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that locate a job in etcd (shared with other subcommands that need it)."""
+    g = p.add_argument_group("job and etcd")
+    g.add_argument("--tm-etcd-endpoints", default=os.environ.get("TRAINMOVER_ETCD_ENDPOINTS"),
+                   help="comma-separated etcd host:port list (env TRAINMOVER_ETCD_ENDPOINTS); "
+                        "`trainmover launch` prints it when it starts an embedded etcd")
+    g.add_argument("--tm-job", default=os.environ.get("TRAINMOVER_JOB"),
+                   help="job name, the <job> in /trainmover/<job>/ (env TRAINMOVER_JOB)")
+    g.add_argument("--tm-job-token", default=os.environ.get("TRAINMOVER_JOB_TOKEN"),
+                   help="the job token printed by `trainmover launch` (env TRAINMOVER_JOB_TOKEN)")
+    g.add_argument("--tm-etcd-ca", default=os.environ.get("TRAINMOVER_ETCD_CA"),
+                   help="CA certificate of the etcd servers; enables TLS (env TRAINMOVER_ETCD_CA)")
+    g.add_argument("--tm-etcd-cert", default=os.environ.get("TRAINMOVER_ETCD_CERT"),
+                   help="client certificate for etcd --client-cert-auth (env TRAINMOVER_ETCD_CERT)")
+    g.add_argument("--tm-etcd-key", default=os.environ.get("TRAINMOVER_ETCD_KEY"),
+                   help="private key of --tm-etcd-cert (env TRAINMOVER_ETCD_KEY)")
+    g.add_argument("--tm-etcd-user", default=os.environ.get("TRAINMOVER_ETCD_USER"),
+                   help="etcd user for password auth (env TRAINMOVER_ETCD_USER)")
+    g.add_argument("--tm-etcd-password", default=os.environ.get("TRAINMOVER_ETCD_PASSWORD"),
+                   help="password of --tm-etcd-user (env TRAINMOVER_ETCD_PASSWORD)")
+    g.add_argument("--tm-etcd-timeout", type=float, default=5.0,
+                   help="seconds to wait for etcd on each call before giving up (default 5)")
+
+
+def client_config(args: argparse.Namespace) -> EtcdClientConfig:
+    """An :class:`EtcdClientConfig` from the connection flags."""
+    if not args.tm_etcd_endpoints:
+        raise ConfigError("no etcd endpoints: pass --tm-etcd-endpoints host:port or set TRAINMOVER_ETCD_ENDPOINTS")
+    return EtcdClientConfig(
+        endpoints=args.tm_etcd_endpoints, ca_cert=args.tm_etcd_ca, client_cert=args.tm_etcd_cert, client_key=args.tm_etcd_key,
+        user=args.tm_etcd_user, password=args.tm_etcd_password, timeout_s=args.tm_etcd_timeout,
+        connect_timeout_s=args.tm_etcd_timeout,
+    )
+
+
+def open_job(args: argparse.Namespace) -> JobSpace:
+    """Connect and authenticate to the job named by the flags."""
+    if not args.tm_job:
+        raise ConfigError("no job given: pass --tm-job NAME or set TRAINMOVER_JOB")
+    cfg = client_config(args)
+    return JobSpace.open(EtcdKV(cfg), args.tm_job, args.tm_job_token)
+
+
+def _ts(t: float | None) -> str:
+    return "-" if t is None else _dt.datetime.fromtimestamp(t).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _table(headers: list[str], rows: list[list[object]]) -> str:
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def format_status(view: View, job: str) -> str:
+    """The ``trainmover status`` report (a pure function of the view, so tests can check it)."""
+    out = [f"job {job}   epoch {view.epoch if view.epoch is not None else '?'}   controller {view.leader or '(none elected)'}   etcd revision {view.revision}", ""]
+    rows = []
+    for r, rec in sorted(view.ranks.items()):
+        state = "alive" if rec.member_id in view.members else "LOST"
+        if any(rep.rank == r and rep.member_id == rec.member_id for rep in view.reports.values()):
+            state = "REPORTED"
+        rows.append([r, rec.member_id, rec.role, rec.host or "-", rec.since_epoch, state, view.progress.get(r, "-")])
+    out.append(_table(["rank", "member", "stage role", "host", "since epoch", "state", "iteration"], rows) if rows else "no ranks assigned yet")
+    serving = {rec.member_id for rec in view.ranks.values()}
+    standbys = [m for m in view.members.values() if m.kind == "standby" and m.member_id not in serving]
+    out += ["", "standbys:"]
+    out.append(_table(["member", "host", "warm roles", "health"],
+                      [[m.member_id, m.host, ",".join(m.warm_roles) or "(warming)", m.health] for m in sorted(standbys, key=lambda m: m.member_id)])
+               if standbys else "  none")
+    plan = view.last_plan
+    out += ["", "last migration:"]
+    if plan is None:
+        out.append("  none")
+    else:
+        out.append(f"  epoch {plan.epoch} ({plan.reason}, {plan.status}) decided by {plan.decided_by or '?'}; resume iteration "
+                   f"{plan.resume_iteration if plan.resume_iteration is not None else 'at next boundary'}")
+        for rep in plan.replacement_list():
+            src = rep.state_source
+            src_s = {"replica": f"replica rank {src.get('rank')}", "checkpoint": f"checkpoint (iteration {src.get('iteration')})",
+                     "leaver": "the leaver"}.get(src.get("kind"), str(src))
+            out.append(f"  rank {rep.rank}: {rep.leaver} -> {rep.joiner} ({rep.role}), state from {src_s}")
+        if plan.unserved:
+            out.append(f"  unserved ranks (no standby): {plan.unserved}")
+        t0 = min(plan.steps.values()) if plan.steps else None
+        for step, t in sorted(plan.steps.items(), key=lambda kv: kv[1]):
+            out.append(f"    {step:<12} {_ts(t)}  +{(t - t0) * 1000:.1f} ms")
+    for a in view.alerts.values():
+        out.append(f"ALERT rank {a.rank}: {a.reason}")
+    for key, msg in view.malformed.items():
+        out.append(f"WARNING unreadable key {key}: {msg}")
+    return "\n".join(out)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    space = open_job(args)
+    try:
+        print(format_status(read_view(space), space.job))
+    finally:
+        space.kv.close()
+    return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    space = open_job(args)
+    try:
+        entries = space.kv.get_prefix(space.key("events/")).entries
+        rows = []
+        for e in entries[-args.limit:] if args.limit else entries:
+            try:
+                ev = Event.from_bytes(e.value, key=e.key)
+                rows.append([_ts(ev.time), ev.what, " ".join(f"{k}={v}" for k, v in sorted(ev.detail.items()))])
+            except MalformedValue as exc:
+                rows.append(["?", "unreadable", str(exc)])
+        print(_table(["time", "event", "detail"], rows) if rows else "no events yet")
+    finally:
+        space.kv.close()
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    if args.rank < 0:
+        raise ConfigError("--rank must be a logical rank id >= 0 (see `trainmover status`)")
+    space = open_job(args)
+    try:
+        if space.kv.get(space.key("ranks", args.rank)) is None:
+            raise ConfigError(f"job {space.job!r} has no rank {args.rank}: see `trainmover status` for the ranks")
+        rid = request_migration(space, rank=args.rank, to=args.to, requested_by=f"cli@{os.uname().nodename}")
+        print(f"requested planned migration {rid}: rank {args.rank} -> {args.to or 'a standby chosen by the controller'}; "
+              "follow it with `trainmover status` or `trainmover events`")
+    finally:
+        space.kv.close()
+    return 0
+
+
+def _sub(subparsers: argparse._SubParsersAction, name: str, help_: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(name, help=help_, description=help_)
+    add_connection_flags(p)
+    p.set_defaults(func=func)
+    return p
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``status``, ``events`` and ``migrate``; returns the ``status`` parser."""
+    status = _sub(subparsers, "status", "show ranks -> members, standbys, epoch and the last migration of a job", cmd_status)
+    events = _sub(subparsers, "events", "show the timeline of membership and migration events of a job", cmd_events)
+    events.add_argument("--limit", type=int, default=0, help="show only the last N events (default: all)")
+    migrate = _sub(subparsers, "migrate", "request a planned migration of one rank to a warm standby", cmd_migrate)
+    migrate.add_argument("--rank", type=int, required=True, help="the logical rank to move (see `trainmover status`)")
+    migrate.add_argument("--to", default=None, help="member id of the standby to move it to (default: the controller picks)")
+    return status
