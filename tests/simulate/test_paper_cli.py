@@ -1,0 +1,102 @@
+"""Paper reproduction within 5 pp, the CLI's JSON shape, measured downtimes, the scale check."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainmover_ext.cli import main
+from trainmover_ext.errors import ConfigError
+from trainmover_ext.simulate.config import DowntimeModel
+from trainmover_ext.simulate.paper import TOLERANCE_PP, compare_with_paper, rebalance_check
+from trainmover_ext.simulate.scale_check import run_scale_check
+from trainmover_ext.simulate.strategies import fit_scale_exponent, load_measured_downtimes
+
+
+@pytest.fixture(scope="module")
+def comparison():
+    return compare_with_paper(min_events=600)
+
+
+def test_paper_projection_reproduced_within_5pp(comparison):
+    assert len(comparison["rows"]) == 4
+    for row in comparison["rows"]:
+        assert abs(row["ours_pct"] - row["paper_pct"]) <= TOLERANCE_PP, row
+
+
+def test_64k_statement_matches_trainmover_without_standby(comparison):
+    at64 = comparison["abstract_64k"]
+    assert at64["matches"] == "trainmover_no_standby"
+    reading = at64["readings"]["trainmover_no_standby"]
+    assert abs(reading["reduction_pct"] - 55.0) <= TOLERANCE_PP
+    assert 1.0e6 < reading["saved_gpu_hours_per_week"] < 2.0e6
+
+
+def test_rebalance_every_10_minutes():
+    rows = {r["gpus"]: r for r in rebalance_check()}
+    for gpus in (128, 256, 512, 1024):
+        assert rows[gpus]["trainmover_loss_pct"] < 3.0
+    assert abs(rows[128]["stop_restart_ettr"] - 0.50) <= 0.05
+    assert abs(rows[1024]["stop_restart_ettr"] - 0.42) <= 0.05
+    assert rows[1024]["stop_restart_ettr"] < rows[128]["stop_restart_ettr"]
+
+
+def test_cli_json_shape(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--gpus", "4096", "--weeks", "1", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["gpus"] == 4096
+    assert set(doc["ettr"]) == {"stop_restart", "parcae", "nvrx", "trainmover_no_standby", "trainmover"}
+    assert all(0.0 < v <= 1.0 for v in doc["ettr"].values())
+    assert {"parcae", "trainmover_no_standby"} <= set(doc["waste_reduction_pct"])
+    assert isinstance(doc["best_standbys"], int) and doc["best_standbys"] >= 0
+    assert "TrainMover, best standbys" in capsys.readouterr().out
+
+
+def test_cli_plot_and_bad_flag(tmp_path, capsys):
+    png = tmp_path / "sweep.png"
+    assert main(["simulate", "--gpus", "1024", "--days", "2", "--gpu-mttf-hours", "200000", "--plot", str(png)]) == 0
+    assert png.stat().st_size > 1000
+    assert main(["simulate", "--gpus", "1001"]) == 2
+    assert "--gpus" in capsys.readouterr().err
+
+
+def test_measured_downtimes_json(tmp_path):
+    path = tmp_path / "downtime.json"
+    path.write_text(json.dumps({
+        "restart_s": 300.0, "unexpected_s": 4.0, "iteration_s": 0.5,
+        "scale": [{"ranks": 4, "unexpected_s": 4.0}, {"ranks": 16, "unexpected_s": 4.0}],
+        "unknown_key": 1,
+    }))
+    model, iteration, applied = load_measured_downtimes(path, DowntimeModel())
+    assert model.restart_ref_s == 300.0 and model.tm_unexpected_s == 4.0
+    assert model.tm_planned_s == DowntimeModel().tm_planned_s  # missing key keeps the default
+    assert model.tm_unexpected_scale_exp == pytest.approx(0.0)
+    assert iteration == 0.5 and "scale" in applied
+    out = tmp_path / "o.json"
+    assert main(["simulate", "--gpus", "2048", "--days", "3", "--downtimes-json", str(path), "--json", str(out)]) == 0
+    assert any("unexpected_s" in s for s in json.loads(out.read_text())["downtime_sources"])
+    path.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="--downtimes-json"):
+        load_measured_downtimes(path, DowntimeModel())
+
+
+def test_scale_fit_recovers_exponent():
+    assert fit_scale_exponent([(8, 2.0), (64, 16.0)]) == pytest.approx(1.0)
+    assert fit_scale_exponent([(8, 2.0)]) == 0.0
+
+
+def test_scale_check_is_o_neighbours_not_o_n():
+    small, big = run_scale_check(ranks=256), run_scale_check(ranks=1024)
+    assert big.ranks >= 1000
+    for s, b in zip(small.migrations, big.migrations):
+        assert s.decided and b.decided
+        # what the migration writes and which links it replaces do not grow with the job
+        assert b.store_transactions == s.store_transactions
+        assert b.store_keys_written == s.store_keys_written
+        assert b.links_replaced == s.links_replaced == b.ranks_acting
+        assert b.links_replaced <= 6  # two ring neighbours in each of TP, DP, PP
+        assert b.links_replaced < big.links_total / 100
+        # every rank hears of the new epoch exactly once (it must pause)
+        assert b.plan_notifications == big.ranks
