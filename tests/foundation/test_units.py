@@ -1,0 +1,99 @@
+"""Pure-logic unit tests: data order, config, patches, tokenizer."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from megatron.training.arguments import parse_args
+from megatron.training.data import BatchPlan, GPTBatchIterator, IndexedGPTDataset, MockGPTDataset, micro_batch_indices
+from megatron.training.tokenizer import ByteLevelTokenizer
+from trainmover_ext.config import add_trainmover_args, config_from_args
+from trainmover_ext.errors import ConfigError, PatchError
+from helpers import tiny_args
+
+
+def test_dp_ranks_read_disjoint_consecutive_samples():
+    ds = MockGPTDataset(100, 8, seed=1)
+    plans = [BatchPlan(micro_batch_size=2, data_parallel_size=3, data_parallel_rank=d) for d in range(3)]
+    iters = [GPTBatchIterator(ds, p, consumed_samples=12) for p in plans]
+    seen = []
+    for _ in range(2):
+        for it in iters:
+            seen += next(it)["sample_indices"]
+    assert sorted(seen) == list(range(12, 24))
+    assert all(it.consumed_samples == 24 for it in iters)
+
+
+def test_samples_do_not_depend_on_layout():
+    ds = MockGPTDataset(100, 8, seed=7)
+    one = GPTBatchIterator(ds, BatchPlan(micro_batch_size=4, data_parallel_size=1, data_parallel_rank=0))
+    two = [GPTBatchIterator(ds, BatchPlan(micro_batch_size=2, data_parallel_size=2, data_parallel_rank=d))
+           for d in range(2)]
+    a = next(one)["tokens"]
+    b = np.concatenate([next(it)["tokens"].numpy() for it in two])
+    assert np.array_equal(a.numpy(), b)
+
+
+def test_indexed_dataset_windows_and_epochs(corpus):
+    ds = IndexedGPTDataset([corpus + "_text_document"], seq_length=64, seed=3)
+    first_epoch = {tuple(ds[i][:8]) for i in range(ds.windows)}
+    assert len(first_epoch) > ds.windows * 0.9  # a permutation of distinct windows
+    assert len(ds[5]) == 65
+    assert not np.array_equal(ds[0], ds[ds.windows])  # a new epoch has a new order
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteLevelTokenizer()
+    assert tok.detokenize(tok.tokenize("héllo") + [tok.eod]) == "héllo"
+
+
+def test_padded_vocab_independent_of_tp():
+    from megatron.training.tokenizer import build_tokenizer
+
+    sizes = set()
+    for tp in (1, 2, 4):
+        args = parse_args(add_trainmover_args, tiny_args(None, tp=tp), world_size=tp)
+        build_tokenizer(args)
+        sizes.add(args.padded_vocab_size)
+    assert sizes == {384}
+
+
+def test_micro_batch_indices():
+    assert micro_batch_indices(BatchPlan(micro_batch_size=2, data_parallel_size=2, data_parallel_rank=1), 8) == [10, 11]
+
+
+def test_trainmover_flags_parse_and_unwired_flags_refuse():
+    parser = add_trainmover_args(argparse.ArgumentParser())
+    cfg = config_from_args(parser.parse_args(["--trainmover", "--tm-job", "j1", "--tm-lease-ttl", "3"]))
+    assert cfg.enabled and cfg.job == "j1" and cfg.lease_ttl_s == 3.0
+    with pytest.raises(ConfigError, match="--tm-record-dir is declared but not available"):
+        config_from_args(parser.parse_args(["--tm-record-dir", "/x"]))
+    with pytest.raises(ConfigError, match="--tm-lease-ttl"):
+        config_from_args(parser.parse_args(["--tm-lease-ttl", "0"]))
+
+
+def test_patch_version_gate():
+    import trainmover_ext.patches as patches
+
+    assert patches.check_version("0.16.1") == "0.16.1"
+    with pytest.raises(PatchError, match="megatron-core==0.16.1"):
+        patches.check_version("0.17.0")
+
+
+def test_rewrite_fails_loudly_on_changed_source():
+    from trainmover_ext.patches._rewrite import rewrite
+
+    with pytest.raises(PatchError, match="no longer contains"):
+        rewrite("megatron.core.transformer.utils", "get_default_causal_mask", [("not in source", "x")])
+
+
+def test_interleaved_pp2_on_gloo_never_batches_p2p():
+    from megatron.training.model import transformer_config_from_args
+
+    args = parse_args(add_trainmover_args, tiny_args(None, pp=2, extra=["--num-layers-per-virtual-pipeline-stage", "1"]),
+                      world_size=2)
+    gloo = type("L", (), {"backend": "gloo"})
+    assert transformer_config_from_args(args, gloo).batch_p2p_comm is False
