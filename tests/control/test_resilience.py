@@ -1,0 +1,141 @@
+"""etcd under stress: TLS with client certificates, a 3-member cluster losing a member, a restarted
+single etcd, an unreachable etcd, a missing binary, and the metrics endpoint."""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from trainmover_ext.control.membership import LeaseKeeper, Membership
+from trainmover_ext.control.records import MemberRecord
+from trainmover_ext.errors import ConfigError, EtcdNotFound, EtcdUnavailable, StoreError
+from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig, LocalEtcdCluster, find_etcd_binary
+from trainmover_ext.etcd.tls import make_test_certs
+from trainmover_ext.kv import EtcdClientConfig, EtcdKV
+from trainmover_ext.kv.job import JobSpace
+from trainmover_ext.kv.torch_store import EtcdStore
+from trainmover_ext.metrics import ControlMetrics
+
+
+def test_tls_with_client_certificates(tmp_path):
+    certs = make_test_certs(tmp_path / "certs")
+    server = EmbeddedEtcd(EmbeddedEtcdConfig(
+        data_dir=tmp_path / "etcd", cert_file=certs.server_cert, key_file=certs.server_key,
+        trusted_ca_file=certs.ca_cert, client_cert_auth=True,
+    ))
+    with server:
+        assert server.client_url.startswith("https://")
+        good = EtcdClientConfig(endpoints=server.endpoints, ca_cert=certs.ca_cert, client_cert=certs.client_cert,
+                                client_key=certs.client_key, timeout_s=2, connect_timeout_s=3)
+        with EtcdKV(good) as kv:
+            space = JobSpace.create(kv, "tls")
+            space.put(space.key("x"), b"1")
+            assert kv.get(space.key("x")).value == b"1"
+        # A certificate from a CA the server does not trust is refused, as is a client without any certificate.
+        for bad in (
+            EtcdClientConfig(endpoints=server.endpoints, ca_cert=certs.ca_cert, client_cert=certs.other_client_cert,
+                             client_key=certs.other_client_key, timeout_s=1, connect_timeout_s=1),
+            EtcdClientConfig(endpoints=server.endpoints, ca_cert=certs.ca_cert, timeout_s=1, connect_timeout_s=1),
+        ):
+            with pytest.raises(StoreError, match="tm-etcd"):
+                EtcdKV(bad)
+        # Plain-text clients cannot talk to a TLS server either.
+        with pytest.raises(EtcdUnavailable):
+            EtcdKV(EtcdClientConfig(endpoints=server.endpoints, timeout_s=1, connect_timeout_s=1))
+
+
+def test_tls_config_errors_name_the_flag(tmp_path):
+    with pytest.raises(ConfigError, match="--tm-etcd-cert and --tm-etcd-key"):
+        EtcdClientConfig(endpoints=["127.0.0.1:1"], ca_cert="/x", client_cert="/y")
+    with pytest.raises(ConfigError, match="--tm-etcd-ca /nope: no such file"):
+        EtcdClientConfig(endpoints=["127.0.0.1:1"], ca_cert="/nope")
+    with pytest.raises(ConfigError, match="--tm-etcd-endpoints"):
+        EtcdClientConfig(endpoints=[])
+
+
+def test_three_member_cluster_survives_losing_one(tmp_path):
+    with LocalEtcdCluster(base_dir=tmp_path / "cluster", size=3) as cluster:
+        kv = EtcdKV(EtcdClientConfig(endpoints=cluster.endpoints, timeout_s=5))
+        space = JobSpace.create(kv, "ha")
+        member = Membership(space, MemberRecord(member_id="w0", kind="worker", host="h", pid=1), ttl_s=2).register()
+        store = EtcdStore(cluster.endpoints, prefix=space.key("store", "0") + "/", timeout=10)
+        store.set("before", b"1")
+        # Kill the member this client is talking to, so the client must fail over.
+        in_use = kv._etcd.endpoint_in_use.netloc  # noqa: SLF001 - the test needs to know which one to kill
+        index = cluster.endpoints.index(in_use)
+        cluster.kill_member(index)
+        for i in range(20):
+            space.put(space.key("after", i), b"x")
+        assert store.get("before") == b"1" and store.add("n", 2) == 2
+        time.sleep(2.5)  # longer than the member TTL: its lease must have been kept alive through the failover
+        member.check()
+        assert kv.get(member.key) is not None
+        assert len(kv.get_prefix(space.key("after/")).entries) == 20
+        member.close()
+        store.close()
+        kv.close()
+
+
+def test_single_etcd_restart_mid_run(tmp_path):
+    server = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=tmp_path / "etcd"))
+    with server:
+        kv = EtcdKV(EtcdClientConfig(endpoints=server.endpoints, timeout_s=1.5))
+        space = JobSpace.create(kv, "restart")
+        seen: list = []
+        got_after = threading.Event()
+        watch = kv.watch_prefix(space.key("w/"), lambda evs: (seen.extend(evs), got_after.set() if any(e.key.endswith("after") for e in evs) else None))
+        keeper = LeaseKeeper(space, 3, name="t")
+        space.put(space.key("w", "before"), b"1")
+        server.kill()  # crash
+        # A call while etcd is down waits up to the client timeout, then says what is wrong.
+        t0 = time.monotonic()
+        with pytest.raises(EtcdUnavailable, match="unreachable during get"):
+            kv.get(space.key("w", "before"))
+        assert 1.0 < time.monotonic() - t0 < 4
+        server.start()  # same ports, same data dir
+        # The old client reconnects by itself: data, watches and the lease survived.
+        assert kv.get(space.key("w", "before")).value == b"1"
+        space.put(space.key("w", "after"), b"2")
+        assert got_after.wait(10), "the watch must re-subscribe after the restart"
+        assert [e.key.rsplit("/", 1)[1] for e in seen] == ["before", "after"]
+        time.sleep(1.2)
+        assert not keeper.lost.is_set(), "a lease shorter-lived than the outage is kept alive after reconnecting"
+        keeper.close()
+        watch.cancel()
+        kv.close()
+
+
+def test_unreachable_etcd_at_start_is_a_clear_error():
+    t0 = time.monotonic()
+    with pytest.raises(EtcdUnavailable, match="no etcd answered at 127.0.0.1:1 .*--tm-etcd-endpoints"):
+        EtcdKV(EtcdClientConfig(endpoints=["127.0.0.1:1"], timeout_s=0.5, connect_timeout_s=0.5))
+    assert time.monotonic() - t0 < 3
+
+
+def test_missing_binary_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("TRAINMOVER_ETCD_BINARY", raising=False)
+    with pytest.raises(EtcdNotFound, match="--tm-etcd-binary .*apt-get install -y etcd-server"):
+        find_etcd_binary(str(tmp_path / "no-etcd"))
+    monkeypatch.setattr("trainmover_ext.etcd.server.FALLBACK_PATHS", ())
+    with pytest.raises(EtcdNotFound, match="no etcd binary found; install one with `apt-get install -y etcd-server`"):
+        EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=tmp_path / "etcd"))
+
+
+def test_metrics_are_served(etcd, kv):
+    metrics = ControlMetrics(job="m")
+    port = metrics.serve(0)
+    try:
+        metrics.observe_view({"worker": 3, "standby": 1}, 7)
+        metrics.detections.labels("m", "report").inc()
+        metrics.detection_latency.labels("m").observe(0.01)
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert 'trainmover_members{job="m",kind="worker"} 3.0' in body
+        assert 'trainmover_epoch{job="m"} 7.0' in body
+        assert 'trainmover_detections_total{job="m",path="report"} 1.0' in body
+        assert "trainmover_detection_latency_seconds_bucket" in body
+    finally:
+        metrics.close()
