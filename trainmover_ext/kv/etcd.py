@@ -185,8 +185,11 @@ class EtcdKV(KV):
                 ("grpc.max_reconnect_backoff_ms", 500)]
         eps = [pyetcd.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=0.2, opts=opts) for h, p in cfg.host_ports()]
         try:
+            # Each RPC attempt gets a slice of the call deadline, so an attempt stuck on a dead or
+            # leaderless member leaves time to retry on another member before timeout_s runs out.
+            attempt_s = max(0.25, min(2.0, cfg.timeout_s / 3))
             return pyetcd.MultiEndpointEtcd3Client(
-                endpoints=eps, timeout=cfg.timeout_s, user=cfg.user, password=cfg.password, failover=True
+                endpoints=eps, timeout=attempt_s, user=cfg.user, password=cfg.password, failover=True
             )
         except grpc.RpcError as exc:
             if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):

@@ -1,0 +1,12 @@
+"""The control plane: membership with leases, a leader-elected controller, failure detection, the CLI.
+
+Entry points for the launcher/agent:
+
+- :class:`trainmover_ext.control.membership.Membership` - register a member, lease kept alive.
+- :class:`trainmover_ext.control.controller.Controller` - election + watch + decide + execute.
+- :class:`trainmover_ext.control.supervise.ChildExitReporter` - report a child's exit (fast path).
+- :func:`trainmover_ext.control.membership.report_failure` - a rank reports a broken link (fast path).
+- :class:`trainmover_ext.control.membership.DecisionWatcher` - learn of each migration plan.
+
+Imported lazily by the CLI; this package imports nothing at load time.
+"""
