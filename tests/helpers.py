@@ -53,7 +53,8 @@ def start_job(tmp_path, nproc: int, script_args: list[str], *launch_flags: str, 
     out, err = str(tmp_path / f"{name}.out"), str(tmp_path / f"{name}.err")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     popen = subprocess.Popen(
-        launch_cmd(nproc, script_args + ["--tm-metrics-file", metrics], *launch_flags),
+        launch_cmd(nproc, script_args + ["--tm-metrics-file", metrics], "--run-dir", str(tmp_path / f"{name}.run"),
+                   *launch_flags),
         stdout=open(out, "w"), stderr=open(err, "w"), cwd=REPO_ROOT, env=env,
     )
     return LaunchedJob(popen, out, err, metrics)

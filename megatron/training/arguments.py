@@ -195,6 +195,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.sequence_parallel = False
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters and args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ConfigError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
+            f"(default --train-iters) {args.lr_decay_iters}"
+        )
     if args.min_lr > args.lr:
         raise ConfigError("--min-lr must not exceed --lr")
     if not args.mock_data and not args.data_path:

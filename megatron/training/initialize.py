@@ -1,8 +1,9 @@
 """Process start-up: patches, torch.distributed, model-parallel groups, seeds.
 
-Called once per rank by ``pretrain``. Rendezvous comes from the launcher's
-environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``). The backend is NCCL with CUDA, gloo without; CPU
+Called once per rank by ``pretrain``. Rank and world come from the launcher's
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``); rendezvous goes through
+etcd when the launcher says so (see ``trainmover_ext.launch.rendezvous``), else
+through torch's env:// TCPStore (``MASTER_ADDR``, ``MASTER_PORT``). The backend is NCCL with CUDA, gloo without; CPU
 compatibility patches are installed only when CUDA is absent.
 """
 
@@ -85,9 +86,15 @@ def initialize_distributed(args) -> ParallelLayout:
         device = torch.device("cpu")
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+        from trainmover_ext.launch.rendezvous import rank_store
+
+        store = rank_store(timeout)  # etcd under `trainmover launch`; None = env:// TCPStore
+        if store is None:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", "29500")
+        torch.distributed.init_process_group(
+            backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=store
+        )
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

@@ -54,6 +54,7 @@ def transformer_config_from_args(args, layout):
         masked_softmax_fusion=False,
         persist_layer_norm=False,
         deallocate_pipeline_outputs=True,
+        cuda_graph_scope=[],
     )
 
 

@@ -13,6 +13,7 @@ Contract:
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -49,10 +50,11 @@ class Agent:
         self._stop_signal: Optional[int] = None
         self.log = log or (lambda msg: print(f"[trainmover launch] {msg}", file=sys.stderr, flush=True))
         self.events: list[dict] = []
+        self.etcd = None
 
     def _env(self, local_rank: int, port: int) -> dict[str, str]:
         cfg = self.config
-        return {
+        return cfg.rendezvous.env(self.restarts) | {
             "RANK": str(cfg.node_rank * cfg.nproc_per_node + local_rank),
             "LOCAL_RANK": str(local_rank),
             "WORLD_SIZE": str(cfg.world_size),
@@ -108,9 +110,31 @@ class Agent:
                 return None, True
             time.sleep(self.config.monitor_interval_s)
 
+    def _start_embedded_etcd(self) -> None:
+        """Start a local etcd for rendezvous and membership when no endpoints were given."""
+        from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig
+
+        plan = self.config.rendezvous
+        run_dir = self.config.run_dir or os.path.join("runs", plan.job)
+        os.makedirs(run_dir, exist_ok=True)
+        data_dir = os.path.join(run_dir, f"etcd-{os.getpid()}")
+        self.etcd = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=data_dir)).start()
+        plan.endpoints = list(self.etcd.endpoints)
+        self.log(f"embedded etcd at {','.join(plan.endpoints)} (data {data_dir}); "
+                 f"status: trainmover status --tm-etcd-endpoints {','.join(plan.endpoints)} --tm-job {plan.job}")
+
+    def _stop_embedded_etcd(self) -> None:
+        if self.etcd is not None:
+            self.etcd.stop()
+            shutil.rmtree(self.etcd.config.data_dir, ignore_errors=True)
+            self.etcd = None
+
     def run(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
+            plan = self.config.rendezvous
+            if plan.backend == "etcd" and not plan.endpoints:
+                self._start_embedded_etcd()
             self.start_ranks(self.config.start_method)
             while True:
                 failed, ok = self._wait()
@@ -137,5 +161,6 @@ class Agent:
         finally:
             if any(p.poll() is None for p in self.procs):
                 self.stop_ranks()
+            self._stop_embedded_etcd()
             for sig, handler in old.items():
                 signal.signal(sig, handler)

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from trainmover_ext.control.cli import add_connection_flags
+from trainmover_ext.kv.job import new_token
 from trainmover_ext.launch.agent import Agent
 from trainmover_ext.launch.config import LaunchConfig
+from trainmover_ext.launch.rendezvous import RendezvousPlan
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,6 +32,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "'spawn' starts fresh interpreters. Restarts always spawn fresh processes.")
     parser.add_argument("--term-timeout", type=float, default=5.0,
                         help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
+    parser.add_argument("--rdzv-backend", choices=["etcd", "tcp"], default="etcd",
+                        help="Rendezvous store: 'etcd' (default; no rank hosts a store the job depends on) or "
+                        "'tcp' (torch's TCPStore on rank 0, a single point of failure).")
+    parser.add_argument("--run-dir", default=None,
+                        help="Job directory for the embedded etcd's data and logs (default runs/<job>).")
+    add_connection_flags(parser)
     parser.add_argument("script", help="Training script, e.g. pretrain_gpt.py.")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Arguments for the training script.")
     parser.set_defaults(func=run)
@@ -36,7 +45,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    endpoints = [e for e in (args.tm_etcd_endpoints or "").split(",") if e.strip()]
+    plan = RendezvousPlan(
+        backend=args.rdzv_backend,
+        endpoints=endpoints,
+        job=args.tm_job or "trainmover",
+        token=args.tm_job_token or new_token(),
+        tls={"ca_cert": args.tm_etcd_ca, "client_cert": args.tm_etcd_cert, "client_key": args.tm_etcd_key,
+             "user": args.tm_etcd_user, "password": args.tm_etcd_password},
+    )
     config = LaunchConfig(
+        rendezvous=plan,
+        run_dir=args.run_dir,
         script=args.script,
         script_args=list(args.script_args),
         nproc_per_node=args.nproc_per_node,

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 
 from trainmover_ext.errors import ConfigError
+from trainmover_ext.launch.rendezvous import RendezvousPlan
 
 
 @dataclass(kw_only=True)
@@ -36,6 +38,10 @@ class LaunchConfig:
     """``--term-timeout``: grace between SIGTERM and SIGKILL when tearing ranks down."""
     monitor_interval_s: float = 0.05
     """How often the agent polls its children."""
+    rendezvous: RendezvousPlan = field(default_factory=RendezvousPlan)
+    """Where ranks meet (etcd by default; an embedded etcd is started when no endpoints are given)."""
+    run_dir: Optional[str] = None
+    """``--run-dir``: the job's working directory (embedded etcd data, logs); default runs/<job>."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -48,6 +54,11 @@ class LaunchConfig:
             raise ConfigError("--start-method must be 'fork' or 'spawn'")
         if self.nnodes > 1 and self.master_port == 0:
             raise ConfigError("--master-port is required with --nnodes > 1")
+        if self.rendezvous.backend == "etcd" and not self.rendezvous.endpoints and self.nnodes > 1:
+            raise ConfigError(
+                "a multi-node job needs a shared etcd: pass --tm-etcd-endpoints (e.g. started on the first node "
+                "by scripts/slurm/trainmover.sbatch), or --rdzv-backend tcp"
+            )
         if not os.path.isfile(self.script):
             raise ConfigError(f"training script {self.script} does not exist")
 
