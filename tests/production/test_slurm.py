@@ -1,0 +1,102 @@
+"""scripts/slurm/trainmover.sbatch under a real Slurm (munged + slurmctld + 2 emulated slurmd).
+
+The cluster is started once for the module and stopped by pid afterwards
+(after scancel and an empty squeue); see ``slurm_harness``. Slurm is installed
+with apt when missing, and a failure to do so fails the test: CI runs as root.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+
+import pytest
+
+from helpers import pid_alive, read_metrics, tiny_args
+from production.slurm_harness import SlurmCluster, free_ports
+from trainmover_ext.jobs import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+SBATCH = os.path.join(REPO_ROOT, "scripts", "slurm", "trainmover.sbatch")
+ITERS = 3
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2, cpus_per_node=8)
+    cluster.start(timeout=60)
+    try:
+        yield cluster
+    finally:
+        cluster.stop(timeout=30)
+        alive = {name: p.pid for name, p in cluster.procs.items() if p.poll() is None}
+        assert not alive, f"Slurm daemons still running after stop(): {alive}"
+
+
+def _port_pair() -> int:
+    """A port p with p and p+1 free on loopback (etcd's client and peer ports)."""
+    for _ in range(50):
+        (port,) = free_ports(1)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two consecutive free ports on loopback")
+
+
+def _read(path) -> str:
+    return open(path).read() if os.path.exists(path) else f"(no file {path})"
+
+
+def test_sbatch_trains_on_two_nodes(slurm, tmp_path):
+    """2 nodes x 2 ranks (PP2 x DP2), embedded etcd on the first node: training completes on both nodes."""
+    (master_port,) = free_ports(1)
+    etcd_port = _port_pair()
+    logs, out = tmp_path / "logs", tmp_path / "batch.out"
+    metrics = tmp_path / "metrics.jsonl"
+    train = tiny_args(None, pp=2, iters=ITERS, gbs=4, extra=["--tm-metrics-file", str(metrics)])
+    job = slurm.submit(
+        SBATCH,
+        ["--nproc-per-node", "2", "--master-port", str(master_port), "--etcd-port", str(etcd_port),
+         "--log-dir", str(logs), "--python", sys.executable, "--", *train],
+        ["-N", "2", "--time", "5", "-o", str(out)],
+        cwd=REPO_ROOT,
+    )
+    info = slurm.wait_job(job, timeout=150)
+    node_logs = sorted(logs.glob("node-*.log"))
+    report = f"batch output:\n{_read(out)[-3000:]}\n" + "\n".join(
+        f"--- {p.name}:\n{_read(p)[-3000:]}" for p in node_logs)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"job {job}: {info['JobState']} {info['ExitCode']}\n{report}"
+
+    batch = _read(out)
+    assert "world size 4" in batch and "rendezvous 127.0.0.1:" in batch, report
+    assert f"agent logs: {logs}" in batch and "status: trainmover status --tm-etcd-endpoints 127.0.0.1:" in batch, report
+    assert "training finished on all nodes" in batch, report
+    # One agent per Slurm node, each knowing its Slurm node name and id.
+    assert [p.name for p in node_logs] == ["node-0.log", "node-1.log"], report
+    for node_id, path in enumerate(node_logs):
+        text = _read(path)
+        assert f"node n{node_id + 1} (id {node_id} of 2)" in text and "all ranks finished" in text, report
+    iters = sorted({rec["iteration"] for rec in read_metrics(str(metrics))})
+    assert iters == list(range(1, ITERS + 1)), f"iterations logged: {iters}\n{report}"
+    # The embedded etcd was stopped with the job, and the token file is private.
+    etcd_pid = int(re.search(r"embedded on n1, pid (\d+)", batch).group(1))
+    assert not pid_alive(etcd_pid), f"embedded etcd (pid {etcd_pid}) outlived the job"
+    assert oct(os.stat(logs / "job-token").st_mode & 0o777) == "0o600"
+
+
+def test_standby_nodes_are_refused_with_a_clear_message(slurm, tmp_path):
+    """S > 0 is not implemented yet: the job fails fast and says what to do."""
+    out = tmp_path / "batch.out"
+    job = slurm.submit(SBATCH, ["--standby-nodes", "1", "--log-dir", str(tmp_path / "logs"),
+                                "--python", sys.executable, "--", "--mock-data"],
+                       ["-N", "2", "--time", "1", "-o", str(out)], cwd=REPO_ROOT)
+    info = slurm.wait_job(job, timeout=30)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
+    text = _read(out)
+    assert "standby nodes are not implemented yet" in text and "--standby-nodes 0" in text, text
