@@ -240,6 +240,20 @@ class SlurmCluster:
         """``scontrol -o show job ID`` as a dict (JobState, ExitCode, StdOut, NodeList, Reason ...)."""
         return parse_kv_line(self._run(["scontrol", "-o", "show", "job", str(job_id)]).stdout)
 
+    def wait_running(self, job_id: int, timeout: float) -> dict[str, str]:
+        """Poll until the job is RUNNING; raises SlurmError with its state and reason otherwise."""
+        deadline = time.monotonic() + timeout
+        info: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") == "RUNNING":
+                return info
+            if info.get("JobState") not in ("PENDING", "CONFIGURING"):
+                break
+            time.sleep(0.2)
+        raise SlurmError(f"job {job_id} is {info.get('JobState')}, not RUNNING, after waiting up to {timeout}s "
+                         f"(reason {info.get('Reason')})\n{self.logs()}")
+
     def wait_job(self, job_id: int, timeout: float) -> dict[str, str]:
         """Poll until the job leaves PENDING/RUNNING/COMPLETING; raises SlurmError with its state on timeout."""
         deadline = time.monotonic() + timeout

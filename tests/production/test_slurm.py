@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -21,6 +22,7 @@ from trainmover_ext.jobs import REPO_ROOT
 pytestmark = pytest.mark.slow
 
 SBATCH = os.path.join(REPO_ROOT, "scripts", "slurm", "trainmover.sbatch")
+DRAIN = os.path.join(REPO_ROOT, "scripts", "slurm", "drain_node.sh")
 ITERS = 3
 
 
@@ -34,6 +36,19 @@ def slurm(tmp_path_factory):
         cluster.stop(timeout=30)
         alive = {name: p.pid for name, p in cluster.procs.items() if p.poll() is None}
         assert not alive, f"Slurm daemons still running after stop(): {alive}"
+
+
+@pytest.fixture
+def etcd_server(tmp_path):
+    """A real single-member etcd for the job's control plane, stopped by pid."""
+    from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig
+
+    server = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=tmp_path / "etcd"))
+    server.start(timeout=30)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def _port_pair() -> int:
@@ -100,3 +115,40 @@ def test_standby_nodes_are_refused_with_a_clear_message(slurm, tmp_path):
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
     text = _read(out)
     assert "standby nodes are not implemented yet" in text and "--standby-nodes 0" in text, text
+
+
+def test_drain_node_requests_a_migration_per_rank_and_drains_slurm(slurm, tmp_path, etcd_server):
+    """drain_node.sh finds n2's ranks from the job's placement, asks for one planned migration each
+    (through the real `trainmover migrate` against a real etcd) and marks n2 DRAIN in Slurm."""
+    from trainmover_ext.control.membership import init_job
+    from trainmover_ext.control.records import MigrationRequest, RankRecord
+    from trainmover_ext.kv import EtcdClientConfig, EtcdKV
+    from trainmover_ext.kv.job import JobSpace
+
+    script = tmp_path / "hold.sh"
+    script.write_text("#!/bin/bash\nsleep 120\n")
+    job = slurm.submit(str(script), [], ["-N", "2", "--time", "3", "-o", str(tmp_path / "hold.out")], cwd=str(tmp_path))
+    kv = EtcdKV(EtcdClientConfig(endpoints=etcd_server.endpoints, timeout_s=3.0))
+    try:
+        slurm.wait_running(job, timeout=30)
+        space = JobSpace.create(kv, "drain")
+        init_job(space, [RankRecord(rank=r, member_id=f"w{r}", host=f"n{r // 2 + 1}", role=("first", "last")[r % 2],
+                                    replicas=[]) for r in range(4)])
+        proc = subprocess.run(
+            ["bash", DRAIN, "--node", "n2", "--slurm-job", str(job), "--nproc-per-node", "2", "--slurm-drain",
+             "--python", sys.executable, "--tm-etcd-endpoints", ",".join(etcd_server.endpoints),
+             "--tm-job", "drain", "--tm-job-token", space.token],
+            env=slurm.env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "node n2 serves ranks: 2 3" in proc.stdout, proc.stdout
+        requests = [MigrationRequest.from_bytes(e.value, key=e.key)
+                    for e in kv.get_prefix(space.key("requests/")).entries]
+        assert sorted(r.rank for r in requests) == [2, 3]
+        state = subprocess.run(["sinfo", "-h", "-n", "n2", "-o", "%T"], env=slurm.env(), capture_output=True,
+                               text=True, timeout=15).stdout.strip()
+        assert state in ("draining", "drained"), state
+    finally:
+        kv.close()
+        subprocess.run(["scancel", str(job)], env=slurm.env(), capture_output=True, timeout=15)
+        subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], env=slurm.env(), capture_output=True,
+                       timeout=15)
