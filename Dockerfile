@@ -1,19 +1,41 @@
-# TrainMover on an NGC PyTorch image (brings CUDA, NCCL, TransformerEngine and apex).
+# TrainMover on an NGC PyTorch image, which brings CUDA, NCCL, torch, TransformerEngine and apex.
 # Build:  docker build -t trainmover .
-# Run:    docker run --gpus all --ipc=host --rm trainmover launch --nproc-per-node 8 pretrain_gpt.py ...
+# Run:    docker run --gpus all --ipc=host --network=host --rm trainmover launch --nproc-per-node 8 pretrain_gpt.py ...
+# Slurm (pyxis/enroot) and more: docs/container.md.
+#
+# tests/production/test_container.py lints this file with hadolint and replays its COPY and
+# `pip install` steps in a fresh venv, so keep installs as plain `pip install` commands.
 FROM nvcr.io/nvidia/pytorch:25.10-py3
 
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG DEBIAN_FRONTEND=noninteractive
-# etcd for the embedded membership store
+
+# etcd for the embedded membership store (the launcher and trainmover.sbatch start it).
+# The distribution's etcd-server follows the base image's Ubuntu release, so it is not pinned here.
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends etcd-server \
-    && rm -rf /var/lib/apt/lists/*
+    && rm -rf /var/lib/apt/lists/* \
+    && etcd --version
 
 WORKDIR /opt/trainmover
-COPY . /opt/trainmover
-# Keep the image's torch: install the project and its GPU extra without touching it.
+COPY setup.py pretrain_gpt.py ./
+COPY megatron ./megatron
+COPY patches ./patches
+COPY trainmover_ext ./trainmover_ext
+COPY nccl_delta ./nccl_delta
+COPY scripts ./scripts
+
+# The image's torch and TransformerEngine stay: the NGC image pins them (and the other packages
+# it ships) through PIP_CONSTRAINT, and the project itself is installed without dependencies.
+# Then the package's install_requires and its [gpu] extra (TransformerEngine is in the image):
+# pinned where the image has no copy, left to the image's constraints where it may have one
+# (grpcio, protobuf, nvidia-ml-py).
+# hadolint ignore=DL3013
 RUN pip install --no-cache-dir --no-deps -e . \
-    && pip install --no-cache-dir "etcd-sdk-python==0.0.7" protobuf prometheus_client nvidia-ml-py
+    && pip install --no-cache-dir "megatron-core==0.16.1" "etcd-sdk-python==0.0.7" "prometheus_client==0.26.0" \
+       grpcio protobuf nvidia-ml-py \
+    && trainmover --help > /dev/null
 
 ENV PYTHONUNBUFFERED=1
 ENTRYPOINT ["trainmover"]
