@@ -9,7 +9,7 @@
 # stop_embedded_etcd
 #   SIGTERM, then SIGKILL after 5 s, by pid. Safe to call twice.
 #
-# Needs $PY (a Python for the health probe). etcd only accepts IP addresses
+# Needs a Python for the health probe: $ETCD_PROBE_PYTHON, default python3. etcd only accepts IP addresses
 # in listen URLs, so a host name is resolved first.
 
 start_embedded_etcd() {
@@ -33,7 +33,7 @@ start_embedded_etcd() {
     > "$dir/etcd.log" 2>&1 &
   EMBEDDED_ETCD_PID=$!
   EMBEDDED_ETCD_ENDPOINT="$addr:$port"
-  if ! "$PY" - "$client/health" "${TM_ETCD_START_TIMEOUT:-30}" "$EMBEDDED_ETCD_PID" <<'PYEOF'
+  if ! "${ETCD_PROBE_PYTHON:-python3}" - "$client/health" "${TM_ETCD_START_TIMEOUT:-30}" "$EMBEDDED_ETCD_PID" <<'PYEOF'
 import os, sys, time, urllib.request
 url, timeout, pid = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 deadline = time.monotonic() + timeout
