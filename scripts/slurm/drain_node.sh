@@ -25,7 +25,7 @@ set -euo pipefail
 
 die() { echo "drain_node.sh: error: $*" >&2; exit 2; }
 
-NODE= JOB_ID= NPROC= RANKS= SLURM_DRAIN=0 DRY=0
+NODE='' JOB_ID='' NPROC='' RANKS='' SLURM_DRAIN=0 DRY=0
 PY=${TM_PYTHON:-python3}
 TM_FLAGS=()
 while (($#)); do

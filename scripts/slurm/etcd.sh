@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by trainmover.sbatch: the job's embedded single-member etcd on the first node.
 #
 # start_embedded_etcd ADDR CLIENT_PORT DIR
@@ -32,6 +33,7 @@ start_embedded_etcd() {
     --initial-cluster "tm0=$peer" --initial-cluster-state new \
     > "$dir/etcd.log" 2>&1 &
   EMBEDDED_ETCD_PID=$!
+  # shellcheck disable=SC2034  # read by trainmover.sbatch, which sources this file
   EMBEDDED_ETCD_ENDPOINT="$addr:$port"
   if ! "${ETCD_PROBE_PYTHON:-python3}" - "$client/health" "${TM_ETCD_START_TIMEOUT:-30}" "$EMBEDDED_ETCD_PID" <<'PYEOF'
 import os, sys, time, urllib.request

