@@ -114,3 +114,14 @@ class CommAbandoned(CommLinkError):
 
 class CommTimeout(CommLinkError, TimeoutError):
     """A link op or link rendezvous ran past its deadline; the peer is hung or never arrived."""
+
+
+# --- sandbox (issue 5) ---
+
+
+class RecordingNotFound(TrainMoverError):
+    """No sealed recording exists for a role yet; the job has not finished recording its first iterations."""
+
+
+class RecordingCorrupt(TrainMoverError):
+    """A recording fails its checksum or its index is unreadable; it is never used. Record again."""

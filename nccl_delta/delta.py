@@ -1,0 +1,206 @@
+"""The two-phase membership API: replace the process behind logical rank r by touching only r's links.
+
+Protocol for a planned migration of logical rank ``r`` at epoch ``e``
+1. Joiner process (new): ``nccl_delta.expect_join(e)``, then the same
+   ``init_process_group`` and group creation as the job (e.g. megatron's
+   ``initialize_model_parallel``), which builds no links, then
+   ``current_world().join(e)``: it connects to r's ring neighbours in every
+   group containing r, group by group in creation order, and blocks until all
+   are up (deadline: ``connect_timeout_s`` per link).
+2. Every stayer: ``prepare(r, e)`` (phase 1). Returns at once. A stayer that
+   is a ring neighbour of r in some group builds its new link(s) to r on a
+   background thread while training continues on the old links; any other
+   stayer only records the epoch.
+3. At an iteration boundary, every stayer: ``switch(e)`` (phase 2). A
+   neighbour re-points its link to r, closes the old one, and reports how many
+   links it touched. No barrier and no global rebuild: cost is independent of
+   world size.
+4. The leaver stops using the communicator and exits.
+
+Unexpected failure of rank ``r`` (a link raised :class:`CommLinkError`, or the
+lease of r expired):
+1. Every live process: ``abandon(e)`` (any thread). Every link is severed, so
+   any op in flight on any thread raises :class:`CommAbandoned` at once, even
+   one waiting on a hung peer. Processes that will exit instead should call
+   ``os._exit`` after cleanup (gloo aborts at exit with abandoned ops).
+2. Every stayer: ``recover(e)``; the joiner: ``join(e)``. All links are rebuilt
+   in generation e, group by group in creation order.
+
+Failures: ``switch`` raises :class:`MigrationAborted` (links unchanged, the
+old epoch stays in force) if the new links are not up within its deadline or
+failed to connect.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from trainmover_ext.errors import MigrationAborted
+
+from .links import Link
+
+if TYPE_CHECKING:
+    from .group import DeltaGroup
+    from .world import DeltaWorld
+
+
+@dataclass(kw_only=True)
+class PreparedSwap:
+    """Phase-1 state of one stayer for one epoch."""
+
+    rank: int
+    """Logical rank being replaced."""
+    epoch: int
+    """Membership epoch the swap belongs to."""
+    joiner: str | None = None
+    """Control-plane id of the joining member (for messages only)."""
+    links: list[tuple["DeltaGroup", str, Link]] = field(default_factory=list)
+    """New links to the joiner, one per (group, transport) where r is a ring neighbour."""
+    planned: int = 0
+    """How many links this stayer must build (0 when it is not a neighbour of r)."""
+    error: BaseException | None = None
+    """The first error of the background build, if any."""
+    done: threading.Event = field(default_factory=threading.Event)
+    """Set when the background build finished (successfully or not)."""
+
+    def wait(self, timeout_s: float) -> bool:
+        return self.done.wait(timeout_s)
+
+
+@dataclass(kw_only=True)
+class SwitchReport:
+    """What phase 2 did on this stayer."""
+
+    rank: int
+    epoch: int
+    links_touched: int
+    """Links re-pointed to the joiner plus stale links to the leaver that were closed."""
+    switch_s: float
+    """Seconds spent in phase 2 on this process (excluding any wait for phase 1)."""
+    wait_s: float
+    """Seconds ``switch`` waited for phase 1 to finish."""
+
+
+def _clone_store(store):
+    # A thread blocked in a TCPStore get blocks every other user of that client, and the
+    # background build may wait for the joiner for a long time: give it its own connection.
+    try:
+        return store.clone()
+    except Exception:  # a store without clone(): share it, at the cost of that contention
+        return store
+
+
+def prepare(world: "DeltaWorld", rank: int, epoch: int, *, joiner: str | None = None) -> PreparedSwap:
+    """Phase 1 on a stayer: start building links to the joiner for ``rank`` in the background."""
+    if rank == world.rank:
+        raise MigrationAborted(f"rank {rank} cannot prepare its own replacement; prepare runs on stayers")
+    if epoch <= world.epoch or epoch in world.prepared:
+        raise MigrationAborted(f"epoch {epoch} is not newer than the current epoch {world.epoch} or was prepared already")
+    swap = PreparedSwap(rank=rank, epoch=epoch, joiner=joiner)
+    todo = [g for g in world.groups_with(rank) if rank in g.ring_peers()]
+    swap.planned = len(todo)
+    world.prepared[epoch] = swap
+    if not todo:
+        swap.done.set()
+        return swap
+
+    def build() -> None:
+        stores: dict[int, object] = {}
+        try:
+            # Group by group in creation order: the joiner walks the groups in the same order,
+            # so each of our links is the one it is waiting for.
+            for group in todo:
+                store = stores.setdefault(id(group.store), _clone_store(group.store))
+                link = group.connect_links([rank], world.transport, generation=epoch, store=store)[rank]
+                swap.links.append((group, world.transport, link))
+        except BaseException as exc:  # reported by switch()
+            swap.error = exc
+        finally:
+            swap.done.set()
+
+    threading.Thread(target=build, name=f"nccl_delta_prepare_e{epoch}", daemon=True).start()
+    return swap
+
+
+def switch(world: "DeltaWorld", epoch: int, *, timeout_s: float | None = None) -> SwitchReport:
+    """Phase 2 on a stayer: re-point logical rank r to the joiner; touches only r's links."""
+    swap = world.prepared.get(epoch)
+    if swap is None:
+        raise MigrationAborted(f"switch({epoch}) without prepare(rank, {epoch}) on rank {world.rank}")
+    timeout_s = world.config.connect_timeout_s if timeout_s is None else timeout_s
+    t0 = time.perf_counter()
+    if not swap.wait(timeout_s):
+        raise MigrationAborted(
+            f"rank {world.rank}: links to the joiner for rank {swap.rank} (epoch {epoch}) not up after "
+            f"{timeout_s:.1f}s; the old links stay in use. Check that the joiner called join({epoch}).")
+    wait_s = time.perf_counter() - t0
+    world.prepared.pop(epoch, None)
+    if swap.error is not None:
+        for _, _, link in swap.links:
+            link.close()
+        raise MigrationAborted(f"rank {world.rank}: building links to the joiner for rank {swap.rank} failed: "
+                               f"{swap.error}") from swap.error
+    t1 = time.perf_counter()
+    touched = 0
+    replaced = set()
+    for group, transport, link in swap.links:
+        old = group.install(transport, swap.rank, link)
+        replaced.add((id(group), transport))
+        touched += 1
+        if old is not None:
+            old.close()
+    # Links to the leaver that phase 1 did not rebuild (a p2p link outside the ring, another
+    # transport) are closed; both ends rebuild them on first use in the new generation.
+    for group, transport, _ in world.links_to(swap.rank):
+        if (id(group), transport) not in replaced:
+            old = group.install(transport, swap.rank, None)
+            if old is not None:
+                old.close()
+                touched += 1
+    world.incarnation[swap.rank] = epoch
+    world.epoch = epoch
+    return SwitchReport(rank=swap.rank, epoch=epoch, links_touched=touched,
+                        switch_s=time.perf_counter() - t1, wait_s=wait_s)
+
+
+def abandon(world: "DeltaWorld", epoch: int, reason: str) -> int:
+    """Make every op in flight or to come fail fast (any thread); returns how many links were severed."""
+    world.abandoned = f"epoch {epoch} abandoned: {reason}"
+    severed = 0
+    for group in list(world.groups.values()):
+        for link in group.all_links():
+            link.sever(world.abandoned)
+            severed += 1
+    return severed
+
+
+def recover(world: "DeltaWorld", epoch: int, *, replaced_rank: int | None = None) -> None:
+    """After ``abandon``: rebuild every link in generation ``epoch`` (all stayers and the joiner at once)."""
+    if epoch <= world.base_generation and world.abandoned is None:
+        raise MigrationAborted(f"recover({epoch}) is not newer than generation {world.base_generation}")
+    world.abandoned = None
+    world.base_generation = epoch
+    world.epoch = epoch
+    if replaced_rank is not None:
+        world.incarnation[replaced_rank] = epoch
+    for group in list(world.groups.values()):
+        for transport, peer in list(group.links):
+            old = group.install(transport, peer, None)
+            if old is not None:
+                old.close()
+        group.connect_ring(world.transport, generation=epoch)
+
+
+def join(world: "DeltaWorld", epoch: int) -> None:
+    """On the joiner: connect every ring link of every group, in creation order, in generation ``epoch``."""
+    if not world.joining:
+        raise MigrationAborted(f"rank {world.rank} is not a joiner: call nccl_delta.expect_join(epoch) before "
+                               "init_process_group")
+    if epoch != world.epoch:
+        raise MigrationAborted(f"join({epoch}) but this joiner expected epoch {world.epoch}")
+    for group in list(world.groups.values()):
+        group.connect_ring(world.transport, generation=epoch)
+    world.joining = False

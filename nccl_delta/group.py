@@ -1,0 +1,212 @@
+"""DeltaGroup: one process group over logical ranks, made of links to its ring neighbours.
+
+Contract
+- Created by :class:`nccl_delta.world.DeltaWorld` on every member, in the same
+  order on every member (torch's ``new_group`` already requires this).
+- Ops run inline on the calling thread, one op at a time per group; megatron
+  issues every collective of a group from its main thread.
+- The link table is keyed by ``(transport, peer)`` and may be changed by the
+  two-phase swap between ops; the group object itself (and so every handle
+  megatron cached) stays the same across swaps.
+- Ring links are built when the group is created; a link to a non-neighbour
+  (point-to-point over a big group, e.g. megatron's PP=2 path over WORLD) is
+  built on first use; both ends reach it because p2p calls come in matched pairs.
+- Any error raises :class:`CommLinkError` naming the peer, the group and the op.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed import Store
+
+from trainmover_ext.errors import CommAbandoned, CommLinkError
+
+from . import links as links_mod
+from .links import Link, LinkId, LinkWork
+from .ring import Ring
+
+if TYPE_CHECKING:
+    from .world import DeltaWorld
+
+# Point-to-point tags stay below the collectives' tag so the two never match each other.
+P2P_TAG_LIMIT = 1 << 30
+
+
+class DeltaGroup:
+    """Members are logical (global) ranks in group-rank order; ``me`` is this process's logical rank."""
+
+    def __init__(self, *, world: "DeltaWorld", name: str, members: list[int], store: Store):
+        if world.rank not in members:
+            raise ValueError(f"rank {world.rank} is not a member of group {name!r} {members}")
+        self.world = world
+        self.name = name
+        self.members = list(members)
+        self.store = store
+        self.index = self.members.index(world.rank)
+        self.size = len(self.members)
+        self.links: dict[tuple[str, int], Link] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"DeltaGroup({self.name!r}, members={self.members}, me={self.world.rank})"
+
+    # --- links -------------------------------------------------------------
+    def ring_peers(self, rank: int | None = None) -> list[int]:
+        """The ring neighbours (logical ranks) of ``rank`` (default: this process) in this group."""
+        rank = self.world.rank if rank is None else rank
+        if self.size == 1 or rank not in self.members:
+            return []
+        i = self.members.index(rank)
+        peers = {self.members[(i + 1) % self.size], self.members[(i - 1) % self.size]}
+        return sorted(peers)
+
+    def link_id(self, peer: int, transport: str, generation: int | None = None) -> LinkId:
+        me = self.world.rank
+        gen = self.world.generation(peer) if generation is None else generation
+        return LinkId(group=self.name, a=min(me, peer), b=max(me, peer), generation=gen, transport=transport)
+
+    def connect_links(self, peers: list[int], transport: str, generation: int | None = None,
+                      store: Store | None = None) -> dict[int, Link]:
+        """Build links to ``peers`` concurrently (so no global order is needed) and return them."""
+        store = store or self.store
+        ids = {peer: self.link_id(peer, transport, generation) for peer in peers}
+        if len(ids) <= 1:
+            return {peer: links_mod.connect(lid, self.world.rank, store, self.world.config) for peer, lid in ids.items()}
+        with ThreadPoolExecutor(max_workers=len(ids), thread_name_prefix="nccl_delta_connect") as pool:
+            futures = {peer: pool.submit(links_mod.connect, lid, self.world.rank, store, self.world.config)
+                       for peer, lid in ids.items()}
+            return {peer: fut.result() for peer, fut in futures.items()}
+
+    def connect_ring(self, transport: str, generation: int | None = None) -> None:
+        """Build the missing ring links of this process (called on every member at once)."""
+        with self._lock:
+            missing = [p for p in self.ring_peers() if (transport, p) not in self.links]
+        built = self.connect_links(missing, transport, generation)
+        with self._lock:
+            for peer, link in built.items():
+                self.links[(transport, peer)] = link
+
+    def install(self, transport: str, peer: int, link: Link | None) -> Link | None:
+        """Replace the link to ``peer`` (``None`` removes it); returns the old link for the caller to close."""
+        with self._lock:
+            old = self.links.pop((transport, peer), None)
+            if link is not None:
+                self.links[(transport, peer)] = link
+            return old
+
+    def link_to(self, peer: int, transport: str, op: str) -> Link:
+        """The link to ``peer``; a missing non-ring link is built now (both ends are in a matched p2p call)."""
+        self._check_live(op)
+        link = self.links.get((transport, peer))
+        if link is None:
+            if self.world.joining:
+                raise CommLinkError(
+                    f"{op} in group {self.name!r} needs a link to rank {peer} before this joiner called join(epoch)")
+            built = self.connect_links([peer], transport)[peer]
+            with self._lock:
+                link = self.links.setdefault((transport, peer), built)
+        return link
+
+    def _check_live(self, op: str) -> None:
+        if self.world.abandoned is not None:
+            raise CommAbandoned(f"{op} in group {self.name!r}: {self.world.abandoned}; call recover(epoch) first")
+
+    def all_links(self) -> list[Link]:
+        with self._lock:
+            return list(self.links.values())
+
+    # --- ops -----------------------------------------------------------------
+    @staticmethod
+    def transport_for(tensor: torch.Tensor) -> str:
+        return "nccl" if tensor.is_cuda else "gloo"
+
+    def _ring(self, transport: str, op: str) -> Ring:
+        self._check_live(op)
+        if any((transport, p) not in self.links for p in self.ring_peers()):
+            # First op on this transport (e.g. CPU metadata on a GPU world): every member is in
+            # the same collective, so build both ring links at once; one by one could deadlock.
+            if self.world.joining:
+                raise CommLinkError(f"{op} in group {self.name!r} before this joiner called join(epoch)")
+            self.connect_ring(transport)
+        prev = self.link_to(self.members[(self.index - 1) % self.size], transport, op)
+        nxt = self.link_to(self.members[(self.index + 1) % self.size], transport, op)
+        return Ring(index=self.index, size=self.size, prev=prev, next=nxt,
+                    segment_bytes=self.world.config.segment_bytes, op=op)
+
+    def allreduce(self, tensor: torch.Tensor, op) -> None:
+        if self.size == 1:
+            self._check_live("allreduce")
+            return
+        with _flat(tensor) as flat:
+            ring = self._ring(self.transport_for(tensor), f"allreduce({op})")
+            if flat.numel() < self.size or flat.numel() * flat.element_size() <= self.world.config.small_bytes:
+                ring.allreduce_small(flat, op)
+            else:
+                ring.allreduce(flat, op)
+
+    def allgather_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """``out`` (``size * inp.numel()`` elements) receives every member's ``inp`` in group-rank order."""
+        if out.numel() != inp.numel() * self.size:
+            raise ValueError(f"all_gather output has {out.numel()} elements, expected {inp.numel()} x {self.size}")
+        with _flat(out) as flat_out:
+            if self.size == 1:
+                flat_out.copy_(inp.reshape(-1))
+                return
+            self._ring(self.transport_for(out), "allgather").allgather(flat_out, inp.reshape(-1))
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op) -> None:
+        if inp.numel() != out.numel() * self.size:
+            raise ValueError(f"reduce_scatter input has {inp.numel()} elements, expected {out.numel()} x {self.size}")
+        with _flat(out) as flat_out:
+            flat_in = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().reshape(-1)
+            if self.size == 1:
+                flat_out.copy_(flat_in)
+                return
+            self._ring(self.transport_for(out), f"reduce_scatter({op})").reduce_scatter(flat_out, flat_in, op)
+
+    def broadcast(self, tensor: torch.Tensor, root_index: int) -> None:
+        if self.size == 1:
+            return
+        with _flat(tensor) as flat:
+            self._ring(self.transport_for(tensor), f"broadcast(root={root_index})").broadcast(flat, root_index)
+
+    def barrier(self) -> None:
+        self.allreduce(torch.zeros(1), dist.ReduceOp.SUM)
+
+    def isend(self, tensor: torch.Tensor, dst_index: int, tag: int) -> LinkWork:
+        return self._p2p(tensor, dst_index, tag, send=True)
+
+    def irecv(self, tensor: torch.Tensor, src_index: int, tag: int) -> LinkWork:
+        return self._p2p(tensor, src_index, tag, send=False)
+
+    def _p2p(self, tensor: torch.Tensor, peer_index: int, tag: int, *, send: bool) -> LinkWork:
+        if not 0 <= tag < P2P_TAG_LIMIT:
+            raise ValueError(f"p2p tag {tag} must be in [0, {P2P_TAG_LIMIT})")
+        if not tensor.is_contiguous():
+            raise ValueError("nccl_delta send/recv needs a contiguous tensor")
+        peer = self.members[peer_index]
+        op = f"{'send' if send else 'recv'}(tag={tag})"
+        link = self.link_to(peer, self.transport_for(tensor), op)
+        return link.isend(tensor, tag, op) if send else link.irecv(tensor, tag, op)
+
+
+class _flat:
+    """Context: a contiguous 1-D view of a tensor, copied back on exit when a copy was needed."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+        self.copy = not tensor.is_contiguous()
+
+    def __enter__(self) -> torch.Tensor:
+        self.flat = (self.tensor.contiguous() if self.copy else self.tensor).view(-1)
+        return self.flat
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.copy and exc_type is None:
+            self.tensor.copy_(self.flat.view_as(self.tensor))
+

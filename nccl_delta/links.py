@@ -1,0 +1,183 @@
+"""Links: one point-to-point connection between two logical ranks of one group.
+
+Contract
+- A :class:`Link` belongs to one group and one generation. The generation is
+  part of its store prefix, so a rebuilt link never meets a stale key or a
+  stale socket of an older one.
+- A link that saw an error is never reused: its state becomes ``broken`` and
+  every later op raises :class:`CommLinkError` at once. Gloo closes the pair on
+  an error, and unmatched sends/receives may still sit in it.
+- :meth:`Link.sever` (any thread) makes pending ops on both ends fail now; it
+  is how ``abandon`` unblocks a thread waiting on a hung peer.
+- Errors name the peer's logical rank, the group and the op.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.distributed import Store
+
+from trainmover_ext.errors import CommAbandoned, CommLinkError, CommTimeout
+
+from .config import DeltaConfig
+
+
+@dataclass(kw_only=True, frozen=True)
+class LinkId:
+    """Who a link connects: the group name, both logical ranks and the generation."""
+
+    group: str
+    """Group name as torch names it (identical on every member that created the group in the same order)."""
+    a: int
+    """The lower logical (global) rank."""
+    b: int
+    """The higher logical (global) rank."""
+    generation: int
+    """Epoch the link was built in; part of the rendezvous prefix."""
+    transport: str = "gloo"
+    """``gloo`` or ``nccl``."""
+
+    def prefix(self) -> str:
+        return f"nccl_delta/{self.transport}/{self.a}-{self.b}/g{self.generation}/"
+
+    def side_of(self, rank: int) -> int:
+        return 0 if rank == self.a else 1
+
+
+def connect(link_id: LinkId, me: int, store: Store, config: DeltaConfig) -> "Link":
+    """Build one link; both ends call this (any thread) and it returns when both have arrived."""
+    if me not in (link_id.a, link_id.b):
+        raise ValueError(f"rank {me} is not an end of {link_id}")
+    peer = link_id.b if me == link_id.a else link_id.a
+    timeout = datetime.timedelta(seconds=config.connect_timeout_s)
+    start = time.monotonic()
+    try:
+        if link_id.transport == "nccl":
+            from .transport_nccl import connect_nccl_pair
+
+            handle = connect_nccl_pair(store, link_id.prefix(), link_id.side_of(me), timeout)
+        else:
+            from .transport_gloo import connect_gloo_pair
+
+            handle = connect_gloo_pair(store, link_id.prefix(), link_id.side_of(me), timeout, config.link_host)
+    except Exception as exc:  # gloo raises RuntimeError for both a timeout and a refused peer
+        waited = time.monotonic() - start
+        cls = CommTimeout if waited >= config.connect_timeout_s * 0.95 else CommLinkError
+        raise cls(
+            f"could not connect to rank {peer} in group {link_id.group!r} (generation {link_id.generation}) "
+            f"after {waited:.1f}s: {exc}. Check that the peer is alive and built the same groups in the same order."
+        ) from exc
+    return Link(link_id=link_id, me=me, peer=peer, handle=handle, op_timeout_s=config.op_timeout_s)
+
+
+class Link:
+    """One live connection to ``peer``; owned by a group's link table."""
+
+    def __init__(self, *, link_id: LinkId, me: int, peer: int, handle, op_timeout_s: float):
+        self.link_id = link_id
+        self.me = me
+        self.peer = peer
+        self.handle = handle
+        self.state = "open"
+        self.error: str | None = None
+        self._abandon_reason: str | None = None
+        self._timeout = datetime.timedelta(seconds=op_timeout_s)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Link({self.me}->{self.peer}, group={self.link_id.group!r}, gen={self.link_id.generation}, {self.state})"
+
+    def _check(self, op: str) -> None:
+        if self.state != "open":
+            raise self._error(op, f"link is {self.state} ({self.error}); it is never reused")
+
+    def _error(self, op: str, why: str, cls=CommLinkError) -> CommLinkError:
+        if self._abandon_reason is not None:
+            cls = CommAbandoned
+            why = f"{self._abandon_reason}; {why}"
+        return cls(
+            f"{op} with peer rank {self.peer} in group {self.link_id.group!r} failed: {why}. "
+            "The link is broken: the control plane must replace the peer or recover the epoch."
+        )
+
+    def isend(self, tensor: torch.Tensor, tag: int, op: str) -> "LinkWork":
+        self._check(op)
+        try:
+            return LinkWork(self, self.handle.isend(tensor, tag), op)
+        except Exception as exc:
+            raise self._fail(op, exc) from exc
+
+    def irecv(self, tensor: torch.Tensor, tag: int, op: str) -> "LinkWork":
+        self._check(op)
+        try:
+            return LinkWork(self, self.handle.irecv(tensor, tag), op)
+        except Exception as exc:
+            raise self._fail(op, exc) from exc
+
+    def _fail(self, op: str, exc: BaseException) -> CommLinkError:
+        with self._lock:
+            if self.state == "open":
+                self.state = "broken"
+                self.error = str(exc).splitlines()[0][:200]
+        cls = CommTimeout if "imed out" in str(exc) else CommLinkError
+        return self._error(op, self.error or str(exc), cls)
+
+    def sever(self, reason: str, *, abandoned: bool = True) -> None:
+        """Fail pending and future ops on both ends now (any thread); the link is then broken.
+
+        ``abandoned`` marks the failure as ordered by the control plane, so errors are
+        :class:`CommAbandoned`; a cascade after a neighbour's error passes ``False``.
+        """
+        with self._lock:
+            if abandoned and self._abandon_reason is None:
+                self._abandon_reason = reason
+            if self.state == "open":
+                self.state = "broken"
+                self.error = reason
+        self.handle.sever()
+
+    def close(self) -> None:
+        """Retire a link that is no longer in use (after a switch); ops on it raise from now on."""
+        with self._lock:
+            if self.state == "open":
+                self.state = "closed"
+                self.error = "closed by switch"
+        self.handle.close()
+
+
+class LinkWork:
+    """A pending send or receive on a link; :meth:`wait` blocks at most the op timeout."""
+
+    __slots__ = ("link", "work", "op", "done")
+
+    def __init__(self, link: Link, work, op: str):
+        self.link = link
+        self.work = work
+        self.op = op
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        try:
+            self.link.handle.wait(self.work, self.link._timeout)
+        except Exception as exc:
+            raise self.link._fail(self.op, exc) from exc
+        self.done = True
+
+
+def wait_all(works: list[LinkWork], on_error: Callable[[CommLinkError], None] | None = None) -> None:
+    """Wait for every work; on the first error call ``on_error`` (e.g. to sever sibling links) and re-raise."""
+    for work in works:
+        try:
+            work.wait()
+        except CommLinkError as exc:
+            if on_error is not None:
+                on_error(exc)
+            raise

@@ -1,0 +1,236 @@
+"""Ring algorithms over a group's links: all-reduce, all-gather, reduce-scatter, broadcast.
+
+Contract
+- Called inline on the caller's thread by :class:`nccl_delta.group.DeltaGroup`
+  on every member of the group, with the same shapes and dtypes.
+- Tensors are contiguous 1-D views; the caller flattens and copies back.
+- Member ``i`` sends to ``i+1`` and receives from ``i-1`` (mod n) only, so a
+  group needs two links per member and a swap touches two links per group.
+- Results are deterministic and identical on every member: the summation
+  order depends only on group ranks and the chunk layout, never on which
+  process serves a rank. Chunk ``c`` is reduced along the ring starting at
+  member ``c+1`` and ends owned by member ``c``.
+- Chunks are sent in segments (``segment_bytes``) and every receive is posted
+  before the data arrives, so the reduction of one segment overlaps the
+  transfer of the next.
+- On a link error the op severs both of its ring links before raising, so the
+  neighbours fail within milliseconds instead of waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .links import Link, LinkWork
+
+# Collectives use one tag per link; sends and receives on a tag match in
+# posting order, which is the same on both ends because ops run in program order.
+COLL_TAG = 1 << 30
+
+_REDUCERS: dict = {}
+
+
+def reducer(op) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """In-place ``acc = acc (op) other`` for a torch ReduceOp (AVG reduces as SUM; the caller divides)."""
+    if op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG:
+        return lambda acc, other: acc.add_(other)
+    if op == dist.ReduceOp.MAX:
+        return lambda acc, other: torch.maximum(acc, other, out=acc)
+    if op == dist.ReduceOp.MIN:
+        return lambda acc, other: torch.minimum(acc, other, out=acc)
+    if op == dist.ReduceOp.PRODUCT:
+        return lambda acc, other: acc.mul_(other)
+    if op == dist.ReduceOp.BAND:
+        return lambda acc, other: acc.bitwise_and_(other)
+    if op == dist.ReduceOp.BOR:
+        return lambda acc, other: acc.bitwise_or_(other)
+    if op == dist.ReduceOp.BXOR:
+        return lambda acc, other: acc.bitwise_xor_(other)
+    raise NotImplementedError(f"nccl_delta does not support reduce op {op}")
+
+
+def finish_avg(tensor: torch.Tensor, n: int) -> None:
+    """Turn a SUM into an AVG the way NCCL does (truncating for integers)."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.div_(n)
+    else:
+        tensor.copy_(torch.div(tensor, n, rounding_mode="trunc"))
+
+
+def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
+    """Split ``numel`` elements into ``n`` contiguous chunks, the first ``numel % n`` one larger."""
+    base, rem = divmod(numel, n)
+    bounds, start = [], 0
+    for c in range(n):
+        end = start + base + (1 if c < rem else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class Ring:
+    """The ring of one op: member ``index`` of ``size``, with links to its neighbours."""
+
+    def __init__(self, *, index: int, size: int, prev: Link | None, next: Link | None, segment_bytes: int, op: str):
+        self.i = index
+        self.n = size
+        self.prev = prev
+        self.next = next
+        self.segment_bytes = segment_bytes
+        self.op = op
+        self._sends: list[LinkWork] = []
+
+    # --- plumbing -------------------------------------------------------
+    def _segments(self, start: int, end: int, esize: int) -> list[tuple[int, int]]:
+        step = max(1, self.segment_bytes // esize)
+        return [(s, min(s + step, end)) for s in range(start, end, step)] or []
+
+    def _send(self, view: torch.Tensor) -> None:
+        self._sends.append(self.next.isend(view, COLL_TAG, self.op))
+
+    def _recv(self, view: torch.Tensor) -> LinkWork:
+        return self.prev.irecv(view, COLL_TAG, self.op)
+
+    def _drain_sends(self) -> None:
+        sends, self._sends = self._sends, []
+        for work in sends:
+            work.wait()
+
+    def run(self, body: Callable[[], None]) -> None:
+        """Run ``body``; on a link error sever both ring links (so neighbours fail fast) and re-raise."""
+        try:
+            body()
+            self._drain_sends()
+        except BaseException:
+            for link in (self.prev, self.next):
+                if link is not None:
+                    link.sever(f"{self.op} failed on a neighbouring link", abandoned=False)
+            raise
+
+    # --- algorithms -----------------------------------------------------
+    def allgather_chunks(self, flat: torch.Tensor, bounds: list[tuple[int, int]]) -> None:
+        """Every member's chunk ``bounds[i]`` (already in place) ends up in every member's ``flat``."""
+        n, i, esize = self.n, self.i, flat.element_size()
+        steps = []
+        for s in range(n - 1):
+            c = (i - s - 1) % n
+            segs = self._segments(*bounds[c], esize)
+            steps.append([(seg, self._recv(flat[seg[0]:seg[1]])) for seg in segs])
+        for a, b in self._segments(*bounds[i], esize):
+            self._send(flat[a:b])
+        for s, recvs in enumerate(steps):
+            for (a, b), work in recvs:
+                work.wait()
+                if s + 1 < n - 1:
+                    self._send(flat[a:b])
+
+    def reduce_scatter_inplace(self, flat: torch.Tensor, bounds: list[tuple[int, int]], op) -> None:
+        """After this, chunk ``bounds[i]`` of ``flat`` holds the reduction of every member's chunk ``i``."""
+        n, i, esize = self.n, self.i, flat.element_size()
+        combine = reducer(op)
+        width = max(b - a for a, b in bounds)
+        tmp = [torch.empty(width, dtype=flat.dtype, device=flat.device) for _ in range(min(2, n - 1))]
+
+        def post(s: int):
+            c = (i - s - 2) % n
+            a0 = bounds[c][0]
+            buf = tmp[s % 2]
+            return c, [((a, b), self._recv(buf[a - a0:b - a0])) for a, b in self._segments(*bounds[c], esize)]
+
+        for a, b in self._segments(*bounds[(i - 1) % n], esize):
+            self._send(flat[a:b])
+        pending = post(0)
+        for s in range(n - 1):
+            # Post the next step's receives now, into the other buffer, so its data can land
+            # while this step reduces.
+            upcoming = post(s + 1) if s + 1 < n - 1 else None
+            c, recvs = pending
+            a0 = bounds[c][0]
+            buf = tmp[s % 2]
+            for (a, b), work in recvs:
+                work.wait()
+                combine(flat[a:b], buf[a - a0:b - a0])
+                if s + 1 < n - 1:
+                    self._send(flat[a:b])
+            pending = upcoming
+
+    def allreduce(self, flat: torch.Tensor, op) -> None:
+        bounds = chunk_bounds(flat.numel(), self.n)
+
+        def body():
+            self.reduce_scatter_inplace(flat, bounds, op)
+            # The reduce-scatter sends read chunks the all-gather overwrites: let them finish first.
+            self._drain_sends()
+            self.allgather_chunks(flat, bounds)
+
+        self.run(body)
+        if op == dist.ReduceOp.AVG:
+            finish_avg(flat, self.n)
+
+    def allreduce_small(self, flat: torch.Tensor, op) -> None:
+        """Gather every member's tensor, then reduce locally in member order (n-1 hops, deterministic)."""
+        numel = flat.numel()
+        gathered = torch.empty(self.n * numel, dtype=flat.dtype, device=flat.device)
+        gathered[self.i * numel:(self.i + 1) * numel].copy_(flat)
+        bounds = [(k * numel, (k + 1) * numel) for k in range(self.n)]
+        self.run(lambda: self.allgather_chunks(gathered, bounds))
+        combine = reducer(op)
+        acc = gathered[0:numel].clone()
+        for k in range(1, self.n):
+            combine(acc, gathered[k * numel:(k + 1) * numel])
+        if op == dist.ReduceOp.AVG:
+            finish_avg(acc, self.n)
+        flat.copy_(acc)
+
+    def allgather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        k = inp.numel()
+        bounds = [(c * k, (c + 1) * k) for c in range(self.n)]
+        out[self.i * k:(self.i + 1) * k].copy_(inp)
+        self.run(lambda: self.allgather_chunks(out, bounds))
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op) -> None:
+        """``out`` = reduction over members of their ``inp`` chunk ``i``; ``inp`` is not modified."""
+        n, i, k, esize = self.n, self.i, out.numel(), out.element_size()
+        combine = reducer(op)
+
+        def body():
+            dests = [torch.empty(k, dtype=out.dtype, device=out.device) for _ in range(n - 2)] + [out]
+            steps = []
+            for s in range(n - 1):
+                c = (i - s - 2) % n
+                steps.append((c, [((a, b), self._recv(dests[s][a:b])) for a, b in self._segments(0, k, esize)]))
+            for a, b in self._segments(0, k, esize):
+                c = (i - 1) % n
+                self._send(inp[c * k + a:c * k + b])
+            for s, (c, recvs) in enumerate(steps):
+                for (a, b), work in recvs:
+                    work.wait()
+                    combine(dests[s][a:b], inp[c * k + a:c * k + b])
+                    if s + 1 < n - 1:
+                        self._send(dests[s][a:b])
+
+        self.run(body)
+        if op == dist.ReduceOp.AVG:
+            finish_avg(out, n)
+
+    def broadcast(self, flat: torch.Tensor, root: int) -> None:
+        """Pipelined chain from member ``root`` along the ring."""
+        n, esize = self.n, flat.element_size()
+        rel = (self.i - root) % n
+
+        def body():
+            segs = self._segments(0, flat.numel(), esize)
+            if rel == 0:
+                for a, b in segs:
+                    self._send(flat[a:b])
+                return
+            recvs = [((a, b), self._recv(flat[a:b])) for a, b in segs]
+            for (a, b), work in recvs:
+                work.wait()
+                if rel < n - 1:
+                    self._send(flat[a:b])
+
+        self.run(body)

@@ -1,0 +1,156 @@
+"""Gloo pair transport: one standalone 2-rank ``ProcessGroupGloo`` per link.
+
+Contract
+- :func:`connect_gloo_pair` is called by both ends of a link with the same
+  store prefix and opposite ``side`` (0 for the lower logical rank). It blocks
+  until the peer arrives or ``timeout`` passes, and may run on any thread: the
+  gloo constructor releases the GIL.
+- Sends and receives are non-blocking and run on the caller's thread; only
+  ``wait`` blocks, always with a deadline.
+- :meth:`GlooPair.sever` may be called from any thread. It shuts down the
+  pair's TCP socket, which makes a pending op on *both* ends raise at once.
+  Gloo's own ``abort()``/``shutdown()`` leave pending ops blocked, so this is
+  the only way to unblock a thread waiting on a peer that hangs.
+- A pair that raised once is never used again (gloo closes it); the owner
+  builds a new link under a new store prefix.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+
+import torch
+from torch.distributed import PrefixStore, Store
+from torch._C._distributed_c10d import ProcessGroupGloo
+
+logger = logging.getLogger(__name__)
+
+# One gloo device (listener + event loop) per process and host: every pair of
+# the process shares it, so a link costs one socket, not a thread and a port.
+_devices: dict[str | None, object] = {}
+_devices_lock = threading.Lock()
+
+
+def _gloo_device(host: str | None):
+    with _devices_lock:
+        if host not in _devices:
+            iface = os.environ.get("GLOO_SOCKET_IFNAME")
+            if host is not None:
+                _devices[host] = ProcessGroupGloo.create_device(hostname=host)
+            elif iface:
+                _devices[host] = ProcessGroupGloo.create_device(interface=iface.split(",")[0])
+            else:
+                _devices[host] = ProcessGroupGloo.create_default_device()
+        return _devices[host]
+
+
+def _socket_fds() -> set[int]:
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+        except OSError:
+            continue  # closed between listdir and readlink
+    return fds
+
+
+def _connected_endpoints(fds: set[int]) -> dict[int, tuple[list, list]]:
+    """fd -> (local addr, peer addr) of the connected TCP sockets among ``fds``."""
+    found = {}
+    for fd in fds:
+        try:
+            dup = os.dup(fd)
+        except OSError:
+            continue
+        sock = socket.socket(fileno=dup)
+        try:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                continue
+            # Never touch a listener: shutting gloo's listener down aborts the process.
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue
+            found[fd] = (list(sock.getsockname()[:2]), list(sock.getpeername()[:2]))
+        except OSError:
+            continue
+        finally:
+            sock.close()  # closes only the dup
+    return found
+
+
+class GlooPair:
+    """The transport handle of one link: a 2-rank gloo group plus its socket."""
+
+    def __init__(self, pg: ProcessGroupGloo, side: int, socket_fds: list[int], timeout: datetime.timedelta):
+        self.pg = pg
+        self.side = side
+        self.peer_side = 1 - side
+        self._socket_fds = socket_fds
+        self._timeout = timeout
+        self._severed = False
+        self._lock = threading.Lock()
+
+    @property
+    def severable(self) -> bool:
+        """Whether :meth:`sever` can unblock pending ops (the pair's socket was identified)."""
+        return bool(self._socket_fds)
+
+    def isend(self, tensor: torch.Tensor, tag: int):
+        return self.pg.send([tensor], self.peer_side, tag)
+
+    def irecv(self, tensor: torch.Tensor, tag: int):
+        return self.pg.recv([tensor], self.peer_side, tag)
+
+    def wait(self, work, timeout: datetime.timedelta) -> None:
+        work.wait(timeout)
+
+    def sever(self) -> None:
+        """Shut the pair's socket down so that pending ops on both ends raise now."""
+        with self._lock:
+            if self._severed:
+                return
+            self._severed = True
+            for fd in self._socket_fds:
+                try:
+                    sock = socket.socket(fileno=os.dup(fd))
+                except OSError:
+                    continue
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already closed by the peer
+                finally:
+                    sock.close()
+
+    def close(self) -> None:
+        """Drop the group; the socket closes when gloo frees the pair."""
+        self.pg = None
+
+
+def connect_gloo_pair(
+    store: Store, prefix: str, side: int, timeout: datetime.timedelta, host: str | None
+) -> GlooPair:
+    """Build the 2-rank gloo group of one link; both ends call this with the same ``prefix``."""
+    opts = ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [_gloo_device(host)]
+    # Only send/recv run on a pair, inline on the caller's thread, so one worker thread is enough.
+    opts._threads = 1
+    link_store = PrefixStore(prefix, store)
+    before = _socket_fds()
+    pg = ProcessGroupGloo(link_store, side, 2, opts)
+    mine = _connected_endpoints(_socket_fds() - before)
+    # Other threads may open sockets meanwhile, so keep only the socket whose
+    # mirror image (peer <-> local) the other end reports: that is the pair.
+    link_store.set(f"sock/{side}", json.dumps(list(mine.values())))
+    theirs = json.loads(link_store.get(f"sock/{1 - side}").decode())
+    mirrored = {(tuple(peer), tuple(local)) for local, peer in theirs}
+    fds = [fd for fd, (local, peer) in mine.items() if (tuple(local), tuple(peer)) in mirrored]
+    if not fds:
+        logger.warning("link %s: pair socket not identified; abandon falls back to the op timeout", prefix)
+    return GlooPair(pg, side, fds, timeout)
