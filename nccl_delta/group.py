@@ -72,14 +72,22 @@ class DeltaGroup:
 
     def connect_links(self, peers: list[int], transport: str, generation: int | None = None,
                       store: Store | None = None) -> dict[int, Link]:
-        """Build links to ``peers`` concurrently (so no global order is needed) and return them."""
+        """Build links to ``peers`` and return them.
+
+        Concurrently when the store can be cloned: a thread blocked in a store get blocks every
+        other thread on the same client, so each thread gets its own. Otherwise one by one in
+        ascending (min, max) pair order, which every process follows, so no wait cycle forms.
+        """
         store = store or self.store
         ids = {peer: self.link_id(peer, transport, generation) for peer in peers}
-        if len(ids) <= 1:
-            return {peer: links_mod.connect(lid, self.world.rank, store, self.world.config) for peer, lid in ids.items()}
+        me, config = self.world.rank, self.world.config
+        clones = _clones(store, len(ids)) if len(ids) > 1 else None
+        if clones is None:
+            order = sorted(ids, key=lambda p: (min(me, p), max(me, p)))
+            return {peer: links_mod.connect(ids[peer], me, store, config) for peer in order}
         with ThreadPoolExecutor(max_workers=len(ids), thread_name_prefix="nccl_delta_connect") as pool:
-            futures = {peer: pool.submit(links_mod.connect, lid, self.world.rank, store, self.world.config)
-                       for peer, lid in ids.items()}
+            futures = {peer: pool.submit(links_mod.connect, lid, me, clone, config)
+                       for (peer, lid), clone in zip(ids.items(), clones)}
             return {peer: fut.result() for peer, fut in futures.items()}
 
     def connect_ring(self, transport: str, generation: int | None = None) -> None:
@@ -193,6 +201,14 @@ class DeltaGroup:
         op = f"{'send' if send else 'recv'}(tag={tag})"
         link = self.link_to(peer, self.transport_for(tensor), op)
         return link.isend(tensor, tag, op) if send else link.irecv(tensor, tag, op)
+
+
+def _clones(store: Store, count: int) -> list[Store] | None:
+    """``count`` independent clients of ``store``, or ``None`` if it cannot be cloned."""
+    try:
+        return [store.clone() for _ in range(count)]
+    except Exception:  # e.g. a store implemented in Python without clone()
+        return None
 
 
 class _flat:
