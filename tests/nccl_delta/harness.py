@@ -65,19 +65,23 @@ class Ranks:
             except Exception:
                 continue
             (out if ok else errors)[key] = value
-        self.join(timeout=max(5.0, deadline - time.monotonic()))
+        self.join(timeout=max(5.0, deadline - time.monotonic()), only=expect)
         if errors:
             raise AssertionError("rank errors:\n" + "\n".join(f"[{k}] {v}" for k, v in sorted(errors.items())))
         return out
 
-    def join(self, timeout: float = 10.0) -> None:
+    def join(self, timeout: float = 10.0, only: set | None = None) -> None:
+        """Wait for the processes (``only`` these keys) to exit; SIGKILL those still alive after ``timeout``."""
+        keys = set(self.procs) if only is None else set(only)
         deadline = time.monotonic() + timeout
-        for proc in self.procs.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
-        self.kill_all()
+        for key in keys:
+            self.procs[key].join(max(0.0, deadline - time.monotonic()))
+        self.kill_all(keys)
 
-    def kill_all(self) -> None:
-        for proc in self.procs.values():
+    def kill_all(self, keys: set | None = None) -> None:
+        for key, proc in self.procs.items():
+            if keys is not None and key not in keys:
+                continue
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.join(5)
