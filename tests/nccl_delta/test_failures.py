@@ -1,0 +1,133 @@
+"""Failures: a SIGKILLed peer raises CommLinkError fast; abandon unblocks ops stuck on a hung peer.
+
+Rings of 4 ranks all-reduce in a loop. Each rank reports when and how its op
+failed; the test process acts as the control plane (kills, stops, and sets
+an ``abandon`` key that each rank's watcher thread turns into
+``world.abandon``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+import nccl_delta
+from trainmover_ext.errors import CommAbandoned, CommLinkError
+
+from . import harness
+
+
+def _loop_until_error(rank, n, store, watch_abandon):
+    world = nccl_delta.current_world()
+    if watch_abandon:
+        watcher_store = store.clone()  # its own client: a blocked wait would stall the rank's store
+
+        def watch():
+            watcher_store.wait(["abandon"])
+            world.abandon(1, "test control plane declared rank 2 gone")
+
+        threading.Thread(target=watch, daemon=True).start()
+    t = torch.ones(50000)
+    store.set(f"looping/{rank}", "1")
+    iterations = 0
+    try:
+        while True:
+            dist.all_reduce(t)
+            t.fill_(1.0)
+            iterations += 1
+    except CommLinkError as exc:
+        return dict(at=time.time(), kind=type(exc).__name__, msg=str(exc), iterations=iterations)
+
+
+def test_sigkill_raises_comm_link_error_within_1s():
+    ranks = harness.spawn(4, _loop_until_error, False)
+    try:
+        ranks.store.wait([f"looping/{r}" for r in range(4)])
+        time.sleep(0.3)
+        killed_at = time.time()
+        os.kill(ranks.procs[2].pid, signal.SIGKILL)
+        results = ranks.results(timeout=60, expect={0, 1, 3})
+    finally:
+        ranks.kill_all()
+    for rank in (1, 3):  # the neighbours of rank 2 in the ring
+        r = results[rank]
+        assert r["at"] - killed_at < 1.0, f"rank {rank} raised {r['at'] - killed_at:.2f}s after the kill"
+        assert r["kind"] == "CommLinkError"
+        assert "peer rank 2" in r["msg"] and "group '0'" in r["msg"] and "allreduce" in r["msg"], r["msg"]
+    # Rank 0 is not a neighbour: the neighbours sever their ring links, so it fails fast too.
+    assert results[0]["at"] - killed_at < 1.0
+
+
+def test_abandon_unblocks_ops_waiting_on_a_hung_peer():
+    ranks = harness.spawn(4, _loop_until_error, True)
+    try:
+        ranks.store.wait([f"looping/{r}" for r in range(4)])
+        time.sleep(0.3)
+        os.kill(ranks.procs[2].pid, signal.SIGSTOP)  # hung, not dead: gloo alone would wait for its timeout
+        time.sleep(1.0)
+        abandoned_at = time.time()
+        ranks.store.set("abandon", "1")
+        results = ranks.results(timeout=30, expect={0, 1, 3})
+    finally:
+        os.kill(ranks.procs[2].pid, signal.SIGKILL)
+        ranks.kill_all()
+    for rank in (0, 1, 3):
+        r = results[rank]
+        assert r["at"] >= abandoned_at, f"rank {rank} failed before abandon: {r['msg']}"
+        assert r["at"] - abandoned_at < 1.0, f"rank {rank} unblocked {r['at'] - abandoned_at:.2f}s after abandon"
+        assert r["kind"] == "CommAbandoned", r
+    # Every live rank has exited (results() joined them): nothing is left hanging.
+    assert all(not ranks.procs[r].is_alive() for r in (0, 1, 3))
+
+
+EPOCH = 1
+
+
+def _survivor(rank, n, store):
+    """Fail on the kill, abandon, recover in the next epoch with a joiner for rank 2, then all-reduce."""
+    world = nccl_delta.current_world()
+    store.set(f"looping/{rank}", "1")
+    t = torch.ones(20000)
+    try:
+        while True:
+            dist.all_reduce(t)
+            t.fill_(1.0)
+    except CommLinkError:
+        pass
+    world.abandon(EPOCH, "rank 2 died")
+    store.set(f"abandoned/{rank}", "1")
+    world.recover(EPOCH, replaced_rank=2)
+    x = torch.full((10001,), float(rank + 1))
+    dist.all_reduce(x)
+    return x[0].item()
+
+
+def _replacement(rank, n, store):
+    nccl_delta.current_world().join(EPOCH)
+    x = torch.full((10001,), float(rank + 1))
+    dist.all_reduce(x)
+    return x[0].item()
+
+
+def test_recover_after_kill_with_joiner():
+    store = harness.host_store()
+    queue = harness.CTX.Queue()
+    ranks = harness.spawn(4, _survivor, store=store, queue=queue)
+    try:
+        store.wait([f"looping/{r}" for r in range(4)])
+        os.kill(ranks.procs[2].pid, signal.SIGKILL)
+        ranks.procs[2].join(5)
+        store.wait([f"abandoned/{r}" for r in (0, 1, 3)])
+        joiner = harness.spawn(4, _replacement, ranks=[2], keys=["joiner"], store=store, queue=queue,
+                               join_epoch=EPOCH)
+        both = harness.Ranks(procs={**{r: ranks.procs[r] for r in (0, 1, 3)}, **joiner.procs}, queue=queue,
+                             store=store)
+        results = both.results(timeout=60)
+    finally:
+        ranks.kill_all()
+    assert set(results.values()) == {10.0}, results
