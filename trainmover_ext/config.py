@@ -17,12 +17,10 @@ from trainmover_ext.errors import ConfigError
 
 # flag attribute -> why it cannot be used yet. Remove an entry when wiring it.
 NOT_WIRED: dict[str, str] = {
-    "tm_role": "standbys (--tm-role standby) arrive with the sandbox/standby capability",
-    "tm_standbys": "the standby pool arrives with the sandbox/standby capability",
     "tm_record_iters": "collective recording arrives with the sandbox capability",
     "tm_record_dir": "collective recording arrives with the sandbox capability",
     "tm_compile": "--tm-compile arrives with the sandbox capability",
-    "tm_leaver_becomes_standby": "live migration is not wired into training yet",
+    "tm_leaver_becomes_standby": "a planned leaver exits; rejoining the pool is not built yet",
 }
 
 
@@ -64,8 +62,17 @@ class TrainMoverConfig:
     """``--tm-leaver-becomes-standby``: a planned leaver rejoins the pool instead of exiting."""
     metrics_file: Optional[str] = None
     """``--tm-metrics-file``: append one JSON line per iteration (loss, timings, consumed samples)."""
+    comm: str = "auto"
+    """``--tm-comm``: ``nccl_delta`` (every group swappable by link), ``native`` (gloo/NCCL as is), or
+    ``auto`` (nccl_delta under ``--trainmover``, native otherwise)."""
+
+    @property
+    def use_delta_comm(self) -> bool:
+        return self.comm == "nccl_delta" or (self.comm == "auto" and self.enabled)
 
     def __post_init__(self) -> None:
+        if self.comm not in ("auto", "nccl_delta", "native"):
+            raise ConfigError("--tm-comm must be auto, nccl_delta or native")
         if self.role not in ("worker", "standby"):
             raise ConfigError("--tm-role must be 'worker' or 'standby'")
         if self.lease_ttl_s <= 0:
@@ -96,6 +103,7 @@ _FLAG_TO_FIELD = {
     "tm_compile": "compile",
     "tm_leaver_becomes_standby": "leaver_becomes_standby",
     "tm_metrics_file": "metrics_file",
+    "tm_comm": "comm",
 }
 
 
@@ -125,6 +133,9 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--tm-compile", action="store_true", default=None, help="Wrap the model in torch.compile.")
     g.add_argument("--tm-leaver-becomes-standby", action="store_true", default=None,
                    help="After a planned migration the leaver rejoins the standby pool instead of exiting.")
+    g.add_argument("--tm-comm", choices=["auto", "nccl_delta", "native"], default=None,
+                   help="Communicator for every process group: nccl_delta (links can be swapped live; the default "
+                        "under --trainmover) or native gloo/NCCL (the default without --trainmover).")
     g.add_argument("--tm-metrics-file", default=None,
                    help="Append one JSON line per iteration (iteration, loss, ms, consumed samples) to this file.")
     return parser

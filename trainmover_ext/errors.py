@@ -91,6 +91,7 @@ def exit_on_error(prog: str):
     """Context manager for ``__main__`` blocks: print a TrainMoverError as one line and exit 2.
 
     Configuration errors are identical on every rank, so only rank 0 prints them.
+    ``TRAINMOVER_DEBUG=1`` prints the traceback too.
     """
     import contextlib
     import os
@@ -101,6 +102,10 @@ def exit_on_error(prog: str):
         try:
             yield
         except TrainMoverError as exc:
+            if os.environ.get("TRAINMOVER_DEBUG"):
+                import traceback
+
+                traceback.print_exc()
             if not isinstance(exc, ConfigError) or os.environ.get("RANK", "0") == "0":
                 print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None

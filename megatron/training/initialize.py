@@ -20,6 +20,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+_LIVE_STORES: list = []
+
 
 @dataclass(kw_only=True)
 class ParallelLayout:
@@ -36,6 +38,8 @@ class ParallelLayout:
     dp_rank: int
     device: torch.device
     backend: str
+    comm: str = ""
+    """'nccl_delta' when every group runs on the delta communicator, else the backend name."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -68,8 +72,14 @@ def select_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def initialize_distributed(args) -> ParallelLayout:
-    """Install patches, init torch.distributed and megatron's parallel state."""
+def initialize_distributed(args, use_delta_comm: bool = False, join_epoch=None) -> ParallelLayout:
+    """Install patches, init torch.distributed and megatron's parallel state.
+
+    With ``use_delta_comm`` every group (WORLD included) runs on nccl_delta, whose
+    links can be swapped while training runs. ``join_epoch`` makes this process
+    a joiner that takes over its rank at that membership epoch (it builds its
+    links only in ``nccl_delta.current_world().join``).
+    """
     import trainmover_ext.patches as patches
     from megatron.core import parallel_state as mpu
 
@@ -89,11 +99,22 @@ def initialize_distributed(args) -> ParallelLayout:
         from trainmover_ext.launch.rendezvous import rank_store
 
         store = rank_store(timeout)  # etcd under `trainmover launch`; None = env:// TCPStore
+        # torch keeps only the C++ side of a Python store: if the Python object is collected,
+        # later calls through it (links rebuilt after a failure) fail with "Not implemented".
+        _LIVE_STORES.append(store)
         if store is None:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
+        pg_backend = backend
+        if use_delta_comm:
+            import nccl_delta
+
+            nccl_delta.register(nccl_delta.DeltaConfig.from_env(op_timeout_s=timeout.total_seconds()))
+            if join_epoch is not None:
+                nccl_delta.expect_join(join_epoch)
+            pg_backend = nccl_delta.BACKEND_NAME
         torch.distributed.init_process_group(
-            backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=store
+            backend=pg_backend, rank=rank, world_size=world_size, timeout=timeout, store=store
         )
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -102,6 +123,10 @@ def initialize_distributed(args) -> ParallelLayout:
         distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
         create_gloo_process_groups=False,
     )
+    if use_delta_comm and join_epoch is not None:
+        import nccl_delta
+
+        nccl_delta.current_world().join(join_epoch)  # blocks until this rank's links are up
     return ParallelLayout(
         rank=rank,
         world_size=world_size,
@@ -114,6 +139,7 @@ def initialize_distributed(args) -> ParallelLayout:
         dp_rank=mpu.get_data_parallel_rank(),
         device=device,
         backend=backend,
+        comm="nccl_delta" if use_delta_comm else backend,
     )
 
 

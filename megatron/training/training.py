@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -91,42 +92,109 @@ def setup_optimizer(model, args):
     return optimizer, scheduler
 
 
-def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, args, layout):
-    """One iteration; returns the DP-averaged loss on the last stage (else None) and the grad norm."""
+@dataclass
+class Session:
+    """Everything one rank trains with; the TrainMover runtime reads and resets it during migrations."""
+
+    args: object
+    layout: object
+    model: list
+    optimizer: object
+    scheduler: object
+    dataset: object
+    forward_step_func: Callable
+    metrics: "MetricsLog"
+    iterators: list = field(default_factory=list)
+
+    def reset_data(self) -> None:
+        """Point the data iterators at ``args.consumed_train_samples`` (exact resume)."""
+        plan = BatchPlan(
+            micro_batch_size=self.args.micro_batch_size,
+            data_parallel_size=self.layout.dp_size,
+            data_parallel_rank=self.layout.dp_rank,
+        )
+        # Interleaved schedules take one iterator per model chunk; all read the same samples.
+        self.iterators = [
+            GPTBatchIterator(self.dataset, plan, self.args.consumed_train_samples) for _ in range(len(self.model))
+        ]
+
+
+class Runtime:
+    """Hooks of the training loop; this base class is plain Megatron behaviour (no TrainMover)."""
+
+    recoverable: tuple = ()
+    """Exception types :meth:`recover` can handle; others propagate."""
+
+    def before_iteration(self, session: Session) -> bool:
+        """Called at each iteration boundary; return False to leave the loop (this process hands its rank over)."""
+        return True
+
+    def recover(self, session: Session, exc: BaseException) -> None:
+        """Bring the job back to a consistent iteration after ``exc``; raise if impossible."""
+        raise exc
+
+    def after_iteration(self, session: Session, loss: Optional[float]) -> None:
+        """Called after each completed iteration."""
+
+    def after_training(self, session: Session) -> None:
+        """Called once when ``--train-iters`` is reached (not when the process hands its rank over)."""
+
+    def close(self) -> None:
+        """Release the runtime's resources; safe to call twice."""
+
+
+def train_step(session: Session) -> Optional[float]:
+    """One iteration. Increments ``args.iteration`` right after the optimizer step, so after an
+    abandoned iteration ``args.iteration`` is exactly the number of completed steps. The logging rank
+    writes the iteration's record before the step (a re-run after an abandon writes the same values)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    args, layout, model, optimizer = session.args, session.layout, session.model, session.optimizer
+    t0 = time.time()
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     forward_backward = get_forward_backward_func()
-    iterators = data_iterator if len(model) > 1 else data_iterator[0]
     losses = forward_backward(
-        forward_step_func=forward_step_func,
-        data_iterator=iterators,
+        forward_step_func=session.forward_step_func,
+        data_iterator=session.iterators if len(model) > 1 else session.iterators[0],
         model=model if len(model) > 1 else model[0],
         num_microbatches=args.num_microbatches,
         seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size,
         forward_only=False,
     )
-    _, grad_norm, _ = optimizer.step()
-    scheduler.step(increment=args.global_batch_size)
-    if not layout.is_last_stage:
-        return None, grad_norm
-    loss = torch.stack([entry["lm loss"] for entry in losses]).mean().detach().clone()
-    if layout.dp_size > 1:
-        torch.distributed.all_reduce(loss, group=mpu.get_data_parallel_group())
-        loss /= layout.dp_size
-    return loss.item(), grad_norm
+    loss = None
+    if layout.is_last_stage:
+        loss_t = torch.stack([entry["lm loss"] for entry in losses]).mean().detach().clone()
+        if layout.dp_size > 1:
+            torch.distributed.all_reduce(loss_t, group=mpu.get_data_parallel_group())
+            loss_t /= layout.dp_size
+        loss = loss_t.item()
+    if layout.is_logging_rank:
+        session.metrics.write(
+            event="iteration", iteration=args.iteration + 1, loss=loss, iteration_s=time.time() - t0,
+            t_end=time.time(), consumed_samples=args.consumed_train_samples + args.global_batch_size,
+            lr=optimizer.param_groups[0]["lr"],
+        )
+    optimizer.step()
+    session.scheduler.step(increment=args.global_batch_size)
+    args.iteration += 1
+    args.consumed_train_samples += args.global_batch_size
+    return loss
 
 
-def _build_iterators(args, layout, dataset, consumed, num_chunks):
-    plan = BatchPlan(
-        micro_batch_size=args.micro_batch_size, data_parallel_size=layout.dp_size, data_parallel_rank=layout.dp_rank
-    )
-    # Interleaved schedules take one iterator per model chunk; all read the same samples.
-    return [GPTBatchIterator(dataset, plan, consumed) for _ in range(num_chunks)]
+def build_session(args, layout, model_provider, dataset_provider, forward_step_func, metrics) -> Session:
+    """Seeds, model, optimizer, scheduler and dataset for this rank (no checkpoint loaded)."""
+    set_random_seeds(args.seed, layout)
+    config = transformer_config_from_args(args, layout)
+    model = get_model(model_provider, args, layout, config)
+    optimizer, scheduler = setup_optimizer(model, args)
+    _wire_config(config, model, optimizer)
+    datasets = dataset_provider([args.train_iters * args.global_batch_size, 0, 0])
+    return Session(args=args, layout=layout, model=model, optimizer=optimizer, scheduler=scheduler,
+                   dataset=datasets[0], forward_step_func=forward_step_func, metrics=metrics)
 
 
 def pretrain(
@@ -140,6 +208,9 @@ def pretrain(
 ) -> dict:
     """Parse flags, initialise, build, train, and tear down; returns a summary dict."""
     t_process = process_start_time()
+    from trainmover_ext.launch.process import die_with_parent_from_env
+
+    die_with_parent_from_env()  # a rank spawned by `trainmover launch` never outlives its agent
     args = parse_args(extra_args_provider, argv)
     for key, value in (args_defaults or {}).items():
         if getattr(args, key, None) is None:
@@ -151,24 +222,27 @@ def pretrain(
         tm_config = config_from_args(args)
     tokenizer = build_tokenizer(args)
     global_vars.set_global_variables(args, tokenizer)
+    providers = (model_provider, train_valid_test_dataset_provider, forward_step_func)
+    if tm_config is not None and tm_config.role == "standby":
+        from trainmover_ext.runtime.standby import run_standby
+
+        return run_standby(args, tm_config, providers, t_process)
     t_args = time.time()
-    layout = initialize_distributed(args)
+    layout = initialize_distributed(args, use_delta_comm=bool(tm_config and tm_config.use_delta_comm))
     t_rendezvous = time.time()
     metrics = MetricsLog(tm_config.metrics_file if tm_config else None, layout.is_logging_rank)
+    runtime: Runtime = Runtime()
     try:
-        set_random_seeds(args.seed, layout)
-        config = transformer_config_from_args(args, layout)
-        model = get_model(model_provider, args, layout, config)
-        optimizer, scheduler = setup_optimizer(model, args)
-        _wire_config(config, model, optimizer)
+        session = build_session(args, layout, *providers, metrics)
         t_model = time.time()
         iteration, consumed = 0, 0
         if args.load:
-            iteration, consumed = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, args, layout)
+            iteration, consumed = checkpointing.load_checkpoint(
+                args.load, session.model, session.optimizer, session.scheduler, args, layout
+            )
         t_loaded = time.time()
         args.iteration, args.consumed_train_samples = iteration, consumed
-        datasets = train_valid_test_dataset_provider([args.train_iters * args.global_batch_size, 0, 0])
-        iterators = _build_iterators(args, layout, datasets[0], consumed, len(model))
+        session.reset_data()
         metrics.write(
             event="startup", process_start=t_process, args_parsed=t_args, rendezvous=t_rendezvous,
             model_built=t_model, checkpoint_loaded=t_loaded, resumed_iteration=iteration,
@@ -176,12 +250,17 @@ def pretrain(
         if layout.is_logging_rank:
             print(
                 f"[trainmover] world {layout.world_size} = TP{layout.tp_size} x PP{layout.pp_size} x "
-                f"DP{layout.dp_size} | backend {layout.backend} | start iteration {iteration} | "
+                f"DP{layout.dp_size} | comm {layout.comm} | start iteration {iteration} | "
                 f"consumed samples {consumed}",
                 flush=True,
             )
-        return _train_loop(forward_step_func, iterators, model, optimizer, scheduler, args, layout, metrics)
+        if tm_config is not None and tm_config.enabled:
+            from trainmover_ext.runtime.worker import WorkerRuntime
+
+            runtime = WorkerRuntime.for_session(session, tm_config)
+        return train_loop(session, runtime)
     finally:
+        runtime.close()
         metrics.close()
         shutdown()
 
@@ -196,7 +275,9 @@ def _wire_config(config, model, optimizer) -> None:
     config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
 
 
-def _train_loop(forward_step_func, iterators, model, optimizer, scheduler, args, layout, metrics) -> dict:
+def train_loop(session: Session, runtime: Runtime) -> dict:
+    """Train until ``--train-iters``; the runtime may migrate ranks at boundaries or after failures."""
+    args, layout, model = session.args, session.layout, session.model
     tokens_per_iter = args.global_batch_size * args.seq_length
     times: list[float] = []
     losses: list[float] = []
@@ -204,31 +285,33 @@ def _train_loop(forward_step_func, iterators, model, optimizer, scheduler, args,
     for chunk in model:
         chunk.train()
     while args.iteration < args.train_iters:
+        if not runtime.before_iteration(session):
+            break
         t0 = time.time()
-        loss, grad_norm = train_step(forward_step_func, iterators, model, optimizer, scheduler, args, layout)
+        try:
+            loss = train_step(session)
+        except runtime.recoverable as exc:
+            runtime.recover(session, exc)
+            continue
         dt = time.time() - t0
-        args.iteration += 1
-        args.consumed_train_samples += args.global_batch_size
         times.append(dt)
         if loss is not None:
             losses.append(loss)
-        if layout.is_logging_rank:
-            metrics.write(
-                event="iteration", iteration=args.iteration, loss=loss, iteration_s=dt, t_end=time.time(),
-                consumed_samples=args.consumed_train_samples, grad_norm=float(grad_norm or 0.0),
-                lr=optimizer.param_groups[0]["lr"],
+        runtime.after_iteration(session, loss)
+        if layout.is_logging_rank and (args.iteration % args.log_interval == 0 or args.iteration == args.train_iters):
+            print(
+                f"iteration {args.iteration:6d}/{args.train_iters} | loss {loss:.6f} | "
+                f"ms/iter {dt * 1000:8.1f} | tokens/s {tokens_per_iter / dt:9.1f} | "
+                f"consumed samples {args.consumed_train_samples}",
+                flush=True,
             )
-            if args.iteration % args.log_interval == 0 or args.iteration == args.train_iters:
-                print(
-                    f"iteration {args.iteration:6d}/{args.train_iters} | loss {loss:.6f} | "
-                    f"ms/iter {dt * 1000:8.1f} | tokens/s {tokens_per_iter / dt:9.1f} | "
-                    f"consumed samples {args.consumed_train_samples}",
-                    flush=True,
-                )
         if args.save and args.save_interval and args.iteration % args.save_interval == 0:
             checkpointing.save_checkpoint(
-                args.save, args.iteration, model, optimizer, scheduler, args.consumed_train_samples, args, layout
+                args.save, args.iteration, model, session.optimizer, session.scheduler,
+                args.consumed_train_samples, args, layout,
             )
+    if args.iteration >= args.train_iters:
+        runtime.after_training(session)
     steady = sorted(times[1:]) if len(times) > 1 else times
     summary = {
         "iterations": args.iteration - start_iter,
@@ -236,7 +319,7 @@ def _train_loop(forward_step_func, iterators, model, optimizer, scheduler, args,
         "median_iteration_s": steady[len(steady) // 2] if steady else None,
         "tokens_per_s": (tokens_per_iter / steady[len(steady) // 2]) if steady else None,
     }
-    if layout.is_logging_rank and summary["iterations"]:
+    if layout.is_logging_rank and summary["iterations"] and summary["final_loss"] is not None:
         print(
             f"[trainmover] done: {summary['iterations']} iterations | final loss {summary['final_loss']:.6f} | "
             f"median {summary['median_iteration_s'] * 1000:.1f} ms/iter | {summary['tokens_per_s']:.1f} tokens/s",

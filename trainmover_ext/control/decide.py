@@ -77,11 +77,13 @@ def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
     failed: dict[int, _Failure] = {}
     actions: list[Action] = []
     for r, rec in sorted(view.ranks.items()):
+        if r in view.finished:
+            continue  # its worker completed training and left: nothing to replace
         if rec.member_id not in view.members:
             failed[r] = _Failure(rank=rec, reason="lease expired", detected_at=view.gone_at.get(rec.member_id))
     for key, rep in sorted(view.reports.items()):
         rec = view.ranks.get(rep.rank)
-        if rec is None or rec.member_id != rep.member_id:
+        if rec is None or rec.member_id != rep.member_id or rep.rank in view.finished:
             actions.append(DropStaleReport(key=key, reason=f"rank {rep.rank} is no longer served by {rep.member_id}"))
             continue
         f = failed.setdefault(rep.rank, _Failure(rank=rec, reason=f"link broken: {rep.reason}", detected_at=rep.reported_at))

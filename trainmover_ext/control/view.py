@@ -47,6 +47,8 @@ class View:
     """Planned-migration requests by full key."""
     alerts: dict[int, Alert] = field(default_factory=dict)
     progress: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+    """Ranks whose worker completed training (``finished/<r>``); never replaced."""
     """Last completed iteration per rank."""
     checkpoint_iteration: int | None = None
     last_plan: MigrationPlan | None = None
@@ -87,6 +89,8 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
                 view.alerts[a.rank] = a
             elif head == "progress" and rest:
                 view.progress[int(rest)] = int(decode(entry.value, kind="progress", key=entry.key)["iteration"])
+            elif head == "finished" and rest:
+                view.finished.add(int(rest))
             elif rel == "checkpoint":
                 view.checkpoint_iteration = int(decode(entry.value, kind="checkpoint", key=entry.key)["iteration"])
             elif head == "migrations" and rest:

@@ -20,6 +20,7 @@ import sys
 import time
 from typing import Optional
 
+from trainmover_ext.errors import LaunchError
 from trainmover_ext.launch.config import LaunchConfig
 from trainmover_ext.launch.process import RankProcess, fork_rank, preimport_for_fork, spawn_rank
 
@@ -94,6 +95,31 @@ class Agent:
             while proc.poll() is None:
                 time.sleep(0.01)
 
+    def _run_trainmover(self) -> Optional[int]:
+        """Supervise with warm standbys; returns an exit code, or None to fall back to stop-restart
+        (all processes already stopped, restarts then start fresh ranks)."""
+        from trainmover_ext.launch.tm_supervisor import TrainMoverSupervisor
+
+        if self.config.rendezvous.backend != "etcd":
+            raise LaunchError("--trainmover needs the etcd rendezvous (drop --rdzv-backend tcp)")
+        sup = TrainMoverSupervisor(self)
+        try:
+            sup.start()
+            ok, code = sup.supervise()
+        finally:
+            sup.close()
+        if ok:
+            self.stop_ranks()
+            self.log("all ranks finished")
+            return 0
+        self.stop_ranks()
+        if self._stop_signal is not None or self.restarts >= self.config.max_restarts:
+            return code
+        self.restarts += 1
+        self.log(f"restart {self.restarts}/{self.config.max_restarts}: all ranks start again from the checkpoint")
+        self.start_ranks(self.config.restart_start_method)
+        return None
+
     def _on_signal(self, signum, frame) -> None:
         self._stop_signal = signum
 
@@ -135,7 +161,12 @@ class Agent:
             plan = self.config.rendezvous
             if plan.backend == "etcd" and not plan.endpoints:
                 self._start_embedded_etcd()
-            self.start_ranks(self.config.start_method)
+            if self.config.trainmover:
+                code = self._run_trainmover()
+                if code is not None:
+                    return code
+            else:
+                self.start_ranks(self.config.start_method)
             while True:
                 failed, ok = self._wait()
                 if ok:

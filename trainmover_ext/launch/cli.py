@@ -44,18 +44,33 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def peek_trainmover_flags(script_args: list[str]) -> dict:
+    """The script flags the agent itself acts on (they stay in the script's arguments)."""
+    peek = argparse.ArgumentParser(add_help=False)
+    peek.add_argument("--trainmover", action="store_true")
+    peek.add_argument("--tm-standbys", type=int, default=0)
+    peek.add_argument("--tm-lease-ttl", type=float, default=2.0)
+    peek.add_argument("--tm-job", default=None)
+    known, _ = peek.parse_known_args(script_args)
+    return vars(known)
+
+
 def run(args: argparse.Namespace) -> int:
+    tm = peek_trainmover_flags(list(args.script_args))
     endpoints = [e for e in (args.tm_etcd_endpoints or "").split(",") if e.strip()]
     plan = RendezvousPlan(
         backend=args.rdzv_backend,
         endpoints=endpoints,
-        job=args.tm_job or "trainmover",
+        job=args.tm_job or tm["tm_job"] or "trainmover",
         token=args.tm_job_token or new_token(),
         tls={"ca_cert": args.tm_etcd_ca, "client_cert": args.tm_etcd_cert, "client_key": args.tm_etcd_key,
              "user": args.tm_etcd_user, "password": args.tm_etcd_password},
     )
     config = LaunchConfig(
         rendezvous=plan,
+        trainmover=tm["trainmover"],
+        standbys=tm["tm_standbys"],
+        lease_ttl_s=tm["tm_lease_ttl"],
         run_dir=args.run_dir,
         script=args.script,
         script_args=list(args.script_args),

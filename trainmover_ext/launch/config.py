@@ -40,6 +40,12 @@ class LaunchConfig:
     """How often the agent polls its children."""
     rendezvous: RendezvousPlan = field(default_factory=RendezvousPlan)
     """Where ranks meet (etcd by default; an embedded etcd is started when no endpoints are given)."""
+    trainmover: bool = False
+    """The script runs with ``--trainmover``: failed ranks are replaced by standbys instead of restarting."""
+    standbys: int = 0
+    """``--tm-standbys`` of the script: warm standbys the agent keeps."""
+    lease_ttl_s: float = 2.0
+    """``--tm-lease-ttl`` of the script: membership lease TTL (controller and agent use it too)."""
     run_dir: Optional[str] = None
     """``--run-dir``: the job's working directory (embedded etcd data, logs); default runs/<job>."""
 
@@ -48,6 +54,8 @@ class LaunchConfig:
             raise ConfigError("--nproc-per-node must be >= 1")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ConfigError("--node-rank must be in [0, --nnodes)")
+        if self.standbys and not self.trainmover:
+            raise ConfigError("--tm-standbys needs --trainmover in the script's arguments")
         if self.max_restarts < 0:
             raise ConfigError("--max-restarts must be >= 0")
         if self.start_method not in ("fork", "spawn"):

@@ -109,14 +109,25 @@ def fork_rank(rank: int, env: dict[str, str], script: str, script_args: list[str
         os._exit(code)
 
 
+ENV_PARENT_PID = "TRAINMOVER_PARENT_PID"
+
+
+def die_with_parent_from_env() -> None:
+    """In a spawned rank: die with the agent named by ``TRAINMOVER_PARENT_PID`` (called at start-up)."""
+    parent = os.environ.get(ENV_PARENT_PID)
+    if parent and parent.isdigit():
+        _die_with_parent(int(parent))
+
+
 def spawn_rank(rank: int, env: dict[str, str], script: str, script_args: list[str]) -> RankProcess:
-    """Start ``python script args`` as a fresh interpreter, as torchrun does."""
-    parent = os.getpid()
+    """Start ``python script args`` as a fresh interpreter, as torchrun does.
+
+    No Python runs between fork and exec (no ``preexec_fn``): the agent may hold
+    gRPC threads by then, and running code in a forked copy of them can abort.
+    The child sets its parent-death signal itself (:func:`die_with_parent_from_env`).
+    """
     full_env = dict(os.environ)
     full_env.update(env)
-    popen = subprocess.Popen(
-        [sys.executable, "-u", script, *script_args],
-        env=full_env,
-        preexec_fn=lambda: (os.setpgid(0, 0), _die_with_parent(parent)),
-    )
+    full_env[ENV_PARENT_PID] = str(os.getpid())
+    popen = subprocess.Popen([sys.executable, "-u", script, *script_args], env=full_env, start_new_session=True)
     return RankProcess(rank=rank, pid=popen.pid, popen=popen)

@@ -58,7 +58,8 @@ class RendezvousPlan:
         env = {ENV_BACKEND: self.backend, ENV_JOB: self.job}
         if self.backend == "etcd":
             env[ENV_ENDPOINTS] = ",".join(self.endpoints)
-            env[ENV_PREFIX] = f"/trainmover/{self.job}/rdzv/{generation}/"
+            # outside /trainmover/<job>/: the controller reads that whole prefix every round
+            env[ENV_PREFIX] = f"/trainmover-rdzv/{self.job}/{generation}/"
             if self.token:
                 env[ENV_TOKEN] = self.token
             for name, var in _TLS_ENV.items():

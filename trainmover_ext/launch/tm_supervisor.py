@@ -1,0 +1,174 @@
+"""The agent's TrainMover mode: a failed rank is replaced by a warm standby, nobody restarts.
+
+Contract (one agent per node; the single-node case is what runs today):
+- Ranks and ``--tm-standbys`` standbys are forked from the warm agent before
+  the agent opens any etcd (gRPC) connection; each gets ``TRAINMOVER_MEMBER_ID``.
+- The agent then registers as a member and runs a leader-elected
+  :class:`~trainmover_ext.control.controller.Controller`.
+- A rank process that exits non-zero is reported at once
+  (``reports/<rank>/<agent>``): the fast detection path. The controller's plan
+  names a standby; the agent maps the rank to that standby's process and starts
+  a fresh standby (a new interpreter) so the pool returns to its size.
+- A plan that leaves a rank unserved (no standby), or no plan within the
+  deadline, ends the job the classic way: every process is stopped and the
+  agent's restart policy applies.
+- The job is done when every process currently serving a rank has exited 0;
+  leftover standbys are then stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import uuid
+from typing import Optional
+
+from trainmover_ext.launch.process import RankProcess, fork_rank, spawn_rank
+from trainmover_ext.runtime.identity import ENV_MEMBER_ID
+
+
+def _member_id(kind: str, node: int, index: int) -> str:
+    return f"{kind}-n{node}-{index}-{uuid.uuid4().hex[:6]}"
+
+
+class TrainMoverSupervisor:
+    """Runs inside :class:`~trainmover_ext.launch.agent.Agent` when the script has ``--trainmover``."""
+
+    def __init__(self, agent):
+        self.agent = agent
+        self.cfg = agent.config
+        self.serving: dict[int, tuple[RankProcess, str]] = {}
+        self.standbys: dict[str, RankProcess] = {}
+        self.retired: list[RankProcess] = []
+        self.reported: dict[int, float] = {}
+        self.plans: list = []
+        self._lock = threading.Lock()
+        self.space = self.controller = self.member = self.watcher = None
+        self.epoch = 0
+        self.standbys_started = 0
+
+    # -- processes -------------------------------------------------------------
+    def _start_standby(self, method: str) -> None:
+        cfg = self.cfg
+        member = _member_id("standby", cfg.node_rank, self.standbys_started)
+        self.standbys_started += 1
+        env = self.agent._env(0, self.port)
+        env.pop("RANK"), env.pop("LOCAL_RANK")
+        env[ENV_MEMBER_ID] = member
+        start = fork_rank if method == "fork" else spawn_rank
+        proc = start(-1, env, cfg.script, list(cfg.script_args) + ["--tm-role", "standby"])
+        self.standbys[member] = proc
+        self.agent.log(f"started standby {member} (pid {proc.pid}, {method})")
+
+    def start(self) -> None:
+        from trainmover_ext.launch.agent import free_port
+        from trainmover_ext.launch.process import preimport_for_fork
+
+        cfg = self.cfg
+        self.port = cfg.master_port or free_port(cfg.master_addr)
+        preimport_for_fork()
+        for i in range(cfg.nproc_per_node):
+            rank = cfg.node_rank * cfg.nproc_per_node + i
+            member = _member_id("worker", cfg.node_rank, i)
+            env = self.agent._env(i, self.port) | {ENV_MEMBER_ID: member}
+            self.serving[rank] = (fork_rank(rank, env, cfg.script, cfg.script_args), member)
+        for _ in range(cfg.standbys):
+            self._start_standby("fork")
+        self.agent.procs = [p for p, _ in self.serving.values()] + list(self.standbys.values())
+        self.agent.log(f"started {len(self.serving)} ranks, pids {[p.pid for p, _ in self.serving.values()]}, "
+                       f"and {len(self.standbys)} standby(s)")
+        self._connect()
+
+    def _connect(self) -> None:
+        """Open etcd only now: a gRPC channel must not be inherited by forked ranks."""
+        from trainmover_ext.control.controller import Controller, ControllerConfig
+        from trainmover_ext.control.membership import DecisionWatcher, Membership
+        from trainmover_ext.control.records import MemberRecord
+        from trainmover_ext.runtime.identity import Identity, open_space
+
+        plan = self.cfg.rendezvous
+        os.environ.update(plan.env(0))
+        ident = Identity(member_id=_member_id("agent", self.cfg.node_rank, 0), job=plan.job, token=plan.token or "",
+                         host=os.environ.get("SLURMD_NODENAME") or os.uname().nodename, pid=os.getpid())
+        self.space = open_space(ident)
+        ttl = max(1, round(self.cfg.lease_ttl_s))
+        self.member = Membership(self.space, MemberRecord(member_id=ident.member_id, kind="agent",
+                                                          host=ident.host, pid=ident.pid), ttl_s=ttl).register()
+        self.agent_id = ident.member_id
+        self.controller = Controller(self.space, ControllerConfig(controller_id=ident.member_id, ttl_s=ttl)).start()
+        self.watcher = DecisionWatcher(self.space, self._on_plan)
+
+    def _on_plan(self, plan) -> None:
+        with self._lock:
+            self.plans.append(plan)
+
+    def close(self) -> None:
+        for obj in (self.watcher, self.controller, self.member):
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception as exc:  # noqa: BLE001 - teardown must go on
+                    self.agent.log(f"teardown: {exc}")
+
+    # -- supervision ----------------------------------------------------------------
+    def _apply_plans(self) -> Optional[str]:
+        with self._lock:
+            plans, self.plans = self.plans, []
+        for plan in plans:
+            self.epoch = max(self.epoch, plan.epoch)
+            if plan.unserved:
+                return f"epoch {plan.epoch}: no warm standby left for rank(s) {plan.unserved}"
+            for rep in plan.replacement_list():
+                proc = self.standbys.pop(rep.joiner, None)
+                if proc is None:
+                    continue  # a standby of another node's agent
+                old = self.serving.get(rep.rank)
+                if old is not None:
+                    self.retired.append(old[0])
+                self.serving[rep.rank] = (proc, rep.joiner)
+                self.reported.pop(rep.rank, None)
+                self.agent.log(f"epoch {plan.epoch} ({plan.reason}): rank {rep.rank} -> {rep.joiner} "
+                               f"(pid {proc.pid}); state from {rep.state_source.get('kind')}")
+                self._start_standby("spawn")  # keep the pool at --tm-standbys
+        return None
+
+    def _report(self, rank: int, member: str, code: int) -> None:
+        from trainmover_ext.control.membership import report_failure
+
+        report_failure(self.space, rank=rank, member_id=member, reporter=self.agent_id,
+                       reason=f"process exited with code {code}", epoch=self.epoch)
+        self.reported[rank] = time.time()
+        self.agent.log(f"rank {rank} ({member}) exited with code {code}; reported to the controller")
+
+    def supervise(self) -> tuple[bool, int]:
+        """Block until done. Returns (finished_ok, exit code); (False, code) asks for the classic fallback."""
+        deadline_s = max(10.0, 5 * self.cfg.lease_ttl_s)
+        while True:
+            if self.agent._stop_signal is not None:
+                return False, 128 + self.agent._stop_signal
+            why = self._apply_plans()
+            if why:
+                self.agent.log(why + "; falling back to stop-restart")
+                return False, 1
+            codes = {rank: (p.poll(), member) for rank, (p, member) in self.serving.items()}
+            for rank, (code, member) in codes.items():
+                if code not in (None, 0) and rank not in self.reported:
+                    self._report(rank, member, code)
+            for rank, t in self.reported.items():
+                if time.time() - t > deadline_s:
+                    self.agent.log(f"no replacement for rank {rank} within {deadline_s:.0f}s; falling back")
+                    return False, 1
+            for member, proc in list(self.standbys.items()):
+                if proc.poll() is not None:
+                    self.agent.log(f"standby {member} exited ({proc.returncode}); starting another")
+                    del self.standbys[member]
+                    self._start_standby("spawn")
+            self.agent.procs = ([p for p, _ in self.serving.values()] + list(self.standbys.values())
+                                + [p for p in self.retired if p.poll() is None])
+            if all(code == 0 for code, _ in codes.values()) and all(p.poll() is not None for p in self.retired):
+                for proc in self.standbys.values():
+                    proc.signal(signal.SIGTERM)
+                return True, 0
+            time.sleep(self.cfg.monitor_interval_s)

@@ -1,0 +1,96 @@
+"""After an abandoned iteration: pick the resume iteration and the state copies (pure logic).
+
+Every live rank reports the number of optimizer steps it completed. Ranks in
+different data-parallel replicas of one parameter shard may differ by one step
+(a kill during the optimizer step lets some replicas finish). The job resumes
+at ``k = min over shards of (max over a shard's live replicas)``: the newest
+iteration that every shard completed somewhere. A rank whose iteration is not
+``k``, and every joiner, copies its state from a live replica of its shard that
+is at ``k``. When some shard has no such replica (data-parallel size 1, the
+distributed optimizer, or every replica lost), every rank falls back to the
+latest checkpoint.
+
+Unit-tested without I/O; see tests/runtime/test_converge.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class GridShape:
+    """The TP x PP x DP grid in megatron's rank order (tp fastest, then dp, then pp)."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def shard_of(self, rank: int) -> tuple[int, int]:
+        """(tp_rank, pp_rank): ranks with the same shard hold the same parameters."""
+        tp_rank = rank % self.tp
+        pp_rank = rank // (self.tp * self.dp)
+        return tp_rank, pp_rank
+
+    def replicas_of(self, rank: int) -> list[int]:
+        """Every rank of ``rank``'s shard, itself included, ascending."""
+        shard = self.shard_of(rank)
+        return [r for r in range(self.world_size) if self.shard_of(r) == shard]
+
+
+@dataclass(kw_only=True)
+class ConvergencePlan:
+    """Where every rank resumes and which state copies bring it there."""
+
+    resume_iteration: int
+    """Iteration (completed optimizer steps) every rank holds after the copies."""
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source rank, target rank) pairs, sorted by target."""
+    from_checkpoint: bool = False
+    """True: no replica can serve some shard; every rank loads the latest checkpoint instead."""
+    reason: str = ""
+
+
+def plan_convergence(grid: GridShape, iterations: dict[int, int], joiners: set[int],
+                     replicas_share_state: bool = True) -> ConvergencePlan:
+    """Decide the resume point.
+
+    ``iterations`` maps each live stayer rank to its completed steps; ``joiners``
+    are ranks served by new processes (no state). ``replicas_share_state`` is
+    False with the distributed optimizer, whose optimizer shards differ per
+    data-parallel rank.
+    """
+    missing = set(range(grid.world_size)) - set(iterations) - joiners
+    if missing:
+        raise ValueError(f"ranks {sorted(missing)} are neither reporting stayers nor joiners")
+    if not replicas_share_state and joiners:
+        return ConvergencePlan(resume_iteration=-1, from_checkpoint=True,
+                               reason="the distributed optimizer keeps one copy of each optimizer shard")
+    best: dict[tuple[int, int], int] = {}
+    for rank, it in iterations.items():
+        shard = grid.shard_of(rank)
+        best[shard] = max(best.get(shard, -1), it)
+    shards = {grid.shard_of(r) for r in range(grid.world_size)}
+    lost = sorted(shards - set(best))
+    if lost:
+        return ConvergencePlan(resume_iteration=-1, from_checkpoint=True,
+                               reason=f"no live replica of shard(s) (tp, pp) {lost}")
+    k = min(best.values())
+    copies = []
+    for target in sorted(set(range(grid.world_size))):
+        if target not in joiners and iterations[target] == k:
+            continue
+        sources = [r for r in grid.replicas_of(target) if r in iterations and iterations[r] == k]
+        if not sources:
+            return ConvergencePlan(resume_iteration=-1, from_checkpoint=True,
+                                   reason=f"no live replica of rank {target}'s shard is at iteration {k}")
+        if not replicas_share_state:
+            return ConvergencePlan(resume_iteration=-1, from_checkpoint=True,
+                                   reason=f"rank {target} is off by one step and distributed-optimizer "
+                                          "shards cannot be copied from a replica")
+        copies.append((sources[0], target))
+    return ConvergencePlan(resume_iteration=k, copies=copies)

@@ -1,0 +1,62 @@
+"""Who this process is in the job, from the launcher's environment, and its etcd namespace.
+
+The agent gives every process it starts ``TRAINMOVER_MEMBER_ID`` plus the
+rendezvous variables (see :mod:`trainmover_ext.launch.rendezvous`). The job
+namespace is opened with ``JobSpace.create`` (idempotent for the same token),
+so no process depends on another having registered the job first.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from trainmover_ext.errors import ConfigError
+from trainmover_ext.launch import rendezvous
+
+ENV_MEMBER_ID = "TRAINMOVER_MEMBER_ID"
+
+
+@dataclass(kw_only=True)
+class Identity:
+    """This process's ids."""
+
+    member_id: str
+    job: str
+    token: str
+    host: str
+    pid: int
+
+
+def identity_from_env() -> Identity:
+    """Read the ids the launcher set; :class:`ConfigError` outside ``trainmover launch``."""
+    if os.environ.get(rendezvous.ENV_BACKEND) != "etcd" or not os.environ.get(rendezvous.ENV_ENDPOINTS):
+        raise ConfigError(
+            "--trainmover needs etcd: run under `trainmover launch` (which starts an embedded etcd) "
+            "or give it --tm-etcd-endpoints"
+        )
+    return Identity(
+        member_id=os.environ.get(ENV_MEMBER_ID) or f"{socket.gethostname()}-{os.getpid()}",
+        job=os.environ.get(rendezvous.ENV_JOB, "trainmover"),
+        token=os.environ.get(rendezvous.ENV_TOKEN, ""),
+        host=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        pid=os.getpid(),
+    )
+
+
+def open_space(ident: Identity, timeout_s: float = 30.0):
+    """The job's :class:`JobSpace`, retried until etcd answers or ``timeout_s`` passes."""
+    from trainmover_ext.errors import StoreError
+    from trainmover_ext.kv.etcd import EtcdKV
+    from trainmover_ext.kv.job import JobSpace
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            return JobSpace.create(EtcdKV(rendezvous.etcd_config_from_env()), ident.job, ident.token or None)
+        except StoreError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)

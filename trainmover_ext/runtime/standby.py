@@ -1,0 +1,131 @@
+"""A standby: warm up, register, wait to be promoted into a rank, then train it.
+
+Contract:
+- Started by the agent as ``pretrain_gpt.py ... --tm-role standby`` with the
+  job's environment (no ``RANK``). It opens no link to the job before it is
+  promoted.
+- Warm-up imports and exercises everything a rank needs that does not need
+  the job: the data loader index, the CPU kernels of the model's ops, the
+  optimizer (a throw-away single-process model of the job's shape with
+  TP=PP=DP=1 running one forward, backward and step). The sandbox capability
+  replaces this with replayed iterations of each pipeline role.
+- It registers as a ``standby`` member with the roles it warmed and waits
+  (bounded by its parent's life) for a plan naming it as a joiner. Then it
+  joins the communicator as that rank, builds the rank's model, takes the
+  state (from a replica, the leaver, or the checkpoint) and trains on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from trainmover_ext.control.membership import DecisionWatcher, Membership
+from trainmover_ext.control.records import ROLES, MemberRecord, MigrationPlan
+from trainmover_ext.errors import MembershipLost
+from trainmover_ext.runtime.identity import identity_from_env, open_space
+from trainmover_ext.runtime.timeline import mark_step
+
+logger = logging.getLogger(__name__)
+
+
+def warm_up(args, providers) -> dict:
+    """Warm what needs no job: data index, kernels, optimizer. Returns timings in seconds."""
+    t0 = time.time()
+    import torch
+
+    from megatron.training.tokenizer import build_tokenizer
+
+    torch.set_num_threads(args.threads_per_rank)
+    build_tokenizer(args)
+    _, dataset_provider, _ = providers
+    dataset_provider([args.global_batch_size, 0, 0])  # builds the dataset's index (mmap, permutation)
+    t_data = time.time()
+    # Exercise the kernels of one transformer layer of the job's width: a forward, a backward
+    # and an Adam step, without megatron's parallel state (which only the real rank may set).
+    width, seq = args.hidden_size, args.seq_length
+    layer = torch.nn.TransformerEncoderLayer(width, args.num_attention_heads, 4 * width, dropout=0.0,
+                                             batch_first=True)
+    opt = torch.optim.Adam(layer.parameters(), lr=1e-4)
+    x = torch.randn(args.micro_batch_size, seq, width)
+    layer(x).float().pow(2).mean().backward()
+    opt.step()
+    del layer, opt, x
+    return {"data_s": t_data - t0, "kernels_s": time.time() - t_data}
+
+
+def run_standby(args, config, providers, t_process: float) -> dict:
+    """The standby's whole life; returns the training summary once it served a rank."""
+    ident = identity_from_env()
+    timings = warm_up(args, providers)
+    space = open_space(ident)
+    member = Membership(space, MemberRecord(member_id=ident.member_id, kind="standby", host=ident.host,
+                                            pid=ident.pid, warm_roles=list(ROLES)),
+                        ttl_s=max(1, round(config.lease_ttl_s))).register()
+    promoted: list[MigrationPlan] = []
+    cond = threading.Condition()
+
+    def on_plan(plan: MigrationPlan) -> None:
+        if any(r.joiner == ident.member_id for r in plan.replacement_list()):
+            with cond:
+                promoted.append(plan)
+                cond.notify_all()
+
+    watcher = DecisionWatcher(space, on_plan)
+    print(f"[trainmover] standby {ident.member_id} warm in {sum(timings.values()):.2f}s "
+          f"(data {timings['data_s']:.2f}s, kernels {timings['kernels_s']:.2f}s); waiting to be promoted",
+          flush=True)
+    parent = os.getppid()
+    with cond:
+        while not promoted:
+            cond.wait(timeout=0.5)
+            if os.getppid() != parent:
+                watcher.close()
+                member.close()
+                raise MembershipLost("the standby's agent is gone; exiting")
+            member.check()
+    watcher.close()
+    plan = promoted[0]
+    return serve_rank(args, config, providers, plan, ident, space, member)
+
+
+def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, member) -> dict:
+    """Join the communicator as the plan's rank, take the state, and train."""
+    from megatron.training.initialize import initialize_distributed, shutdown
+    from megatron.training.training import MetricsLog, build_session, train_loop
+    from trainmover_ext.runtime.quiet_build import no_collectives
+    from trainmover_ext.runtime.worker import WorkerRuntime, converge, receive_from_leaver
+
+    rep = next(r for r in plan.replacement_list() if r.joiner == ident.member_id)
+    os.environ["RANK"] = str(rep.rank)
+    os.environ["LOCAL_RANK"] = "0"
+    t_promoted = time.time()
+    print(f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (epoch {plan.epoch}, "
+          f"{plan.reason})", flush=True)
+    member.update(kind="worker")
+    layout = initialize_distributed(args, use_delta_comm=True, join_epoch=plan.epoch)
+    mark_step(space, plan.epoch, "joined", at=time.time())
+    metrics = MetricsLog(config.metrics_file, layout.is_logging_rank)
+    runtime = None
+    try:
+        with no_collectives():  # everything they would set comes with the state transfer
+            session = build_session(args, layout, *providers, metrics)
+        args.iteration, args.consumed_train_samples = 0, 0
+        runtime = WorkerRuntime(session, config, ident, space, member, epoch=plan.epoch - 1)
+        if plan.reason == "planned":
+            receive_from_leaver(runtime, session, plan)
+        else:
+            converge(runtime, session, plan, joiner=True)
+        runtime.pending_first_iteration = plan.epoch
+        metrics.write(event="promoted", member=ident.member_id, rank=rep.rank, epoch=plan.epoch,
+                      promoted_at=t_promoted, resumed_iteration=args.iteration, state_ready=time.time())
+        return train_loop(session, runtime)
+    finally:
+        if runtime is not None:
+            runtime.close()
+        else:
+            member.close()
+        metrics.close()
+        shutdown()

@@ -1,0 +1,46 @@
+"""Per-step timestamps of a migration, written into its plan (``migrations/<e>``).
+
+The controller writes ``detected`` and ``decided``; the migration layer adds
+``joined``/``links_rebuilt``, ``transferred``, ``first_iteration`` and moves
+``status`` on. ``trainmover status`` and ``trainmover events`` show them.
+Updates are compare-and-swap on the key's revision, retried, so concurrent
+writers never lose each other's steps; a failed update is logged, never fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from trainmover_ext.control.records import MigrationPlan, migration_key_suffix
+from trainmover_ext.errors import StoreError
+from trainmover_ext.kv.base import Guard, Put
+
+logger = logging.getLogger(__name__)
+
+
+def mark_step(space, epoch: int, step: str, *, only_if: bool = True, status: str | None = None,
+              at: float | None = None, resume_iteration: int | None = None) -> bool:
+    """Record ``step`` at ``at`` (default now) in the plan of ``epoch``, optionally with the
+    resume iteration and a new status. Returns True when written."""
+    if not only_if:
+        return False
+    at = time.time() if at is None else at
+    key = space.key("migrations", migration_key_suffix(epoch))
+    for _ in range(8):
+        try:
+            entry = space.kv.get(key)
+            if entry is None:
+                return False
+            plan = MigrationPlan.from_bytes(entry.value, key=key)
+            plan.steps[step] = at
+            if resume_iteration is not None:
+                plan.resume_iteration = int(resume_iteration)
+            if status:
+                plan.status = status
+            if space.commit([Guard.mod_revision(key, entry.mod_revision)], [Put(key, plan.to_bytes())]):
+                return True
+        except StoreError as exc:
+            logger.warning("could not record step %s of epoch %d: %s", step, epoch, exc)
+            return False
+    return False

@@ -1,0 +1,149 @@
+"""Stream one rank's training state to another over a temporary 2-rank link.
+
+Contract:
+- Both ends call :func:`open_transfer_link` with the same ``name`` (the source
+  as side 0, the target as side 1); the link is a standalone gloo pair group on
+  the job's store, used once and dropped.
+- :func:`send_state` sends a small metadata blob (iteration, consumed samples,
+  scheduler, RNG states, the structure of the optimizer state) and then every
+  tensor of the model, optimizer state and fp32 master copies, in one
+  deterministic order. Tensors are sent from where they live, without a copy,
+  so the source needs no extra memory (the design's staging through the idle
+  gradient buffer is only needed for non-contiguous tensors, and megatron's
+  parameters, optimizer state and master copies are all contiguous; a
+  non-contiguous one would be sent through a temporary contiguous copy).
+- :func:`recv_state` allocates nothing it does not keep: tensors land in the
+  target's own parameters and in the optimizer state it must hold anyway.
+- Every call has a deadline (the link's timeout); a failure raises
+  :class:`MigrationAborted`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import pickle
+from typing import Optional
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo
+
+from megatron.training import checkpointing
+from trainmover_ext.errors import MigrationAborted
+
+
+def open_transfer_link(store, name: str, side: int, timeout_s: float, host: Optional[str] = None):
+    """A 2-rank gloo group named ``name`` on ``store``; side 0 sends, side 1 receives."""
+    opts = ProcessGroupGloo._Options()
+    opts._timeout = datetime.timedelta(seconds=timeout_s)
+    host = host or os.environ.get("NCCL_DELTA_LINK_HOST") or "127.0.0.1"
+    opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+    opts._threads = 1
+    try:
+        return ProcessGroupGloo(PrefixStore(f"transfer/{name}/", store), side, 2, opts)
+    except RuntimeError as exc:
+        raise MigrationAborted(f"state-transfer link {name!r} could not be built: {exc}") from exc
+
+
+def _tensor_list(session) -> list[torch.Tensor]:
+    """Every tensor of the training state, in an order both ends derive identically."""
+    tensors = []
+    for chunk in session.model:
+        tensors += [t for t in chunk.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
+    for opt in checkpointing._optimizers(session.optimizer):
+        state = opt.optimizer.state
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                for key in sorted(state.get(p, {})):
+                    if isinstance(state[p][key], torch.Tensor):
+                        tensors.append(state[p][key])
+        for group in checkpointing._master_groups(opt) or []:
+            tensors += list(group)
+    return tensors
+
+
+def _optimizer_layout(session) -> list:
+    """Per optimizer, per param: the sorted state keys with shapes/dtypes (non-tensors by value)."""
+    layout = []
+    for opt in checkpointing._optimizers(session.optimizer):
+        state = opt.optimizer.state
+        per_param = []
+        for group in opt.optimizer.param_groups:
+            for p in group["params"]:
+                entry = {}
+                for key in sorted(state.get(p, {})):
+                    v = state[p][key]
+                    entry[key] = ("tensor", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("value", v)
+                per_param.append(entry)
+        layout.append(per_param)
+    return layout
+
+
+def _send_blob(pg, obj, dst: int) -> None:
+    data = pickle.dumps(obj)
+    pg.send([torch.tensor([len(data)], dtype=torch.int64)], dst, 0).wait()
+    pg.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], dst, 1).wait()
+
+
+def _recv_blob(pg, src: int):
+    size = torch.zeros(1, dtype=torch.int64)
+    pg.recv([size], src, 0).wait()
+    buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    pg.recv([buf], src, 1).wait()
+    return pickle.loads(buf.numpy().tobytes())
+
+
+def send_state(pg, session) -> int:
+    """Source side; returns the bytes sent."""
+    args = session.args
+    meta = {
+        "iteration": args.iteration,
+        "consumed_train_samples": args.consumed_train_samples,
+        "scheduler": session.scheduler.state_dict(),
+        "rng": checkpointing.rng_state(),
+        "optimizer_layout": _optimizer_layout(session),
+        "param_groups": [
+            [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+            for opt in checkpointing._optimizers(session.optimizer)
+        ],
+    }
+    _send_blob(pg, meta, 1)
+    sent = 0
+    for i, t in enumerate(_tensor_list(session)):
+        data = t.detach().contiguous()  # a no-op (same storage) for every tensor megatron keeps
+        pg.send([data], 1, 100 + i).wait()
+        sent += data.numel() * data.element_size()
+    return sent
+
+
+def recv_state(pg, session) -> int:
+    """Target side: overwrite model, optimizer, scheduler, RNG and counters; returns bytes received."""
+    meta = _recv_blob(pg, 0)
+    # Materialise the optimizer state with the source's structure so that the
+    # tensor order below matches; values are overwritten by the receives.
+    for opt, per_param, groups in zip(checkpointing._optimizers(session.optimizer), meta["optimizer_layout"],
+                                      meta["param_groups"]):
+        params = [p for g in opt.optimizer.param_groups for p in g["params"]]
+        for p, entry in zip(params, per_param):
+            st = opt.optimizer.state.setdefault(p, {})
+            for key, spec in entry.items():
+                if spec[0] == "tensor":
+                    dtype = getattr(torch, spec[2].replace("torch.", ""))
+                    st[key] = torch.zeros(spec[1], dtype=dtype, device=p.device if spec[1] else "cpu")
+                else:
+                    st[key] = spec[1]
+        for group, saved in zip(opt.optimizer.param_groups, groups):
+            group.update(saved)
+    received = 0
+    for i, t in enumerate(_tensor_list(session)):
+        buf = t.detach() if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
+        pg.recv([buf], 0, 100 + i).wait()
+        if buf is not t.detach():
+            t.detach().copy_(buf)
+        received += buf.numel() * buf.element_size()
+    session.scheduler.load_state_dict(meta["scheduler"])
+    checkpointing.set_rng_state(meta["rng"])
+    session.args.iteration = meta["iteration"]
+    session.args.consumed_train_samples = meta["consumed_train_samples"]
+    return received

@@ -1,0 +1,267 @@
+"""The training loop's hooks under ``--trainmover``: membership, failures, migrations.
+
+Contract (every rank, main thread unless noted):
+- At start the rank registers as a worker (a lease refreshed every TTL/3),
+  writes its ``ranks/<r>`` record if absent, and watches ``migrations/``.
+- On a *failure* plan (watch thread) the rank abandons its communicator at
+  once: every op in flight or to come raises ``CommAbandoned``. The training
+  loop then calls :meth:`WorkerRuntime.recover`, which rebuilds every link in
+  the plan's epoch, agrees with the other ranks on the resume iteration
+  (:mod:`.converge`) and copies state from replicas, or loads the latest
+  checkpoint when no replica holds it. Training continues at that iteration.
+- On a *planned* plan the stayers build the joiner's links in the background
+  (phase 1) and keep training. All ranks agree, through one compare-and-swap
+  key, on the iteration boundary where the hand-over happens: there the leaver
+  streams its state to the joiner and leaves, and the stayers switch the
+  leaver's links to the joiner (phase 2).
+- A rank that finds itself replaced (declared dead while hung) stops with
+  :class:`MembershipLost`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from megatron.training import checkpointing
+from megatron.training.training import Runtime, Session
+from trainmover_ext.config import TrainMoverConfig
+from trainmover_ext.control.membership import DecisionWatcher, Membership, init_job
+from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord
+from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted
+from trainmover_ext.kv.codec import decode, encode
+from trainmover_ext.runtime.converge import GridShape, plan_convergence
+from trainmover_ext.runtime.identity import Identity, identity_from_env, open_space
+from trainmover_ext.runtime.timeline import mark_step
+
+logger = logging.getLogger(__name__)
+
+
+def stage_role(layout) -> str:
+    """The control plane's role name of this rank's pipeline stage."""
+    return "first" if layout.role in ("first", "only") else layout.role
+
+
+def grid_of(layout) -> GridShape:
+    return GridShape(tp=layout.tp_size, pp=layout.pp_size, dp=layout.dp_size)
+
+
+class WorkerRuntime(Runtime):
+    """See the module docstring."""
+
+    recoverable = (CommLinkError,)
+
+    def __init__(self, session: Session, config: TrainMoverConfig, ident: Identity, space, member: Membership,
+                 epoch: int = 0):
+        self.session, self.config, self.ident, self.space, self.member = session, config, ident, space, member
+        self.epoch = epoch
+        self.timeout_s = max(30.0, 10 * config.lease_ttl_s)
+        self._plans: dict[int, MigrationPlan] = {}
+        self._cond = threading.Condition()
+        self._switch_at: dict[int, int] = {}
+        self._replaced = False
+        self.pending_first_iteration: int | None = None
+        """Epoch whose ``first_iteration`` step this process (a joiner) still has to record."""
+        grid = grid_of(session.layout)
+        if grid.shard_of(session.layout.rank) != (session.layout.tp_rank, session.layout.pp_rank):
+            raise MigrationAborted("megatron's rank order is not tp-dp-pp; the convergence logic does not apply")
+        self.watcher = DecisionWatcher(space, self._on_plan)
+
+    # -- construction --------------------------------------------------------
+    @classmethod
+    def for_session(cls, session: Session, config: TrainMoverConfig) -> "WorkerRuntime":
+        """Register this rank and start watching decisions."""
+        ident = identity_from_env()
+        space = open_space(ident)
+        layout = session.layout
+        replicas = [] if session.args.use_distributed_optimizer else [
+            r for r in grid_of(layout).replicas_of(layout.rank) if r != layout.rank
+        ]
+        # Register before naming ourselves in ranks/<r>: a rank whose member is not registered
+        # looks orphaned to the controller, which would replace it.
+        member = Membership(space, MemberRecord(member_id=ident.member_id, kind="worker", host=ident.host,
+                                                pid=ident.pid), ttl_s=max(1, round(config.lease_ttl_s))).register()
+        init_job(space, [RankRecord(rank=layout.rank, member_id=ident.member_id, host=ident.host,
+                                    role=stage_role(layout), replicas=replicas)])
+        return cls(session, config, ident, space, member)
+
+    def close(self) -> None:
+        try:
+            self.watcher.close()
+        finally:
+            self.member.close()
+
+    def after_iteration(self, session: Session, loss) -> None:
+        if self.pending_first_iteration is not None:
+            mark_step(self.space, self.pending_first_iteration, "first_iteration", status="done")
+            self.pending_first_iteration = None
+
+    def after_training(self, session: Session) -> None:
+        """Say this rank is done before the lease goes, so the controller does not replace it."""
+        self.space.put(self.space.key("finished", session.layout.rank),
+                       encode("finished", {"iteration": session.args.iteration}))
+
+    # -- decisions (watch thread) -------------------------------------------
+    def _on_plan(self, plan: MigrationPlan) -> None:
+        if plan.epoch <= self.epoch:
+            return
+        reps = plan.replacement_list()
+        if plan.reason == "failure":
+            if any(rep.rank == self.session.layout.rank and rep.leaver == self.ident.member_id for rep in reps):
+                self._replaced = True  # we were declared dead (e.g. hung): never rejoin
+            if self.session.layout.comm == "nccl_delta":
+                import nccl_delta
+
+                world = nccl_delta.current_world()
+                # Abandon before waking the main thread: it rebuilds the links next, and an
+                # abandon arriving after that would sever the new links.
+                if world.epoch < plan.epoch:
+                    world.abandon(plan.epoch, f"rank(s) {[r.rank for r in reps]} failed")
+        with self._cond:
+            self._plans[plan.epoch] = plan
+            self._cond.notify_all()
+
+    def _wait_plan(self, predicate, timeout_s: float) -> MigrationPlan:
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: any(predicate(p) for e, p in self._plans.items() if e > self.epoch), timeout_s
+            )
+            if not ok:
+                raise MigrationAborted(
+                    f"rank {self.session.layout.rank}: no migration plan within {timeout_s:.0f}s after a "
+                    "communication failure; is the controller (the launcher's agent) running?"
+                )
+            return min((p for e, p in self._plans.items() if e > self.epoch and predicate(p)), key=lambda p: p.epoch)
+
+    # -- unexpected failure ---------------------------------------------------
+    def recover(self, session: Session, exc: BaseException) -> None:
+        """The current iteration was abandoned: converge on a plan's epoch and continue."""
+        layout = session.layout
+        # Detection is the control plane's: the agent reports a dead child at once and a hung
+        # one loses its lease; we only wait for the decision (which also abandoned our links).
+        plan = self._wait_plan(lambda p: p.reason == "failure", self.timeout_s)
+        if self._replaced:
+            raise MembershipLost(f"rank {layout.rank} was replaced at epoch {plan.epoch} while unresponsive")
+        logger.info("rank %d: recovering at epoch %d after %s", layout.rank, plan.epoch, exc)
+        converge(self, session, plan, joiner=False)
+
+    # -- planned migration ----------------------------------------------------
+    def before_iteration(self, session: Session) -> bool:
+        if self._replaced:
+            raise MembershipLost(f"rank {session.layout.rank} was replaced by the control plane")
+        with self._cond:
+            pending = [p for e, p in sorted(self._plans.items()) if e > self.epoch and p.reason == "planned"]
+        if not pending:
+            return True
+        plan = pending[0]
+        rep = plan.replacement_list()[0]
+        layout, args = session.layout, session.args
+        leaver = rep.rank == layout.rank
+        if plan.epoch not in self._switch_at:
+            if not leaver:
+                import nccl_delta
+
+                nccl_delta.current_world().prepare(rep.rank, plan.epoch, joiner=rep.joiner)
+            key = self.space.key("switch_at", plan.epoch)
+            self.space.put_if_absent(key, encode("switch_at", {"iteration": args.iteration + 2}))
+            entry = self.space.kv.get(key)
+            self._switch_at[plan.epoch] = decode(entry.value, kind="switch_at", key=key)["iteration"]
+        if args.iteration < self._switch_at[plan.epoch]:
+            return True
+        if leaver:
+            hand_over(self, session, plan)
+            return False
+        import nccl_delta
+
+        nccl_delta.current_world().switch(plan.epoch, timeout_s=self.timeout_s)
+        self.epoch = plan.epoch
+        return True
+
+
+def _gather_iterations(rt: WorkerRuntime, epoch: int, expected: int) -> dict[int, int]:
+    prefix = rt.space.key("recovery", epoch) + "/"
+    deadline = time.time() + rt.timeout_s
+    while True:
+        snap = rt.space.kv.get_prefix(prefix)
+        found = {int(e.key.rsplit("/", 1)[1]): decode(e.value, kind="recovery", key=e.key)["iteration"]
+                 for e in snap.entries}
+        if len(found) >= expected:
+            return found
+        if time.time() > deadline:
+            raise MigrationAborted(f"epoch {epoch}: only {len(found)}/{expected} ranks reported their iteration")
+        time.sleep(0.005)
+
+
+def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: bool) -> None:
+    """Rebuild links at ``plan.epoch``, agree on the resume iteration, copy state, reset data."""
+    import nccl_delta
+
+    from trainmover_ext.launch.rendezvous import rank_store
+    from trainmover_ext.runtime.transfer import open_transfer_link, recv_state, send_state
+
+    layout, args = session.layout, session.args
+    reps = plan.replacement_list()
+    replaced = {r.rank for r in reps}
+    e = plan.epoch
+    world = nccl_delta.current_world()
+    if not joiner:
+        rt.space.put(rt.space.key("recovery", e, layout.rank), encode("recovery", {"iteration": args.iteration}))
+        world.recover(e, replaced_rank=min(replaced))
+    mark_step(rt.space, e, "links_rebuilt" if not joiner else "joined", only_if=joiner)
+    iterations = _gather_iterations(rt, e, layout.world_size - len(replaced))
+    cplan = plan_convergence(grid_of(layout), iterations, replaced,
+                             replicas_share_state=not args.use_distributed_optimizer)
+    if cplan.from_checkpoint:
+        root = args.load or args.save
+        if not root or checkpointing.read_latest_iteration(root) is None:
+            raise MigrationAborted(f"epoch {e}: {cplan.reason} and there is no checkpoint to fall back to "
+                                   "(give --save/--save-interval)")
+        checkpointing.load_checkpoint(root, session.model, session.optimizer, session.scheduler, args, layout)
+        args.iteration = checkpointing.read_latest_iteration(root)
+        args.consumed_train_samples = args.iteration * args.global_batch_size
+    else:
+        store = rank_store(_td(rt.timeout_s))
+        for src, dst in cplan.copies:
+            if layout.rank not in (src, dst):
+                continue
+            pg = open_transfer_link(store, f"{e}/{src}-{dst}", 0 if layout.rank == src else 1, rt.timeout_s)
+            if layout.rank == src:
+                send_state(pg, session)
+            else:
+                recv_state(pg, session)
+        if args.iteration != cplan.resume_iteration:
+            raise MigrationAborted(f"rank {layout.rank} holds iteration {args.iteration} after the copies, "
+                                   f"not {cplan.resume_iteration}")
+    mark_step(rt.space, e, "transferred" if not cplan.from_checkpoint else "checkpoint_loaded", only_if=joiner,
+              resume_iteration=args.iteration)
+    session.reset_data()
+    rt.epoch = e
+
+
+def hand_over(rt: WorkerRuntime, session: Session, plan: MigrationPlan) -> None:
+    """The planned leaver, at the agreed boundary: stream state to the joiner, then leave."""
+    from trainmover_ext.launch.rendezvous import rank_store
+    from trainmover_ext.runtime.transfer import open_transfer_link, send_state
+
+    pg = open_transfer_link(rank_store(_td(rt.timeout_s)), f"{plan.epoch}/leaver", 0, rt.timeout_s)
+    sent = send_state(pg, session)
+    logger.info("rank %d handed %d bytes to the joiner at epoch %d", session.layout.rank, sent, plan.epoch)
+    rt.epoch = plan.epoch
+
+
+def receive_from_leaver(rt: WorkerRuntime, session: Session, plan: MigrationPlan) -> None:
+    """The planned joiner: receive the leaver's state (blocks until the leaver reaches the boundary)."""
+    from trainmover_ext.launch.rendezvous import rank_store
+    from trainmover_ext.runtime.transfer import open_transfer_link, recv_state
+
+    pg = open_transfer_link(rank_store(_td(rt.timeout_s)), f"{plan.epoch}/leaver", 1, rt.timeout_s)
+    recv_state(pg, session)
+    mark_step(rt.space, plan.epoch, "transferred", resume_iteration=session.args.iteration)
+    session.reset_data()
+    rt.epoch = plan.epoch
+
+
+def _td(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
