@@ -124,3 +124,27 @@ def tiny_args(data_prefix: Optional[str], *, tp: int = 1, pp: int = 1, iters: in
     else:
         args += ["--mock-data"]
     return args + (extra or [])
+
+
+# --- live migration ---------------------------------------------------------
+
+ITERS = 12
+
+
+def tm_args(corpus, *, tp=2, pp=2, gbs=8, iters=ITERS, extra=None):
+    """The tiny GPT under --trainmover with one standby."""
+    return tiny_args(corpus, tp=tp, pp=pp, iters=iters, gbs=gbs,
+                     extra=["--trainmover", "--tm-standbys", "1"] + (extra or []))
+
+
+def trajectory(path: str) -> dict[int, tuple[float, int]]:
+    """iteration -> (loss, consumed samples); an iteration logged twice (re-run after an abandon)
+    must carry identical values."""
+    out: dict[int, tuple[float, int]] = {}
+    for line in open(path):
+        rec = json.loads(line)
+        if rec.get("event") != "iteration":
+            continue
+        value = (rec["loss"], rec["consumed_samples"])
+        assert out.setdefault(rec["iteration"], value) == value, f"iteration {rec['iteration']} re-ran differently"
+    return out

@@ -62,6 +62,8 @@ class TrainMoverConfig:
     """``--tm-leaver-becomes-standby``: a planned leaver rejoins the pool instead of exiting."""
     metrics_file: Optional[str] = None
     """``--tm-metrics-file``: append one JSON line per iteration (loss, timings, consumed samples)."""
+    inject_fault: Optional[str] = None
+    """``--tm-inject-fault RANK:ITER:PHASE[:KILL|STOP]``: failure drill (see trainmover_ext.runtime.faults)."""
     comm: str = "auto"
     """``--tm-comm``: ``nccl_delta`` (every group swappable by link), ``native`` (gloo/NCCL as is), or
     ``auto`` (nccl_delta under ``--trainmover``, native otherwise)."""
@@ -73,6 +75,10 @@ class TrainMoverConfig:
     def __post_init__(self) -> None:
         if self.comm not in ("auto", "nccl_delta", "native"):
             raise ConfigError("--tm-comm must be auto, nccl_delta or native")
+        if self.inject_fault:
+            from trainmover_ext.runtime.faults import FaultSpec
+
+            FaultSpec.parse(self.inject_fault)
         if self.role not in ("worker", "standby"):
             raise ConfigError("--tm-role must be 'worker' or 'standby'")
         if self.lease_ttl_s <= 0:
@@ -104,6 +110,7 @@ _FLAG_TO_FIELD = {
     "tm_leaver_becomes_standby": "leaver_becomes_standby",
     "tm_metrics_file": "metrics_file",
     "tm_comm": "comm",
+    "tm_inject_fault": "inject_fault",
 }
 
 
@@ -136,6 +143,9 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--tm-comm", choices=["auto", "nccl_delta", "native"], default=None,
                    help="Communicator for every process group: nccl_delta (links can be swapped live; the default "
                         "under --trainmover) or native gloo/NCCL (the default without --trainmover).")
+    g.add_argument("--tm-inject-fault", default=None, metavar="RANK:ITER:PHASE[:KILL|STOP]",
+                   help="Failure drill: the worker serving RANK sends itself SIGKILL (or SIGSTOP) during "
+                        "iteration ITER in PHASE (forward, backward, allreduce or step).")
     g.add_argument("--tm-metrics-file", default=None,
                    help="Append one JSON line per iteration (iteration, loss, ms, consumed samples) to this file.")
     return parser

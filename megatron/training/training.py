@@ -258,6 +258,10 @@ def pretrain(
             from trainmover_ext.runtime.worker import WorkerRuntime
 
             runtime = WorkerRuntime.for_session(session, tm_config)
+        if tm_config is not None and tm_config.inject_fault:
+            from trainmover_ext.runtime import faults
+
+            faults.install(faults.FaultSpec.parse(tm_config.inject_fault), session)
         return train_loop(session, runtime)
     finally:
         runtime.close()

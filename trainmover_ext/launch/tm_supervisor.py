@@ -126,6 +126,9 @@ class TrainMoverSupervisor:
                     continue  # a standby of another node's agent
                 old = self.serving.get(rep.rank)
                 if old is not None:
+                    if plan.reason == "failure" and old[0].poll() is None:
+                        # Fence a member declared dead while alive (hung): it must never touch the job again.
+                        old[0].signal(signal.SIGKILL)
                     self.retired.append(old[0])
                 self.serving[rep.rank] = (proc, rep.joiner)
                 self.reported.pop(rep.rank, None)

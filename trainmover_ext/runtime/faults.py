@@ -1,0 +1,101 @@
+"""Fault injection for failure drills: a rank kills or stops itself at an exact point.
+
+``--tm-inject-fault RANK:ITERATION:PHASE[:SIGNAL]`` makes the process serving
+logical rank RANK send itself SIGKILL (default) or SIGSTOP while running
+iteration ITERATION (1-based), in PHASE:
+
+- ``forward``: inside the forward pass of the second micro-batch (or the first, if only one);
+- ``backward``: when the first parameter gradient of the iteration is produced;
+- ``allreduce``: when the data-parallel gradient reduction starts;
+- ``step``: inside the optimizer step, after the gradient-norm all-reduce and
+  before any parameter changes (other data-parallel replicas may finish it).
+
+Only the original worker injects: a standby that later serves the rank does not.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+from typing import Optional
+
+from trainmover_ext.errors import ConfigError
+
+PHASES = ("forward", "backward", "allreduce", "step")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    """Where and how a rank fails."""
+
+    rank: int
+    iteration: int
+    phase: str
+    sig: int = signal.SIGKILL
+
+    @classmethod
+    def parse(cls, text: str) -> "FaultSpec":
+        parts = text.split(":")
+        try:
+            if len(parts) not in (3, 4):
+                raise ValueError
+            sig = signal.Signals["SIG" + parts[3].upper().removeprefix("SIG")] if len(parts) == 4 else signal.SIGKILL
+            spec = cls(rank=int(parts[0]), iteration=int(parts[1]), phase=parts[2], sig=sig)
+        except (ValueError, KeyError) as exc:
+            raise ConfigError(f"--tm-inject-fault {text!r}: expected RANK:ITERATION:PHASE[:KILL|STOP]") from exc
+        if spec.phase not in PHASES:
+            raise ConfigError(f"--tm-inject-fault phase {spec.phase!r} is not one of {', '.join(PHASES)}")
+        if spec.sig not in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError("--tm-inject-fault signal must be KILL or STOP")
+        return spec
+
+
+def install(spec: Optional[FaultSpec], session) -> None:
+    """Arm ``spec`` on this process if it serves the named rank (call once, on the original worker)."""
+    if spec is None or session.layout.rank != spec.rank:
+        return
+    args = session.args
+
+    def fire(phase: str) -> None:
+        if phase == spec.phase and args.iteration + 1 == spec.iteration:
+            os.kill(os.getpid(), spec.sig)
+
+    if spec.phase == "forward":
+        inner = session.forward_step_func
+        calls = {"n": 0, "iter": -1}
+
+        def forward_step(data_iterator, model):
+            if calls["iter"] != args.iteration:
+                calls["iter"], calls["n"] = args.iteration, 0
+            calls["n"] += 1
+            if calls["n"] == min(2, args.num_microbatches):
+                fire("forward")
+            return inner(data_iterator, model)
+
+        session.forward_step_func = forward_step
+    elif spec.phase == "backward":
+        param = next(p for chunk in session.model for p in chunk.parameters() if p.requires_grad)
+        param.register_hook(lambda grad: (fire("backward"), grad)[1])
+    elif spec.phase == "allreduce":
+        from megatron.core.utils import get_model_config
+
+        config = get_model_config(session.model[0])
+        inner_finalize = config.finalize_model_grads_func
+
+        def finalize(*a, **kw):
+            fire("allreduce")
+            return inner_finalize(*a, **kw)
+
+        config.finalize_model_grads_func = finalize
+    else:
+        from megatron.training import checkpointing
+
+        for opt in checkpointing._optimizers(session.optimizer):
+            inner_step = opt.optimizer.step
+
+            def step(*a, _inner=inner_step, **kw):
+                fire("step")
+                return _inner(*a, **kw)
+
+            opt.optimizer.step = step
