@@ -25,6 +25,20 @@ from trainmover_ext.launch.config import LaunchConfig
 from trainmover_ext.launch.process import RankProcess, fork_rank, preimport_for_fork, spawn_rank
 
 
+ENV_NODE_NAME = "TRAINMOVER_NODE_NAME"
+
+
+def node_name(environ=None) -> str:
+    """This node's name in member records: ``TRAINMOVER_NODE_NAME``, else Slurm's ``SLURMD_NODENAME``, else the host name.
+
+    Under Slurm several slurmd may share one machine (emulated nodes), so the
+    Slurm node name, not ``hostname``, tells the controller which members share
+    a node; ``TRAINMOVER_NODE_NAME`` overrides both outside Slurm.
+    """
+    environ = os.environ if environ is None else environ
+    return environ.get(ENV_NODE_NAME) or environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A currently free TCP port on ``host``."""
     with socket.socket() as s:
@@ -44,8 +58,10 @@ def _describe(code: int) -> str:
 class Agent:
     """Starts and supervises one node's ranks; see the module docstring."""
 
-    def __init__(self, config: LaunchConfig, log=None):
+    def __init__(self, config: LaunchConfig, log=None, *, write_token_file: bool = False):
         self.config = config
+        self.write_token_file = write_token_file
+        """The agent generated the job token: save it in the run dir so `trainmover status` can use it."""
         self.procs: list[RankProcess] = []
         self.restarts = 0
         self._stop_signal: Optional[int] = None
@@ -64,6 +80,7 @@ class Agent:
             "MASTER_ADDR": cfg.master_addr,
             "MASTER_PORT": str(port),
             "TRAINMOVER_RESTART_COUNT": str(self.restarts),
+            ENV_NODE_NAME: node_name(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         }
@@ -146,8 +163,22 @@ class Agent:
         data_dir = os.path.join(run_dir, f"etcd-{os.getpid()}")
         self.etcd = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=data_dir)).start()
         plan.endpoints = list(self.etcd.endpoints)
-        self.log(f"embedded etcd at {','.join(plan.endpoints)} (data {data_dir}); "
-                 f"status: trainmover status --tm-etcd-endpoints {','.join(plan.endpoints)} --tm-job {plan.job}")
+        self.log(f"embedded etcd at {','.join(plan.endpoints)} (data {data_dir})")
+
+    def _announce_job(self) -> None:
+        """Print how to look at the job; a token this agent generated goes to ``<run dir>/job-token`` (mode 600)."""
+        plan = self.config.rendezvous
+        token_ref = "$TRAINMOVER_JOB_TOKEN"
+        if self.write_token_file:
+            run_dir = self.config.run_dir or os.path.join("runs", plan.job)
+            os.makedirs(run_dir, exist_ok=True)
+            token_file = os.path.join(run_dir, "job-token")
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(plan.token + "\n")
+            token_ref = f"$(cat {token_file})"
+        self.log(f"status: trainmover status --tm-etcd-endpoints {','.join(plan.endpoints)} --tm-job {plan.job} "
+                 f"--tm-job-token {token_ref}")
 
     def _stop_embedded_etcd(self) -> None:
         if self.etcd is not None:
@@ -161,6 +192,8 @@ class Agent:
             plan = self.config.rendezvous
             if plan.backend == "etcd" and not plan.endpoints:
                 self._start_embedded_etcd()
+            if plan.backend == "etcd" and plan.token and self.config.node_rank == 0:
+                self._announce_job()
             if self.config.trainmover:
                 code = self._run_trainmover()
                 if code is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from trainmover_ext.control.cli import add_connection_flags
+from trainmover_ext.errors import ConfigError
 from trainmover_ext.kv.job import new_token
 from trainmover_ext.launch.agent import Agent
 from trainmover_ext.launch.config import LaunchConfig
@@ -55,6 +56,25 @@ def peek_trainmover_flags(script_args: list[str]) -> dict:
     return vars(known)
 
 
+def job_token(args: argparse.Namespace) -> str:
+    """The job token: the one given, or a fresh one for a single-node job.
+
+    Every node of a multi-node job must present the same token, and a token one
+    agent generated is unknown to the others, so a multi-node launch without
+    ``--tm-job-token`` is refused rather than failing later on a token mismatch.
+    """
+    if args.tm_job_token:
+        return args.tm_job_token
+    if args.nnodes > 1:
+        raise ConfigError(
+            "a multi-node launch (--nnodes > 1) needs one job token shared by every node: generate one with "
+            "`python -c 'import secrets; print(secrets.token_hex(16))'` and pass it to every node's "
+            "`trainmover launch` as --tm-job-token TOKEN (or export TRAINMOVER_JOB_TOKEN); "
+            "scripts/slurm/trainmover.sbatch does this for you"
+        )
+    return new_token()
+
+
 def run(args: argparse.Namespace) -> int:
     tm = peek_trainmover_flags(list(args.script_args))
     endpoints = [e for e in (args.tm_etcd_endpoints or "").split(",") if e.strip()]
@@ -62,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         backend=args.rdzv_backend,
         endpoints=endpoints,
         job=args.tm_job or tm["tm_job"] or "trainmover",
-        token=args.tm_job_token or new_token(),
+        token=job_token(args),
         tls={"ca_cert": args.tm_etcd_ca, "client_cert": args.tm_etcd_cert, "client_key": args.tm_etcd_key,
              "user": args.tm_etcd_user, "password": args.tm_etcd_password},
     )
@@ -83,4 +103,4 @@ def run(args: argparse.Namespace) -> int:
         start_method=args.start_method,
         term_timeout_s=args.term_timeout,
     )
-    return Agent(config).run()
+    return Agent(config, write_token_file=not args.tm_job_token).run()

@@ -86,12 +86,13 @@ class TrainMoverSupervisor:
         from trainmover_ext.control.controller import Controller, ControllerConfig
         from trainmover_ext.control.membership import DecisionWatcher, Membership
         from trainmover_ext.control.records import MemberRecord
+        from trainmover_ext.launch.agent import node_name
         from trainmover_ext.runtime.identity import Identity, open_space
 
         plan = self.cfg.rendezvous
         os.environ.update(plan.env(0))
         ident = Identity(member_id=_member_id("agent", self.cfg.node_rank, 0), job=plan.job, token=plan.token or "",
-                         host=os.environ.get("SLURMD_NODENAME") or os.uname().nodename, pid=os.getpid())
+                         host=node_name(), pid=os.getpid())
         self.space = open_space(ident)
         ttl = max(1, round(self.cfg.lease_ttl_s))
         self.member = Membership(self.space, MemberRecord(member_id=ident.member_id, kind="agent",
