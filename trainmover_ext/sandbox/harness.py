@@ -1,0 +1,188 @@
+"""A small in-process job for the sandbox's tests and ``benchmarks/warmup.py``.
+
+Ranks are forked from a parent that already imported torch and megatron
+(seconds saved per rank on few cores), rendezvous on a TCPStore the parent
+hosts, and train with the real ``train_step`` on gloo, with the recorder
+hooked in where the training loop will call it (see ``docs/sandbox.md``).
+Standbys are forked the same way and never see the store's address.
+
+Every wait has a deadline; on a deadline every child still alive is
+SIGKILLed. Children always end with ``os._exit`` (gloo pairs with abandoned
+ops must not hang the exit).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+CTX = mp.get_context("fork")
+
+
+@dataclass
+class Children:
+    """Forked children reporting ``(key, ok, value)`` on one queue."""
+
+    procs: dict[Any, Any]
+    queue: Any
+
+    def results(self, timeout: float) -> dict[Any, Any]:
+        """Every child's value; raises with the children's tracebacks on error, or on the deadline."""
+        out, errors = {}, {}
+        deadline = time.monotonic() + timeout
+        while set(self.procs) - set(out) - set(errors):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.kill()
+                raise TimeoutError(f"children {sorted(set(self.procs) - set(out) - set(errors), key=str)} did not "
+                                   f"report within {timeout}s")
+            try:
+                key, ok, value = self.queue.get(timeout=min(left, 1.0))
+            except Exception:  # queue.Empty: poll again until the deadline
+                if not any(p.is_alive() for k, p in self.procs.items() if k not in out and k not in errors):
+                    if self.queue.empty():
+                        self.kill()
+                        raise RuntimeError("a child died without reporting (killed or crashed)")
+                continue
+            (out if ok else errors)[key] = value
+        for proc in self.procs.values():
+            proc.join(max(0.1, deadline - time.monotonic()))
+        self.kill()
+        if errors:
+            raise RuntimeError("child errors:\n" + "\n".join(f"[{k}] {v}" for k, v in errors.items()))
+        return out
+
+    def kill(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.join(5)
+
+
+def _child(key, fn: Callable, args: tuple, queue, nice: int) -> None:
+    code = 0
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        if nice:
+            os.nice(nice)
+        queue.put((key, True, fn(*args)))
+    except BaseException:
+        queue.put((key, False, traceback.format_exc()))
+        code = 1
+    finally:
+        # os._exit skips the queue's feeder thread: flush it first or the report is lost.
+        queue.close()
+        queue.join_thread()
+        os._exit(code)
+
+
+def fork_children(calls: dict[Any, tuple], nice: Optional[dict] = None) -> Children:
+    """Fork one child per ``key: (fn, *args)``; ``nice`` optionally maps key -> niceness."""
+    queue = CTX.Queue()
+    procs = {}
+    for key, (fn, *args) in calls.items():
+        proc = CTX.Process(target=_child, args=(key, fn, tuple(args), queue, (nice or {}).get(key, 0)), daemon=True)
+        proc.start()
+        procs[key] = proc
+    return Children(procs=procs, queue=queue)
+
+
+def host_store():
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+
+
+def parse_job_args(argv: list[str], world_size: int):
+    """The job's flags, parsed and validated as ``pretrain_gpt.py`` does (TrainMover flags included)."""
+    from megatron.training.arguments import parse_args
+    from trainmover_ext.config import add_trainmover_args
+
+    return parse_args(add_trainmover_args, argv, world_size=world_size)
+
+
+def init_real_world(args, rank: int, world_size: int, store_port: int, prefix: str = "job"):
+    """gloo WORLD through the parent's store, megatron groups, and this rank's layout."""
+    import torch.distributed as dist
+    from torch.distributed import PrefixStore, TCPStore
+
+    import trainmover_ext.patches as patches
+    from megatron.core import parallel_state as mpu
+    from megatron.training import global_vars
+    from megatron.training.initialize import ParallelLayout
+    from megatron.training.tokenizer import build_tokenizer
+
+    patches.install()
+    global_vars.set_global_variables(args, build_tokenizer(args))
+    timeout = datetime.timedelta(seconds=120)
+    store = PrefixStore(prefix, TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        create_gloo_process_groups=False,
+    )
+    return ParallelLayout(
+        rank=rank, world_size=world_size, local_rank=0, tp_size=args.tensor_model_parallel_size,
+        pp_size=args.pipeline_model_parallel_size, dp_size=args.data_parallel_size,
+        tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(), device=__import__("torch").device("cpu"), backend="gloo",
+    )
+
+
+def train_iterations(session, iters: int, *, handle=None, digests: bool = True) -> list[dict]:
+    """``iters`` real iterations; per iteration its loss, time and (optionally) state digests."""
+    from megatron.training.training import train_step
+
+    from .parts import state_digest
+
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        loss = train_step(session)
+        dt = time.perf_counter() - t0
+        k = session.args.iteration
+        index = handle.after_iteration(k) if handle is not None else None
+        entry = {"iteration": k, "loss": loss, "iteration_s": dt, "sealed": index is not None}
+        if digests:
+            entry.update(state_digest(session.model))
+        out.append(entry)
+    return out
+
+
+def job_rank(rank: int, world_size: int, store_port: int, argv: list[str], record_dir: Optional[str],
+             record_iters: int, iters: int, digests: bool = True) -> dict:
+    """One job rank: init, build, record the first ``record_iters`` iterations, train ``iters``."""
+    import resource
+
+    from megatron.training.initialize import shutdown
+
+    from .parts import build_parts
+    from .recorder import maybe_start_recording
+    from .shadow import default_program
+
+    args = parse_job_args(argv, world_size)
+    program = default_program()
+    layout = init_real_world(args, rank, world_size, store_port)
+    try:
+        session = build_parts(args, layout, program, consumed_samples=0, compile=bool(args.tm_compile))
+        handle = maybe_start_recording(args, layout, record_dir=record_dir, record_iters=record_iters)
+        try:
+            steps = train_iterations(session, iters, handle=handle, digests=digests)
+        finally:
+            handle.close()
+        overhead = handle.recorder.overhead_s if handle.recorder is not None else None
+        return {"rank": rank, "role": layout.role, "recorded": handle.index is not None, "steps": steps,
+                "record_overhead_s": overhead,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    finally:
+        shutdown()

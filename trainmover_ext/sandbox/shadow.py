@@ -1,0 +1,244 @@
+"""Shadow iterations: warm a role in this process against its recording.
+
+Who calls it: a standby process (``--tm-role standby``) before it joins the
+job, with the job's own flags. :func:`warm_up` builds the role's model with
+``megatron.training``'s builders (``get_model``, ``setup_optimizer``, the
+role's real data iterator), runs shadow iterations through the very
+``train_step`` the job runs, and tears the replay world down so the process
+can later init the real world. :func:`warm_standby` does that for first,
+middle and last in turn and keeps the model of one role.
+
+What it warms: imports, model build, the allocator, autograd, the data loader
+and dataset index, ``torch.compile`` (``--tm-compile``); on GPU also the CUDA
+context and kernels. What it guarantees: on CPU, shadow iteration k of a role
+gives bit-identical loss and gradients to the rank that recorded iteration k,
+provided the job recorded from its initial weights (iteration 0).
+
+Failure: :class:`ConfigMismatch` before anything is built when the standby's
+flags or library versions differ from the job's; :class:`RecordingCorrupt`
+for a bad recording; :class:`ReplayMismatch` when a call differs from the
+recording. The replay world is destroyed on every exit path.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from trainmover_ext.errors import ConfigError
+
+from .fingerprint import check_compatible, job_fingerprint
+from .parts import build_parts
+from .recording import Recording
+from .replay import replay_world
+
+
+@dataclass(kw_only=True)
+class ShadowProgram:
+    """The user's training program: the three callables ``pretrain_gpt.py`` hands to ``pretrain``."""
+
+    model_provider: Callable
+    """``model_provider(pre_process, post_process, vp_stage)`` -> one model chunk."""
+    forward_step_func: Callable
+    """``forward_step(data_iterator, model)`` -> (output, loss function)."""
+    dataset_provider: Callable
+    """``train_valid_test_datasets_provider(num_samples)`` -> (train, valid, test)."""
+
+
+def program_from_providers(providers: tuple) -> ShadowProgram:
+    """From ``pretrain``'s ``(model_provider, dataset_provider, forward_step_func)`` tuple."""
+    model_provider, dataset_provider, forward_step_func = providers
+    return ShadowProgram(model_provider=model_provider, forward_step_func=forward_step_func,
+                         dataset_provider=dataset_provider)
+
+
+def default_program() -> ShadowProgram:
+    """The providers of the repository's ``pretrain_gpt.py`` (what a standby of this job runs)."""
+    from trainmover_ext.jobs import PRETRAIN
+
+    spec = importlib.util.spec_from_file_location("trainmover_pretrain_gpt", PRETRAIN)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return ShadowProgram(model_provider=module.model_provider, forward_step_func=module.forward_step,
+                         dataset_provider=module.train_valid_test_datasets_provider)
+
+
+@dataclass(kw_only=True)
+class ShadowProgress:
+    """Passed to ``on_progress`` after each shadow iteration."""
+
+    role: str
+    iteration: int
+    """The recorded job iteration this shadow iteration replayed."""
+    loss: Optional[float]
+    """DP-averaged loss (last stage only), exactly as the job's ``train_step`` returns it."""
+    iteration_s: float
+    model: list = field(repr=False)
+    """The DDP-wrapped chunks, for inspection (gradients stay in ``param.main_grad``)."""
+    optimizer: Any = field(repr=False)
+
+
+@dataclass(kw_only=True)
+class WarmResult:
+    """What one role's warm-up did and cost."""
+
+    role: str
+    rank: int
+    """The job rank this standby played (the recording's rank)."""
+    build_s: float
+    """Replay world + model + optimizer + data iterator build."""
+    iteration_s: list[float]
+    """Each shadow iteration's wall time; the first one carries the lazy initialisation."""
+    losses: list[Optional[float]]
+    total_s: float
+    setup_calls: int
+    """Collectives answered locally while building (not recorded by the job)."""
+    replayed_calls: int
+    replayed_bytes: int
+    compiled: bool
+    peak_rss_bytes: int
+    """This process's peak resident set size so far."""
+    model: Optional[list] = field(default=None, repr=False)
+    """The chunks, when kept (their groups are the destroyed replay groups: re-point them before use)."""
+
+    def to_dict(self) -> dict:
+        """JSON-able summary (without the model), e.g. for the member record in etcd."""
+        return {k: v for k, v in self.__dict__.items() if k != "model"}
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _ensure_globals(args) -> None:
+    """The providers read ``get_args()`` / ``get_tokenizer()``; a bare standby may not have set them."""
+    from megatron.training import global_vars
+    from megatron.training.tokenizer import build_tokenizer
+
+    if global_vars._ARGS is not args or global_vars._TOKENIZER is None:
+        tokenizer = build_tokenizer(args)
+        global_vars.set_global_variables(args, tokenizer)
+    elif getattr(args, "padded_vocab_size", None) is None:
+        build_tokenizer(args)
+
+
+def _layout_from_mpu(args, recording: Recording):
+    from megatron.core import parallel_state as mpu
+    from megatron.training.initialize import ParallelLayout
+
+    return ParallelLayout(
+        rank=recording.rank, world_size=recording.world_size, local_rank=0,
+        tp_size=args.tensor_model_parallel_size, pp_size=args.pipeline_model_parallel_size,
+        dp_size=args.data_parallel_size, tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(), dp_rank=mpu.get_data_parallel_rank(),
+        device=torch.device("cpu"),
+        # The job's backend decides megatron's p2p batching; replay the job's choice, not ours.
+        backend=recording.index["layout"]["backend"],
+    )
+
+
+def warm_up(args, role: str, recording: Recording, iters: Optional[int] = None,
+            on_progress: Optional[Callable[[ShadowProgress], None]] = None, *,
+            program: Optional[ShadowProgram] = None, compile: Optional[bool] = None,
+            keep_model: bool = False) -> WarmResult:
+    """Run ``iters`` shadow iterations of ``role`` (default: every recorded one) in this process.
+
+    ``args`` are the job's parsed flags (``parse_args``), ``recording`` the
+    role's opened recording. ``compile`` defaults to ``args.tm_compile``.
+    The process must not have a process group; it has none again on return.
+    """
+    import trainmover_ext.patches as patches
+
+    t_start = time.perf_counter()
+    _ensure_globals(args)
+    check_compatible(recording.fingerprint, job_fingerprint(args), role=role)
+    if recording.role != role:
+        raise ConfigError(f"the recording opened for role {role!r} is role {recording.role!r}")
+    program = program or default_program()
+    compile = bool(getattr(args, "tm_compile", False)) if compile is None else compile
+    iters = recording.index["iterations"] if iters is None else iters
+    if iters < 1:
+        raise ConfigError("warm_up needs iters >= 1")
+    patches.install()
+    saved_position = (getattr(args, "iteration", 0), getattr(args, "consumed_train_samples", 0))
+    try:
+        return _shadow_iterations(args, role, recording, iters, on_progress, program, compile, keep_model, t_start)
+    finally:
+        args.iteration, args.consumed_train_samples = saved_position  # train_step advances them
+
+
+def _shadow_iterations(args, role, recording, iters, on_progress, program, compile, keep_model,
+                       t_start) -> WarmResult:
+    from megatron.core import parallel_state as mpu
+    from megatron.training.training import train_step
+
+    with replay_world(recording, timeout_s=60.0 * args.distributed_timeout_minutes) as replay:
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+            distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
+            create_gloo_process_groups=False,
+        )
+        layout = _layout_from_mpu(args, recording)
+        session = build_parts(args, layout, program, consumed_samples=recording.index["consumed_samples"],
+                              iteration=recording.index["start_iteration"], compile=compile)
+        model, optimizer = session.model, session.optimizer
+        build_s = time.perf_counter() - t_start
+        times: list[float] = []
+        losses: list[Optional[float]] = []
+        for step in range(iters):
+            # Beyond the recording, repeat it: same shapes and call order, values no longer the job's.
+            iteration = replay.iterations[step % len(replay.iterations)]
+            if step and step % len(replay.iterations) == 0:
+                replay.rewind()
+            replay.begin_iteration(iteration)
+            t0 = time.perf_counter()
+            loss = train_step(session)
+            dt = time.perf_counter() - t0
+            replay.end_iteration(iteration)
+            times.append(dt)
+            losses.append(loss)
+            if on_progress is not None:
+                on_progress(ShadowProgress(role=role, iteration=iteration, loss=loss, iteration_s=dt, model=model,
+                                           optimizer=optimizer))
+        result = WarmResult(
+            role=role, rank=recording.rank, build_s=build_s, iteration_s=times, losses=losses, total_s=0.0,
+            setup_calls=replay.setup_calls, replayed_calls=replay.replayed_calls,
+            replayed_bytes=replay.replayed_bytes, compiled=compile, peak_rss_bytes=0,
+            model=model if keep_model else None,
+        )
+        del session, optimizer, model
+    gc.collect()
+    result.total_s = time.perf_counter() - t_start
+    result.peak_rss_bytes = peak_rss_bytes()
+    return result
+
+
+def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[str] = None,
+                 iters: Optional[int] = None, program: Optional[ShadowProgram] = None,
+                 on_progress: Optional[Callable[[ShadowProgress], None]] = None) -> list[WarmResult]:
+    """The general standby: warm every recorded role (first, middle, last order) in turn.
+
+    Each role's model is dropped before the next is built, so peak memory is
+    one role's, not three; ``keep_role`` (default: the last warmed) keeps its
+    model in the returned result.
+    """
+    order = [r for r in ("only", "first", "middle", "last") if r in recordings]
+    if not order:
+        raise ConfigError("no recordings to warm up from: the job has not recorded any role yet")
+    keep_role = keep_role or order[-1]
+    program = program or default_program()
+    results = []
+    for role in order:
+        results.append(warm_up(args, role, recordings[role], iters, on_progress, program=program,
+                               keep_model=(role == keep_role)))
+    return results
