@@ -1,24 +1,47 @@
-"""Prometheus metrics of the control plane, and a loopback /metrics server.
+"""Prometheus metrics of an agent (training progress, membership, migrations) and a /metrics server.
 
-Contract: each :class:`ControlMetrics` owns its own ``CollectorRegistry``, so
-several controllers in one process (tests) never collide on metric names.
-:meth:`ControlMetrics.serve` exposes it on ``host:port`` (loopback by default;
-port 0 picks a free one) from a daemon thread, and returns the bound port.
+Contract:
+- Each :class:`ControlMetrics` / :class:`AgentMetrics` owns its own
+  ``CollectorRegistry``, so several in one process (tests) never collide.
+  :meth:`ControlMetrics.serve` exposes it on ``host:port`` (loopback by
+  default; port 0 picks a free one) from a daemon thread and returns the port.
+- The controller feeds the control-plane series it alone knows (leader flag,
+  detections by path, detection latency, plans it committed): on a multi-node
+  job these appear on the endpoint of the agent that led when it happened.
+- :class:`MetricsFeed` (one daemon thread per agent) feeds the rest:
+  training progress by tailing the workers' ``--tm-metrics-file`` (only the
+  node hosting the logging rank has one), and job-wide membership and
+  migrations by reading the job's etcd space. Job-wide series are the same on
+  every agent; aggregate them with ``max``, not ``sum``.
+- Nothing here ever raises into training: a failed read is retried next round.
 
 Example::
 
-    metrics = ControlMetrics(job="llama")
+    metrics = AgentMetrics(job="llama")
     port = metrics.serve(0)          # curl http://127.0.0.1:<port>/metrics
-    Controller(space, metrics=metrics, ...)
+    feed = MetricsFeed(metrics, metrics_file="runs/llama/metrics.jsonl", tokens_per_iteration=16 * 2048).start()
+    feed.attach(space)               # once the agent has joined the job in etcd
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import threading
+from collections import Counter as Tally
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
 
+logger = logging.getLogger(__name__)
+
 # Detection latency buckets: the SIGKILL goal is < 0.5 s, the SIGSTOP goal < 2x the lease TTL.
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+# Migration phases run from milliseconds (decide) to tens of seconds (a checkpoint load on a big model).
+_PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITERATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+FINISHED_STATUSES = ("done", "aborted")
 
 
 class ControlMetrics:
@@ -58,4 +81,160 @@ class ControlMetrics:
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()
+            self._server.server_close()
             self._server = None
+
+
+class AgentMetrics(ControlMetrics):
+    """:class:`ControlMetrics` plus training progress, standby readiness and migration phases."""
+
+    def __init__(self, job: str) -> None:
+        super().__init__(job)
+        labels, reg = ["job"], self.registry
+        self.iteration = Gauge("trainmover_iteration", "Last completed training iteration", labels, registry=reg)
+        self.iterations = Counter("trainmover_iterations", "Training iterations completed (a re-run after an abandon counts once)",
+                                  labels, registry=reg)
+        self.iteration_time = Gauge("trainmover_iteration_time_seconds", "Wall time of the last completed iteration",
+                                    labels, registry=reg)
+        self.iteration_hist = Histogram("trainmover_iteration_duration_seconds", "Wall time of each iteration",
+                                        labels, buckets=_ITERATION_BUCKETS, registry=reg)
+        self.tokens_per_s = Gauge("trainmover_tokens_per_second", "Tokens per second of the last iteration "
+                                  "(global batch x sequence length / iteration time)", labels, registry=reg)
+        self.standbys_ready = Gauge("trainmover_standbys_ready",
+                                    "Live standbys that finished warm-up and serve no rank", labels, registry=reg)
+        self.migrations = Counter("trainmover_migrations", "Migrations committed (migrations/<epoch> in etcd), by kind",
+                                  labels + ["kind"], registry=reg)
+        self.migration_phase = Histogram("trainmover_migration_phase_seconds",
+                                         "Duration of each step of a finished migration, labelled by the step it ends in "
+                                         "(decided, joined/links_rebuilt, transferred/checkpoint_loaded, first_iteration)",
+                                         labels + ["kind", "phase"], buckets=_PHASE_BUCKETS, registry=reg)
+        self.migration_downtime = Histogram("trainmover_migration_downtime_seconds",
+                                            "From the first recorded step (detection or request) to the last "
+                                            "(end of the first iteration after resume) of a finished migration",
+                                            labels + ["kind"], buckets=_PHASE_BUCKETS, registry=reg)
+        for kind in ("failure", "planned"):
+            self.migrations.labels(job, kind)  # exported as 0 before the first migration, so rate() works
+
+
+def migration_phases(steps: dict[str, float]) -> list[tuple[str, float, float]]:
+    """``(phase, start, end)`` for consecutive recorded steps in time order; a phase is named by the step it ends in."""
+    ordered = sorted(steps.items(), key=lambda kv: kv[1])
+    return [(name, t0, t1) for (_, t0), (name, t1) in zip(ordered, ordered[1:])]
+
+
+class MetricsFeed:
+    """Feeds an :class:`AgentMetrics` from the workers' metrics file and the job's etcd space (see the module docstring)."""
+
+    def __init__(self, metrics: AgentMetrics, *, metrics_file: str | None, tokens_per_iteration: int = 0,
+                 interval_s: float = 0.5) -> None:
+        self.metrics, self.metrics_file = metrics, metrics_file
+        self.tokens_per_iteration = tokens_per_iteration
+        self.interval_s = interval_s
+        self.space = None
+        # Records already in the file belong to an earlier run (the logging rank appends).
+        self._offset = os.path.getsize(metrics_file) if metrics_file and os.path.exists(metrics_file) else 0
+        self._partial = b""
+        self._last_iteration = 0
+        self._seen_epochs: set[int] = set()
+        self._finished_epochs: set[int] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "MetricsFeed":
+        self._thread = threading.Thread(target=self._run, name="tm-metrics-feed", daemon=True)
+        self._thread.start()
+        return self
+
+    def attach(self, space) -> None:
+        """Also read membership and migrations from ``space`` (a :class:`~trainmover_ext.kv.job.JobSpace`)."""
+        self.space = space
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread after one last round, so a finished job's final numbers are exported."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stop.is_set()
+            self.poll()
+            if stopping:
+                return
+            self._stop.wait(self.interval_s)
+
+    def poll(self) -> None:
+        """One round: new iteration records, then the etcd picture; errors are logged and retried next round."""
+        try:
+            self.read_iterations()
+        except (OSError, ValueError) as exc:
+            logger.warning("metrics: could not read %s: %s", self.metrics_file, exc)
+        if self.space is not None:
+            from trainmover_ext.errors import TrainMoverError
+
+            try:
+                self.read_job()
+            except TrainMoverError as exc:
+                logger.info("metrics: etcd read failed (retrying): %s", exc)
+
+    # -- training progress ---------------------------------------------------------
+    def read_iterations(self) -> None:
+        path = self.metrics_file
+        if not path or not os.path.exists(path):
+            return
+        size = os.path.getsize(path)
+        if size < self._offset:  # the file was replaced (a new run): start over
+            self._offset, self._partial = 0, b""
+        with open(path, "rb") as f:
+            f.seek(self._offset)
+            chunk = f.read(size - self._offset)
+        self._offset += len(chunk)
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()  # an incomplete last line is read again next round
+        for line in lines:
+            if line.strip():
+                self.observe_record(json.loads(line))
+
+    def observe_record(self, rec: dict) -> None:
+        if rec.get("event") != "iteration":
+            return
+        m, job = self.metrics, self.metrics.job
+        iteration, seconds = int(rec["iteration"]), float(rec.get("iteration_s") or 0.0)
+        if iteration > self._last_iteration:
+            m.iterations.labels(job).inc(iteration - self._last_iteration if self._last_iteration else 1)
+            self._last_iteration = iteration
+        m.iteration.labels(job).set(iteration)
+        if seconds > 0:
+            m.iteration_time.labels(job).set(seconds)
+            m.iteration_hist.labels(job).observe(seconds)
+            if self.tokens_per_iteration:
+                m.tokens_per_s.labels(job).set(self.tokens_per_iteration / seconds)
+
+    # -- membership and migrations -------------------------------------------------
+    def read_job(self) -> None:
+        from trainmover_ext.control.records import MigrationPlan
+        from trainmover_ext.control.view import read_view
+        from trainmover_ext.errors import MalformedValue
+
+        m, job, space = self.metrics, self.metrics.job, self.space
+        view = read_view(space)
+        m.observe_view(dict(Tally(mem.kind for mem in view.members.values())), view.epoch)
+        serving = {rec.member_id for rec in view.ranks.values()}
+        m.standbys_ready.labels(job).set(sum(1 for mem in view.members.values()
+                                             if mem.kind == "standby" and mem.warm_roles and mem.health == "ok"
+                                             and mem.member_id not in serving))
+        for entry in space.kv.get_prefix(space.key("migrations/")).entries:
+            try:
+                plan = MigrationPlan.from_bytes(entry.value, key=entry.key)
+            except MalformedValue:
+                continue
+            if plan.epoch not in self._seen_epochs:
+                self._seen_epochs.add(plan.epoch)
+                m.migrations.labels(job, plan.reason).inc()
+            if plan.status in FINISHED_STATUSES and plan.epoch not in self._finished_epochs:
+                self._finished_epochs.add(plan.epoch)
+                for phase, t0, t1 in migration_phases(plan.steps):
+                    m.migration_phase.labels(job, plan.reason, phase).observe(t1 - t0)
+                if len(plan.steps) >= 2:
+                    m.migration_downtime.labels(job, plan.reason).observe(max(plan.steps.values()) - min(plan.steps.values()))

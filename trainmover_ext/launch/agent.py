@@ -18,9 +18,10 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from typing import Optional
 
-from trainmover_ext.errors import LaunchError
+from trainmover_ext.errors import ConfigError, LaunchError
 from trainmover_ext.launch.config import LaunchConfig
 from trainmover_ext.launch.process import RankProcess, fork_rank, preimport_for_fork, spawn_rank
 
@@ -37,6 +38,24 @@ def node_name(environ=None) -> str:
     """
     environ = os.environ if environ is None else environ
     return environ.get(ENV_NODE_NAME) or environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+@dataclass(kw_only=True)
+class MetricsEndpoint:
+    """Where the agent serves Prometheus /metrics (``--metrics-port``, ``--metrics-host``)."""
+
+    port: int = 0
+    """``--metrics-port``: TCP port; 0 picks a free one (printed at start), -1 serves nothing."""
+    host: str = "127.0.0.1"
+    """``--metrics-host``: address to bind; 0.0.0.0 lets a Prometheus server on another host scrape."""
+    metrics_file: Optional[str] = None
+    """The workers' ``--tm-metrics-file`` the agent tails for iteration metrics (set by :meth:`Agent.run`)."""
+    tokens_per_iteration: int = 0
+    """Global batch size x sequence length, for tokens/s (0: not exported)."""
+
+    def __post_init__(self) -> None:
+        if not -1 <= self.port <= 65535:
+            raise ConfigError("--metrics-port must be a TCP port, 0 for a free one, or -1 for none")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -58,8 +77,11 @@ def _describe(code: int) -> str:
 class Agent:
     """Starts and supervises one node's ranks; see the module docstring."""
 
-    def __init__(self, config: LaunchConfig, log=None, *, write_token_file: bool = False):
+    def __init__(self, config: LaunchConfig, log=None, *, write_token_file: bool = False,
+                 metrics: Optional[MetricsEndpoint] = None):
         self.config = config
+        self.endpoint = metrics or MetricsEndpoint(port=-1)
+        self.metrics = self.metrics_feed = None
         self.write_token_file = write_token_file
         """The agent generated the job token: save it in the run dir so `trainmover status` can use it."""
         self.procs: list[RankProcess] = []
@@ -122,6 +144,7 @@ class Agent:
         sup = TrainMoverSupervisor(self)
         try:
             sup.start()
+            self._serve_metrics()
             ok, code = sup.supervise()
         finally:
             sup.close()
@@ -165,12 +188,53 @@ class Agent:
         plan.endpoints = list(self.etcd.endpoints)
         self.log(f"embedded etcd at {','.join(plan.endpoints)} (data {data_dir})")
 
+    def _run_dir(self) -> str:
+        return self.config.run_dir or os.path.join("runs", self.config.rendezvous.job)
+
+    def _prepare_metrics(self) -> None:
+        """Build the registry and the feed; nothing runs yet (see :meth:`_serve_metrics`)."""
+        from trainmover_ext.metrics import AgentMetrics, MetricsFeed
+
+        ep, cfg = self.endpoint, self.config
+        if ep.metrics_file is None and cfg.trainmover:
+            # A --trainmover script takes --tm-metrics-file; ask its logging rank for one the agent can tail.
+            ep.metrics_file = os.path.join(self._run_dir(), "metrics.jsonl")
+            os.makedirs(self._run_dir(), exist_ok=True)
+            cfg.script_args = list(cfg.script_args) + ["--tm-metrics-file", ep.metrics_file]
+        self.metrics = AgentMetrics(job=cfg.rendezvous.job)
+        self.metrics_feed = MetricsFeed(self.metrics, metrics_file=ep.metrics_file,
+                                        tokens_per_iteration=ep.tokens_per_iteration)
+
+    def _serve_metrics(self) -> None:
+        """Serve /metrics and start the feed thread. Called only after ranks are forked: a forked rank
+        must inherit neither the listening socket nor a lock held by the feed thread."""
+        if self.metrics is None or self.metrics._server is not None:
+            return
+        ep = self.endpoint
+        try:
+            port = self.metrics.serve(ep.port, ep.host)
+        except OSError as exc:
+            raise LaunchError(f"cannot serve /metrics on {ep.host}:{ep.port} ({exc}): pick another --metrics-port, "
+                              "or 0 for a free one") from exc
+        self.metrics_feed.start()
+        shown = socket.gethostname() if ep.host in ("0.0.0.0", "::") else ep.host
+        self.log(f"metrics: http://{shown}:{port}/metrics"
+                 + ("" if ep.metrics_file else " (no iteration series: the script has no --tm-metrics-file)"))
+
+    def _stop_metrics(self) -> None:
+        if self.metrics_feed is not None:
+            self.metrics_feed.close()
+            self.metrics_feed = None
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+
     def _announce_job(self) -> None:
         """Print how to look at the job; a token this agent generated goes to ``<run dir>/job-token`` (mode 600)."""
         plan = self.config.rendezvous
         token_ref = "$TRAINMOVER_JOB_TOKEN"
         if self.write_token_file:
-            run_dir = self.config.run_dir or os.path.join("runs", plan.job)
+            run_dir = self._run_dir()
             os.makedirs(run_dir, exist_ok=True)
             token_file = os.path.join(run_dir, "job-token")
             fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -194,12 +258,15 @@ class Agent:
                 self._start_embedded_etcd()
             if plan.backend == "etcd" and plan.token and self.config.node_rank == 0:
                 self._announce_job()
+            if self.endpoint.port >= 0:
+                self._prepare_metrics()
             if self.config.trainmover:
                 code = self._run_trainmover()
                 if code is not None:
                     return code
             else:
                 self.start_ranks(self.config.start_method)
+            self._serve_metrics()
             while True:
                 failed, ok = self._wait()
                 if ok:
@@ -225,6 +292,7 @@ class Agent:
         finally:
             if any(p.poll() is None for p in self.procs):
                 self.stop_ranks()
+            self._stop_metrics()
             self._stop_embedded_etcd()
             for sig, handler in old.items():
                 signal.signal(sig, handler)

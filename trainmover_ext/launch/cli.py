@@ -7,7 +7,7 @@ import argparse
 from trainmover_ext.control.cli import add_connection_flags
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.kv.job import new_token
-from trainmover_ext.launch.agent import Agent
+from trainmover_ext.launch.agent import Agent, MetricsEndpoint
 from trainmover_ext.launch.config import LaunchConfig
 from trainmover_ext.launch.rendezvous import RendezvousPlan
 
@@ -38,6 +38,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "'tcp' (torch's TCPStore on rank 0, a single point of failure).")
     parser.add_argument("--run-dir", default=None,
                         help="Job directory for the embedded etcd's data and logs (default runs/<job>).")
+    parser.add_argument("--metrics-port", type=int, default=0,
+                        help="Serve this agent's Prometheus /metrics on this port (0, the default: a free port; "
+                        "-1: none). The URL is printed at start. Series: iteration, tokens/s, iteration time "
+                        "(tailed from the workers' --tm-metrics-file, which the agent adds under --trainmover), "
+                        "members, standbys ready, epoch, migrations by kind, migration phase and downtime "
+                        "histograms, detection latency.")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="Address /metrics binds to (default loopback; 0.0.0.0 for a Prometheus server on "
+                        "another host).")
     add_connection_flags(parser)
     parser.add_argument("script", help="Training script, e.g. pretrain_gpt.py.")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Arguments for the training script.")
@@ -47,11 +56,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def peek_trainmover_flags(script_args: list[str]) -> dict:
     """The script flags the agent itself acts on (they stay in the script's arguments)."""
-    peek = argparse.ArgumentParser(add_help=False)
+    peek = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     peek.add_argument("--trainmover", action="store_true")
     peek.add_argument("--tm-standbys", type=int, default=0)
     peek.add_argument("--tm-lease-ttl", type=float, default=2.0)
     peek.add_argument("--tm-job", default=None)
+    peek.add_argument("--tm-metrics-file", default=None)
+    peek.add_argument("--seq-length", type=int, default=0)
+    peek.add_argument("--global-batch-size", type=int, default=0)
     known, _ = peek.parse_known_args(script_args)
     return vars(known)
 
@@ -103,4 +115,6 @@ def run(args: argparse.Namespace) -> int:
         start_method=args.start_method,
         term_timeout_s=args.term_timeout,
     )
-    return Agent(config, write_token_file=not args.tm_job_token).run()
+    metrics = MetricsEndpoint(port=args.metrics_port, host=args.metrics_host, metrics_file=tm["tm_metrics_file"],
+                              tokens_per_iteration=tm["seq_length"] * tm["global_batch_size"])
+    return Agent(config, write_token_file=not args.tm_job_token, metrics=metrics).run()

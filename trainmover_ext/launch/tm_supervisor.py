@@ -98,7 +98,10 @@ class TrainMoverSupervisor:
         self.member = Membership(self.space, MemberRecord(member_id=ident.member_id, kind="agent",
                                                           host=ident.host, pid=ident.pid), ttl_s=ttl).register()
         self.agent_id = ident.member_id
-        self.controller = Controller(self.space, ControllerConfig(controller_id=ident.member_id, ttl_s=ttl)).start()
+        self.controller = Controller(self.space, ControllerConfig(controller_id=ident.member_id, ttl_s=ttl),
+                                     metrics=self.agent.metrics).start()
+        if self.agent.metrics_feed is not None:
+            self.agent.metrics_feed.attach(self.space)
         self.watcher = DecisionWatcher(self.space, self._on_plan)
 
     def _on_plan(self, plan) -> None:

@@ -1,0 +1,133 @@
+"""The agent's Prometheus /metrics: unit tests of the feed, and a scrape over loopback during a real failover."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import start_job, tm_args
+from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord, migration_key_suffix
+from trainmover_ext.kv.job import JobSpace
+from trainmover_ext.kv.memory import MemoryKV
+from trainmover_ext.metrics import AgentMetrics, MetricsFeed, migration_phases
+
+
+def samples(text: str) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels without ``job``) -> value."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "job"))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def value(text: str, name: str, **labels) -> float:
+    return samples(text).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+# -- units ---------------------------------------------------------------------------
+
+def test_phases_are_named_by_the_step_they_end_in():
+    steps = {"first_iteration": 9.0, "detected": 1.0, "decided": 1.5, "joined": 4.0, "transferred": 6.0}
+    assert migration_phases(steps) == [("decided", 1.0, 1.5), ("joined", 1.5, 4.0), ("transferred", 4.0, 6.0),
+                                       ("first_iteration", 6.0, 9.0)]
+    assert migration_phases({"detected": 1.0}) == []
+
+
+def test_feed_tails_iterations_and_counts_a_rerun_once(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"event": "iteration", "iteration": 99, "iteration_s": 9.0}) + "\n")  # an earlier run
+    m = AgentMetrics(job="j")
+    feed = MetricsFeed(m, metrics_file=str(path), tokens_per_iteration=1000)
+    recs = [{"event": "startup"}] + [{"event": "iteration", "iteration": i, "iteration_s": 0.5} for i in (1, 2, 3, 3, 4)]
+    text = "".join(json.dumps(r) + "\n" for r in recs)
+    with open(path, "a") as f:
+        f.write(text[:-10])  # the last record is still being written
+    feed.poll()
+    out = m.render().decode()
+    assert value(out, "trainmover_iterations_total") == 3 and value(out, "trainmover_iteration") == 3
+    with open(path, "a") as f:
+        f.write(text[-10:])
+    feed.poll()
+    out = m.render().decode()
+    assert value(out, "trainmover_iterations_total") == 4, "iteration 3 re-ran after an abandon: counted once"
+    assert value(out, "trainmover_iteration_time_seconds") == 0.5
+    assert value(out, "trainmover_tokens_per_second") == 2000
+    assert value(out, "trainmover_iteration_duration_seconds_count") == 5
+
+
+def test_feed_reads_membership_and_finished_migrations():
+    space = JobSpace.create(MemoryKV(), "j", "tok")
+    members = [MemberRecord(member_id="w0", kind="worker", host="a", pid=1),
+               MemberRecord(member_id="s0", kind="standby", host="b", pid=2, warm_roles=["first", "last"]),
+               MemberRecord(member_id="s1", kind="standby", host="b", pid=3),  # still warming
+               MemberRecord(member_id="ag", kind="agent", host="a", pid=4)]
+    for rec in members:
+        space.put(space.key("members", rec.member_id), rec.to_bytes())
+    space.put(space.key("ranks", 0), RankRecord(rank=0, member_id="w0").to_bytes())
+    plan = MigrationPlan(epoch=1, reason="failure", replacements=[], resume_iteration=5, status="preparing",
+                         steps={"detected": 10.0, "decided": 10.01})
+    key = space.key("migrations", migration_key_suffix(1))
+    space.put(key, plan.to_bytes())
+    m = AgentMetrics(job="j")
+    feed = MetricsFeed(m, metrics_file=None)
+    feed.attach(space)
+    feed.poll()
+    out = m.render().decode()
+    assert value(out, "trainmover_members", kind="worker") == 1 and value(out, "trainmover_standbys_ready") == 1
+    assert value(out, "trainmover_migrations_total", kind="failure") == 1
+    assert value(out, "trainmover_migrations_total", kind="planned") == 0
+    assert value(out, "trainmover_migration_phase_seconds_count", kind="failure", phase="decided") == 0, "not finished yet"
+    plan.status, plan.steps = "done", plan.steps | {"joined": 10.5, "transferred": 11.0, "first_iteration": 12.0}
+    space.put(key, plan.to_bytes())
+    feed.poll()
+    feed.poll()
+    out = m.render().decode()
+    assert value(out, "trainmover_migrations_total", kind="failure") == 1, "one plan is one migration"
+    assert value(out, "trainmover_migration_phase_seconds_count", kind="failure", phase="joined") == 1
+    assert abs(value(out, "trainmover_migration_phase_seconds_sum", kind="failure", phase="first_iteration") - 1.0) < 1e-9
+    assert abs(value(out, "trainmover_migration_downtime_seconds_sum", kind="failure") - 2.0) < 1e-9
+
+
+# -- a real job ------------------------------------------------------------------------
+
+def test_scrape_during_a_failover(tmp_path, corpus):
+    """4 ranks (PP2 x DP2) and one standby; rank 1 is SIGKILLed in iteration 8. Scraped every 0.1 s."""
+    iters = 24
+    args = tm_args(corpus, tp=1, pp=2, iters=iters, extra=["--tm-inject-fault", "1:8:forward"])
+    job = start_job(tmp_path, 4, args, "--metrics-port", "0", name="scraped")
+    url, scrapes = None, []
+    deadline = time.time() + 240
+    while job.popen.poll() is None and time.time() < deadline:
+        if url is None:
+            found = re.search(r"metrics: (http://127\.0\.0\.1:\d+/metrics)", job.stderr())
+            url = found.group(1) if found else None
+        if url:
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    scrapes.append(resp.read().decode())
+            except OSError:
+                pass  # the agent stops serving when the job ends
+        time.sleep(0.1)
+    assert job.wait(60) == 0, job.stderr()[-3000:]
+    assert url and len(scrapes) > 5, f"no scrapes; stderr:\n{job.stderr()[-2000:]}"
+    iterations = [value(s, "trainmover_iterations_total") for s in scrapes]
+    failures = [value(s, "trainmover_migrations_total", kind="failure") for s in scrapes]
+    assert iterations == sorted(iterations) and iterations[0] < 8 < iterations[-1], iterations
+    assert failures[0] == 0 and failures[-1] == 1, failures
+    # the iteration counter keeps rising after the migration
+    after = [it for it, f in zip(iterations, failures) if f == 1]
+    assert after and after[-1] > after[0], (iterations, failures)
+    last = scrapes[-1]
+    # 5 for up to one lease TTL: the promoted standby registers as a worker before the dead one's lease expires
+    assert max(value(s, "trainmover_members", kind="worker") for s in scrapes) >= 4
+    assert value(last, "trainmover_epoch") == 1
+    assert value(last, "trainmover_tokens_per_second") > 0 and value(last, "trainmover_iteration_time_seconds") > 0
+    assert value(last, "trainmover_detection_latency_seconds_count") == 1
+    assert value(last, "trainmover_migration_phase_seconds_count", kind="failure", phase="first_iteration") == 1
+    assert max(value(s, "trainmover_standbys_ready") for s in scrapes) >= 1
