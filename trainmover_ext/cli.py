@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # that capability is not built yet
             raise
         module.add_parser(sub)
+    if "events" in sub.choices:
+        from trainmover_ext.timeline_plot import extend_events_parser
+
+        extend_events_parser(sub.choices["events"])  # `events --plot`: kept out of the control-plane CLI
     return parser
 
 

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import json
-import re
-import time
-import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import start_job, tm_args
+from production.conftest import FAULT_ITER
 from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord, migration_key_suffix
 from trainmover_ext.kv.job import JobSpace
 from trainmover_ext.kv.memory import MemoryKV
@@ -96,29 +93,12 @@ def test_feed_reads_membership_and_finished_migrations():
 
 # -- a real job ------------------------------------------------------------------------
 
-def test_scrape_during_a_failover(tmp_path, corpus):
-    """4 ranks (PP2 x DP2) and one standby; rank 1 is SIGKILLed in iteration 8. Scraped every 0.1 s."""
-    iters = 24
-    args = tm_args(corpus, tp=1, pp=2, iters=iters, extra=["--tm-inject-fault", "1:8:forward"])
-    job = start_job(tmp_path, 4, args, "--metrics-port", "0", name="scraped")
-    url, scrapes = None, []
-    deadline = time.time() + 240
-    while job.popen.poll() is None and time.time() < deadline:
-        if url is None:
-            found = re.search(r"metrics: (http://127\.0\.0\.1:\d+/metrics)", job.stderr())
-            url = found.group(1) if found else None
-        if url:
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    scrapes.append(resp.read().decode())
-            except OSError:
-                pass  # the agent stops serving when the job ends
-        time.sleep(0.1)
-    assert job.wait(60) == 0, job.stderr()[-3000:]
-    assert url and len(scrapes) > 5, f"no scrapes; stderr:\n{job.stderr()[-2000:]}"
+def test_scrape_during_a_failover(failover_run):
+    """The iteration counter rises, and the failure migration is counted, while the job runs."""
+    scrapes = failover_run.scrapes
     iterations = [value(s, "trainmover_iterations_total") for s in scrapes]
     failures = [value(s, "trainmover_migrations_total", kind="failure") for s in scrapes]
-    assert iterations == sorted(iterations) and iterations[0] < 8 < iterations[-1], iterations
+    assert iterations == sorted(iterations) and iterations[0] < FAULT_ITER < iterations[-1], iterations
     assert failures[0] == 0 and failures[-1] == 1, failures
     # the iteration counter keeps rising after the migration
     after = [it for it, f in zip(iterations, failures) if f == 1]
