@@ -17,9 +17,6 @@ from trainmover_ext.errors import ConfigError
 
 # flag attribute -> why it cannot be used yet. Remove an entry when wiring it.
 NOT_WIRED: dict[str, str] = {
-    "tm_record_iters": "collective recording arrives with the sandbox capability",
-    "tm_record_dir": "collective recording arrives with the sandbox capability",
-    "tm_compile": "--tm-compile arrives with the sandbox capability",
     "tm_leaver_becomes_standby": "a planned leaver exits; rejoining the pool is not built yet",
 }
 
@@ -55,7 +52,11 @@ class TrainMoverConfig:
     record_iters: int = 2
     """``--tm-record-iters``: iterations whose collectives are recorded for the sandbox."""
     record_dir: Optional[str] = None
-    """``--tm-record-dir``: shared directory for recorded collective tensors."""
+    """``--tm-record-dir``: shared directory for recorded collective tensors. Setting it turns the sandbox
+    on: the job records its first ``record_iters`` iterations there and standbys warm from them."""
+    record_timeout_s: float = 300.0
+    """``--tm-record-timeout``: seconds a standby waits for the job's recordings before it falls back to
+    the basic warm-up (and says so)."""
     compile: bool = False
     """``--tm-compile``: wrap the model in ``torch.compile``."""
     leaver_becomes_standby: bool = False
@@ -87,6 +88,10 @@ class TrainMoverConfig:
             raise ConfigError("--tm-standbys must be >= 0")
         if self.record_iters < 1:
             raise ConfigError("--tm-record-iters must be >= 1")
+        if self.record_timeout_s <= 0:
+            raise ConfigError("--tm-record-timeout must be positive (seconds a standby waits for recordings)")
+        if self.record_dir is not None and not self.record_dir.strip():
+            raise ConfigError("--tm-record-dir must name a directory (shared by the job and its standbys)")
         if any(getattr(self, name) for name in ("etcd_cert", "etcd_key")) and not (self.etcd_cert and self.etcd_key):
             raise ConfigError("--tm-etcd-cert and --tm-etcd-key must be given together")
 
@@ -106,6 +111,7 @@ _FLAG_TO_FIELD = {
     "tm_standbys": "standbys",
     "tm_record_iters": "record_iters",
     "tm_record_dir": "record_dir",
+    "tm_record_timeout": "record_timeout_s",
     "tm_compile": "compile",
     "tm_leaver_becomes_standby": "leaver_becomes_standby",
     "tm_metrics_file": "metrics_file",
@@ -136,7 +142,10 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--tm-standbys", type=int, default=None, help="Number of warm standbys to keep (default 0).")
     g.add_argument("--tm-record-iters", type=int, default=None,
                    help="Iterations whose collectives are recorded for standby warm-up (default 2).")
-    g.add_argument("--tm-record-dir", default=None, help="Shared directory for the recorded collective tensors.")
+    g.add_argument("--tm-record-dir", default=None,
+                   help="Shared directory for the recorded collective tensors; turns the sandbox warm-up on.")
+    g.add_argument("--tm-record-timeout", type=float, default=None,
+                   help="Seconds a standby waits for the job's recordings before the basic warm-up (default 300).")
     g.add_argument("--tm-compile", action="store_true", default=None, help="Wrap the model in torch.compile.")
     g.add_argument("--tm-leaver-becomes-standby", action="store_true", default=None,
                    help="After a planned migration the leaver rejoins the standby pool instead of exiting.")

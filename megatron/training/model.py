@@ -139,6 +139,10 @@ def get_model(model_provider: Callable, args, layout, transformer_config) -> lis
             chunk, args.seed, args.init_method_std, args.num_layers, layout.tp_rank, layout.tp_size
         )
         chunk.to(layout.device)
+        if getattr(args, "tm_compile", None):
+            from trainmover_ext.sandbox.compile import compile_chunk
+
+            compile_chunk(chunk)  # in place; collectives stay eager (see that module)
         chunks.append(chunk)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

@@ -8,9 +8,11 @@ normal or not, the process group and model-parallel state are torn down.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -211,6 +213,8 @@ def pretrain(
     from trainmover_ext.launch.process import die_with_parent_from_env
 
     die_with_parent_from_env()  # a rank spawned by `trainmover launch` never outlives its agent
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps every thread's stack
     args = parse_args(extra_args_provider, argv)
     for key, value in (args_defaults or {}).items():
         if getattr(args, key, None) is None:
@@ -262,6 +266,10 @@ def pretrain(
             from trainmover_ext.runtime import faults
 
             faults.install(faults.FaultSpec.parse(tm_config.inject_fault), session)
+        if tm_config is not None and tm_config.record_dir:  # sandbox: record the first iterations
+            from trainmover_ext.sandbox.hook import attach_recorder
+
+            runtime = attach_recorder(session, runtime, tm_config)
         return train_loop(session, runtime)
     finally:
         runtime.close()

@@ -4,13 +4,14 @@ Contract:
 - Started by the agent as ``pretrain_gpt.py ... --tm-role standby`` with the
   job's environment (no ``RANK``). It opens no link to the job before it is
   promoted.
-- Warm-up imports and exercises everything a rank needs that does not need
-  the job: the data loader index, the CPU kernels of the model's ops, the
-  optimizer (a throw-away single-process model of the job's shape with
-  TP=PP=DP=1 running one forward, backward and step). The sandbox capability
-  replaces this with replayed iterations of each pipeline role.
-- It registers as a ``standby`` member with the roles it warmed and waits
-  (bounded by its parent's life) for a plan naming it as a joiner. Then it
+- It registers as a ``standby`` member with no warm role, then warms up.
+  With ``--tm-record-dir`` that is the sandbox (``trainmover_ext.sandbox``):
+  shadow iterations of the first, middle and last roles replayed from the
+  job's recordings, each role added to ``warm_roles`` once warm, timings in
+  the member record's ``warmup``. Without recordings (no flag, none within
+  ``--tm-record-timeout``, or corrupt) it says why and falls back to the basic
+  warm-up: the data index and the kernels of one layer of the job's width.
+- It then waits (bounded by its parent's life) for a plan naming it as a joiner. Then it
   joins the communicator as that rank, builds the rank's model, takes the
   state (from a replica, the leaver, or the checkpoint) and trains on.
 """
@@ -23,7 +24,7 @@ import threading
 import time
 
 from trainmover_ext.control.membership import DecisionWatcher, Membership
-from trainmover_ext.control.records import ROLES, MemberRecord, MigrationPlan
+from trainmover_ext.control.records import ROLES, MigrationPlan
 from trainmover_ext.errors import MembershipLost
 from trainmover_ext.runtime.identity import identity_from_env, open_space
 from trainmover_ext.runtime.timeline import mark_step
@@ -31,7 +32,7 @@ from trainmover_ext.runtime.timeline import mark_step
 logger = logging.getLogger(__name__)
 
 
-def warm_up(args, providers) -> dict:
+def basic_warm_up(args, providers) -> dict:
     """Warm what needs no job: data index, kernels, optimizer. Returns timings in seconds."""
     t0 = time.time()
     import torch
@@ -56,13 +57,43 @@ def warm_up(args, providers) -> dict:
     return {"data_s": t_data - t0, "kernels_s": time.time() - t_data}
 
 
+def warm_up(args, config, providers, space, member, should_stop) -> dict:
+    """Warm this standby and report it on its member record; returns the warm-up report.
+
+    With ``--tm-record-dir`` it runs sandbox shadow iterations of the first,
+    middle and last roles (``trainmover_ext.sandbox.standby``); without it, or
+    when the recordings do not appear in time or are corrupt, it says why and
+    falls back to the basic warm-up (still able to serve any role, only colder).
+    A standby whose config differs from the job's is refused (ConfigMismatch).
+    """
+    from trainmover_ext.errors import RecordingCorrupt, RecordingNotFound
+
+    reason = "no --tm-record-dir: the sandbox is off"
+    if config.record_dir:
+        from trainmover_ext.sandbox.standby import warm_general_standby
+
+        try:
+            return warm_general_standby(args, config, providers, space=space, member=member, should_stop=should_stop)
+        except (RecordingNotFound, RecordingCorrupt) as exc:
+            reason = str(exc)
+            print(f"[trainmover] standby {member.record.member_id}: sandbox warm-up impossible, falling back to "
+                  f"the basic warm-up: {reason}", flush=True)
+    timings = basic_warm_up(args, providers)
+    report = {"mode": "basic", "reason": reason, **{k: round(v, 4) for k, v in timings.items()},
+              "total_s": round(sum(timings.values()), 4)}
+    member.update(warm_roles=list(ROLES), warmup=report)
+    return report
+
+
 def run_standby(args, config, providers, t_process: float) -> dict:
     """The standby's whole life; returns the training summary once it served a rank."""
+    from trainmover_ext.sandbox.standby import StandbyMemberRecord
+
     ident = identity_from_env()
-    timings = warm_up(args, providers)
     space = open_space(ident)
-    member = Membership(space, MemberRecord(member_id=ident.member_id, kind="standby", host=ident.host,
-                                            pid=ident.pid, warm_roles=list(ROLES)),
+    # Registered with no warm role: the controller picks it only once warm_up reports roles.
+    member = Membership(space, StandbyMemberRecord(member_id=ident.member_id, kind="standby", host=ident.host,
+                                                   pid=ident.pid, warm_roles=[]),
                         ttl_s=max(1, round(config.lease_ttl_s))).register()
     promoted: list[MigrationPlan] = []
     cond = threading.Condition()
@@ -74,9 +105,14 @@ def run_standby(args, config, providers, t_process: float) -> dict:
                 cond.notify_all()
 
     watcher = DecisionWatcher(space, on_plan)
-    print(f"[trainmover] standby {ident.member_id} warm in {sum(timings.values()):.2f}s "
-          f"(data {timings['data_s']:.2f}s, kernels {timings['kernels_s']:.2f}s); waiting to be promoted",
-          flush=True)
+    try:
+        report = warm_up(args, config, providers, space, member, should_stop=lambda: bool(promoted))
+    except BaseException:
+        watcher.close()
+        member.close()
+        raise
+    print(f"[trainmover] standby {ident.member_id} warm in {report['total_s']:.2f}s ({report['mode']}, roles "
+          f"{member.record.warm_roles}); waiting to be promoted", flush=True)
     parent = os.getppid()
     with cond:
         while not promoted:

@@ -28,6 +28,8 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
     "micro_batch_size", "global_batch_size", "num_microbatches", "bf16", "fp16",
     # optimizer / DDP structure, and the seed (initial weights and data order)
     "use_distributed_optimizer", "overlap_grad_reduce", "seed",
+    # compiled code changes the numerics (fused kernels), and it is part of what a standby must warm
+    "tm_compile",
 )
 
 
@@ -41,6 +43,7 @@ def _version(package: str) -> str:
 def job_fingerprint(args: Any) -> dict:
     """JSON-able fingerprint of ``args`` (a parsed, validated ``pretrain_gpt.py`` namespace)."""
     fp = {name: getattr(args, name, None) for name in FINGERPRINT_FIELDS}
+    fp["tm_compile"] = bool(fp["tm_compile"])  # the flag's default is None
     fp["megatron_core_version"] = _version("megatron-core")
     fp["torch_version"] = torch.__version__
     return fp

@@ -167,22 +167,70 @@ def job_rank(rank: int, world_size: int, store_port: int, argv: list[str], recor
     from megatron.training.initialize import shutdown
 
     from .parts import build_parts
-    from .recorder import maybe_start_recording
+    from .recorder import hooks_installed, maybe_start_recording
     from .shadow import default_program
 
     args = parse_job_args(argv, world_size)
     program = default_program()
     layout = init_real_world(args, rank, world_size, store_port)
     try:
-        session = build_parts(args, layout, program, consumed_samples=0, compile=bool(args.tm_compile))
+        session = build_parts(args, layout, program, consumed_samples=0)
         handle = maybe_start_recording(args, layout, record_dir=record_dir, record_iters=record_iters)
+        hooks_while_recording = hooks_installed()
         try:
             steps = train_iterations(session, iters, handle=handle, digests=digests)
         finally:
             handle.close()
         overhead = handle.recorder.overhead_s if handle.recorder is not None else None
         return {"rank": rank, "role": layout.role, "recorded": handle.index is not None, "steps": steps,
-                "record_overhead_s": overhead,
+                "record_overhead_s": overhead, "hooks_while_recording": hooks_while_recording,
+                "hooks_after": hooks_installed(),
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     finally:
         shutdown()
+
+
+def socket_inodes() -> set[str]:
+    """Inodes of the sockets this process holds open (``/proc/self/fd``)."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            out.add(target)
+    return out
+
+
+def standby_process(argv: list[str], world_size: int, record_dir: str, roles: Optional[list[str]] = None,
+                    iters: Optional[int] = None) -> dict:
+    """A general standby, alone: warm ``roles`` (default all recorded) from ``record_dir``.
+
+    Returns per shadow iteration its role, recorded iteration, loss and state
+    digests, each role's :class:`WarmResult` summary, and what isolation
+    checks need: every process group alive during the shadow iterations (their
+    classes) and the sockets this process opened while warming.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from .parts import state_digest
+    from .recording import load_recordings
+    from .shadow import warm_standby
+
+    sockets_before = socket_inodes()
+    args = parse_job_args(argv, world_size)
+    recordings = load_recordings(record_dir, roles)
+    shadow, group_classes, sockets_during = [], set(), set()
+
+    def on_progress(p) -> None:
+        shadow.append({"role": p.role, "iteration": p.iteration, "loss": p.loss, "iteration_s": p.iteration_s,
+                       **state_digest(p.model)})
+        group_classes.update(type(pg).__name__ for pg in c10d._world.pg_map)
+        sockets_during.update(socket_inodes())
+
+    results = warm_standby(args, recordings, iters=iters, on_progress=on_progress)
+    return {"shadow": shadow, "results": [r.to_dict() for r in results], "group_classes": sorted(group_classes),
+            "new_sockets": sorted((sockets_during | socket_inodes()) - sockets_before),
+            "initialized_after": dist.is_initialized()}

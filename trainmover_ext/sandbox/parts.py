@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 
-def build_parts(args, layout, program, *, consumed_samples: int, iteration: int = 0, compile: bool = False):
+def build_parts(args, layout, program, *, consumed_samples: int, iteration: int = 0):
     """This rank's training ``Session`` for ``layout``, as ``pretrain`` builds it (megatron's groups must exist).
 
     Sets ``args.iteration`` / ``args.consumed_train_samples`` to the given
@@ -25,23 +25,11 @@ def build_parts(args, layout, program, *, consumed_samples: int, iteration: int 
 
     session = build_session(args, layout, program.model_provider, program.dataset_provider,
                             program.forward_step_func, MetricsLog(None, False))
-    if compile:
-        compile_model(session.model)
     args.iteration, args.consumed_train_samples = iteration, consumed_samples
     session.reset_data()
     for chunk in session.model:
         chunk.train()
     return session
-
-
-def compile_model(model: list) -> None:
-    """``--tm-compile``: compile each chunk's inner module in place (``nn.Module.compile``).
-
-    In place, so DDP's parameter hooks, the schedules' ``model.module`` access
-    and every cached reference keep pointing at the same module object.
-    """
-    for chunk in model:
-        getattr(chunk, "module", chunk).compile()
 
 
 def state_digest(model: list) -> dict[str, str]:

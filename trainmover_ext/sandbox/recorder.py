@@ -77,6 +77,7 @@ class RecordingWork(dist.Work):
             done, self._on_done = self._on_done, None
             done()
 
+    @torch.compiler.disable
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
         self._finish()
@@ -163,6 +164,9 @@ class Recorder:
             return rec._intercept(method, pg, original, args, kwargs)
 
         hooked.__name__ = method
+        # Under --tm-compile dynamo must not trace into the recorder: the hook is a graph break.
+        hooked = torch.compiler.disable(hooked)
+        hooked._tm_recorder_hook = True  # type: ignore[attr-defined]
         setattr(cls, method, hooked)
         self._patched.append((cls, method, own))
 
@@ -209,7 +213,6 @@ class Recorder:
         assert self._writer is not None
         self.index = self._writer.finish(header, self.records)
         self.overhead_s += time.perf_counter() - t0
-        self.index["record_overhead_s"] = self.overhead_s
         logger.info("recorded role %s: %d calls, %d bytes", self.role, len(self.records),
                     self.index["data_bytes"])
         return self.index
@@ -260,6 +263,20 @@ class Recorder:
         return wrapped
 
 
+def hooks_installed() -> list[str]:
+    """``Class.method`` of every recorder hook currently installed (empty once recording is over)."""
+    import nccl_delta.backend as delta_backend
+
+    from .replay import ReplayProcessGroup
+
+    found = []
+    for cls in (dist.ProcessGroup, delta_backend.DeltaProcessGroup, ReplayProcessGroup):
+        for method in METHOD_TO_OP:
+            if getattr(cls.__dict__.get(method), "_tm_recorder_hook", False):
+                found.append(f"{cls.__name__}.{method}")
+    return found
+
+
 class RecordingHandle:
     """What the training loop holds: ``after_iteration(k)`` after every iteration, ``close()`` at exit."""
 
@@ -277,6 +294,13 @@ class RecordingHandle:
             return None
         self.index = self.recorder.mark_iteration_done(iteration)
         return self.index
+
+    def abort(self, reason: str) -> None:
+        """Drop an unsealed recording (e.g. an iteration was abandoned mid-way); sealed ones stay."""
+        if self.active:
+            logger.warning("recording of role %s dropped: %s", self.recorder.role, reason)
+            self.recorder.close()
+            self.recorder = None
 
     def close(self) -> None:
         if self.recorder is not None:

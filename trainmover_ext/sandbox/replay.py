@@ -230,7 +230,7 @@ def _make_method(method: str):
 
     op_method.__name__ = method
     op_method.__doc__ = f"``{method}`` answered from the recording (see :class:`ReplaySession`)."
-    return op_method
+    return torch.compiler.disable(op_method)  # under --tm-compile: a graph break, never traced
 
 
 for _method in METHOD_TO_OP:

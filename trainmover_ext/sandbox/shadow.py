@@ -147,12 +147,12 @@ def _layout_from_mpu(args, recording: Recording):
 
 def warm_up(args, role: str, recording: Recording, iters: Optional[int] = None,
             on_progress: Optional[Callable[[ShadowProgress], None]] = None, *,
-            program: Optional[ShadowProgram] = None, compile: Optional[bool] = None,
-            keep_model: bool = False) -> WarmResult:
+            program: Optional[ShadowProgram] = None, keep_model: bool = False) -> WarmResult:
     """Run ``iters`` shadow iterations of ``role`` (default: every recorded one) in this process.
 
     ``args`` are the job's parsed flags (``parse_args``), ``recording`` the
-    role's opened recording. ``compile`` defaults to ``args.tm_compile``.
+    role's opened recording. With ``args.tm_compile`` the model is compiled
+    (``get_model`` does it), exactly as in the job.
     The process must not have a process group; it has none again on return.
     """
     import trainmover_ext.patches as patches
@@ -163,7 +163,7 @@ def warm_up(args, role: str, recording: Recording, iters: Optional[int] = None,
     if recording.role != role:
         raise ConfigError(f"the recording opened for role {role!r} is role {recording.role!r}")
     program = program or default_program()
-    compile = bool(getattr(args, "tm_compile", False)) if compile is None else compile
+    compile = bool(getattr(args, "tm_compile", False))
     iters = recording.index["iterations"] if iters is None else iters
     if iters < 1:
         raise ConfigError("warm_up needs iters >= 1")
@@ -190,7 +190,7 @@ def _shadow_iterations(args, role, recording, iters, on_progress, program, compi
         )
         layout = _layout_from_mpu(args, recording)
         session = build_parts(args, layout, program, consumed_samples=recording.index["consumed_samples"],
-                              iteration=recording.index["start_iteration"], compile=compile)
+                              iteration=recording.index["start_iteration"])
         model, optimizer = session.model, session.optimizer
         build_s = time.perf_counter() - t_start
         times: list[float] = []
@@ -225,20 +225,33 @@ def _shadow_iterations(args, role, recording, iters, on_progress, program, compi
 
 def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[str] = None,
                  iters: Optional[int] = None, program: Optional[ShadowProgram] = None,
-                 on_progress: Optional[Callable[[ShadowProgress], None]] = None) -> list[WarmResult]:
+                 on_progress: Optional[Callable[[ShadowProgress], None]] = None,
+                 on_role_done: Optional[Callable[[WarmResult], None]] = None,
+                 should_stop: Optional[Callable[[], bool]] = None) -> list[WarmResult]:
     """The general standby: warm every recorded role (first, middle, last order) in turn.
 
     Each role's model is dropped before the next is built, so peak memory is
     one role's, not three; ``keep_role`` (default: the last warmed) keeps its
-    model in the returned result.
+    model in the returned result. Every config is checked against every
+    recording before anything is built. ``should_stop`` is asked before each
+    role (a standby promoted mid-way stops warming); ``on_role_done`` is
+    called after each.
     """
     order = [r for r in ("only", "first", "middle", "last") if r in recordings]
     if not order:
         raise ConfigError("no recordings to warm up from: the job has not recorded any role yet")
+    _ensure_globals(args)
+    mine = job_fingerprint(args)
+    for role in order:
+        check_compatible(recordings[role].fingerprint, mine, role=role)
     keep_role = keep_role or order[-1]
     program = program or default_program()
     results = []
     for role in order:
+        if should_stop is not None and should_stop():
+            break
         results.append(warm_up(args, role, recordings[role], iters, on_progress, program=program,
                                keep_model=(role == keep_role)))
+        if on_role_done is not None:
+            on_role_done(results[-1])
     return results

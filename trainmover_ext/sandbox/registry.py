@@ -1,0 +1,138 @@
+"""The recording index in etcd (``recordings/<role>``), and waiting for recordings to appear.
+
+Who calls it
+- A recorder rank, once its recording is sealed: :func:`publish` writes the
+  index's summary (role, rank, fingerprint, sizes, checksums and where the
+  tensors live) to ``recordings/<role>`` through the job's
+  :class:`~trainmover_ext.kv.job.JobSpace`. The per-call list is included
+  when it is small (etcd values are capped at about 1.5 MB); the
+  ``index_sha256`` always pins the exact ``index.json`` on the shared disk.
+- A standby: :func:`wait_for_recordings` polls etcd (or, without a job space,
+  the directory) until every role its job has is published, then opens each
+  recording and verifies it. It never waits longer than ``timeout_s``:
+  :class:`RecordingNotFound` says which roles are missing.
+
+A recording whose ``index.json`` or data differs from what etcd says raises
+:class:`RecordingCorrupt` and is never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from typing import Callable, Optional
+
+from trainmover_ext.errors import RecordingCorrupt, RecordingNotFound
+
+from .recording import INDEX_FILE, Recording
+
+RECORDING_KIND = "recording"
+MAX_CALLS_IN_ETCD = 256 * 1024
+"""Bytes of JSON per-call list stored in etcd; larger lists stay only in ``index.json``."""
+
+
+def roles_of_job(pp_size: int) -> list[str]:
+    """The role kinds a job with ``pp_size`` pipeline stages records."""
+    if pp_size == 1:
+        return ["only"]
+    return ["first", "last"] if pp_size == 2 else ["first", "middle", "last"]
+
+
+def control_role(role: str) -> str:
+    """The control plane's name for a sandbox role (a PP=1 rank is a ``first`` rank there)."""
+    return "first" if role == "only" else role
+
+
+def index_sha256(index: dict) -> str:
+    """SHA-256 of the index's canonical JSON (what ``index.json`` holds, key order aside)."""
+    return hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
+
+
+def published_summary(index: dict, record_dir: str) -> dict:
+    """What goes to ``recordings/<role>``: the index without its per-call list, plus where it lives."""
+    summary = {k: v for k, v in index.items() if k != "records"}
+    summary.update(record_dir=os.path.abspath(record_dir), index_file=os.path.join(index["role"], INDEX_FILE),
+                   index_sha256=index_sha256(index), calls=len(index["records"]))
+    calls = json.dumps(index["records"])
+    if len(calls) <= MAX_CALLS_IN_ETCD:
+        summary["records"] = index["records"]
+    return summary
+
+
+def publish(space, role: str, record_dir: str, **extra) -> dict:
+    """Write ``recordings/<role>`` from the sealed ``index.json`` (token-gated, no lease: it outlives the
+    recorder); ``extra`` (e.g. the recording overhead) is added to the summary. Returns the summary."""
+    from trainmover_ext.kv.codec import encode
+
+    summary = _summary_from_disk(record_dir, role)
+    if summary is None:
+        raise RecordingNotFound(f"{record_dir}/{role}/{INDEX_FILE} does not exist: nothing to publish")
+    summary.update(extra)
+    space.put(space.key("recordings", role), encode(RECORDING_KIND, summary))
+    return summary
+
+
+def read_published(space, role: str) -> Optional[dict]:
+    """The summary at ``recordings/<role>``, or None."""
+    from trainmover_ext.kv.codec import decode
+
+    key = space.key("recordings", role)
+    entry = space.kv.get(key)
+    return None if entry is None else decode(entry.value, kind=RECORDING_KIND, key=key)
+
+
+def open_published(summary: dict, record_dir: Optional[str] = None) -> Recording:
+    """Open and verify the recording ``summary`` names; its ``index.json`` must be the one etcd pinned."""
+    role = summary["role"]
+    recording = Recording(record_dir or summary["record_dir"], role)
+    got = index_sha256(recording.index)
+    if got != summary["index_sha256"]:
+        raise RecordingCorrupt(
+            f"{recording.dir}/{INDEX_FILE} is not the index the job published in etcd (sha256 {got[:12]} != "
+            f"{summary['index_sha256'][:12]}): the directory was overwritten or is not the job's --tm-record-dir. "
+            "Delete it and let the job record again"
+        )
+    return recording
+
+
+def wait_for_recordings(*, record_dir: str, roles: list[str], timeout_s: float, space=None, poll_s: float = 0.25,
+                        should_stop: Optional[Callable[[], bool]] = None) -> dict[str, Recording]:
+    """Every role in ``roles``, opened and verified, once all are sealed; see the module docstring."""
+    deadline = time.monotonic() + timeout_s
+    found: dict[str, dict] = {}
+    while True:
+        for role in roles:
+            if role in found:
+                continue
+            if space is not None:
+                summary = read_published(space, role)
+            else:
+                summary = _summary_from_disk(record_dir, role)
+            if summary is not None:
+                found[role] = summary
+        if len(found) == len(roles):
+            return {role: open_published(found[role], record_dir) for role in roles}
+        if time.monotonic() >= deadline or (should_stop is not None and should_stop()):
+            missing = [r for r in roles if r not in found]
+            where = "etcd (recordings/<role>)" if space is not None else record_dir
+            raise RecordingNotFound(
+                f"no recording of role(s) {missing} in {where} after {timeout_s:.0f}s: the job records its first "
+                "--tm-record-iters iterations into --tm-record-dir once it trains; check that the job and the "
+                "standby name the same shared directory, or raise --tm-record-timeout"
+            )
+        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+
+
+def _summary_from_disk(record_dir: str, role: str) -> Optional[dict]:
+    path = os.path.join(record_dir, role, INDEX_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            index = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise RecordingCorrupt(f"{path} is not a readable recording index ({exc}); delete "
+                               f"{os.path.dirname(path)} and let the job record again") from exc
+    return published_summary(index, record_dir)

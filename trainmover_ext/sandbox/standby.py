@@ -1,0 +1,82 @@
+"""The general standby's sandbox warm-up, as ``trainmover_ext.runtime.standby`` runs it.
+
+Who calls it: a standby process (``pretrain_gpt.py ... --tm-role standby``)
+after it has registered with no warm roles. :func:`warm_general_standby`
+
+1. waits (at most ``--tm-record-timeout``) for the job's recordings of every
+   role its pipeline has, published in etcd at ``recordings/<role>``;
+2. refuses with :class:`ConfigMismatch` if its own model, parallel config or
+   library versions differ from any recording's;
+3. runs shadow iterations of first, middle and last in turn, against a
+   replay world (no link to any job rank), and after each role rewrites its
+   member record: ``warm_roles`` grows and ``warmup`` carries the timings;
+4. keeps the model of the last role warmed (:func:`kept_model`).
+
+Failure: :class:`RecordingNotFound` (timeout) and :class:`RecordingCorrupt`
+propagate, and the caller falls back to the basic warm-up and says so.
+:class:`ConfigMismatch` and :class:`ReplayMismatch` mean this standby runs
+another program than the job: the caller refuses to serve.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from trainmover_ext.control.records import MemberRecord
+
+from .registry import control_role, roles_of_job, wait_for_recordings
+from .shadow import WarmResult, peak_rss_bytes, program_from_providers, warm_standby
+
+_KEPT: Optional[WarmResult] = None
+
+
+@dataclass(kw_only=True)
+class StandbyMemberRecord(MemberRecord):
+    """A standby's ``members/<id>`` record with its warm-up report (readers of plain
+    :class:`MemberRecord` ignore the extra field)."""
+
+    warmup: dict[str, Any] = field(default_factory=dict)
+    """``mode`` (``sandbox`` / ``basic`` / ``warming``), per-role timings, the fallback reason if any."""
+
+
+def role_timings(result: WarmResult) -> dict:
+    """One role's warm-up figures for the member record (seconds, bytes)."""
+    its = result.iteration_s
+    return {
+        "role": result.role, "rank": result.rank, "build_s": round(result.build_s, 4),
+        "first_iteration_s": round(its[0], 4) if its else None,
+        "steady_iteration_s": round(min(its[1:]), 4) if len(its) > 1 else None,
+        "total_s": round(result.total_s, 4), "replayed_calls": result.replayed_calls,
+        "replayed_bytes": result.replayed_bytes, "compiled": result.compiled,
+    }
+
+
+def warm_general_standby(args, config, providers, *, space, member,
+                         should_stop: Optional[Callable[[], bool]] = None) -> dict:
+    """Warm every role of the job from its recordings; returns the warm-up report (see module doc)."""
+    global _KEPT
+    t0 = time.time()
+    roles = roles_of_job(args.pipeline_model_parallel_size)
+    member.update(warmup={"mode": "warming", "waiting_for": roles})
+    recordings = wait_for_recordings(record_dir=config.record_dir, roles=roles, timeout_s=config.record_timeout_s,
+                                     space=space, should_stop=should_stop)
+    report: dict[str, Any] = {"mode": "sandbox", "wait_s": round(time.time() - t0, 4), "roles": []}
+
+    def on_role_done(result: WarmResult) -> None:
+        report["roles"].append(role_timings(result))
+        report["peak_rss_bytes"] = peak_rss_bytes()
+        report["total_s"] = round(time.time() - t0, 4)
+        warm = [control_role(r["role"]) for r in report["roles"]]
+        member.update(warm_roles=warm, warmup=dict(report))
+
+    results = warm_standby(args, recordings, program=program_from_providers(providers),
+                           on_role_done=on_role_done, should_stop=should_stop)
+    _KEPT = next((r for r in results if r.model is not None), None)
+    return report
+
+
+def kept_model() -> Optional[WarmResult]:
+    """The role whose model this standby kept after warming (None before, or after the basic warm-up)."""
+    return _KEPT
