@@ -1,0 +1,22 @@
+"""Fixtures for the sandbox tests (helpers in ``sandbox_jobs``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from sandbox_jobs import RecordedJob, pp3_argv, record_job  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pp3_job(tmp_path_factory, corpus) -> RecordedJob:
+    """The tiny PP=3 job, trained ITERS iterations with the first RECORD_ITERS recorded."""
+    import megatron.training  # noqa: F401  (import once in the parent: every fork starts warm)
+
+    return record_job(tmp_path_factory.mktemp("pp3"), pp3_argv(corpus))

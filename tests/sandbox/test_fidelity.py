@@ -1,0 +1,59 @@
+"""Replay fidelity and isolation: one general standby warms first, middle and last from the job's
+recordings; each shadow iteration is bit-identical (loss, gradients, parameters) to the rank that
+recorded it, and the standby never has a link to the job."""
+
+from __future__ import annotations
+
+import pytest
+
+from sandbox_jobs import RECORD_ITERS
+
+ROLES = ("first", "middle", "last")
+
+
+@pytest.fixture(scope="module")
+def standby(pp3_job):
+    """One standby process warming all three roles in turn (forked, never told the job's store)."""
+    from trainmover_ext.sandbox import harness
+
+    kids = harness.fork_children({"standby": (harness.standby_process, pp3_job.argv, 3, pp3_job.record_dir)})
+    return kids.results(300)["standby"]
+
+
+def test_recorders_one_per_role_and_hooks_removed(pp3_job):
+    assert sorted(r["role"] for r in pp3_job.ranks.values() if r["recorded"]) == sorted(ROLES)
+    for rank in pp3_job.ranks.values():
+        assert rank["hooks_while_recording"], "the recorder rank's class hooks were not installed"
+        assert rank["hooks_after"] == [], f"rank {rank['rank']} still has recorder hooks after sealing"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_shadow_iteration_is_bit_identical(pp3_job, standby, role):
+    job = {s["iteration"]: s for s in pp3_job.recorder(role)["steps"]}
+    shadow = [s for s in standby["shadow"] if s["role"] == role]
+    assert [s["iteration"] for s in shadow] == list(range(1, RECORD_ITERS + 1))
+    for s in shadow:
+        real = job[s["iteration"]]
+        assert s["loss"] == real["loss"], f"{role} iteration {s['iteration']}: loss {s['loss']} != {real['loss']}"
+        assert s["grad"] == real["grad"], f"{role} iteration {s['iteration']}: gradients differ"
+        assert s["param"] == real["param"], f"{role} iteration {s['iteration']}: parameters after the step differ"
+    if role == "last":
+        assert all(s["loss"] is not None for s in shadow)
+
+
+def test_standby_is_isolated(standby):
+    # Structural: the only process groups the standby ever had are replay groups (no transport),
+    # it opened no socket while warming, and it leaves no process group behind.
+    assert standby["group_classes"] == ["ReplayProcessGroup"], standby["group_classes"]
+    assert standby["new_sockets"] == [], f"the standby opened sockets: {standby['new_sockets']}"
+    assert standby["initialized_after"] is False
+    for result in standby["results"]:
+        assert result["replayed_calls"] > 0 and result["replayed_bytes"] > 0
+
+
+def test_standby_peak_rss_within_an_active_rank(pp3_job, standby):
+    # Both forked from this test process, so shared pages count alike. The standby drops each role's
+    # model before building the next: its peak is one role's, not three.
+    job_peak = max(r["peak_rss_bytes"] for r in pp3_job.ranks.values())
+    standby_peak = max(r["peak_rss_bytes"] for r in standby["results"])
+    assert standby_peak <= job_peak * 1.05, f"standby peak {standby_peak} > active rank peak {job_peak}"
