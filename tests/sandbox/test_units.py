@@ -1,0 +1,81 @@
+"""Units of the sandbox without processes: the recording format, op decoding, flags, roles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainmover_ext.errors import ConfigError
+from trainmover_ext.sandbox.ops import decode
+from trainmover_ext.sandbox.recording import Recording, RecordingWriter
+from trainmover_ext.sandbox.registry import control_role, index_sha256, published_summary, roles_of_job
+
+
+def test_recording_roundtrip_keeps_bits_and_dtypes(tmp_path):
+    tensors = [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16), torch.arange(7), torch.empty(0),
+               torch.tensor([True, False])]
+    writer = RecordingWriter(str(tmp_path), "first")
+    records = [{"seq": 0, "iteration": 1, "op": "allreduce", "group": "dp", "ranks": [0, 1], "peer": None,
+                "reduce_op": "SUM", "inputs": [], "tensors": [writer.add_tensor(t) for t in tensors]}]
+    index = writer.finish({"role": "first", "rank": 0, "layout": {"world_size": 2}, "fingerprint": {},
+                           "start_iteration": 0, "iterations": 1, "consumed_samples": 0}, records)
+    rec = Recording(str(tmp_path), "first")
+    for i, t in enumerate(tensors):
+        got = rec.read_tensor(0, i)
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
+    assert rec.data_bytes == sum(t.numel() * t.element_size() for t in tensors)
+    summary = published_summary(rec.index, str(tmp_path))
+    assert summary["index_sha256"] == index_sha256(index) and summary["calls"] == 1
+    assert summary["records"] == records  # small enough to live in etcd too
+
+
+def test_no_index_means_not_sealed(tmp_path):
+    from trainmover_ext.errors import RecordingNotFound
+
+    writer = RecordingWriter(str(tmp_path), "last")
+    writer.add_tensor(torch.ones(2))
+    writer.abort()  # a recording that never sealed leaves nothing a standby would read
+    with pytest.raises(RecordingNotFound, match="--tm-record-iters"):
+        Recording(str(tmp_path), "last")
+
+
+def test_decode_splits_results_from_inputs():
+    out, inp = [torch.empty(2), torch.empty(2)], torch.ones(2)
+    call = decode("allgather", ([out], [inp], None), {})
+    assert call.op == "allgather" and call.results == out and call.inputs == [inp]
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    call = decode("allreduce", ([inp], opts), {})
+    assert call.results == [inp] and call.reduce_op == "MAX"
+    assert decode("send", ([inp], 2, 0), {}).peer == 2 and decode("send", ([inp], 2, 0), {}).results == []
+    assert decode("recv", ([inp], 1, 0), {}).results == [inp]
+    assert decode("_allgather_base", (out[0], inp, None), {}).op == "all_gather_single"
+
+
+def test_roles_per_pipeline_depth():
+    assert roles_of_job(1) == ["only"] and roles_of_job(2) == ["first", "last"]
+    assert roles_of_job(4) == ["first", "middle", "last"]
+    assert control_role("only") == "first" and control_role("middle") == "middle"
+
+
+def _config(argv):
+    import argparse
+
+    from trainmover_ext.config import add_trainmover_args, config_from_args
+
+    return config_from_args(add_trainmover_args(argparse.ArgumentParser()).parse_args(argv))
+
+
+def test_sandbox_flags_are_wired():
+    from trainmover_ext.config import NOT_WIRED
+
+    cfg = _config(["--tm-record-iters", "3", "--tm-record-dir", "/shared/rec", "--tm-compile",
+                   "--tm-record-timeout", "12.5"])
+    assert (cfg.record_iters, cfg.record_dir, cfg.compile, cfg.record_timeout_s) == (3, "/shared/rec", True, 12.5)
+    assert not {"tm_record_iters", "tm_record_dir", "tm_compile"} & set(NOT_WIRED)
+    for bad, flag in ((["--tm-record-iters", "0"], "--tm-record-iters"),
+                      (["--tm-record-timeout", "0"], "--tm-record-timeout"),
+                      (["--tm-record-dir", " "], "--tm-record-dir")):
+        with pytest.raises(ConfigError, match=flag):
+            _config(bad)
