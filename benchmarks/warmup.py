@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""Sandbox warm-up: a warm standby's first iteration after promotion against a cold process's.
+
+One tiny PP=3 GPT job (3 ranks, real megatron-core on nccl_delta over gloo
+pair links, forked from this process) records its first ``--record-iters``
+iterations, then trains on. For each role (first, middle, last) the rank of
+that role is handed over twice with nccl_delta's planned swap (only that
+rank's links change; no other process rebuilds anything):
+
+* to a **cold** process: it builds the model and joins;
+* to a **warm** general standby: it first warms all three roles alone in its
+  sandbox (replaying the recordings; no link to the job), then builds and joins.
+
+    warm_ratio / cold_ratio = job iteration right after the switch / median of the 10 before it
+
+The job iteration time is the slowest stayer's: the pipeline waits for the
+newcomer, so its lazy start-up shows there. Also measured: recording size and
+overhead per role, that the recorder hooks are gone after recording, the job's
+iteration time while a standby warms against the rest (isolation), and the
+standby's peak RSS against the job ranks'. Each newcomer and rank has its own
+inductor cache (a machine of its own). The warming standby runs at nice 19:
+on these two shared cores that stands for the separate machine it has in a
+real deployment.
+
+    python benchmarks/warmup.py --json bench_out/warmup.json              # eager and --tm-compile
+    python benchmarks/warmup.py --json bench_out/warmup.json --compile off
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from statistics import median
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import print_table, write_json  # noqa: E402
+
+ROLES = ("first", "middle", "last")
+RANK_OF = {"first": 0, "middle": 1, "last": 2}
+WORLD = 3
+
+
+def job_argv(corpus: str, compile_: bool) -> list[str]:
+    from trainmover_ext.jobs import model_args
+
+    return model_args(layers=3, hidden=64, heads=4, seq=32, mbs=1, gbs=4, iters=100000, lr=1e-3) + [
+        "--pipeline-model-parallel-size", "3", "--data-path", corpus + "_text_document",
+        *(["--tm-compile"] if compile_ else [])]
+
+
+class Run:
+    """The forked processes of one variant and the parent's view of the control keys."""
+
+    def __init__(self, port: int, deadline_s: float):
+        from torch.distributed import PrefixStore, TCPStore
+
+        from trainmover_ext.sandbox.harness import CTX
+
+        self.ctl = PrefixStore("ctl", TCPStore("127.0.0.1", port, is_master=False,
+                                               timeout=datetime.timedelta(seconds=deadline_s)))
+        self.queue = CTX.Queue()
+        self.procs: dict = {}
+        self.results: dict = {}
+        self.deadline = time.monotonic() + deadline_s
+
+    def fork(self, key, fn, *args) -> None:
+        from trainmover_ext.sandbox.harness import CTX, _child
+
+        proc = CTX.Process(target=_child, args=(key, fn, args, self.queue, 0), daemon=True)
+        proc.start()
+        self.procs[key] = proc
+
+    def progress(self) -> int:
+        return int(self.ctl.get("progress").decode()) if self.ctl.check(["progress"]) else 0
+
+    def wait(self, predicate, what: str):
+        while True:
+            self._drain()
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > self.deadline:
+                raise TimeoutError(f"benchmark deadline passed waiting for {what}")
+            time.sleep(0.05)
+
+    def _drain(self) -> None:
+        import queue
+
+        while True:
+            try:
+                key, ok, value = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if not ok:
+                self.kill()
+                raise RuntimeError(f"process {key} failed:\n{value}")
+            self.results[key] = value
+        dead = [k for k, p in self.procs.items() if not p.is_alive() and k not in self.results]
+        if dead and self.queue.empty():
+            time.sleep(0.5)
+            if self.queue.empty():
+                self.kill()
+                raise RuntimeError(f"process(es) {dead} died without reporting")
+
+    def kill(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: int, deadline_s: float) -> dict:
+    from trainmover_ext.sandbox import harness, promotion
+    from trainmover_ext.sandbox.recording import load_recordings
+
+    workdir = tempfile.mkdtemp(prefix="tm-warmup-")
+    record_dir = os.path.join(workdir, "recordings")
+    argv = job_argv(corpus, compile_)
+    store = harness.host_store()
+    run = Run(store.port, deadline_s)
+    try:
+        for rank in range(WORLD):
+            run.fork(("job", rank), promotion.job_member, rank, WORLD, store.port, argv, record_dir, record_iters)
+        run.wait(lambda: all(os.path.isfile(os.path.join(record_dir, r, "index.json")) for r in ROLES),
+                 "the recordings")
+        run.wait(lambda: run.progress() >= record_iters + steady_iters, "steady iterations")
+        trials, epoch = [], 0
+        for role in ROLES:
+            for kind in ("cold", "warm"):
+                epoch += 1
+                run.fork(("newcomer", epoch), promotion.newcomer, RANK_OF[role], WORLD, store.port, argv, epoch,
+                         record_dir if kind == "warm" else None)
+                run.wait(lambda: run.ctl.check([f"ready/{epoch}"]), f"newcomer {epoch} to be ready")
+                switch_at = run.progress() + 3
+                run.ctl.set(f"plan/{epoch}", json.dumps({"rank": RANK_OF[role], "switch_at": switch_at}))
+                run.wait(lambda: run.progress() >= switch_at + steady_iters, f"iterations after switch {epoch}")
+                trials.append({"role": role, "kind": kind, "epoch": epoch, "switch_at": switch_at})
+        run.ctl.set("stop_at", str(run.progress() + 3))
+        run.wait(lambda: len(run.results) == len(run.procs), "every process to finish")
+    finally:
+        run.kill()
+    recordings = load_recordings(record_dir)
+    return analyse(run.results, trials, recordings, compile_, record_iters)
+
+
+def _iteration_times(results: dict) -> dict[int, list[tuple]]:
+    """iteration -> [(process key, t0, t1)] over every process that ran it."""
+    out: dict[int, list[tuple]] = {}
+    for key, res in results.items():
+        for step in res["steps"]:
+            out.setdefault(step["iteration"], []).append((key, step["t0"], step["t1"]))
+    return out
+
+
+def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool, record_iters: int) -> dict:
+    its = _iteration_times(results)
+    job_time = {k: max(t1 - t0 for _, t0, t1 in v) for k, v in its.items()}
+    roles = []
+    for role in ROLES:
+        entry = {"role": role, "compile": compile_, "record_bytes": recordings[role].data_bytes}
+        for trial in (t for t in trials if t["role"] == role):
+            s, newcomer = trial["switch_at"], ("newcomer", trial["epoch"])
+            steady = median(job_time[k] for k in range(s - 9, s + 1))
+            stayers = [t1 - t0 for key, t0, t1 in its[s + 1] if key != newcomer]
+            mine = [t1 - t0 for key, t0, t1 in its[s + 1] if key == newcomer]
+            entry[f"{trial['kind']}_ratio"] = round(max(stayers) / steady, 3)
+            entry[f"{trial['kind']}_first_iteration_s"] = round(max(stayers), 4)
+            entry[f"{trial['kind']}_newcomer_first_iteration_s"] = round(mine[0], 4) if mine else None
+            entry[f"{trial['kind']}_steady_s"] = round(steady, 4)
+        recorder = next(r for key, r in results.items() if key[0] == "job" and r["recorded"]["role"] == role)
+        rec = recorder["recorded"]
+        entry["record_overhead_s_per_iteration"] = round(rec["overhead_s"] / len(rec["iteration_s"]), 5)
+        entry["record_overhead_ratio"] = round(entry["record_overhead_s_per_iteration"] / entry["cold_steady_s"], 4)
+        roles.append(entry)
+    return {"compile": compile_, "roles": roles, "isolation": isolation(results, trials, job_time, record_iters),
+            "memory": memory(results), "hooks_left_after_recording": sorted(
+                {h for key, r in results.items() if key[0] == "job" for h in r["hooks_after"]})}
+
+
+def isolation(results: dict, trials: list[dict], job_time: dict, record_iters: int) -> dict:
+    """Job iterations entirely inside a warm standby's warm-up window against those outside every window."""
+    windows = [(r["warm_start"], r["warm_end"]) for key, r in results.items() if key[0] == "newcomer" and r["warm"]]
+    near_switch = {t["switch_at"] + d for t in trials for d in range(1, 4)}
+    ends = {}
+    for res in results.values():
+        for step in res["steps"]:
+            lo, hi = ends.get(step["iteration"], (step["t0"], step["t1"]))
+            ends[step["iteration"]] = (min(lo, step["t0"]), max(hi, step["t1"]))
+    during, outside = [], []
+    for k, (t0, t1) in ends.items():
+        if k <= record_iters + 2 or k in near_switch:
+            continue
+        if any(w0 <= t0 and t1 <= w1 for w0, w1 in windows):
+            during.append(job_time[k])
+        elif not any(t0 < w1 and w0 < t1 for w0, w1 in windows):
+            outside.append(job_time[k])
+    ratio = median(during) / median(outside) if during and outside else None
+    return {"ratio_of_medians": round(ratio, 3) if ratio else None, "iterations_during": len(during),
+            "iterations_outside": len(outside), "median_during_s": round(median(during), 4) if during else None,
+            "median_outside_s": round(median(outside), 4) if outside else None, "standby_nice": 19,
+            "standby_new_sockets": [r["warm_new_sockets"] for key, r in results.items()
+                                    if key[0] == "newcomer" and r["warm"]]}
+
+
+def memory(results: dict) -> dict:
+    job_peak = max(r["peak_rss_bytes"] for key, r in results.items() if key[0] == "job")
+    standby_peak = max(r["warm_rss_bytes"] for key, r in results.items() if key[0] == "newcomer" and r["warm"])
+    return {"job_rank_peak_rss_bytes": job_peak, "standby_warm_peak_rss_bytes": standby_peak,
+            "standby_over_job": round(standby_peak / job_peak, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="Write the results here.")
+    parser.add_argument("--compile", choices=["off", "on", "both"], default="both",
+                        help="Measure eager, --tm-compile, or both (default).")
+    parser.add_argument("--record-iters", type=int, default=2)
+    parser.add_argument("--steady-iters", type=int, default=12, help="Iterations before each switch and after it.")
+    parser.add_argument("--deadline", type=float, default=1800.0, help="Seconds one variant may take.")
+    parser.add_argument("--data-prefix", default=None, help="Corpus prefix (default: the bundled one).")
+    args = parser.parse_args()
+
+    import megatron.training  # noqa: F401  (imported once here: every forked process starts warm)
+    from trainmover_ext.jobs import DEFAULT_CORPUS_PREFIX, ensure_corpus
+
+    corpus = ensure_corpus(args.data_prefix or DEFAULT_CORPUS_PREFIX)
+    variants = [c for c in (False, True) if args.compile in ("both", "on" if c else "off")]
+    runs = [run_variant(corpus, c, args.record_iters, args.steady_iters, args.deadline) for c in variants]
+    rows = [(r["role"], "on" if r["compile"] else "off", r["warm_ratio"], r["cold_ratio"], r["record_bytes"],
+             f"{r['record_overhead_ratio']:.2%}") for run in runs for r in run["roles"]]
+    print_table("First iteration after promotion / steady iteration (PP=3 tiny GPT, CPU)", rows,
+                ("role", "--tm-compile", "warm_ratio", "cold_ratio", "record_bytes", "record overhead/iter"))
+    for run in runs:
+        iso, mem = run["isolation"], run["memory"]
+        print(f"compile {'on' if run['compile'] else 'off'}: job iteration while a standby warms / otherwise = "
+              f"{iso['ratio_of_medians']} ({iso['iterations_during']} vs {iso['iterations_outside']} iterations); "
+              f"standby peak RSS / job rank peak = {mem['standby_over_job']}; hooks left after recording: "
+              f"{run['hooks_left_after_recording'] or 'none'}")
+    write_json(args.json, {"roles": [r for run in runs for r in run["roles"]], "variants": runs,
+                           "machine": f"{os.cpu_count()} CPUs", "time": time.time()})
+
+
+if __name__ == "__main__":
+    main()

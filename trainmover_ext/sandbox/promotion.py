@@ -1,0 +1,216 @@
+"""A job whose ranks can be handed to a new process, for ``benchmarks/warmup.py``.
+
+Every process is forked from the benchmark's parent (torch and megatron
+already imported) and runs real megatron-core on nccl_delta over gloo pair
+links, rendezvousing on a TCPStore the parent hosts. The parent steers it
+through keys under ``ctl/`` in that store:
+
+``plan/<e>``           ``{"rank": r, "switch_at": k}``: at the boundary after iteration k, rank r's
+                       process leaves and a newcomer serves r (nccl_delta's planned swap, epoch e)
+``ready/<e>``          set by the newcomer once its model is built and it waits in ``join``
+``switched/<e>/<q>``   set by stayer q after ``switch(e)``; the newcomer starts after all of them
+``stop_at``            every member stops after this iteration
+``progress``           the last iteration a member completed
+
+A newcomer is *cold* (it builds its model and joins) or *warm* (it first runs
+the general standby's sandbox warm-up of every role, alone, then joins). The
+state transfer is left out on purpose: only iteration times are compared, and
+the newcomer trains the right shapes on the right data from its own weights.
+
+Every wait has a deadline; the parent kills children that miss theirs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import resource
+import time
+from typing import Optional
+
+CTL = "ctl"
+TIMEOUT_S = 600.0
+
+
+def _stores(port: int):
+    from torch.distributed import PrefixStore, TCPStore
+
+    base = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    return PrefixStore("job", base), PrefixStore(CTL, base)
+
+
+def _get(ctl, key: str) -> Optional[str]:
+    return ctl.get(key).decode() if ctl.check([key]) else None
+
+
+def init_delta_world(args, rank: int, world_size: int, store, join_epoch: Optional[int] = None):
+    """WORLD and megatron's groups on nccl_delta (as a joiner of ``join_epoch`` if given); the layout."""
+    import torch
+    import torch.distributed as dist
+
+    import nccl_delta
+    import trainmover_ext.patches as patches
+    from megatron.core import parallel_state as mpu
+    from megatron.training import global_vars
+    from megatron.training.initialize import ParallelLayout
+    from megatron.training.tokenizer import build_tokenizer
+
+    patches.install()
+    global_vars.set_global_variables(args, build_tokenizer(args))
+    nccl_delta.register(nccl_delta.DeltaConfig(link_host="127.0.0.1", op_timeout_s=TIMEOUT_S))
+    if join_epoch is not None:
+        nccl_delta.expect_join(join_epoch)
+    dist.init_process_group(nccl_delta.BACKEND_NAME, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    mpu.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                                  create_gloo_process_groups=False)
+    return ParallelLayout(
+        rank=rank, world_size=world_size, local_rank=0, tp_size=args.tensor_model_parallel_size,
+        pp_size=args.pipeline_model_parallel_size, dp_size=args.data_parallel_size,
+        tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(), device=torch.device("cpu"), backend="gloo", comm="nccl_delta",
+    )
+
+
+def serve(session, ctl, epoch: int) -> dict:
+    """Train, following the parent's plans, until ``stop_at`` or until this process is replaced."""
+    import nccl_delta
+    from megatron.training.training import train_step
+
+    args, rank = session.args, session.layout.rank
+    world = nccl_delta.current_world()
+    steps: list[dict] = []
+    prepared: set[int] = set()
+    stop_at: Optional[int] = None
+    while True:
+        k = args.iteration
+        stop_at = stop_at if stop_at is not None else _int(_get(ctl, "stop_at"))
+        if stop_at is not None and k >= stop_at:
+            return {"left": False, "steps": steps, "epoch": epoch}
+        raw = _get(ctl, f"plan/{epoch + 1}")
+        if raw is not None:
+            plan = json.loads(raw)
+            if plan["rank"] != rank and epoch + 1 not in prepared:
+                world.prepare(plan["rank"], epoch + 1, joiner=f"newcomer-{epoch + 1}")
+                prepared.add(epoch + 1)
+            if k == plan["switch_at"]:
+                epoch += 1
+                if plan["rank"] == rank:  # the leaver: wait until no stayer uses our links, then go
+                    ctl.wait([f"switched/{epoch}/{q}" for q in range(session.layout.world_size) if q != rank],
+                             datetime.timedelta(seconds=TIMEOUT_S))
+                    return {"left": True, "steps": steps, "epoch": epoch}
+                world.switch(epoch, timeout_s=TIMEOUT_S)
+                ctl.set(f"switched/{epoch}/{rank}", "1")
+        t0 = time.time()
+        train_step(session)
+        steps.append({"iteration": args.iteration, "t0": t0, "t1": time.time(), "epoch": epoch})
+        ctl.set("progress", str(args.iteration))
+
+
+def _int(raw: Optional[str]) -> Optional[int]:
+    return None if raw is None else int(raw)
+
+
+def _own_inductor_cache(tag: str) -> None:
+    # Each process stands for a machine of its own: no compiled code shared through /tmp.
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"tm-inductor-{tag}-")
+
+
+def job_member(rank: int, world_size: int, port: int, argv: list[str], record_dir: str, record_iters: int) -> dict:
+    """An original rank: record the first iterations (recorder ranks), then serve until replaced or stopped."""
+    from megatron.training.initialize import shutdown
+
+    from .harness import parse_job_args
+    from .parts import build_parts
+    from .recorder import hooks_installed, maybe_start_recording
+    from .shadow import default_program
+
+    _own_inductor_cache(f"rank{rank}")
+    args = parse_job_args(argv, world_size)
+    store, ctl = _stores(port)
+    layout = init_delta_world(args, rank, world_size, store)
+    try:
+        session = build_parts(args, layout, default_program(), consumed_samples=0)
+        handle = maybe_start_recording(args, layout, record_dir=record_dir, record_iters=record_iters)
+        recorded = _record(session, handle)
+        out = serve(session, ctl, epoch=0)
+        out.update(rank=rank, role=layout.role, recorded=recorded, hooks_after=hooks_installed(),
+                   peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        return out
+    finally:
+        shutdown()
+
+
+def _record(session, handle) -> dict:
+    """The recorded iterations (hooks in place), timed; the recorder's own overhead."""
+    from megatron.training.training import train_step
+
+    times = []
+    try:
+        while handle.active:
+            t0 = time.time()
+            train_step(session)
+            times.append(time.time() - t0)
+            handle.after_iteration(session.args.iteration)
+    finally:
+        handle.close()
+    recorder = handle.recorder
+    return {"iteration_s": times, "overhead_s": recorder.overhead_s if recorder else None,
+            "role": recorder.role if recorder else None,
+            "data_bytes": handle.index["data_bytes"] if handle.index else None}
+
+
+def newcomer(rank: int, world_size: int, port: int, argv: list[str], epoch: int, record_dir: Optional[str],
+             warm_nice: int = 19) -> dict:
+    """A process that takes over ``rank`` at ``epoch``: warm (sandbox, all roles) when ``record_dir``, else cold."""
+    import torch
+    from megatron.training.initialize import shutdown
+
+    from trainmover_ext.runtime.quiet_build import no_collectives
+
+    from .harness import parse_job_args, socket_inodes
+    from .parts import build_parts
+    from .recording import load_recordings
+    from .shadow import default_program, peak_rss_bytes, warm_standby
+
+    _own_inductor_cache(f"newcomer{epoch}")
+    args = parse_job_args(argv, world_size)
+    program = default_program()
+    report: dict = {"rank": rank, "epoch": epoch, "warm": record_dir is not None}
+    if record_dir is not None:
+        # The standby stands for a machine of its own: on these shared cores it only takes idle cycles.
+        os.setpriority(os.PRIO_PROCESS, 0, warm_nice)
+        sockets = socket_inodes()
+        t0 = time.time()
+        results = warm_standby(args, load_recordings(record_dir), program=program)
+        report.update(warm_start=t0, warm_end=time.time(), warm_rss_bytes=peak_rss_bytes(),
+                      warm_roles=[r.to_dict() for r in results], warm_new_sockets=len(socket_inodes() - sockets))
+        del results
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    store, ctl = _stores(port)
+    plan_key = f"plan/{epoch}"
+    layout = init_delta_world(args, rank, world_size, store, join_epoch=epoch)
+    try:
+        with no_collectives():  # nothing to agree on with the job: its state would come by transfer
+            session = build_parts(args, layout, program, consumed_samples=0)
+        ctl.set(f"ready/{epoch}", "1")
+        import nccl_delta
+
+        nccl_delta.current_world().join(epoch)
+        ctl.wait([plan_key], datetime.timedelta(seconds=TIMEOUT_S))
+        plan = json.loads(ctl.get(plan_key).decode())
+        ctl.wait([f"switched/{epoch}/{q}" for q in range(world_size) if q != rank],
+                 datetime.timedelta(seconds=TIMEOUT_S))
+        args.iteration = plan["switch_at"]
+        args.consumed_train_samples = plan["switch_at"] * args.global_batch_size
+        session.reset_data()
+        torch.set_num_threads(1)
+        report.update(serve(session, ctl, epoch=epoch))
+        report["peak_rss_bytes"] = peak_rss_bytes()
+        return report
+    finally:
+        shutdown()
