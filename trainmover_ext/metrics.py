@@ -78,6 +78,11 @@ class ControlMetrics:
         self._server = server
         return server.server_address[1]
 
+    @property
+    def serving(self) -> bool:
+        """True between :meth:`serve` and :meth:`close`."""
+        return self._server is not None
+
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()

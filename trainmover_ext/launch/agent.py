@@ -208,7 +208,7 @@ class Agent:
     def _serve_metrics(self) -> None:
         """Serve /metrics and start the feed thread. Called only after ranks are forked: a forked rank
         must inherit neither the listening socket nor a lock held by the feed thread."""
-        if self.metrics is None or self.metrics._server is not None:
+        if self.metrics is None or self.metrics.serving:
             return
         ep = self.endpoint
         try:
