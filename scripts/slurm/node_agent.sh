@@ -22,4 +22,5 @@ echo "[node_agent] node $NODE (id $SLURM_NODEID of $SLURM_NNODES): $NPROC rank(s
 exec "$PY" -m trainmover_ext.cli launch \
   --nproc-per-node "$NPROC" --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --max-restarts "$MAX_RESTARTS" \
+  --metrics-port "${TM_METRICS_PORT:-0}" --metrics-host "${TM_METRICS_HOST:-127.0.0.1}" \
   "$SCRIPT" "$@"

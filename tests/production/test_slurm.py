@@ -105,6 +105,40 @@ def test_sbatch_trains_on_two_nodes(slurm, tmp_path):
     assert oct(os.stat(logs / "job-token").st_mode & 0o777) == "0o600"
 
 
+def test_killed_rank_is_replaced_by_the_warm_standby(slurm, tmp_path):
+    """One node task with 4 ranks (PP2 x DP2) and a warm standby (--tm-standbys 1), started by srun.
+    Rank 3 is SIGKILLed in iteration 3: the standby takes rank 3 over, nobody restarts, training completes.
+
+    One node: a standby on another node cannot take a rank over yet (the joiner's links time out), so
+    the cross-node case waits for the migration layer."""
+    master_port, metrics_port = free_ports(2)
+    etcd_port = _port_pair()
+    logs, out = tmp_path / "logs", tmp_path / "batch.out"
+    metrics = tmp_path / "metrics.jsonl"
+    iters = 6
+    train = tiny_args(None, pp=2, iters=iters, gbs=4,
+                      extra=["--trainmover", "--tm-standbys", "1", "--tm-inject-fault", "3:3:forward",
+                             "--tm-metrics-file", str(metrics)])
+    job = slurm.submit(
+        SBATCH,
+        ["--nproc-per-node", "4", "--master-port", str(master_port), "--etcd-port", str(etcd_port),
+         "--metrics-port", str(metrics_port), "--log-dir", str(logs), "--python", sys.executable, "--", *train],
+        ["-N", "1", "--time", "5", "-o", str(out)],
+        cwd=REPO_ROOT,
+    )
+    info = slurm.wait_job(job, timeout=240)
+    node_log = _read(logs / "node-0.log")
+    report = f"batch output:\n{_read(out)[-3000:]}\n--- node-0.log:\n{node_log[-5000:]}"
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"job {job}: {info['JobState']} {info['ExitCode']}\n{report}"
+    killed = re.search(r"rank 3 \((worker-n0-3-\w+)\) exited with code -9; reported", node_log)
+    took_over = re.search(r"epoch 1 \(failure\): rank 3 -> (standby-n0-0-\w+) \(pid \d+\); state from replica", node_log)
+    assert killed and took_over, report
+    assert f"metrics: http://{socket.gethostname()}:{metrics_port}/metrics" in node_log, report
+    assert "epoch 2" not in node_log and "falling back" not in node_log and "restart" not in node_log, report
+    iterations = sorted({rec["iteration"] for rec in read_metrics(str(metrics))})
+    assert iterations == list(range(1, iters + 1)), f"iterations logged: {iterations}\n{report}"
+
+
 def test_standby_nodes_are_refused_with_a_clear_message(slurm, tmp_path):
     """S > 0 is not implemented yet: the job fails fast and says what to do."""
     out = tmp_path / "batch.out"
