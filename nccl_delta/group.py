@@ -28,7 +28,7 @@ from trainmover_ext.errors import CommAbandoned, CommLinkError
 
 from . import links as links_mod
 from .links import Link, LinkId, LinkWork
-from .ring import Ring
+from .ring import Ring, op_name
 
 if TYPE_CHECKING:
     from .world import DeltaWorld
@@ -151,7 +151,7 @@ class DeltaGroup:
             self._check_live("allreduce")
             return
         with _flat(tensor) as flat:
-            ring = self._ring(self.transport_for(tensor), f"allreduce({op})")
+            ring = self._ring(self.transport_for(tensor), f"allreduce({op_name(op)})")
             if flat.numel() < self.size or flat.numel() * flat.element_size() <= self.world.config.small_bytes:
                 ring.allreduce_small(flat, op)
             else:
@@ -175,7 +175,7 @@ class DeltaGroup:
             if self.size == 1:
                 flat_out.copy_(flat_in)
                 return
-            self._ring(self.transport_for(out), f"reduce_scatter({op})").reduce_scatter(flat_out, flat_in, op)
+            self._ring(self.transport_for(out), f"reduce_scatter({op_name(op)})").reduce_scatter(flat_out, flat_in, op)
 
     def broadcast(self, tensor: torch.Tensor, root_index: int) -> None:
         if self.size == 1:

@@ -15,6 +15,8 @@ Contract
 from __future__ import annotations
 
 import datetime
+import os
+import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -142,13 +144,49 @@ class Link:
                 self.error = reason
         self.handle.sever()
 
-    def close(self) -> None:
-        """Retire a link that is no longer in use (after a switch); ops on it raise from now on."""
+    def peer_down(self) -> bool:
+        """Whether the peer closed or lost this link's connection (our own sever does not count)."""
+        probe = getattr(self.handle, "peer_closed", None)
+        return bool(probe()) if probe is not None else False
+
+    def close(self, *, wait: bool = False) -> None:
+        """Retire a link that is no longer in use (after a switch); ops on it raise from now on.
+
+        Tearing a gloo group down joins its threads (milliseconds per link), so by default it
+        happens on a reaper thread, off the switch's critical path.
+        """
         with self._lock:
             if self.state == "open":
                 self.state = "closed"
                 self.error = "closed by switch"
-        self.handle.close()
+        if wait:
+            self.handle.close()
+        else:
+            _reaper().put(self.handle)
+
+
+_reaper_queue: "queue.SimpleQueue | None" = None
+_reaper_pid: int | None = None
+_reaper_lock = threading.Lock()
+
+
+def _reaper() -> "queue.SimpleQueue":
+    global _reaper_queue, _reaper_pid
+    with _reaper_lock:
+        # A forked child inherits the queue but not the thread: start its own.
+        if _reaper_queue is None or _reaper_pid != os.getpid():
+            _reaper_queue, _reaper_pid = queue.SimpleQueue(), os.getpid()
+
+            def drain(q=_reaper_queue) -> None:
+                while True:
+                    handle = q.get()
+                    try:
+                        handle.close()
+                    except Exception:  # a link already torn down by its error; nothing left to free
+                        pass
+
+            threading.Thread(target=drain, name="nccl_delta_reaper", daemon=True).start()
+        return _reaper_queue
 
 
 class LinkWork:

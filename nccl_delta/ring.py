@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from trainmover_ext.errors import CommAbandoned, CommLinkError
+
 from .links import Link, LinkWork
 
 # Collectives use one tag per link; sends and receives on a tag match in
@@ -50,6 +52,11 @@ def reducer(op) -> Callable[[torch.Tensor, torch.Tensor], None]:
     if op == dist.ReduceOp.BXOR:
         return lambda acc, other: acc.bitwise_xor_(other)
     raise NotImplementedError(f"nccl_delta does not support reduce op {op}")
+
+
+def op_name(op) -> str:
+    """``SUM`` for ``ReduceOp.SUM`` or a ``ReduceOp`` wrapping it (torch's repr is an address)."""
+    return getattr(getattr(op, "op", op), "name", str(op))
 
 
 def finish_avg(tensor: torch.Tensor, n: int) -> None:
@@ -100,15 +107,29 @@ class Ring:
             work.wait()
 
     def run(self, body: Callable[[], None]) -> None:
-        """Run ``body``; on a link error sever both ring links (so neighbours fail fast) and re-raise."""
+        """Run ``body``; on a link error sever both ring links (so neighbours fail fast) and re-raise.
+
+        The error names every ring link whose peer closed the connection, checked before our own
+        sever: a killed rank's predecessor often sees the error first on its *other* link, as the
+        cascade of severs comes round the ring faster than its own send to the dead rank fails.
+        """
+        links = [link for link in (self.prev, self.next) if link is not None]
         try:
             body()
             self._drain_sends()
-        except BaseException:
-            for link in (self.prev, self.next):
-                if link is not None:
-                    link.sever(f"{self.op} failed on a neighbouring link", abandoned=False)
+        except CommLinkError as exc:
+            down = sorted({link.peer for link in links if link.peer_down()})
+            self._sever(links)
+            if down and not isinstance(exc, CommAbandoned):
+                raise type(exc)(f"{exc} Ring peers whose connection closed: ranks {down}.") from exc
             raise
+        except BaseException:
+            self._sever(links)
+            raise
+
+    def _sever(self, links: list[Link]) -> None:
+        for link in links:
+            link.sever(f"{self.op} failed on a neighbouring link", abandoned=False)
 
     # --- algorithms -----------------------------------------------------
     def allgather_chunks(self, flat: torch.Tensor, bounds: list[tuple[int, int]]) -> None:

@@ -21,6 +21,7 @@ import datetime
 import json
 import logging
 import os
+import select
 import socket
 import threading
 
@@ -33,6 +34,8 @@ logger = logging.getLogger(__name__)
 # One gloo device (listener + event loop) per process and host: every pair of
 # the process shares it, so a link costs one socket, not a thread and a port.
 _devices: dict[str | None, object] = {}
+# Above every tag the groups use (p2p < 2**30, collectives == 2**30): never matched by a send.
+PROBE_TAG = (1 << 30) + 1
 _devices_lock = threading.Lock()
 
 
@@ -83,14 +86,31 @@ def _connected_endpoints(fds: set[int]) -> dict[int, tuple[list, list]]:
     return found
 
 
+def _endpoint(fd: int) -> tuple | None:
+    """(local, peer) of the TCP socket now at ``fd``, or ``None`` if there is none."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        return (tuple(sock.getsockname()[:2]), tuple(sock.getpeername()[:2]))
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
 class GlooPair:
     """The transport handle of one link: a 2-rank gloo group plus its socket."""
 
-    def __init__(self, pg: ProcessGroupGloo, side: int, socket_fds: list[int], timeout: datetime.timedelta):
+    def __init__(self, pg: ProcessGroupGloo, side: int, sockets: dict[int, tuple], timeout: datetime.timedelta):
         self.pg = pg
         self.side = side
         self.peer_side = 1 - side
-        self._socket_fds = socket_fds
+        # fd -> (local, peer) address at connect time. Gloo closes a pair's fd when the pair
+        # fails, and the number may then be reused by an unrelated socket: every use of an fd
+        # first checks that it still carries the same connection.
+        self._sockets = sockets
         self._timeout = timeout
         self._severed = False
         self._lock = threading.Lock()
@@ -98,7 +118,34 @@ class GlooPair:
     @property
     def severable(self) -> bool:
         """Whether :meth:`sever` can unblock pending ops (the pair's socket was identified)."""
-        return bool(self._socket_fds)
+        return bool(self._sockets)
+
+    def _live_fds(self) -> list[int]:
+        return [fd for fd, ends in self._sockets.items() if _endpoint(fd) == ends]
+
+    def peer_closed(self, grace_s: float = 0.05) -> bool | None:
+        """Whether the peer closed (or lost) the connection; waits at most ``grace_s``.
+
+        Used only on the failure path, to name the dead peer when an op fails: the rank before
+        a killed rank in a ring may first see the error cascade in from its other neighbour.
+        A probe receive on a tag nobody sends raises at once on a closed pair and times out
+        on a live one; the link is severed right after, so the dangling receive never matters.
+        """
+        if self._severed or self.pg is None:
+            return False  # we cut it ourselves: says nothing about the peer
+        live = self._live_fds()
+        if self._sockets and not live:
+            return True  # gloo closed the pair's socket after an error
+        poller = select.poll()
+        for fd in live:
+            poller.register(fd, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+        if poller.poll(0):
+            return True
+        try:
+            self.pg.recv([torch.empty(1)], self.peer_side, PROBE_TAG).wait(datetime.timedelta(seconds=grace_s))
+        except Exception as exc:
+            return "imed out" not in str(exc)  # a timeout means the peer is still there
+        return False
 
     def isend(self, tensor: torch.Tensor, tag: int):
         return self.pg.send([tensor], self.peer_side, tag)
@@ -115,7 +162,7 @@ class GlooPair:
             if self._severed:
                 return
             self._severed = True
-            for fd in self._socket_fds:
+            for fd in self._live_fds():
                 try:
                     sock = socket.socket(fileno=os.dup(fd))
                 except OSError:
@@ -144,13 +191,21 @@ def connect_gloo_pair(
     link_store = PrefixStore(prefix, store)
     before = _socket_fds()
     pg = ProcessGroupGloo(link_store, side, 2, opts)
+    # A round trip first: gloo may still replace the pair's first socket after the constructor
+    # returns (seen as the recorded fd later holding another connection). Data that crossed
+    # the pair proves the socket we record below is the one it keeps.
+    probe = torch.zeros(1)
+    works = [pg.send([torch.ones(1)], 1 - side, 0), pg.recv([probe], 1 - side, 0)]
+    for work in works:
+        work.wait(timeout)
     mine = _connected_endpoints(_socket_fds() - before)
     # Other threads may open sockets meanwhile, so keep only the socket whose
     # mirror image (peer <-> local) the other end reports: that is the pair.
     link_store.set(f"sock/{side}", json.dumps(list(mine.values())))
     theirs = json.loads(link_store.get(f"sock/{1 - side}").decode())
     mirrored = {(tuple(peer), tuple(local)) for local, peer in theirs}
-    fds = [fd for fd, (local, peer) in mine.items() if (tuple(local), tuple(peer)) in mirrored]
-    if not fds:
+    sockets = {fd: (tuple(local), tuple(peer)) for fd, (local, peer) in mine.items()
+               if (tuple(local), tuple(peer)) in mirrored}
+    if not sockets:
         logger.warning("link %s: pair socket not identified; abandon falls back to the op timeout", prefix)
-    return GlooPair(pg, side, fds, timeout)
+    return GlooPair(pg, side, sockets, timeout)

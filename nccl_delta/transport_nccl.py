@@ -59,6 +59,10 @@ class NcclPair:
         # need not block.
         work.wait(timeout)
 
+    def peer_closed(self) -> bool | None:
+        """Unknown for NCCL: a lost peer shows up as an op error or the watchdog's timeout."""
+        return None
+
     def sever(self) -> None:
         with self._lock:
             if self._severed:

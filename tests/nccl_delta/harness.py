@@ -58,6 +58,7 @@ class Ranks:
         while expect - set(out) - set(errors):
             left = deadline - time.monotonic()
             if left <= 0:
+                self.dump_stacks()
                 self.kill_all()
                 raise TimeoutError(f"ranks {sorted(expect - set(out) - set(errors))} did not report in {timeout}s")
             try:
@@ -77,6 +78,16 @@ class Ranks:
         for key in keys:
             self.procs[key].join(max(0.0, deadline - time.monotonic()))
         self.kill_all(keys)
+
+    def dump_stacks(self) -> None:
+        """Make every live rank print all its threads' stacks (to the test's stderr) before it is killed."""
+        for proc in self.procs.values():
+            if proc.is_alive():
+                try:
+                    os.kill(proc.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(0.5)
 
     def kill_all(self, keys: set | None = None) -> None:
         for key, proc in self.procs.items():

@@ -166,4 +166,4 @@ def test_collectives_default_segments():
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [5, 6, 7, 8])
 def test_collectives_match_gloo_many_cases(world_size):
-    _check(harness.run(world_size, _cases, 16, config=harness.test_config(**SMALL_SEGMENTS), timeout=600))
+    _check(harness.run(world_size, _cases, 16, config=harness.test_config(**SMALL_SEGMENTS), timeout=240))

@@ -1,0 +1,88 @@
+"""Pure pieces without processes: config validation, chunk layout, reducers, the NCCL import."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nccl_delta
+from nccl_delta import ring, transport_nccl
+from trainmover_ext.errors import CommLinkError, ConfigError
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ConfigError, match="NCCL_DELTA_TRANSPORT"):
+        nccl_delta.DeltaConfig(transport="mpi")
+    with pytest.raises(ConfigError):
+        nccl_delta.DeltaConfig(op_timeout_s=0)
+    with pytest.raises(ConfigError):
+        nccl_delta.DeltaConfig(segment_bytes=10)
+
+
+def test_config_from_env(monkeypatch):
+    monkeypatch.setenv("NCCL_DELTA_TRANSPORT", "gloo")
+    monkeypatch.setenv("NCCL_DELTA_OP_TIMEOUT_S", "7")
+    cfg = nccl_delta.DeltaConfig.from_env(link_host="127.0.0.1")
+    assert (cfg.transport, cfg.op_timeout_s, cfg.link_host) == ("gloo", 7.0, "127.0.0.1")
+    assert nccl_delta.DeltaConfig(transport="auto").resolved_transport() == (
+        "nccl" if torch.cuda.is_available() else "gloo")
+
+
+@pytest.mark.parametrize("numel,n", [(0, 3), (5, 3), (12, 4), (13, 4), (1, 8)])
+def test_chunk_bounds_cover_everything_once(numel, n):
+    bounds = ring.chunk_bounds(numel, n)
+    assert len(bounds) == n and bounds[0][0] == 0 and bounds[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [b - a for a, b in bounds]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_reducers_and_avg():
+    acc = torch.tensor([1.0, 5.0])
+    ring.reducer(dist.ReduceOp.MAX)(acc, torch.tensor([3.0, 2.0]))
+    assert acc.tolist() == [3.0, 5.0]
+    ints = torch.tensor([7, -7])
+    ring.finish_avg(ints, 2)
+    assert ints.tolist() == [3, -3]  # truncation, as NCCL does
+    with pytest.raises(NotImplementedError):
+        ring.reducer(dist.ReduceOp.PREMUL_SUM)
+
+
+def test_nccl_transport_imports_without_cuda():
+    assert transport_nccl.nccl_available() == (torch.cuda.is_available() and transport_nccl.ProcessGroupNCCL is not None)
+
+
+def test_op_name_reads_through_reduce_op_wrappers():
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    assert ring.op_name(opts.reduceOp) == "MAX"
+    assert ring.op_name(dist.ReduceOp.SUM) == "SUM"
+
+
+class _FakeHandle:
+    def __init__(self):
+        self.closed_by = None
+        self.done = threading.Event()
+
+    def close(self):
+        self.closed_by = threading.current_thread().name
+        self.done.set()
+
+
+def test_close_retires_at_once_and_tears_down_off_the_caller_thread():
+    from nccl_delta.links import Link, LinkId
+
+    handle = _FakeHandle()
+    link = Link(link_id=LinkId(group="g", a=0, b=1, generation=0), me=0, peer=1, handle=handle, op_timeout_s=1.0)
+    link.close()
+    assert link.state == "closed"  # ops fail from now on, even before the reaper ran
+    with pytest.raises(CommLinkError, match="closed by switch"):
+        link.isend(torch.zeros(1), 0, "send")
+    assert handle.done.wait(5.0), "the reaper never closed the handle"
+    assert handle.closed_by == "nccl_delta_reaper"
+    sync = _FakeHandle()
+    Link(link_id=LinkId(group="g", a=0, b=1, generation=0), me=0, peer=1, handle=sync, op_timeout_s=1.0).close(wait=True)
+    assert sync.closed_by == threading.current_thread().name
