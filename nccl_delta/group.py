@@ -165,7 +165,11 @@ class DeltaGroup:
             if self.size == 1:
                 flat_out.copy_(inp.reshape(-1))
                 return
-            self._ring(self.transport_for(out), "allgather").allgather(flat_out, inp.reshape(-1))
+            flat_in = inp.reshape(-1)
+            own = flat_out[self.index * flat_in.numel():(self.index + 1) * flat_in.numel()]
+            if _overlaps(flat_out, flat_in) and flat_in.data_ptr() != own.data_ptr():
+                flat_in = flat_in.clone()  # in place is fine only at this rank's own slot (megatron's form)
+            self._ring(self.transport_for(out), "allgather").allgather(flat_out, flat_in)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op) -> None:
         if inp.numel() != out.numel() * self.size:
@@ -175,7 +179,16 @@ class DeltaGroup:
             if self.size == 1:
                 flat_out.copy_(flat_in)
                 return
-            self._ring(self.transport_for(out), f"reduce_scatter({op_name(op)})").reduce_scatter(flat_out, flat_in, op)
+            ring = self._ring(self.transport_for(out), f"reduce_scatter({op_name(op)})")
+            if _overlaps(flat_out, flat_in):
+                # megatron's distributed optimizer reduce-scatters in place (the output is this
+                # rank's chunk of the input): the ring receives into the output before it adds
+                # its own chunk, so it must not alias the input.
+                result = torch.empty_like(flat_out)
+                ring.reduce_scatter(result, flat_in, op)
+                flat_out.copy_(result)
+            else:
+                ring.reduce_scatter(flat_out, flat_in, op)
 
     def broadcast(self, tensor: torch.Tensor, root_index: int) -> None:
         if self.size == 1:
@@ -209,6 +222,14 @@ def _clones(store: Store, count: int) -> list[Store] | None:
         return [store.clone() for _ in range(count)]
     except Exception:  # e.g. a store implemented in Python without clone()
         return None
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two contiguous 1-D tensors share any memory."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 class _flat:

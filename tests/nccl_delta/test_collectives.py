@@ -167,3 +167,27 @@ def test_collectives_default_segments():
 @pytest.mark.parametrize("world_size", [5, 6, 7, 8])
 def test_collectives_match_gloo_many_cases(world_size):
     _check(harness.run(world_size, _cases, 16, config=harness.test_config(**SMALL_SEGMENTS), timeout=240))
+
+
+def _in_place(rank, n, store):
+    """megatron's distributed optimizer: reduce-scatter into, and all-gather from, this rank's own chunk."""
+    ref = dist.new_group(backend="gloo")
+    out = {}
+    for numel in (6 * n, 1000 * n + 0):  # below and above the small-message threshold
+        grads = _values((numel,), torch.float32, seed=rank + numel)
+        ours, theirs = grads.clone(), grads.clone()
+        k = numel // n
+        dist.reduce_scatter_tensor(ours[rank * k:(rank + 1) * k], ours)
+        dist.reduce_scatter_tensor(theirs[rank * k:(rank + 1) * k], theirs, group=ref)
+        out[f"reduce_scatter {numel}"] = torch.equal(ours[rank * k:(rank + 1) * k], theirs[rank * k:(rank + 1) * k])
+        params = torch.zeros(numel)
+        params[rank * k:(rank + 1) * k] = float(rank + 1)
+        dist.all_gather_into_tensor(params, params[rank * k:(rank + 1) * k])
+        out[f"all_gather {numel}"] = params.tolist() == [float(r + 1) for r in range(n) for _ in range(k)]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_in_place_reduce_scatter_and_all_gather(world_size):
+    for rank, checks in harness.run(world_size, _in_place, config=harness.test_config(**SMALL_SEGMENTS)).items():
+        assert all(checks.values()), (rank, checks)
