@@ -42,6 +42,55 @@ def _compiled_collective_goes_through_the_group() -> list[str]:
     return seen
 
 
+def _compiled_on_nccl_delta_built_quietly() -> bool:
+    """Child: a compiled module on nccl_delta (a Python process group), built inside the joiner's
+    ``no_collectives`` (which swaps ``torch.distributed.all_reduce`` for the build), runs forward and
+    backward, including an ``all_reduce(MAX)`` inside an autograd function as megatron's cross entropy."""
+    import torch
+    import torch.distributed as dist
+
+    import nccl_delta
+    from trainmover_ext.runtime.quiet_build import no_collectives
+    from trainmover_ext.sandbox.compile import compile_chunk
+
+    nccl_delta.register(nccl_delta.DeltaConfig(link_host="127.0.0.1"))
+    dist.init_process_group(nccl_delta.BACKEND_NAME, store=dist.HashStore(), rank=0, world_size=1)
+
+    class Stable(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            peak = y.max(dim=-1)[0]
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            return (y - peak.unsqueeze(-1)).exp().sum()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return None
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            dist.all_reduce(y)
+            return Stable.apply(y.relu()) + y.sum()
+
+    with no_collectives():
+        net = compile_chunk(Net())
+    for _ in range(2):
+        net(torch.randn(2, 8)).backward()
+    dist.destroy_process_group()
+    return True
+
+
+def test_compiled_model_runs_on_nccl_delta_after_a_quiet_build():
+    from trainmover_ext.sandbox import harness
+
+    assert harness.fork_children({"c": (_compiled_on_nccl_delta_built_quietly,)}).results(300)["c"] is True
+
+
 def test_compiled_collectives_stay_visible_to_the_recorder():
     from trainmover_ext.sandbox import harness
 

@@ -14,7 +14,6 @@ import os
 import re
 import signal
 
-import pytest
 
 from helpers import kill_quietly, read_metrics, start_job, wait_for
 from sandbox_jobs import pp3_argv

@@ -9,10 +9,15 @@ dispatcher sends straight to the backend. Such calls bypass the process
 group's Python methods, so the sandbox recorder would miss them (a replay of
 that recording then fails with a ``ReplayMismatch``), and megatron's
 ``all_reduce(MAX)`` in the vocab-parallel cross entropy has no functional
-backward. :func:`keep_collectives_eager` empties dynamo's rewrite table once
-per process: dynamo then breaks the graph at each collective, which runs
-eagerly through the group object like in an uncompiled model. Compiled
-regions are the compute between collectives.
+backward. Without the rewrite dynamo would trace *into* the collective and
+into Python process groups (nccl_delta's, the replay group), which it cannot
+do. So :func:`keep_collectives_eager`, once per process, empties dynamo's
+rewrite table and tells dynamo to skip the code of every ``torch.distributed``
+collective, and every frame it calls, for good (a code object's execution
+strategy: it survives anyone swapping ``torch.distributed.all_reduce`` for a
+while, as a joiner's quiet build does). Each collective is then a graph break
+and runs eagerly through the group object, exactly as in an uncompiled model.
+Compiled regions are the compute between collectives.
 """
 
 from __future__ import annotations
@@ -20,6 +25,14 @@ from __future__ import annotations
 import torch
 
 _EAGER = False
+
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_object",
+    "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "broadcast_object_list",
+    "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
+)
+"""``torch.distributed`` functions that stay out of compiled graphs under ``--tm-compile`` (megatron calls
+point-to-point ops only from the schedules, outside the model)."""
 
 
 def keep_collectives_eager() -> None:
@@ -34,6 +47,18 @@ def keep_collectives_eager() -> None:
     remaps = getattr(functional, "traceable_collective_remaps", None)
     if isinstance(remaps, dict):
         remaps.clear()
+    from torch._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+    from torch.distributed import distributed_c10d
+
+    skip_all = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)  # this frame and every frame below it
+    for name in COLLECTIVES:
+        fn = getattr(distributed_c10d, name, None)
+        while fn is not None:  # the c10d logging decorators, then the function itself
+            code = getattr(fn, "__code__", None)
+            if code is not None:
+                set_code_exec_strategy(code, skip_all)
+            fn = getattr(fn, "__wrapped__", None)
     _EAGER = True
 
 
