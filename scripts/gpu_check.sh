@@ -18,7 +18,13 @@ $PY -m trainmover_ext.cli launch --nproc-per-node 1 pretrain_gpt.py --num-layers
   --num-attention-heads 8 --seq-length 256 --micro-batch-size 4 --global-batch-size 8 --train-iters 20 \
   --lr 1e-3 --mock-data --bf16 --hidden-dropout 0 --attention-dropout 0 \
   --tm-metrics-file "$OUT/gpu_train.jsonl" 2>&1 | tee "$OUT/gpu_train.log" || status=1
-if [ -f benchmarks/comm.py ]; then
-  $PY benchmarks/comm.py --quick --json "$OUT/comm_gpu.json" 2>&1 | tee "$OUT/comm_gpu.log" || status=1
-fi
+# nccl_delta: the NCCL transport's collective tests (need 2 GPUs; they skip, and say so, on 1), then
+# the communicator benchmark: all-reduce against NCCL's own (with bus bandwidth) on as many ranks as
+# there are GPUs, the switch, and the training ratio.
+$PY -m pytest -q -rs --timeout 600 tests/nccl_delta/test_gpu.py tests/nccl_delta/test_units.py 2>&1 \
+  | tee "$OUT/nccl_delta_tests.log" || status=1
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+RANKS=$([ "$NGPU" -ge 4 ] && echo 2,4 || echo 2)
+$PY benchmarks/comm.py --quick --ranks "$RANKS" --sizes-mb 1,16,64,256 --json "$OUT/comm_gpu.json" 2>&1 \
+  | tee "$OUT/comm_gpu.log" || status=1
 exit $status

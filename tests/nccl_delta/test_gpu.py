@@ -9,12 +9,14 @@ import torch.distributed as dist
 from . import harness
 
 pytestmark = pytest.mark.gpu
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 1,
-                                reason="needs CUDA")
+# NCCL refuses two ranks of one communicator on the same device ("Duplicate GPU detected"), so a
+# 2-rank NCCL link needs 2 devices.
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                reason="needs 2 CUDA devices (NCCL allows one rank per device)")
 
 
 def _gpu_ops(rank, n, store):
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.cuda.set_device(rank)
     dev = torch.device("cuda", torch.cuda.current_device())
     x = torch.arange(100003, dtype=torch.float32, device=dev) * (rank + 1)
     dist.all_reduce(x)
@@ -33,7 +35,13 @@ def _gpu_ops(rank, n, store):
 
 @needs_cuda
 def test_nccl_transport_collectives():
-    # Ranks share the GPU(s) round-robin; NCCL pairs on one device still exercise the transport.
     results = harness.run(2, _gpu_ops, config=harness.test_config(transport="nccl"), timeout=300)
     for rank, checks in results.items():
         assert all(checks.values()), (rank, checks)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_transport_is_nccl_with_cuda():
+    import nccl_delta
+
+    assert nccl_delta.DeltaConfig(transport="auto").resolved_transport() == "nccl"
