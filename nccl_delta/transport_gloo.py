@@ -29,6 +29,9 @@ import torch
 from torch.distributed import PrefixStore, Store
 from torch._C._distributed_c10d import ProcessGroupGloo
 
+from .waiter import Pending, WaitCancelled
+from .waiter import wait as wait_interruptible
+
 logger = logging.getLogger(__name__)
 
 # One gloo device (listener + event loop) per process and host: every pair of
@@ -113,6 +116,7 @@ class GlooPair:
         self._sockets = sockets
         self._timeout = timeout
         self._severed = False
+        self._pending: set[Pending] = set()
         self._lock = threading.Lock()
 
     @property
@@ -154,7 +158,17 @@ class GlooPair:
         return self.pg.recv([tensor], self.peer_side, tag)
 
     def wait(self, work, timeout: datetime.timedelta) -> None:
-        work.wait(timeout)
+        """Block until ``work`` is done; :meth:`sever` interrupts it even if gloo never fails it."""
+        pending = Pending(work, timeout)
+        with self._lock:
+            if self._severed:
+                raise WaitCancelled("the link was severed")
+            self._pending.add(pending)
+        try:
+            wait_interruptible(pending)
+        finally:
+            with self._lock:
+                self._pending.discard(pending)
 
     def sever(self) -> None:
         """Shut the pair's socket down so that pending ops on both ends raise now."""
@@ -162,6 +176,8 @@ class GlooPair:
             if self._severed:
                 return
             self._severed = True
+            for pending in self._pending:
+                pending.cancel("the link was severed while an op was pending")
             for fd in self._live_fds():
                 try:
                     sock = socket.socket(fileno=os.dup(fd))
