@@ -56,9 +56,9 @@ def test_missing_data_file_under_launcher_prints_once(tmp_path):
 
 
 def test_unwired_trainmover_flag_is_refused():
-    res = _run(tiny_args(None) + ["--tm-record-dir", "/tmp/x"])
+    res = _run(tiny_args(None) + ["--tm-leaver-becomes-standby"])
     assert res.returncode == 2
-    assert "--tm-record-dir is declared but not available" in res.stderr
+    assert "--tm-leaver-becomes-standby is declared but not available" in res.stderr
 
 
 def test_launcher_rejects_missing_script(tmp_path):

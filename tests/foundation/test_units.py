@@ -69,8 +69,8 @@ def test_trainmover_flags_parse_and_unwired_flags_refuse():
     parser = add_trainmover_args(argparse.ArgumentParser())
     cfg = config_from_args(parser.parse_args(["--trainmover", "--tm-job", "j1", "--tm-lease-ttl", "3"]))
     assert cfg.enabled and cfg.job == "j1" and cfg.lease_ttl_s == 3.0
-    with pytest.raises(ConfigError, match="--tm-record-dir is declared but not available"):
-        config_from_args(parser.parse_args(["--tm-record-dir", "/x"]))
+    with pytest.raises(ConfigError, match="--tm-leaver-becomes-standby is declared but not available"):
+        config_from_args(parser.parse_args(["--tm-leaver-becomes-standby"]))
     with pytest.raises(ConfigError, match="--tm-lease-ttl"):
         config_from_args(parser.parse_args(["--tm-lease-ttl", "0"]))
 
