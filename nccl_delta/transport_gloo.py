@@ -103,6 +103,15 @@ def _endpoint(fd: int) -> tuple | None:
         sock.close()
 
 
+class _Send:
+    """A gloo send's work, marked so that :meth:`GlooPair.wait` waits for it interruptibly."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work):
+        self.work = work
+
+
 class GlooPair:
     """The transport handle of one link: a 2-rank gloo group plus its socket."""
 
@@ -152,14 +161,22 @@ class GlooPair:
         return False
 
     def isend(self, tensor: torch.Tensor, tag: int):
-        return self.pg.send([tensor], self.peer_side, tag)
+        return _Send(self.pg.send([tensor], self.peer_side, tag))
 
     def irecv(self, tensor: torch.Tensor, tag: int):
         return self.pg.recv([tensor], self.peer_side, tag)
 
     def wait(self, work, timeout: datetime.timedelta) -> None:
-        """Block until ``work`` is done; :meth:`sever` interrupts it even if gloo never fails it."""
-        pending = Pending(work, timeout)
+        """Block until ``work`` is done; :meth:`sever` interrupts a pending send even if gloo never fails it.
+
+        Only sends need the waiter thread (see :mod:`nccl_delta.waiter`): the op gloo was seen
+        to leave pending after its pair closed is a send, while a receive on a closed pair
+        raises. Receives, most of a ring's waits, block on the caller's thread.
+        """
+        if not isinstance(work, _Send):
+            work.wait(timeout)
+            return
+        pending = Pending(work.work, timeout)
         with self._lock:
             if self._severed:
                 raise WaitCancelled("the link was severed")

@@ -148,3 +148,50 @@ def trajectory(path: str) -> dict[int, tuple[float, int]]:
         value = (rec["loss"], rec["consumed_samples"])
         assert out.setdefault(rec["iteration"], value) == value, f"iteration {rec['iteration']} re-ran differently"
     return out
+
+
+def control_flags(job: LaunchedJob, timeout: float = 60) -> list[str]:
+    """``--tm-etcd-endpoints/--tm-job/--tm-job-token`` of a running job, from the launcher's status hint."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        m = re.search(r"status: trainmover status --tm-etcd-endpoints (\S+) --tm-job (\S+) "
+                      r"--tm-job-token \$\(cat (\S+)\)", job.stderr())
+        if m and os.path.exists(m.group(3)):
+            return ["--tm-etcd-endpoints", m.group(1), "--tm-job", m.group(2),
+                    "--tm-job-token", open(m.group(3)).read().strip()]
+        time.sleep(0.2)
+    raise AssertionError(f"the launcher printed no status hint in {timeout}s:\n{job.stderr()[-2000:]}")
+
+
+def wait_iteration(job: LaunchedJob, iteration: int, timeout: float = 120) -> None:
+    """Block until the job logged ``iteration`` (or fail with the launcher's log)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(r["iteration"] >= iteration for r in read_metrics(job.metrics_path)):
+            return
+        if job.popen.poll() is not None:
+            raise AssertionError(f"job exited {job.popen.returncode} before iteration {iteration}:\n"
+                                 f"{job.stderr()[-3000:]}")
+        time.sleep(0.1)
+    raise AssertionError(f"iteration {iteration} not reached in {timeout}s:\n{job.stderr()[-2000:]}")
+
+
+def trainmover_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run ``trainmover <argv>`` and return the completed process (never raises on a non-zero exit)."""
+    return subprocess.run([sys.executable, "-m", "trainmover_ext.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO_ROOT)
+
+
+def transfer_reports(job: LaunchedJob) -> list[tuple[int, float, float]]:
+    """(source rank, peak RSS MiB before, after) of every state transfer the job's ranks reported."""
+    return [(int(r), float(b), float(a)) for r, b, a in re.findall(
+        r"rank (\d+) sent [\d.]+ MiB of state to rank \d+ \(epoch \d+\); peak RSS ([\d.]+) MiB before, "
+        r"([\d.]+) MiB after", job.stdout())]
+
+
+def assert_transfer_memory(job: LaunchedJob, limit: float = 1.02) -> None:
+    """The state source's peak RSS during the transfer stays within ``limit`` x its steady peak."""
+    reports = transfer_reports(job)
+    assert reports, "no state transfer was reported:\n" + job.stdout()[-2000:]
+    for rank, before, after in reports:
+        assert after <= limit * before, f"rank {rank}: peak RSS grew {before} -> {after} MiB during the transfer"

@@ -117,6 +117,17 @@ def training_state(model, optimizer, scheduler, iteration: int, consumed_samples
     return state
 
 
+def load_scheduler_state(scheduler, state: dict) -> None:
+    """Set ``scheduler`` to ``state``, whatever it held before.
+
+    megatron-core's ``OptimizerParamScheduler.load_state_dict`` *adds* the saved
+    step count to the current one (``step(increment=num_steps)``): right for a
+    fresh scheduler, wrong for a live one rolled back during a recovery.
+    """
+    scheduler.num_steps = 0
+    scheduler.load_state_dict(state)
+
+
 def load_training_state(state: dict, model, optimizer, scheduler, args, load_optim=True, load_rng=True) -> tuple[int, int]:
     """Apply a :func:`training_state` dict; returns ``(iteration, consumed_samples)``."""
     if state.get("version") != FORMAT_VERSION:
@@ -145,7 +156,7 @@ def load_training_state(state: dict, model, optimizer, scheduler, args, load_opt
                 for p, s in zip(group, saved):
                     p.data.copy_(s)
     if scheduler is not None and state.get("scheduler") is not None:
-        scheduler.load_state_dict(state["scheduler"])
+        load_scheduler_state(scheduler, state["scheduler"])
     if load_rng:
         set_rng_state(state["rng"])
     return state["iteration"], state["consumed_train_samples"]

@@ -135,6 +135,9 @@ class Runtime:
         """Bring the job back to a consistent iteration after ``exc``; raise if impossible."""
         raise exc
 
+    def after_checkpoint(self, session: Session) -> None:
+        """Called after this rank saved the checkpoint of ``session.args.iteration``."""
+
     def after_iteration(self, session: Session, loss: Optional[float]) -> None:
         """Called after each completed iteration."""
 
@@ -322,6 +325,7 @@ def train_loop(session: Session, runtime: Runtime) -> dict:
                 args.save, args.iteration, model, session.optimizer, session.scheduler,
                 args.consumed_train_samples, args, layout,
             )
+            runtime.after_checkpoint(session)
     if args.iteration >= args.train_iters:
         runtime.after_training(session)
     steady = sorted(times[1:]) if len(times) > 1 else times

@@ -94,6 +94,18 @@ def _recv_blob(pg, src: int):
     return pickle.loads(buf.numpy().tobytes())
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (``VmHWM``); 0 where /proc is not available."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def send_state(pg, session) -> int:
     """Source side; returns the bytes sent."""
     args = session.args
@@ -142,7 +154,7 @@ def recv_state(pg, session) -> int:
         if buf is not t.detach():
             t.detach().copy_(buf)
         received += buf.numel() * buf.element_size()
-    session.scheduler.load_state_dict(meta["scheduler"])
+    checkpointing.load_scheduler_state(session.scheduler, meta["scheduler"])
     checkpointing.set_rng_state(meta["rng"])
     session.args.iteration = meta["iteration"]
     session.args.consumed_train_samples = meta["consumed_train_samples"]

@@ -91,6 +91,11 @@ class WorkerRuntime(Runtime):
         finally:
             self.member.close()
 
+    def after_checkpoint(self, session: Session) -> None:
+        if session.layout.rank == 0:
+            # The controller names this iteration in a plan whose lost state has no replica.
+            self.space.put(self.space.key("checkpoint"), encode("checkpoint", {"iteration": session.args.iteration}))
+
     def after_iteration(self, session: Session, loss) -> None:
         if self.pending_first_iteration is not None:
             mark_step(self.space, self.pending_first_iteration, "first_iteration", status="done")
@@ -144,6 +149,8 @@ class WorkerRuntime(Runtime):
             raise MembershipLost(f"rank {layout.rank} was replaced at epoch {plan.epoch} while unresponsive")
         logger.info("rank %d: recovering at epoch %d after %s", layout.rank, plan.epoch, exc)
         converge(self, session, plan, joiner=False)
+        session.metrics.write(event="recovered", epoch=plan.epoch, reason=plan.reason, t=time.time(),
+                              resumed_iteration=session.args.iteration)
 
     # -- planned migration ----------------------------------------------------
     def before_iteration(self, session: Session) -> bool:
@@ -173,8 +180,10 @@ class WorkerRuntime(Runtime):
             return False
         import nccl_delta
 
-        nccl_delta.current_world().switch(plan.epoch, timeout_s=self.timeout_s)
+        report = nccl_delta.current_world().switch(plan.epoch, timeout_s=self.timeout_s)
         self.epoch = plan.epoch
+        session.metrics.write(event="recovered", epoch=plan.epoch, reason=plan.reason, t=time.time(),
+                              resumed_iteration=args.iteration, links_touched=report.links_touched)
         return True
 
 
@@ -197,7 +206,7 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: b
     import nccl_delta
 
     from trainmover_ext.launch.rendezvous import rank_store
-    from trainmover_ext.runtime.transfer import open_transfer_link, recv_state, send_state
+    from trainmover_ext.runtime.transfer import open_transfer_link, recv_state
 
     layout, args = session.layout, session.args
     reps = plan.replacement_list()
@@ -226,7 +235,7 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: b
                 continue
             pg = open_transfer_link(store, f"{e}/{src}-{dst}", 0 if layout.rank == src else 1, rt.timeout_s)
             if layout.rank == src:
-                send_state(pg, session)
+                _send_and_report(pg, session, dst, e)
             else:
                 recv_state(pg, session)
         if args.iteration != cplan.resume_iteration:
@@ -241,11 +250,10 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: b
 def hand_over(rt: WorkerRuntime, session: Session, plan: MigrationPlan) -> None:
     """The planned leaver, at the agreed boundary: stream state to the joiner, then leave."""
     from trainmover_ext.launch.rendezvous import rank_store
-    from trainmover_ext.runtime.transfer import open_transfer_link, send_state
+    from trainmover_ext.runtime.transfer import open_transfer_link
 
     pg = open_transfer_link(rank_store(_td(rt.timeout_s)), f"{plan.epoch}/leaver", 0, rt.timeout_s)
-    sent = send_state(pg, session)
-    logger.info("rank %d handed %d bytes to the joiner at epoch %d", session.layout.rank, sent, plan.epoch)
+    _send_and_report(pg, session, plan.replacement_list()[0].rank, plan.epoch)
     rt.epoch = plan.epoch
 
 
@@ -259,6 +267,18 @@ def receive_from_leaver(rt: WorkerRuntime, session: Session, plan: MigrationPlan
     mark_step(rt.space, plan.epoch, "transferred", resume_iteration=session.args.iteration)
     session.reset_data()
     rt.epoch = plan.epoch
+
+
+def _send_and_report(pg, session, dst: int, epoch: int) -> int:
+    """Send this rank's state and say how much, and what it cost in peak memory (must be ~nothing)."""
+    from trainmover_ext.runtime.transfer import peak_rss_bytes, send_state
+
+    before = peak_rss_bytes()
+    sent = send_state(pg, session)
+    after = peak_rss_bytes()
+    print(f"[trainmover] rank {session.layout.rank} sent {sent / 2**20:.2f} MiB of state to rank {dst} "
+          f"(epoch {epoch}); peak RSS {before / 2**20:.1f} MiB before, {after / 2**20:.1f} MiB after", flush=True)
+    return sent
 
 
 def _td(seconds: float):

@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Downtime of one failure or one planned move: TrainMover against stop-restart, side by side.
+
+All runs train the same job (the demo job: 8 ranks, TP2 x PP2 x DP2, unless
+``--scale`` changes the world size) on this machine, one after the other:
+
+- ``restart_s``: stop-restart from the latest checkpoint (``benchmarks/restart_baseline.py``):
+  SIGKILL of one rank, every rank restarts, loads the checkpoint and trains on.
+- ``unexpected_s``: the same SIGKILL under ``--trainmover --tm-standbys 1``: a warm
+  standby takes the rank, its state comes from a data-parallel replica.
+- ``planned_s``: ``trainmover migrate --rank R`` while the job trains.
+- ``scale``: ``unexpected_s`` at 4, 8 and 16 ranks (a smaller model, so that 16
+  ranks fit on the machine), to show that the cost does not grow with the world.
+
+Downtime of a run is the time it lost: from the SIGKILL (or the migrate command)
+to the end of the first iteration after the resume, minus the steady iteration
+time of every iteration completed in that window (one for a failure; a planned
+move also completes the iterations it overlaps). ``bit_identical`` compares each
+TrainMover run's loss trajectory with a fault-free run of the same job.
+
+    python benchmarks/downtime.py --json bench_out/downtime.json [--plot bench_out/downtime.png]
+
+NVIDIA resiliency-ext's in-process restart (``nvrx_inprocess_s``) is not
+measured by this script; see the README for why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import ROOT, median, print_table, rank_pids, read_events, start_launcher, wait_until, write_json  # noqa: E402
+
+from trainmover_ext.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus, model_args  # noqa: E402
+
+
+def job_args(data_prefix: str, iters: int, ranks: int) -> list[str]:
+    """The demo job at 8 ranks; a smaller model of the same shape family for the scale runs."""
+    if ranks == 8:
+        return demo_args(data_prefix, iters)
+    tp, pp = {4: (1, 2), 16: (2, 2)}[ranks]
+    return model_args(layers=4, hidden=64, heads=4, seq=64, mbs=1, gbs=16, iters=iters, lr=1e-3) + [
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--data-path", data_prefix + "_text_document", "--tokenizer-type", "ByteLevelTokenizer",
+    ]
+
+
+def iterations(metrics: str) -> list[dict]:
+    return [e for e in read_events(metrics) if e.get("event") == "iteration"]
+
+
+def trajectory(metrics: str) -> dict[int, float]:
+    """iteration -> loss; a re-run iteration keeps the value logged last."""
+    return {e["iteration"]: e["loss"] for e in iterations(metrics)}
+
+
+def lost_time(metrics: str, t0: float, after_event: dict) -> dict:
+    """Downtime from ``t0`` to the end of the first iteration after ``after_event`` (see the module doc)."""
+    its = iterations(metrics)
+    before = [e for e in its if e["t_end"] <= t0]
+    steady = median([e["iteration_s"] for e in before[2:]] or [e["iteration_s"] for e in before])
+    first = next(e for e in its if e["t_end"] > after_event["t"])
+    last_before = before[-1]["iteration"] if before else 0
+    completed = {e["iteration"] for e in its if t0 < e["t_end"] <= first["t_end"] and e["iteration"] > last_before}
+    return {
+        "downtime_s": first["t_end"] - t0 - len(completed) * steady,
+        "wall_s": first["t_end"] - t0,
+        "iterations_in_window": len(completed),
+        "iteration_s": steady,
+        "resumed_iteration": after_event.get("resumed_iteration"),
+        "to_resume_s": after_event["t"] - t0,
+        "first_iteration_s": first["t_end"] - after_event["t"],
+    }
+
+
+class Etcd:
+    """An embedded etcd that outlives the job, so the migration timeline can be read afterwards."""
+
+    def __init__(self, workdir: str):
+        from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig
+
+        self.server = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=os.path.join(workdir, "etcd"))).start(timeout=60)
+        self.token = secrets.token_hex(16)
+        self.flags = ["--tm-etcd-endpoints", ",".join(self.server.endpoints), "--tm-job-token", self.token]
+
+    def plan_steps(self, job: str) -> list[dict]:
+        from trainmover_ext.control.records import MigrationPlan
+        from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
+        from trainmover_ext.kv.job import JobSpace
+
+        space = JobSpace.open(EtcdKV(EtcdClientConfig(endpoints=",".join(self.server.endpoints))), job, self.token)
+        try:
+            plans = [MigrationPlan.from_bytes(e.value, key=e.key)
+                     for e in space.kv.get_prefix(space.key("migrations") + "/").entries]
+        finally:
+            space.kv.close()
+        return [{"epoch": p.epoch, "reason": p.reason, "steps": p.steps} for p in plans]
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def phases_of(steps: dict, t0: float) -> dict:
+    """Durations between consecutive timeline steps, starting at ``t0`` (the kill or the request)."""
+    order = ["detected", "decided", "joined", "links_rebuilt", "transferred", "checkpoint_loaded", "first_iteration"]
+    out, prev = {}, t0
+    for name in order:
+        if name in steps:
+            out[f"{name}_s"] = round(steps[name] - prev, 4)
+            prev = steps[name]
+    return out
+
+
+def reference(workdir: str, data_prefix: str, iters: int, ranks: int) -> dict[int, float]:
+    metrics = os.path.join(workdir, "reference.jsonl")
+    proc = start_launcher(ranks, job_args(data_prefix, iters, ranks) + ["--trainmover", "--tm-metrics-file", metrics],
+                          ["--run-dir", os.path.join(workdir, "ref.run")], os.path.join(workdir, "reference"))
+    if proc.wait(1200) != 0:
+        raise RuntimeError(f"fault-free run failed; see {workdir}/reference.err")
+    return trajectory(metrics)
+
+
+def run_trainmover(workdir: str, name: str, data_prefix: str, iters: int, ranks: int, at_iteration: int,
+                   action, etcd: Etcd) -> tuple[dict, dict[int, float], list[dict]]:
+    """Train under --trainmover with one standby; at ``at_iteration`` call ``action(log_prefix)`` -> t0."""
+    metrics = os.path.join(workdir, f"{name}.jsonl")
+    log = os.path.join(workdir, name)
+    proc = start_launcher(ranks, job_args(data_prefix, iters, ranks) + [
+        "--trainmover", "--tm-standbys", "1", "--tm-metrics-file", metrics],
+        ["--run-dir", os.path.join(workdir, f"{name}.run"), "--tm-job", name, "--metrics-port", "-1", *etcd.flags], log)
+    try:
+        wait_until(lambda: any(e["iteration"] >= at_iteration for e in iterations(metrics)), 900, 0.01)
+        t0 = action(log)
+        if proc.wait(1200) != 0:
+            raise RuntimeError(f"{name} failed; see {log}.err")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    resumed = [e for e in read_events(metrics) if e.get("event") == "recovered" and e["t"] > t0]
+    if not resumed:
+        raise RuntimeError(f"{name}: the logging rank recorded no recovery; see {log}.err")
+    result = lost_time(metrics, t0, resumed[0])
+    plans = etcd.plan_steps(name)
+    if plans:
+        result["phases"] = phases_of(plans[0]["steps"], t0)
+        result["epochs"] = len(plans)
+    return result, trajectory(metrics), plans
+
+
+def kill_rank(rank: int):
+    def action(log: str) -> float:
+        pid = rank_pids(log + ".err")[0][rank]
+        t0 = time.time()
+        os.kill(pid, signal.SIGKILL)
+        return t0
+    return action
+
+
+def migrate_rank(rank: int, name: str, etcd: Etcd):
+    def action(log: str) -> float:
+        t0 = time.time()
+        subprocess.run([sys.executable, "-m", "trainmover_ext.cli", "migrate", "--rank", str(rank), "--tm-job", name,
+                        *etcd.flags], check=True, cwd=ROOT, capture_output=True, timeout=120)
+        return t0
+    return action
+
+
+def restart_baseline(data_prefix: str, iters: int) -> dict:
+    from restart_baseline import one_trial
+
+    workdir = tempfile.mkdtemp(prefix="tm_restart_")
+    try:
+        return one_trial(workdir, data_prefix, iters, save_interval=5, kill_after=2)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def plot(path: str, result: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    labels, values = ["stop-restart", "TrainMover\nunexpected", "TrainMover\nplanned"], [
+        result["restart_s"], result["unexpected_s"], result["planned_s"]]
+    bars = ax.bar(labels, values, color=["#b0b0b0", "#d62728", "#1f77b4"])
+    for bar, v in zip(bars, values):
+        ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f} s", ha="center", va="bottom")
+    ax.set_ylabel("downtime (s)")
+    ax.set_title(f"{result['job']}\nsteady iteration {result['iteration_s']:.2f} s", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="Write the result as JSON to this path.")
+    parser.add_argument("--plot", default=None, help="Also draw the downtimes side by side as a PNG.")
+    parser.add_argument("--iters", type=int, default=16, help="Training iterations of each run.")
+    parser.add_argument("--victim", type=int, default=5, help="Rank killed / migrated (8-rank layout).")
+    parser.add_argument("--at-iteration", type=int, default=6, help="Act once this iteration is logged.")
+    parser.add_argument("--scale", default="4,8,16", help="World sizes of the scale runs ('' to skip).")
+    parser.add_argument("--skip-restart", action="store_true", help="Skip the stop-restart baseline.")
+    parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
+    args = parser.parse_args(argv)
+    ensure_corpus(args.data_prefix)
+    workdir = tempfile.mkdtemp(prefix="tm_downtime_")
+    etcd = Etcd(workdir)
+    try:
+        print("fault-free reference run (8 ranks) ...", flush=True)
+        ref = reference(workdir, args.data_prefix, args.iters, 8)
+        print(f"TrainMover, SIGKILL of rank {args.victim} after iteration {args.at_iteration} ...", flush=True)
+        unexpected, traj_u, _ = run_trainmover(workdir, "unexpected", args.data_prefix, args.iters, 8,
+                                               args.at_iteration, kill_rank(args.victim), etcd)
+        print(f"TrainMover, trainmover migrate --rank {args.victim} after iteration {args.at_iteration} ...", flush=True)
+        planned, traj_p, _ = run_trainmover(workdir, "planned", args.data_prefix, args.iters, 8, args.at_iteration,
+                                            migrate_rank(args.victim, "planned", etcd), etcd)
+        restart = None
+        if not args.skip_restart:
+            print("stop-restart baseline (same job, checkpoint every 5 iterations) ...", flush=True)
+            restart = restart_baseline(args.data_prefix, args.iters)
+        scale = []
+        for ranks in [int(r) for r in args.scale.split(",") if r.strip()]:
+            print(f"scale: {ranks} ranks, SIGKILL of the last rank ...", flush=True)
+            ref_s = reference(workdir, args.data_prefix, args.iters, ranks) if ranks != 8 else ref
+            name = f"scale{ranks}"
+            res, traj, _ = run_trainmover(workdir, name, args.data_prefix, args.iters, ranks, args.at_iteration,
+                                          kill_rank(ranks - 1), etcd)
+            scale.append({"ranks": ranks, "unexpected_s": res["downtime_s"], "iteration_s": res["iteration_s"],
+                          "bit_identical": traj == ref_s, "phases": res.get("phases", {})})
+    finally:
+        etcd.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    result = {
+        "job": "demo: 8 ranks TP2 x PP2 x DP2, 4 layers, hidden 128, seq 128 (CPU gloo, 2 cores)",
+        "iteration_s": unexpected["iteration_s"],
+        "unexpected_s": unexpected["downtime_s"],
+        "unexpected": unexpected,
+        "planned_s": planned["downtime_s"],
+        "planned": planned,
+        "restart_s": restart["restart_s"] if restart else None,
+        "restart": restart,
+        "nvrx_inprocess_s": None,
+        "bit_identical": {"unexpected": traj_u == ref, "planned": traj_p == ref},
+        "scale": scale,
+    }
+    if restart:
+        result["unexpected_over_restart"] = result["unexpected_s"] / restart["restart_s"]
+    result["planned_over_iteration"] = result["planned_s"] / result["iteration_s"]
+    by_ranks = {s["ranks"]: s["unexpected_s"] for s in scale}
+    if 4 in by_ranks and 16 in by_ranks:
+        result["scale_16_over_4"] = by_ranks[16] / by_ranks[4]
+    rows = [("restart_s", f"{result['restart_s']:.3f}" if restart else "skipped"),
+            ("unexpected_s", f"{result['unexpected_s']:.3f}"), ("planned_s", f"{result['planned_s']:.3f}"),
+            ("iteration_s", f"{result['iteration_s']:.3f}"),
+            ("bit_identical", str(result["bit_identical"]))]
+    rows += [(f"  unexpected {k}", f"{v:.3f}") for k, v in unexpected.get("phases", {}).items()]
+    rows += [(f"scale {s['ranks']} ranks", f"{s['unexpected_s']:.3f} s (iteration {s['iteration_s']:.3f} s, "
+              f"bit-identical {s['bit_identical']})") for s in scale]
+    print_table("downtime (seconds)", rows, ("measure", "value"))
+    write_json(args.json, result)
+    if args.plot and restart:
+        plot(args.plot, result)
+    ok = all(result["bit_identical"].values()) and all(s["bit_identical"] for s in scale)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
