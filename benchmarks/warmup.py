@@ -116,7 +116,8 @@ class Run:
                 proc.join(5)
 
 
-def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: int, deadline_s: float) -> dict:
+def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: int, repeats: int,
+                deadline_s: float, roles: tuple = ROLES) -> dict:
     from trainmover_ext.sandbox import harness, promotion
     from trainmover_ext.sandbox.recording import load_recordings
 
@@ -132,22 +133,21 @@ def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: in
                  "the recordings")
         run.wait(lambda: run.progress() >= record_iters + steady_iters, "steady iterations")
         trials, epoch = [], 0
-        for role in ROLES:
-            for kind in ("cold", "warm"):
-                epoch += 1
-                run.fork(("newcomer", epoch), promotion.newcomer, RANK_OF[role], WORLD, store.port, argv, epoch,
-                         record_dir if kind == "warm" else None)
-                run.wait(lambda: run.ctl.check([f"ready/{epoch}"]), f"newcomer {epoch} to be ready")
-                switch_at = run.progress() + 3
-                run.ctl.set(f"plan/{epoch}", json.dumps({"rank": RANK_OF[role], "switch_at": switch_at}))
-                run.wait(lambda: run.progress() >= switch_at + steady_iters, f"iterations after switch {epoch}")
-                trials.append({"role": role, "kind": kind, "epoch": epoch, "switch_at": switch_at})
+        for role, _, kind in ((r, i, k) for r in roles for i in range(repeats) for k in ("cold", "warm")):
+            epoch += 1
+            run.fork(("newcomer", epoch), promotion.newcomer, RANK_OF[role], WORLD, store.port, argv, epoch,
+                     record_dir if kind == "warm" else None)
+            run.wait(lambda: run.ctl.check([f"ready/{epoch}"]), f"newcomer {epoch} to be ready")
+            switch_at = run.progress() + 3
+            run.ctl.set(f"plan/{epoch}", json.dumps({"rank": RANK_OF[role], "switch_at": switch_at}))
+            run.wait(lambda: run.progress() >= switch_at + steady_iters, f"iterations after switch {epoch}")
+            trials.append({"role": role, "kind": kind, "epoch": epoch, "switch_at": switch_at})
         run.ctl.set("stop_at", str(run.progress() + 3))
         run.wait(lambda: len(run.results) == len(run.procs), "every process to finish")
     finally:
         run.kill()
     recordings = load_recordings(record_dir)
-    return analyse(run.results, trials, recordings, compile_, record_iters)
+    return analyse(run.results, trials, recordings, compile_, record_iters, roles)
 
 
 def _iteration_times(results: dict) -> dict[int, list[tuple]]:
@@ -159,21 +159,29 @@ def _iteration_times(results: dict) -> dict[int, list[tuple]]:
     return out
 
 
-def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool, record_iters: int) -> dict:
+def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool, record_iters: int,
+            roles_measured: tuple) -> dict:
     its = _iteration_times(results)
     job_time = {k: max(t1 - t0 for _, t0, t1 in v) for k, v in its.items()}
     roles = []
-    for role in ROLES:
+    for role in roles_measured:
         entry = {"role": role, "compile": compile_, "record_bytes": recordings[role].data_bytes}
-        for trial in (t for t in trials if t["role"] == role):
-            s, newcomer = trial["switch_at"], ("newcomer", trial["epoch"])
-            steady = median(job_time[k] for k in range(s - 9, s + 1))
-            stayers = [t1 - t0 for key, t0, t1 in its[s + 1] if key != newcomer]
-            mine = [t1 - t0 for key, t0, t1 in its[s + 1] if key == newcomer]
-            entry[f"{trial['kind']}_ratio"] = round(max(stayers) / steady, 3)
-            entry[f"{trial['kind']}_first_iteration_s"] = round(max(stayers), 4)
-            entry[f"{trial['kind']}_newcomer_first_iteration_s"] = round(mine[0], 4) if mine else None
-            entry[f"{trial['kind']}_steady_s"] = round(steady, 4)
+        for kind in ("cold", "warm"):
+            ratios, firsts, own, steadies = [], [], [], []
+            for trial in (t for t in trials if t["role"] == role and t["kind"] == kind):
+                s, newcomer = trial["switch_at"], ("newcomer", trial["epoch"])
+                steady = median(job_time[k] for k in range(s - 9, s + 1))
+                stayers = [t1 - t0 for key, t0, t1 in its[s + 1] if key != newcomer]
+                own += [t1 - t0 for key, t0, t1 in its[s + 1] if key == newcomer]
+                ratios.append(max(stayers) / steady)
+                firsts.append(max(stayers))
+                steadies.append(steady)
+            # the median trial: one noisy iteration on shared cores does not make the figure
+            entry[f"{kind}_ratio"] = round(median(ratios), 3)
+            entry[f"{kind}_ratios"] = [round(r, 3) for r in ratios]
+            entry[f"{kind}_first_iteration_s"] = round(median(firsts), 4)
+            entry[f"{kind}_newcomer_first_iteration_s"] = round(median(own), 4) if own else None
+            entry[f"{kind}_steady_s"] = round(median(steadies), 4)
         recorder = next(r for key, r in results.items() if key[0] == "job" and r["recorded"]["role"] == role)
         rec = recorder["recorded"]
         entry["record_overhead_s_per_iteration"] = round(rec["overhead_s"] / len(rec["iteration_s"]), 5)
@@ -193,7 +201,7 @@ def isolation(results: dict, trials: list[dict], job_time: dict, record_iters: i
         for step in res["steps"]:
             lo, hi = ends.get(step["iteration"], (step["t0"], step["t1"]))
             ends[step["iteration"]] = (min(lo, step["t0"]), max(hi, step["t1"]))
-    during, outside = [], []
+    during, before, outside = [], [], []
     for k, (t0, t1) in ends.items():
         if k <= record_iters + 2 or k in near_switch:
             continue
@@ -201,9 +209,17 @@ def isolation(results: dict, trials: list[dict], job_time: dict, record_iters: i
             during.append(job_time[k])
         elif not any(t0 < w1 and w0 < t1 for w0, w1 in windows):
             outside.append(job_time[k])
-    ratio = median(during) / median(outside) if during and outside else None
-    return {"ratio_of_medians": round(ratio, 3) if ratio else None, "iterations_during": len(during),
+            # the same length of time right before a warm-up: the other load on the machine is alike
+            if any(2 * w0 - w1 <= t0 and t1 <= w0 for w0, w1 in windows):
+                before.append(job_time[k])
+
+    def ratio(base):
+        return round(median(during) / median(base), 3) if during and base else None
+
+    return {"ratio_of_medians": ratio(before), "ratio_vs_all_other_iterations": ratio(outside),
+            "iterations_during": len(during), "iterations_before": len(before),
             "iterations_outside": len(outside), "median_during_s": round(median(during), 4) if during else None,
+            "median_before_s": round(median(before), 4) if before else None,
             "median_outside_s": round(median(outside), 4) if outside else None, "standby_nice": 19,
             "standby_new_sockets": [r["warm_new_sockets"] for key, r in results.items()
                                     if key[0] == "newcomer" and r["warm"]]}
@@ -222,7 +238,10 @@ def main() -> None:
     parser.add_argument("--compile", choices=["off", "on", "both"], default="both",
                         help="Measure eager, --tm-compile, or both (default).")
     parser.add_argument("--record-iters", type=int, default=2)
+    parser.add_argument("--roles", nargs="+", choices=ROLES, default=list(ROLES), help="Roles to hand over.")
     parser.add_argument("--steady-iters", type=int, default=12, help="Iterations before each switch and after it.")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="Hand-overs per role and kind; the median trial is reported (default 1).")
     parser.add_argument("--deadline", type=float, default=1800.0, help="Seconds one variant may take.")
     parser.add_argument("--data-prefix", default=None, help="Corpus prefix (default: the bundled one).")
     args = parser.parse_args()
@@ -232,7 +251,8 @@ def main() -> None:
 
     corpus = ensure_corpus(args.data_prefix or DEFAULT_CORPUS_PREFIX)
     variants = [c for c in (False, True) if args.compile in ("both", "on" if c else "off")]
-    runs = [run_variant(corpus, c, args.record_iters, args.steady_iters, args.deadline) for c in variants]
+    runs = [run_variant(corpus, c, args.record_iters, args.steady_iters, args.repeats, args.deadline,
+                        tuple(args.roles)) for c in variants]
     rows = [(r["role"], "on" if r["compile"] else "off", r["warm_ratio"], r["cold_ratio"], r["record_bytes"],
              f"{r['record_overhead_ratio']:.2%}") for run in runs for r in run["roles"]]
     print_table("First iteration after promotion / steady iteration (PP=3 tiny GPT, CPU)", rows,
@@ -240,7 +260,8 @@ def main() -> None:
     for run in runs:
         iso, mem = run["isolation"], run["memory"]
         print(f"compile {'on' if run['compile'] else 'off'}: job iteration while a standby warms / otherwise = "
-              f"{iso['ratio_of_medians']} ({iso['iterations_during']} vs {iso['iterations_outside']} iterations); "
+              f"{iso['ratio_of_medians']} ({iso['iterations_during']} iterations vs {iso['iterations_before']} just "
+              f"before; {iso['ratio_vs_all_other_iterations']} vs all {iso['iterations_outside']} others); "
               f"standby peak RSS / job rank peak = {mem['standby_over_job']}; hooks left after recording: "
               f"{run['hooks_left_after_recording'] or 'none'}")
     write_json(args.json, {"roles": [r for run in runs for r in run["roles"]], "variants": runs,

@@ -32,13 +32,13 @@ class RecordedJob:
         return next(r for r in self.ranks.values() if r["role"] == role)
 
 
-def record_job(tmp_path, argv: list[str], timeout: float = 300) -> RecordedJob:
+def record_job(tmp_path, argv: list[str], timeout: float = 300, comm: str = "gloo") -> RecordedJob:
     from trainmover_ext.sandbox import harness
 
     record_dir = str(tmp_path / "recordings")
     store = harness.host_store()
-    kids = harness.fork_children({r: (harness.job_rank, r, 3, store.port, argv, record_dir, RECORD_ITERS, ITERS)
-                                  for r in range(3)})
+    kids = harness.fork_children({r: (harness.job_rank, r, 3, store.port, argv, record_dir, RECORD_ITERS, ITERS,
+                                      True, comm) for r in range(3)})
     return RecordedJob(argv=argv, record_dir=record_dir, ranks=kids.results(timeout))
 
 

@@ -9,6 +9,18 @@ import pytest
 from sandbox_jobs import RECORD_ITERS
 
 ROLES = ("first", "middle", "last")
+GROUP_CLASS = {"gloo": "ReplayProcessGroup", "nccl_delta": "DeltaProcessGroup"}
+
+
+@pytest.fixture(scope="module", params=["gloo", "nccl_delta"])
+def comm(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def pp3_job(request, comm):
+    """The recorded job, with its groups on gloo or on nccl_delta (``--trainmover``)."""
+    return request.getfixturevalue("pp3_job" if comm == "gloo" else "pp3_delta_job")
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +53,11 @@ def test_shadow_iteration_is_bit_identical(pp3_job, standby, role):
         assert all(s["loss"] is not None for s in shadow)
 
 
-def test_standby_is_isolated(standby):
-    # Structural: the only process groups the standby ever had are replay groups (no transport),
-    # it opened no socket while warming, and it leaves no process group behind.
-    assert standby["group_classes"] == ["ReplayProcessGroup"], standby["group_classes"]
+def test_standby_is_isolated(standby, comm):
+    # Structural: the only process groups the standby ever had are the replay session's (no transport;
+    # on nccl_delta they wear the job's class so compiled code fits the promoted process), it opened
+    # no socket while warming, and it leaves no process group behind.
+    assert standby["group_classes"] == [(GROUP_CLASS[comm], True)], standby["group_classes"]
     assert standby["new_sockets"] == [], f"the standby opened sockets: {standby['new_sockets']}"
     assert standby["initialized_after"] is False
     for result in standby["results"]:

@@ -160,8 +160,11 @@ def train_iterations(session, iters: int, *, handle=None, digests: bool = True) 
 
 
 def job_rank(rank: int, world_size: int, store_port: int, argv: list[str], record_dir: Optional[str],
-             record_iters: int, iters: int, digests: bool = True) -> dict:
-    """One job rank: init, build, record the first ``record_iters`` iterations, train ``iters``."""
+             record_iters: int, iters: int, digests: bool = True, comm: str = "gloo") -> dict:
+    """One job rank: init, build, record the first ``record_iters`` iterations, train ``iters``.
+
+    ``comm`` is ``gloo`` (torch's own groups) or ``nccl_delta`` (every group on nccl_delta, as under
+    ``--trainmover``)."""
     import resource
 
     from megatron.training.initialize import shutdown
@@ -172,7 +175,16 @@ def job_rank(rank: int, world_size: int, store_port: int, argv: list[str], recor
 
     args = parse_job_args(argv, world_size)
     program = default_program()
-    layout = init_real_world(args, rank, world_size, store_port)
+    if comm == "nccl_delta":
+        from torch.distributed import PrefixStore, TCPStore
+
+        from .promotion import init_delta_world
+
+        store = PrefixStore("job", TCPStore("127.0.0.1", store_port, is_master=False,
+                                            timeout=datetime.timedelta(seconds=120)))
+        layout = init_delta_world(args, rank, world_size, store)
+    else:
+        layout = init_real_world(args, rank, world_size, store_port)
     try:
         session = build_parts(args, layout, program, consumed_samples=0)
         handle = maybe_start_recording(args, layout, record_dir=record_dir, record_iters=record_iters)
@@ -209,12 +221,14 @@ def standby_process(argv: list[str], world_size: int, record_dir: str, roles: Op
 
     Returns per shadow iteration its role, recorded iteration, loss and state
     digests, each role's :class:`WarmResult` summary, and what isolation
-    checks need: every process group alive during the shadow iterations (their
-    classes) and the sockets this process opened while warming.
+    checks need: every process group alive during the shadow iterations (its
+    class, and whether it is one of the replay session's groups) and the
+    sockets this process opened while warming.
     """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
+    from . import replay
     from .parts import state_digest
     from .recording import load_recordings
     from .shadow import warm_standby
@@ -227,7 +241,7 @@ def standby_process(argv: list[str], world_size: int, record_dir: str, roles: Op
     def on_progress(p) -> None:
         shadow.append({"role": p.role, "iteration": p.iteration, "loss": p.loss, "iteration_s": p.iteration_s,
                        **state_digest(p.model)})
-        group_classes.update(type(pg).__name__ for pg in c10d._world.pg_map)
+        group_classes.update((type(pg).__name__, id(pg) in replay._SESSION.members) for pg in c10d._world.pg_map)
         sockets_during.update(socket_inodes())
 
     results = warm_standby(args, recordings, iters=iters, on_progress=on_progress)

@@ -60,8 +60,8 @@ def recorder_role(layout) -> Optional[str]:
 
 
 def layout_dict(layout) -> dict:
-    return {k: getattr(layout, k) for k in ("rank", "world_size", "tp_size", "pp_size", "dp_size", "tp_rank",
-                                            "pp_rank", "dp_rank", "backend")}
+    return {k: getattr(layout, k, None) for k in ("rank", "world_size", "tp_size", "pp_size", "dp_size", "tp_rank",
+                                                  "pp_rank", "dp_rank", "backend", "comm")}
 
 
 class RecordingWork(dist.Work):

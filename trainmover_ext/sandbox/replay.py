@@ -8,9 +8,16 @@ Who uses it: a standby, alone, via :func:`replay_world`::
         session.begin_iteration(k); train_step(...); session.end_iteration(k)
 
 ``init_process_group(backend="tm_replay", store=HashStore(), rank=<recorded
-rank>, world_size=<job world>)`` makes WORLD a :class:`ReplayProcessGroup`,
-and every group megatron creates inherits the backend. No group has any
-transport: nothing is sent, nothing is received, no socket is opened.
+rank>, world_size=<job world>)`` makes WORLD a replay group, and every group
+megatron creates inherits the backend. No group has any transport: nothing is
+sent, nothing is received, no socket is opened.
+
+Replay groups wear the job's group class. For a job on native gloo/NCCL they
+are :class:`ReplayProcessGroup`. For a job on nccl_delta (``--trainmover``)
+they are bare ``DeltaProcessGroup`` objects without links, whose op methods
+are routed to the session while the replay world lives: ``torch.compile``
+guards on the type of megatron's groups, so only then does the code compiled
+in shadow iterations still fit the groups the promoted process will hold.
 
 Phases of the :class:`ReplaySession`
 - ``setup`` (before the first shadow iteration): calls made while megatron
@@ -91,6 +98,11 @@ class ReplaySession:
         self.replayed_calls = 0
         self.replayed_bytes = 0
         self._kinds: dict[int, str] = {}
+        self.members: dict[int, list[int]] = {}
+        """``id(group) -> global ranks`` of every replay group of this session."""
+        self.groups: list = []
+        self.group_class: Optional[type] = None
+        """The job's group class the replay groups are made of (None: :class:`ReplayProcessGroup`)."""
         first = recording.index["start_iteration"] + 1
         self.iterations = list(range(first, first + recording.index["iterations"]))
 
@@ -157,8 +169,9 @@ class ReplaySession:
             return [f"op {call.op!r} != recorded {record['op']!r}"]
         if self._kind(pg) != record["group"]:
             diffs.append(f"group kind {self._kind(pg)!r} != recorded {record['group']!r}")
-        if pg.members != record["ranks"]:
-            diffs.append(f"group ranks {pg.members} != recorded {record['ranks']}")
+        members = self.members.get(id(pg))
+        if members != record["ranks"]:
+            diffs.append(f"group ranks {members} != recorded {record['ranks']}")
         if call.peer != record["peer"]:
             diffs.append(f"peer {call.peer} != recorded {record['peer']}")
         if call.reduce_op != record["reduce_op"]:
@@ -201,9 +214,8 @@ def _answer_locally(pg: "ReplayProcessGroup", call: OpCall) -> None:
 class ReplayProcessGroup(dist.ProcessGroup):
     """A group handle whose every op is answered by the process's :class:`ReplaySession`."""
 
-    def __init__(self, rank: int, size: int, members: list[int], name: str, session: ReplaySession):
+    def __init__(self, rank: int, size: int, name: str, session: ReplaySession):
         super().__init__(rank, size)
-        self.members = members
         self.session = session
         self._group_name = name
 
@@ -221,7 +233,7 @@ class ReplayProcessGroup(dist.ProcessGroup):
         return self._group_name
 
     def __repr__(self) -> str:
-        return f"ReplayProcessGroup(ranks={self.members}, rank={self.rank()})"
+        return f"ReplayProcessGroup(ranks={self.session.members.get(id(self))}, rank={self.rank()})"
 
 
 def _make_method(method: str):
@@ -237,12 +249,46 @@ for _method in METHOD_TO_OP:
     setattr(ReplayProcessGroup, _method, _make_method(_method))
 
 
-def _create(dist_opts, backend_opts=None) -> ReplayProcessGroup:
+def _create(dist_opts, backend_opts=None):
     """torch calls this for every group on the tm_replay backend, on members only."""
     if _SESSION is None:
         raise RuntimeError("tm_replay: no replay session is open; use trainmover_ext.sandbox.replay.replay_world")
     members = list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size))
-    return ReplayProcessGroup(dist_opts.group_rank, dist_opts.group_size, members, str(dist_opts.group_id), _SESSION)
+    rank, size, name = dist_opts.group_rank, dist_opts.group_size, str(dist_opts.group_id)
+    if _SESSION.group_class is None:
+        pg = ReplayProcessGroup(rank, size, name, _SESSION)
+    else:  # the job's class, without links: its op methods are routed here (see _route_class)
+        cls = _SESSION.group_class
+        pg = cls.__new__(cls)
+        dist.ProcessGroup.__init__(pg, rank, size)
+        pg._group_name, pg.delta = name, None
+    _SESSION.members[id(pg)] = members
+    _SESSION.groups.append(pg)  # keeps ids unique while the session lives
+    return pg
+
+
+_LIFECYCLE = ("shutdown", "abort")
+
+
+def _route_class(cls: type, session: ReplaySession) -> list[tuple[str, object]]:
+    """Send ``cls``'s op methods of the session's groups to the session; returns what to put back."""
+    saved = []
+    for method in (*METHOD_TO_OP, *_LIFECYCLE):
+        if method not in cls.__dict__:
+            continue
+        original = cls.__dict__[method]
+
+        def routed(pg, *args, _method=method, _original=original, **kwargs):
+            if id(pg) not in session.members:
+                return _original(pg, *args, **kwargs)
+            if _method in _LIFECYCLE:
+                return None  # nothing to close: a replay group has no links
+            return session.handle(pg, _method, args, kwargs)
+
+        routed.__name__ = method
+        setattr(cls, method, torch.compiler.disable(routed))
+        saved.append((method, original))
+    return saved
 
 
 def register() -> None:
@@ -261,6 +307,12 @@ def replay_world(recording: Recording, timeout_s: float = 600.0) -> Iterator[Rep
                            "warm up before joining the job, or call megatron.training.initialize.shutdown() first")
     register()
     session = ReplaySession(recording)
+    saved: list = []
+    if recording.index["layout"].get("comm") == "nccl_delta":
+        from nccl_delta.backend import DeltaProcessGroup
+
+        session.group_class = DeltaProcessGroup
+        saved = _route_class(DeltaProcessGroup, session)
     _SESSION = session
     try:
         dist.init_process_group(backend=BACKEND_NAME, store=dist.HashStore(), rank=recording.rank,
@@ -273,3 +325,5 @@ def replay_world(recording: Recording, timeout_s: float = 600.0) -> Iterator[Rep
             shutdown()
         finally:
             _SESSION = None
+            for method, original in saved:
+                setattr(session.group_class, method, original)
