@@ -12,7 +12,10 @@ Contract (one agent per node; the single-node case is what runs today):
 - A plan that leaves a rank unserved (no standby), or no plan within the
   deadline, ends the job the classic way: every process is stopped and the
   agent's restart policy applies.
-- The job is done when every process currently serving a rank has exited 0;
+- A rank may move to a standby of another node's agent: the leaver's agent
+  retires (and fences) its process, the joiner's agent adopts the standby.
+- The job is done for an agent when every process it serves has exited 0, or,
+  when it serves none any more, when every rank of the job has finished;
   leftover standbys are then stopped.
 """
 
@@ -125,21 +128,35 @@ class TrainMoverSupervisor:
             if plan.unserved:
                 return f"epoch {plan.epoch}: no warm standby left for rank(s) {plan.unserved}"
             for rep in plan.replacement_list():
-                proc = self.standbys.pop(rep.joiner, None)
-                if proc is None:
-                    continue  # a standby of another node's agent
                 old = self.serving.get(rep.rank)
-                if old is not None:
+                if old is not None and old[1] == rep.leaver:
+                    # The leaver is ours: retire it, whoever serves the rank from now on.
                     if plan.reason == "failure" and old[0].poll() is None:
                         # Fence a member declared dead while alive (hung): it must never touch the job again.
                         old[0].signal(signal.SIGKILL)
                     self.retired.append(old[0])
+                    del self.serving[rep.rank]
+                    self.reported.pop(rep.rank, None)
+                proc = self.standbys.pop(rep.joiner, None)
+                if proc is None:
+                    if old is not None and old[1] == rep.leaver:
+                        self.agent.log(f"epoch {plan.epoch} ({plan.reason}): rank {rep.rank} -> {rep.joiner} "
+                                       "on another node")
+                    continue
                 self.serving[rep.rank] = (proc, rep.joiner)
-                self.reported.pop(rep.rank, None)
                 self.agent.log(f"epoch {plan.epoch} ({plan.reason}): rank {rep.rank} -> {rep.joiner} "
                                f"(pid {proc.pid}); state from {rep.state_source.get('kind')}")
                 self._start_standby("spawn")  # keep the pool at --tm-standbys
         return None
+
+    def _job_finished(self) -> bool:
+        """Whether every rank of the job wrote ``finished/<r>`` (read when this agent serves none)."""
+        try:
+            entries = self.space.kv.get_prefix(self.space.key("finished") + "/").entries
+        except Exception as exc:  # noqa: BLE001 - etcd trouble: keep supervising, ask again later
+            self.agent.log(f"could not read the job's progress: {exc}")
+            return False
+        return len(entries) >= self.cfg.nnodes * self.cfg.nproc_per_node
 
     def _report(self, rank: int, member: str, code: int) -> None:
         from trainmover_ext.control.membership import report_failure
@@ -174,7 +191,10 @@ class TrainMoverSupervisor:
                     self._start_standby("spawn")
             self.agent.procs = ([p for p, _ in self.serving.values()] + list(self.standbys.values())
                                 + [p for p in self.retired if p.poll() is None])
-            if all(code == 0 for code, _ in codes.values()) and all(p.poll() is not None for p in self.retired):
+            # An agent whose ranks all moved to other nodes keeps its standbys (and its controller
+            # candidacy) until the whole job is done.
+            mine_done = all(code == 0 for code, _ in codes.values()) and (bool(codes) or self._job_finished())
+            if mine_done and all(p.poll() is not None for p in self.retired):
                 for proc in self.standbys.values():
                     proc.signal(signal.SIGTERM)
                 return True, 0
