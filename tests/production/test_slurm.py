@@ -108,9 +108,7 @@ def test_sbatch_trains_on_two_nodes(slurm, tmp_path):
 def test_killed_rank_is_replaced_by_the_warm_standby(slurm, tmp_path):
     """One node task with 4 ranks (PP2 x DP2) and a warm standby (--tm-standbys 1), started by srun.
     Rank 3 is SIGKILLed in iteration 3: the standby takes rank 3 over, nobody restarts, training completes.
-
-    One node: a standby on another node cannot take a rank over yet (the joiner's links time out), so
-    the cross-node case waits for the migration layer."""
+    (The cross-node case is the next test.)"""
     master_port, metrics_port = free_ports(2)
     etcd_port = _port_pair()
     logs, out = tmp_path / "logs", tmp_path / "batch.out"
@@ -186,3 +184,35 @@ def test_drain_node_requests_a_migration_per_rank_and_drains_slurm(slurm, tmp_pa
         subprocess.run(["scancel", str(job)], env=slurm.env(), capture_output=True, timeout=15)
         subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], env=slurm.env(), capture_output=True,
                        timeout=15)
+
+
+def test_killed_rank_is_taken_over_by_a_standby_of_another_node(slurm, tmp_path):
+    """Two node tasks, 2 ranks (PP2 x DP2 over both) and a warm standby each. Rank 3 (second node) is
+    SIGKILLed in iteration 3; the controller prefers a standby on another host, so the first node's
+    standby takes rank 3 over; the second node's agent retires its rank; training completes."""
+    (master_port,) = free_ports(1)
+    metrics_port = 0  # both emulated nodes are this host: each agent takes a free port
+    etcd_port = _port_pair()
+    logs, out = tmp_path / "logs", tmp_path / "batch.out"
+    metrics = tmp_path / "metrics.jsonl"
+    iters = 6
+    train = tiny_args(None, pp=2, iters=iters, gbs=4,
+                      extra=["--trainmover", "--tm-standbys", "1", "--tm-inject-fault", "3:3:forward",
+                             "--tm-metrics-file", str(metrics)])
+    job = slurm.submit(
+        SBATCH,
+        ["--nproc-per-node", "2", "--master-port", str(master_port), "--etcd-port", str(etcd_port),
+         "--metrics-port", str(metrics_port), "--log-dir", str(logs), "--python", sys.executable, "--", *train],
+        ["-N", "2", "--time", "5", "-o", str(out)],
+        cwd=REPO_ROOT,
+    )
+    info = slurm.wait_job(job, timeout=240)
+    logs0, logs1 = _read(logs / "node-0.log"), _read(logs / "node-1.log")
+    report = f"batch output:\n{_read(out)[-3000:]}\n--- node-0.log:\n{logs0[-4000:]}\n--- node-1.log:\n{logs1[-4000:]}"
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"job {job}: {info['JobState']} {info['ExitCode']}\n{report}"
+    assert re.search(r"rank 3 \(worker-n1-1-\w+\) exited with code -9; reported", logs1), report
+    assert re.search(r"epoch 1 \(failure\): rank 3 -> standby-n0-0-\w+ \(pid \d+\); state from replica", logs0), report
+    assert "on another node" in logs1, report
+    assert "epoch 2" not in logs0 + logs1 and "falling back" not in logs0 + logs1, report
+    iterations = sorted({rec["iteration"] for rec in read_metrics(str(metrics))})
+    assert iterations == list(range(1, iters + 1)), f"iterations logged: {iterations}\n{report}"
