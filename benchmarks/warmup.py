@@ -117,7 +117,7 @@ class Run:
 
 
 def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: int, repeats: int,
-                deadline_s: float, roles: tuple = ROLES) -> dict:
+                deadline_s: float, roles: tuple = ROLES, nice: int = 19) -> dict:
     from trainmover_ext.sandbox import harness, promotion
     from trainmover_ext.sandbox.recording import load_recordings
 
@@ -132,11 +132,17 @@ def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: in
         run.wait(lambda: all(os.path.isfile(os.path.join(record_dir, r, "index.json")) for r in ROLES),
                  "the recordings")
         run.wait(lambda: run.progress() >= record_iters + steady_iters, "steady iterations")
+        # Isolation probe: a standby warms every role while the job trains; then as long again without it.
+        run.fork(("probe", 0), promotion.warm_only, argv, WORLD, record_dir, nice)
+        run.wait(lambda: ("probe", 0) in run.results, "the isolation probe")
+        probe = run.results[("probe", 0)]
+        quiet_until = time.time() + (probe["warm_end"] - probe["warm_start"])
+        run.wait(lambda: time.time() >= quiet_until, "the quiet window after the probe")
         trials, epoch = [], 0
         for role, _, kind in ((r, i, k) for r in roles for i in range(repeats) for k in ("cold", "warm")):
             epoch += 1
             run.fork(("newcomer", epoch), promotion.newcomer, RANK_OF[role], WORLD, store.port, argv, epoch,
-                     record_dir if kind == "warm" else None)
+                     record_dir if kind == "warm" else None, nice)
             run.wait(lambda: run.ctl.check([f"ready/{epoch}"]), f"newcomer {epoch} to be ready")
             switch_at = run.progress() + 3
             run.ctl.set(f"plan/{epoch}", json.dumps({"rank": RANK_OF[role], "switch_at": switch_at}))
@@ -147,7 +153,7 @@ def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: in
     finally:
         run.kill()
     recordings = load_recordings(record_dir)
-    return analyse(run.results, trials, recordings, compile_, record_iters, roles)
+    return analyse(run.results, trials, recordings, compile_, record_iters, roles, nice)
 
 
 def _iteration_times(results: dict) -> dict[int, list[tuple]]:
@@ -160,7 +166,7 @@ def _iteration_times(results: dict) -> dict[int, list[tuple]]:
 
 
 def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool, record_iters: int,
-            roles_measured: tuple) -> dict:
+            roles_measured: tuple, nice: int) -> dict:
     its = _iteration_times(results)
     job_time = {k: max(t1 - t0 for _, t0, t1 in v) for k, v in its.items()}
     roles = []
@@ -187,47 +193,40 @@ def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool,
         entry["record_overhead_s_per_iteration"] = round(rec["overhead_s"] / len(rec["iteration_s"]), 5)
         entry["record_overhead_ratio"] = round(entry["record_overhead_s_per_iteration"] / entry["cold_steady_s"], 4)
         roles.append(entry)
-    return {"compile": compile_, "roles": roles, "isolation": isolation(results, trials, job_time, record_iters),
+    return {"compile": compile_, "roles": roles, "isolation": isolation(results, job_time, record_iters, nice),
             "memory": memory(results), "hooks_left_after_recording": sorted(
                 {h for key, r in results.items() if key[0] == "job" for h in r["hooks_after"]})}
 
 
-def isolation(results: dict, trials: list[dict], job_time: dict, record_iters: int) -> dict:
-    """Job iterations entirely inside a warm standby's warm-up window against those outside every window."""
-    windows = [(r["warm_start"], r["warm_end"]) for key, r in results.items() if key[0] == "newcomer" and r["warm"]]
-    near_switch = {t["switch_at"] + d for t in trials for d in range(1, 4)}
-    ends = {}
-    for res in results.values():
+def isolation(results: dict, job_time: dict, record_iters: int, nice: int) -> dict:
+    """Job iterations inside the probe standby's warm-up against those in the quiet window as long right after
+    it and the steady ones right before it (nothing else of the benchmark runs then)."""
+    probe = results[("probe", 0)]
+    w0, w1 = probe["warm_start"], probe["warm_end"]
+    spans: dict[int, tuple] = {}
+    for key, res in results.items():
         for step in res["steps"]:
-            lo, hi = ends.get(step["iteration"], (step["t0"], step["t1"]))
-            ends[step["iteration"]] = (min(lo, step["t0"]), max(hi, step["t1"]))
-    during, before, outside = [], [], []
-    for k, (t0, t1) in ends.items():
-        if k <= record_iters + 2 or k in near_switch:
-            continue
-        if any(w0 <= t0 and t1 <= w1 for w0, w1 in windows):
+            lo, hi = spans.get(step["iteration"], (step["t0"], step["t1"]))
+            spans[step["iteration"]] = (min(lo, step["t0"]), max(hi, step["t1"]))
+    during, quiet = [], []
+    for k, (t0, t1) in spans.items():
+        if k <= record_iters + 2:
+            continue  # the job's own first iterations
+        if w0 <= t0 and t1 <= w1:
             during.append(job_time[k])
-        elif not any(t0 < w1 and w0 < t1 for w0, w1 in windows):
-            outside.append(job_time[k])
-            # the same length of time right before a warm-up: the other load on the machine is alike
-            if any(2 * w0 - w1 <= t0 and t1 <= w0 for w0, w1 in windows):
-                before.append(job_time[k])
-
-    def ratio(base):
-        return round(median(during) / median(base), 3) if during and base else None
-
-    return {"ratio_of_medians": ratio(before), "ratio_vs_all_other_iterations": ratio(outside),
-            "iterations_during": len(during), "iterations_before": len(before),
-            "iterations_outside": len(outside), "median_during_s": round(median(during), 4) if during else None,
-            "median_before_s": round(median(before), 4) if before else None,
-            "median_outside_s": round(median(outside), 4) if outside else None, "standby_nice": 19,
-            "standby_new_sockets": [r["warm_new_sockets"] for key, r in results.items()
-                                    if key[0] == "newcomer" and r["warm"]]}
+        elif t1 <= w0 or (w1 <= t0 and t1 <= 2 * w1 - w0):
+            quiet.append(job_time[k])
+    ratio = round(median(during) / median(quiet), 3) if during and quiet else None
+    return {"ratio_of_medians": ratio, "iterations_during": len(during), "iterations_quiet": len(quiet),
+            "median_during_s": round(median(during), 4) if during else None,
+            "median_quiet_s": round(median(quiet), 4) if quiet else None, "warm_s": round(w1 - w0, 2),
+            "standby_nice": nice, "standby_new_sockets": probe["warm_new_sockets"]}
 
 
 def memory(results: dict) -> dict:
     job_peak = max(r["peak_rss_bytes"] for key, r in results.items() if key[0] == "job")
-    standby_peak = max(r["warm_rss_bytes"] for key, r in results.items() if key[0] == "newcomer" and r["warm"])
+    standby_peak = max(r["warm_rss_bytes"] for key, r in results.items()
+                       if key[0] == "probe" or (key[0] == "newcomer" and r["warm"]))
     return {"job_rank_peak_rss_bytes": job_peak, "standby_warm_peak_rss_bytes": standby_peak,
             "standby_over_job": round(standby_peak / job_peak, 3)}
 
@@ -239,6 +238,8 @@ def main() -> None:
                         help="Measure eager, --tm-compile, or both (default).")
     parser.add_argument("--record-iters", type=int, default=2)
     parser.add_argument("--roles", nargs="+", choices=ROLES, default=list(ROLES), help="Roles to hand over.")
+    parser.add_argument("--standby-nice", type=int, default=19,
+                        help="Niceness of a warming standby (default 19: it stands for a machine of its own).")
     parser.add_argument("--steady-iters", type=int, default=12, help="Iterations before each switch and after it.")
     parser.add_argument("--repeats", type=int, default=1,
                         help="Hand-overs per role and kind; the median trial is reported (default 1).")
@@ -252,7 +253,7 @@ def main() -> None:
     corpus = ensure_corpus(args.data_prefix or DEFAULT_CORPUS_PREFIX)
     variants = [c for c in (False, True) if args.compile in ("both", "on" if c else "off")]
     runs = [run_variant(corpus, c, args.record_iters, args.steady_iters, args.repeats, args.deadline,
-                        tuple(args.roles)) for c in variants]
+                        tuple(args.roles), args.standby_nice) for c in variants]
     rows = [(r["role"], "on" if r["compile"] else "off", r["warm_ratio"], r["cold_ratio"], r["record_bytes"],
              f"{r['record_overhead_ratio']:.2%}") for run in runs for r in run["roles"]]
     print_table("First iteration after promotion / steady iteration (PP=3 tiny GPT, CPU)", rows,
@@ -260,8 +261,8 @@ def main() -> None:
     for run in runs:
         iso, mem = run["isolation"], run["memory"]
         print(f"compile {'on' if run['compile'] else 'off'}: job iteration while a standby warms / otherwise = "
-              f"{iso['ratio_of_medians']} ({iso['iterations_during']} iterations vs {iso['iterations_before']} just "
-              f"before; {iso['ratio_vs_all_other_iterations']} vs all {iso['iterations_outside']} others); "
+              f"{iso['ratio_of_medians']} ({iso['iterations_during']} vs {iso['iterations_quiet']} iterations, "
+              f"standby nice {iso['standby_nice']}); "
               f"standby peak RSS / job rank peak = {mem['standby_over_job']}; hooks left after recording: "
               f"{run['hooks_left_after_recording'] or 'none'}")
     write_json(args.json, {"roles": [r for run in runs for r in run["roles"]], "variants": runs,

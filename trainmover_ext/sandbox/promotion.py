@@ -113,6 +113,21 @@ def _int(raw: Optional[str]) -> Optional[int]:
     return None if raw is None else int(raw)
 
 
+def background_priority(nice: int) -> None:
+    """A warming standby stands for a machine of its own: on shared cores it takes idle cycles only
+    (SCHED_IDLE, plus ``nice`` where that policy is unavailable)."""
+    os.setpriority(os.PRIO_PROCESS, 0, nice)
+    if nice > 0 and hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def foreground_priority() -> None:
+    """Back to normal scheduling before joining the job."""
+    if hasattr(os, "SCHED_OTHER"):
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    os.setpriority(os.PRIO_PROCESS, 0, 0)
+
+
 def _own_inductor_cache(tag: str) -> None:
     # Each process stands for a machine of its own: no compiled code shared through /tmp.
     import tempfile
@@ -164,6 +179,22 @@ def _record(session, handle) -> dict:
             "data_bytes": handle.index["data_bytes"] if handle.index else None}
 
 
+def warm_only(argv: list[str], world_size: int, record_dir: str, nice: int = 19) -> dict:
+    """A general standby that only warms (all roles, alone) and reports its window: the isolation probe."""
+    from .harness import parse_job_args, socket_inodes
+    from .recording import load_recordings
+    from .shadow import default_program, peak_rss_bytes, warm_standby
+
+    _own_inductor_cache("probe")
+    background_priority(nice)
+    args = parse_job_args(argv, world_size)
+    sockets = socket_inodes()
+    t0 = time.time()
+    warm_standby(args, load_recordings(record_dir), program=default_program())
+    return {"warm_start": t0, "warm_end": time.time(), "warm_rss_bytes": peak_rss_bytes(),
+            "warm_new_sockets": len(socket_inodes() - sockets), "nice": nice, "steps": []}
+
+
 def newcomer(rank: int, world_size: int, port: int, argv: list[str], epoch: int, record_dir: Optional[str],
              warm_nice: int = 19) -> dict:
     """A process that takes over ``rank`` at ``epoch``: warm (sandbox, all roles) when ``record_dir``, else cold."""
@@ -182,15 +213,14 @@ def newcomer(rank: int, world_size: int, port: int, argv: list[str], epoch: int,
     program = default_program()
     report: dict = {"rank": rank, "epoch": epoch, "warm": record_dir is not None}
     if record_dir is not None:
-        # The standby stands for a machine of its own: on these shared cores it only takes idle cycles.
-        os.setpriority(os.PRIO_PROCESS, 0, warm_nice)
+        background_priority(warm_nice)
         sockets = socket_inodes()
         t0 = time.time()
         results = warm_standby(args, load_recordings(record_dir), program=program)
         report.update(warm_start=t0, warm_end=time.time(), warm_rss_bytes=peak_rss_bytes(),
                       warm_roles=[r.to_dict() for r in results], warm_new_sockets=len(socket_inodes() - sockets))
         del results
-        os.setpriority(os.PRIO_PROCESS, 0, 0)
+        foreground_priority()
     store, ctl = _stores(port)
     plan_key = f"plan/{epoch}"
     layout = init_delta_world(args, rank, world_size, store, join_epoch=epoch)
