@@ -1,19 +1,21 @@
 """The sandbox: record the job's collectives, replay them so a standby warms any role alone.
 
-Job side (every training rank; the recorder ranks act, the others are inert)::
+Job side: ``pretrain`` wraps its runtime with :func:`hook.attach_recorder` when
+``--tm-record-dir`` is set. The recorder rank of each role (first, middle,
+last) records ``--tm-record-iters`` iterations, seals them on disk, removes its
+hooks and publishes the index in etcd at ``recordings/<role>``.
 
-    handle = maybe_start_recording(args, layout)     # after model/optimizer/iterators, before the loop
-    ...each iteration k...: index = handle.after_iteration(k)   # dict once, when sealed -> etcd
-    finally: handle.close()
+Standby side: ``runtime.standby.warm_up`` calls
+:func:`standby.warm_general_standby`: wait for the recordings, check the
+config fingerprint, run shadow iterations of every role against a replay
+world, report warm roles and timings on the member record.
 
-Standby side (a process with the job's flags and no process group)::
-
-    recordings = load_recordings(record_dir)          # verifies checksums
-    results = warm_standby(args, recordings)          # first, middle, last in turn
-    # or one role: warm_up(args, "middle", recordings["middle"])
-
-See ``docs/sandbox.md`` for the recording format, the replay rules and the
-measured costs.
+Modules: ``recorder`` (class hooks), ``recording`` (files, checksums),
+``registry`` (etcd index, waiting), ``replay`` (the ``tm_replay`` backend),
+``shadow`` (shadow iterations), ``standby`` (the general standby),
+``fingerprint`` (ConfigMismatch), ``compile`` (``--tm-compile``), ``hook``
+(the training-loop hook), ``harness``/``promotion`` (forked jobs for tests
+and ``benchmarks/warmup.py``). See ``docs/sandbox.md``.
 """
 
 from .fingerprint import check_compatible, job_fingerprint

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import os
 import resource
 import time
 from dataclasses import dataclass, field
