@@ -105,11 +105,11 @@ def test_sbatch_trains_on_two_nodes(slurm, tmp_path):
     assert oct(os.stat(logs / "job-token").st_mode & 0o777) == "0o600"
 
 
-def test_killed_rank_is_replaced_by_the_warm_standby(slurm, tmp_path):
-    """One node task with 4 ranks (PP2 x DP2) and a warm standby (--tm-standbys 1), started by srun.
-    Rank 3 is SIGKILLed in iteration 3: the standby takes rank 3 over, nobody restarts, training completes.
-    (The cross-node case is the next test.)"""
-    master_port, metrics_port = free_ports(2)
+def _failover_under_slurm(slurm, tmp_path, nodes: int, nproc: int, metrics_port: int) -> tuple[list[str], str]:
+    """Submit the sbatch script (``nodes`` x ``nproc`` ranks, PP2 x DP2, a warm standby per node) with rank 3
+    SIGKILLed in iteration 3; assert the job completed every iteration with no second migration or
+    fallback. Returns the node logs and a report for assertion messages."""
+    (master_port,) = free_ports(1)
     etcd_port = _port_pair()
     logs, out = tmp_path / "logs", tmp_path / "batch.out"
     metrics = tmp_path / "metrics.jsonl"
@@ -119,22 +119,32 @@ def test_killed_rank_is_replaced_by_the_warm_standby(slurm, tmp_path):
                              "--tm-metrics-file", str(metrics)])
     job = slurm.submit(
         SBATCH,
-        ["--nproc-per-node", "4", "--master-port", str(master_port), "--etcd-port", str(etcd_port),
+        ["--nproc-per-node", str(nproc), "--master-port", str(master_port), "--etcd-port", str(etcd_port),
          "--metrics-port", str(metrics_port), "--log-dir", str(logs), "--python", sys.executable, "--", *train],
-        ["-N", "1", "--time", "5", "-o", str(out)],
+        ["-N", str(nodes), "--time", "5", "-o", str(out)],
         cwd=REPO_ROOT,
     )
     info = slurm.wait_job(job, timeout=240)
-    node_log = _read(logs / "node-0.log")
-    report = f"batch output:\n{_read(out)[-3000:]}\n--- node-0.log:\n{node_log[-5000:]}"
+    node_logs = [_read(logs / f"node-{n}.log") for n in range(nodes)]
+    report = f"batch output:\n{_read(out)[-3000:]}" + "".join(
+        f"\n--- node-{n}.log:\n{text[-4000:]}" for n, text in enumerate(node_logs))
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"job {job}: {info['JobState']} {info['ExitCode']}\n{report}"
-    killed = re.search(r"rank 3 \((worker-n0-3-\w+)\) exited with code -9; reported", node_log)
-    took_over = re.search(r"epoch 1 \(failure\): rank 3 -> (standby-n0-0-\w+) \(pid \d+\); state from replica", node_log)
-    assert killed and took_over, report
-    assert f"metrics: http://{socket.gethostname()}:{metrics_port}/metrics" in node_log, report
-    assert "epoch 2" not in node_log and "falling back" not in node_log and "restart" not in node_log, report
+    joined = "".join(node_logs)
+    assert "epoch 2" not in joined and "falling back" not in joined and "restart" not in joined, report
     iterations = sorted({rec["iteration"] for rec in read_metrics(str(metrics))})
     assert iterations == list(range(1, iters + 1)), f"iterations logged: {iterations}\n{report}"
+    return node_logs, report
+
+
+def test_killed_rank_is_replaced_by_the_warm_standby(slurm, tmp_path):
+    """One node task with 4 ranks (PP2 x DP2) and a warm standby (--tm-standbys 1), started by srun.
+    Rank 3 is SIGKILLed in iteration 3: the standby takes rank 3 over, nobody restarts, training completes.
+    (The cross-node case is the next test.)"""
+    (metrics_port,) = free_ports(1)
+    (node_log,), report = _failover_under_slurm(slurm, tmp_path, 1, 4, metrics_port)
+    assert re.search(r"rank 3 \((worker-n0-3-\w+)\) exited with code -9; reported", node_log), report
+    assert re.search(r"epoch 1 \(failure\): rank 3 -> (standby-n0-0-\w+) \(pid \d+\); state from replica", node_log), report
+    assert f"metrics: http://{socket.gethostname()}:{metrics_port}/metrics" in node_log, report
 
 
 def test_standby_nodes_are_refused_with_a_clear_message(slurm, tmp_path):
@@ -190,29 +200,8 @@ def test_killed_rank_is_taken_over_by_a_standby_of_another_node(slurm, tmp_path)
     """Two node tasks, 2 ranks (PP2 x DP2 over both) and a warm standby each. Rank 3 (second node) is
     SIGKILLed in iteration 3; the controller prefers a standby on another host, so the first node's
     standby takes rank 3 over; the second node's agent retires its rank; training completes."""
-    (master_port,) = free_ports(1)
-    metrics_port = 0  # both emulated nodes are this host: each agent takes a free port
-    etcd_port = _port_pair()
-    logs, out = tmp_path / "logs", tmp_path / "batch.out"
-    metrics = tmp_path / "metrics.jsonl"
-    iters = 6
-    train = tiny_args(None, pp=2, iters=iters, gbs=4,
-                      extra=["--trainmover", "--tm-standbys", "1", "--tm-inject-fault", "3:3:forward",
-                             "--tm-metrics-file", str(metrics)])
-    job = slurm.submit(
-        SBATCH,
-        ["--nproc-per-node", "2", "--master-port", str(master_port), "--etcd-port", str(etcd_port),
-         "--metrics-port", str(metrics_port), "--log-dir", str(logs), "--python", sys.executable, "--", *train],
-        ["-N", "2", "--time", "5", "-o", str(out)],
-        cwd=REPO_ROOT,
-    )
-    info = slurm.wait_job(job, timeout=240)
-    logs0, logs1 = _read(logs / "node-0.log"), _read(logs / "node-1.log")
-    report = f"batch output:\n{_read(out)[-3000:]}\n--- node-0.log:\n{logs0[-4000:]}\n--- node-1.log:\n{logs1[-4000:]}"
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"job {job}: {info['JobState']} {info['ExitCode']}\n{report}"
+    # Both emulated nodes are this host: each agent takes a free metrics port.
+    (logs0, logs1), report = _failover_under_slurm(slurm, tmp_path, 2, 2, 0)
     assert re.search(r"rank 3 \(worker-n1-1-\w+\) exited with code -9; reported", logs1), report
     assert re.search(r"epoch 1 \(failure\): rank 3 -> standby-n0-0-\w+ \(pid \d+\); state from replica", logs0), report
     assert "on another node" in logs1, report
-    assert "epoch 2" not in logs0 + logs1 and "falling back" not in logs0 + logs1, report
-    iterations = sorted({rec["iteration"] for rec in read_metrics(str(metrics))})
-    assert iterations == list(range(1, iters + 1)), f"iterations logged: {iterations}\n{report}"
