@@ -117,7 +117,7 @@ class Run:
 
 
 def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: int, repeats: int,
-                deadline_s: float, roles: tuple = ROLES, nice: int = 19) -> dict:
+                deadline_s: float, roles: tuple = ROLES, nice: int = 19, probe: bool = True) -> dict:
     from trainmover_ext.sandbox import harness, promotion
     from trainmover_ext.sandbox.recording import load_recordings
 
@@ -132,18 +132,22 @@ def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: in
         run.wait(lambda: all(os.path.isfile(os.path.join(record_dir, r, "index.json")) for r in ROLES),
                  "the recordings")
         run.wait(lambda: run.progress() >= record_iters + steady_iters, "steady iterations")
-        # Isolation probe: a standby warms every role while the job trains; then as long again without it.
-        run.fork(("probe", 0), promotion.warm_only, argv, WORLD, record_dir, nice)
-        run.wait(lambda: ("probe", 0) in run.results, "the isolation probe")
-        probe = run.results[("probe", 0)]
-        quiet_until = time.time() + (probe["warm_end"] - probe["warm_start"])
-        run.wait(lambda: time.time() >= quiet_until, "the quiet window after the probe")
+        if probe:  # a standby warms every role at idle priority while the job trains; then as long without it
+            run.fork(("probe", 0), promotion.warm_only, argv, WORLD, record_dir, nice)
+            run.wait(lambda: ("probe", 0) in run.results, "the isolation probe")
+            window = run.results[("probe", 0)]
+            quiet_until = time.time() + (window["warm_end"] - window["warm_start"])
+            run.wait(lambda: time.time() >= quiet_until, "the quiet window after the probe")
         trials, epoch = [], 0
         for role, _, kind in ((r, i, k) for r in roles for i in range(repeats) for k in ("cold", "warm")):
             epoch += 1
+            # Newcomers warm at normal priority (the probe above measures interference); the job then
+            # trains steady_iters more iterations before the switch, so the baseline excludes the warm-up.
             run.fork(("newcomer", epoch), promotion.newcomer, RANK_OF[role], WORLD, store.port, argv, epoch,
-                     record_dir if kind == "warm" else None, nice)
+                     record_dir if kind == "warm" else None, 0)
             run.wait(lambda: run.ctl.check([f"ready/{epoch}"]), f"newcomer {epoch} to be ready")
+            ready_at = run.progress()
+            run.wait(lambda: run.progress() >= ready_at + steady_iters, f"steady iterations before switch {epoch}")
             switch_at = run.progress() + 3
             run.ctl.set(f"plan/{epoch}", json.dumps({"rank": RANK_OF[role], "switch_at": switch_at}))
             run.wait(lambda: run.progress() >= switch_at + steady_iters, f"iterations after switch {epoch}")
@@ -153,7 +157,7 @@ def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: in
     finally:
         run.kill()
     recordings = load_recordings(record_dir)
-    return analyse(run.results, trials, recordings, compile_, record_iters, roles, nice)
+    return analyse(run.results, trials, recordings, compile_, record_iters, roles, nice if probe else None)
 
 
 def _iteration_times(results: dict) -> dict[int, list[tuple]]:
@@ -193,7 +197,8 @@ def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool,
         entry["record_overhead_s_per_iteration"] = round(rec["overhead_s"] / len(rec["iteration_s"]), 5)
         entry["record_overhead_ratio"] = round(entry["record_overhead_s_per_iteration"] / entry["cold_steady_s"], 4)
         roles.append(entry)
-    return {"compile": compile_, "roles": roles, "isolation": isolation(results, job_time, record_iters, nice),
+    return {"compile": compile_, "roles": roles,
+            "isolation": isolation(results, job_time, record_iters, nice) if nice is not None else None,
             "memory": memory(results), "hooks_left_after_recording": sorted(
                 {h for key, r in results.items() if key[0] == "job" for h in r["hooks_after"]})}
 
@@ -225,7 +230,7 @@ def isolation(results: dict, job_time: dict, record_iters: int, nice: int) -> di
 
 def memory(results: dict) -> dict:
     job_peak = max(r["peak_rss_bytes"] for key, r in results.items() if key[0] == "job")
-    standby_peak = max(r["warm_rss_bytes"] for key, r in results.items()
+    standby_peak = max(r.get("warm_rss_bytes", 0) for key, r in results.items()
                        if key[0] == "probe" or (key[0] == "newcomer" and r["warm"]))
     return {"job_rank_peak_rss_bytes": job_peak, "standby_warm_peak_rss_bytes": standby_peak,
             "standby_over_job": round(standby_peak / job_peak, 3)}
@@ -239,7 +244,10 @@ def main() -> None:
     parser.add_argument("--record-iters", type=int, default=2)
     parser.add_argument("--roles", nargs="+", choices=ROLES, default=list(ROLES), help="Roles to hand over.")
     parser.add_argument("--standby-nice", type=int, default=19,
-                        help="Niceness of a warming standby (default 19: it stands for a machine of its own).")
+                        help="Niceness of the isolation probe's standby (default 19, with SCHED_IDLE: it stands for "
+                             "a machine of its own).")
+    parser.add_argument("--no-probe", action="store_true",
+                        help="Skip the isolation probe (with --tm-compile an idle-priority warm-up takes long).")
     parser.add_argument("--steady-iters", type=int, default=12, help="Iterations before each switch and after it.")
     parser.add_argument("--repeats", type=int, default=1,
                         help="Hand-overs per role and kind; the median trial is reported (default 1).")
@@ -253,18 +261,18 @@ def main() -> None:
     corpus = ensure_corpus(args.data_prefix or DEFAULT_CORPUS_PREFIX)
     variants = [c for c in (False, True) if args.compile in ("both", "on" if c else "off")]
     runs = [run_variant(corpus, c, args.record_iters, args.steady_iters, args.repeats, args.deadline,
-                        tuple(args.roles), args.standby_nice) for c in variants]
+                        tuple(args.roles), args.standby_nice, not args.no_probe) for c in variants]
     rows = [(r["role"], "on" if r["compile"] else "off", r["warm_ratio"], r["cold_ratio"], r["record_bytes"],
              f"{r['record_overhead_ratio']:.2%}") for run in runs for r in run["roles"]]
     print_table("First iteration after promotion / steady iteration (PP=3 tiny GPT, CPU)", rows,
                 ("role", "--tm-compile", "warm_ratio", "cold_ratio", "record_bytes", "record overhead/iter"))
     for run in runs:
         iso, mem = run["isolation"], run["memory"]
+        iso_text = (f"{iso['ratio_of_medians']} ({iso['iterations_during']} vs {iso['iterations_quiet']} iterations, "
+                    f"standby at SCHED_IDLE/nice {iso['standby_nice']})") if iso else "not probed"
         print(f"compile {'on' if run['compile'] else 'off'}: job iteration while a standby warms / otherwise = "
-              f"{iso['ratio_of_medians']} ({iso['iterations_during']} vs {iso['iterations_quiet']} iterations, "
-              f"standby nice {iso['standby_nice']}); "
-              f"standby peak RSS / job rank peak = {mem['standby_over_job']}; hooks left after recording: "
-              f"{run['hooks_left_after_recording'] or 'none'}")
+              f"{iso_text}; standby peak RSS / job rank peak = {mem['standby_over_job']}; hooks left after "
+              f"recording: {run['hooks_left_after_recording'] or 'none'}")
     write_json(args.json, {"roles": [r for run in runs for r in run["roles"]], "variants": runs,
                            "machine": f"{os.cpu_count()} CPUs", "time": time.time()})
 
