@@ -207,29 +207,34 @@ def join(world: "DeltaWorld", epoch: int) -> None:
 
 
 def connect_all_rings(world: "DeltaWorld", epoch: int) -> None:
-    """Build every missing ring link of every group at once, in generation ``epoch``.
+    """Build every missing ring link of every group, in generation ``epoch``.
 
-    One thread per link, so the cost is that of the slowest link rather than the
-    sum (a rank has about 20 links in a TP2xPP2xDP2 megatron job). Each thread
-    gets its own store client when the store can be cloned (a TCPStore client
-    blocks every thread on one get); a store that cannot be cloned (the Python
-    etcd store) is shared, which is safe because it is thread-safe.
+    One thread per peer rank, so the cost is that of the busiest peer rather than
+    the sum over about 20 links (TP2xPP2xDP2). Links to one peer are built one
+    after the other, in group creation order (the peer follows the same order):
+    two pairs between the same two processes coming up at once could not be told
+    apart when the transport identifies a link's socket. Each build gets its own
+    store client when the store can be cloned (a TCPStore client blocks every
+    thread on one get); the Python etcd store is shared, being thread-safe.
     """
-    tasks = []
+    by_peer: dict[int, list["DeltaGroup"]] = {}
     for group in list(world.groups.values()):
         with group._lock:
-            tasks += [(group, p) for p in group.ring_peers() if (world.transport, p) not in group.links]
-    if not tasks:
+            for p in group.ring_peers():
+                if (world.transport, p) not in group.links:
+                    by_peer.setdefault(p, []).append(group)
+    if not by_peer:
         return
 
-    def build(group: "DeltaGroup", peer: int) -> None:
-        store = _clone_store(group.store)
-        link = group.connect_links([peer], world.transport, generation=epoch, store=store)[peer]
-        if group.install(world.transport, peer, link) is not None:
-            raise MigrationAborted(f"a link to rank {peer} in group {group.name!r} appeared during the rebuild")
+    def build(peer: int, groups: list["DeltaGroup"]) -> None:
+        for group in groups:
+            store = _clone_store(group.store)
+            link = group.connect_links([peer], world.transport, generation=epoch, store=store)[peer]
+            if group.install(world.transport, peer, link) is not None:
+                raise MigrationAborted(f"a link to rank {peer} in group {group.name!r} appeared during the rebuild")
 
-    with ThreadPoolExecutor(max_workers=len(tasks), thread_name_prefix="nccl_delta_rebuild") as pool:
-        futures = [pool.submit(build, g, p) for g, p in tasks]
+    with ThreadPoolExecutor(max_workers=len(by_peer), thread_name_prefix="nccl_delta_rebuild") as pool:
+        futures = [pool.submit(build, p, gs) for p, gs in sorted(by_peer.items())]
         errors = [f.exception() for f in futures]
     failed = [e for e in errors if e is not None]
     if failed:

@@ -74,7 +74,11 @@ def _connected_endpoints(fds: set[int]) -> dict[int, tuple[list, list]]:
             dup = os.dup(fd)
         except OSError:
             continue
-        sock = socket.socket(fileno=dup)
+        try:
+            sock = socket.socket(fileno=dup)
+        except OSError:  # another thread closed it and the number now holds a file, not a socket
+            os.close(dup)
+            continue
         try:
             if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
                 continue
