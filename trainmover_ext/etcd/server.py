@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import shutil
@@ -75,6 +76,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _kill_me_with_parent() -> None:
+    """In the child between fork and exec: ask the kernel for SIGKILL when the parent dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the parent's teardown still stops the server
+
+
 @dataclass(kw_only=True)
 class EmbeddedEtcdConfig:
     """One etcd member. Defaults suit a single local member on loopback."""
@@ -87,6 +96,9 @@ class EmbeddedEtcdConfig:
     """Member name, unique within a cluster."""
     host: str = "127.0.0.1"
     """Address to listen on. Loopback by default: the embedded etcd serves one machine."""
+    die_with_parent: bool = False
+    """Kill the server (SIGKILL, Linux ``PR_SET_PDEATHSIG``) when the process that started it dies,
+    even by SIGKILL: the launcher's embedded etcd must not outlive the launcher."""
     client_port: int = 0
     """Client port; 0 picks a free one."""
     peer_port: int = 0
@@ -190,7 +202,8 @@ class EmbeddedEtcd:
         log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_kill_me_with_parent if self.config.die_with_parent else None)
         finally:
             log.close()
         atexit.register(self._stop_at_exit)

@@ -184,7 +184,7 @@ class Agent:
         run_dir = self.config.run_dir or os.path.join("runs", plan.job)
         os.makedirs(run_dir, exist_ok=True)
         data_dir = os.path.join(run_dir, f"etcd-{os.getpid()}")
-        self.etcd = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=data_dir)).start()
+        self.etcd = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=data_dir, die_with_parent=True)).start()
         plan.endpoints = list(self.etcd.endpoints)
         self.log(f"embedded etcd at {','.join(plan.endpoints)} (data {data_dir})")
 
