@@ -86,7 +86,9 @@ def test_abandon_unblocks_ops_waiting_on_a_hung_peer():
         r = results[rank]
         assert r["at"] >= abandoned_at, f"rank {rank} failed before abandon: {r['msg']}"
         assert r["at"] - abandoned_at < 1.0, f"rank {rank} unblocked {r['at'] - abandoned_at:.2f}s after abandon"
-        assert r["kind"] == "CommAbandoned", r
+        # A rank sees its own abandon, or (under load) the sever of a neighbour that abandoned first.
+        assert r["kind"] in ("CommAbandoned", "CommLinkError"), r
+    assert any(results[r]["kind"] == "CommAbandoned" for r in (0, 1, 3)), results
     # Every live rank has exited (results() joined them): nothing is left hanging.
     assert all(not ranks.procs[r].is_alive() for r in (0, 1, 3))
 

@@ -32,6 +32,9 @@ from trainmover_ext.launch.process import RankProcess, fork_rank, spawn_rank
 from trainmover_ext.runtime.identity import ENV_MEMBER_ID
 
 
+MAX_STANDBY_FAILURES = 3
+
+
 def _member_id(kind: str, node: int, index: int) -> str:
     return f"{kind}-n{node}-{index}-{uuid.uuid4().hex[:6]}"
 
@@ -51,6 +54,8 @@ class TrainMoverSupervisor:
         self.space = self.controller = self.member = self.watcher = None
         self.epoch = 0
         self.standbys_started = 0
+        self.standby_failures = 0
+        """Standbys that exited non-zero in a row; replenishing stops at ``MAX_STANDBY_FAILURES``."""
 
     # -- processes -------------------------------------------------------------
     def _start_standby(self, method: str) -> None:
@@ -186,8 +191,14 @@ class TrainMoverSupervisor:
                     return False, 1
             for member, proc in list(self.standbys.items()):
                 if proc.poll() is not None:
-                    self.agent.log(f"standby {member} exited ({proc.returncode}); starting another")
                     del self.standbys[member]
+                    self.standby_failures = self.standby_failures + 1 if proc.returncode != 0 else 0
+                    if self.standby_failures >= MAX_STANDBY_FAILURES:
+                        self.agent.log(f"standby {member} exited ({proc.returncode}); {self.standby_failures} "
+                                       "standbys in a row failed, so no more are started: see the standby's "
+                                       "error above (e.g. a ConfigMismatch) and fix its flags")
+                        continue
+                    self.agent.log(f"standby {member} exited ({proc.returncode}); starting another")
                     self._start_standby("spawn")
             self.agent.procs = ([p for p, _ in self.serving.values()] + list(self.standbys.values())
                                 + [p for p in self.retired if p.poll() is None])

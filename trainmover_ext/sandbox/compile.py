@@ -65,5 +65,10 @@ def keep_collectives_eager() -> None:
 def compile_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
     """Compile ``chunk`` in place (``nn.Module.compile``): DDP's hooks and cached references keep it."""
     keep_collectives_eager()
+    # Ranks and standbys are forked from a warm parent: inductor's pool of compile workers,
+    # inherited or started after the fork, can deadlock there. Compile in the rank's own process.
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
     chunk.compile()
     return chunk

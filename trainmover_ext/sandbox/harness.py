@@ -17,12 +17,14 @@ import datetime
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 CTX = mp.get_context("fork")
+_KEEP_ALIVE: list = []
 
 
 @dataclass
@@ -75,6 +77,10 @@ def _child(key, fn: Callable, args: tuple, queue, nice: int) -> None:
             os.nice(nice)
         queue.put((key, True, fn(*args)))
     except BaseException:
+        # Keep the traceback (and every frame it holds) alive until os._exit: freeing a frame that
+        # holds the parent's TCPStore master would join its server thread, which a forked child
+        # does not have, and hang forever instead of reporting the error.
+        _KEEP_ALIVE.append(sys.exc_info())
         queue.put((key, False, traceback.format_exc()))
         code = 1
     finally:
