@@ -28,7 +28,7 @@ from trainmover_ext.errors import CommAbandoned, CommLinkError
 
 from . import links as links_mod
 from .links import Link, LinkId, LinkWork
-from .ring import Ring, op_name
+from .ring import Ring, finish_avg, op_name
 
 if TYPE_CHECKING:
     from .world import DeltaWorld
@@ -152,6 +152,13 @@ class DeltaGroup:
             return
         with _flat(tensor) as flat:
             ring = self._ring(self.transport_for(tensor), f"allreduce({op_name(op)})")
+            if self.size == 2 and hasattr(ring.next.handle, "allreduce") and _PAIR_OPS.get(op_name(op)):
+                # Two members: the pair's native all-reduce is the whole collective, and it is
+                # bit-identical to the ring's (two operands: a+b == b+a; AVG divides after the SUM).
+                ring.next.allreduce_pair(flat, _PAIR_OPS[op_name(op)], ring.op)
+                if op_name(op) == "AVG":
+                    finish_avg(flat, 2)
+                return
             if flat.numel() < self.size or flat.numel() * flat.element_size() <= self.world.config.small_bytes:
                 ring.allreduce_small(flat, op)
             else:
@@ -214,6 +221,12 @@ class DeltaGroup:
         op = f"{'send' if send else 'recv'}(tag={tag})"
         link = self.link_to(peer, self.transport_for(tensor), op)
         return link.isend(tensor, tag, op) if send else link.irecv(tensor, tag, op)
+
+
+# Reductions a 2-member group hands to its pair's native all-reduce: order-independent for two
+# operands, so the result is bit-identical to the ring's. AVG runs as SUM, then divides.
+_PAIR_OPS = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX,
+             "MIN": dist.ReduceOp.MIN}
 
 
 def _clones(store: Store, count: int) -> list[Store] | None:

@@ -122,6 +122,21 @@ class Link:
         except Exception as exc:
             raise self._fail(op, exc) from exc
 
+    def allreduce_pair(self, tensor: torch.Tensor, reduce_op, op: str) -> None:
+        """All-reduce ``tensor`` with the peer in one transport call (a 2-member group's whole
+        collective); the transport must offer ``allreduce``. On failure the link is severed so the
+        peer fails fast too, as a ring does."""
+        self._check(op)
+        try:
+            work = LinkWork(self, self.handle.allreduce(tensor, reduce_op), op)
+        except Exception as exc:
+            raise self._fail(op, exc) from exc
+        try:
+            work.wait()
+        except CommLinkError:
+            self.sever(f"{op} failed", abandoned=False)
+            raise
+
     def _fail(self, op: str, exc: BaseException) -> CommLinkError:
         with self._lock:
             if self.state == "open":

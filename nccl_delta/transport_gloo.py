@@ -26,7 +26,7 @@ import socket
 import threading
 
 import torch
-from torch.distributed import PrefixStore, Store
+from torch.distributed import AllreduceOptions, PrefixStore, Store
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from .waiter import Pending, WaitCancelled
@@ -108,7 +108,8 @@ def _endpoint(fd: int) -> tuple | None:
 
 
 class _Send:
-    """A gloo send's work, marked so that :meth:`GlooPair.wait` waits for it interruptibly."""
+    """A work :meth:`GlooPair.wait` waits for interruptibly (a send, or the pair's all-reduce, which
+    sends too)."""
 
     __slots__ = ("work",)
 
@@ -166,6 +167,12 @@ class GlooPair:
 
     def isend(self, tensor: torch.Tensor, tag: int):
         return _Send(self.pg.send([tensor], self.peer_side, tag))
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op):
+        """The pair's own gloo all-reduce: one call instead of a send and a receive per step."""
+        opts = AllreduceOptions()
+        opts.reduceOp = reduce_op
+        return _Send(self.pg.allreduce([tensor], opts))
 
     def irecv(self, tensor: torch.Tensor, tag: int):
         return self.pg.recv([tensor], self.peer_side, tag)
