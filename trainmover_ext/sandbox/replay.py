@@ -42,8 +42,8 @@ from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
-from torch.futures import Future
 
+from nccl_delta.backend import DoneWork  # a replayed call is complete on return, like an inline op
 from trainmover_ext.errors import ReplayMismatch
 
 from .groups import megatron_group_kinds
@@ -53,37 +53,6 @@ from .recording import Recording, dtype_name
 BACKEND_NAME = "tm_replay"
 
 _SESSION: Optional["ReplaySession"] = None  # the backend creator has no other way to reach it
-
-
-class DoneWork(dist.Work):
-    """Work of a replayed call: complete on return."""
-
-    def __init__(self, result: Optional[list[torch.Tensor]] = None):
-        super().__init__()
-        self._result = result or []
-
-    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self):
-        return None
-
-    def result(self) -> list[torch.Tensor]:
-        return self._result
-
-    def get_future(self) -> Future:
-        fut: Future = Future()
-        fut.set_result(self._result)
-        return fut
-
-    def synchronize(self) -> None:
-        return None
 
 
 class ReplaySession:
