@@ -38,6 +38,23 @@ _config: DeltaConfig | None = None
 _join_epoch: int | None = None
 
 
+class NamedGroup:
+    """Mixin for a Python process group: the group-name calls functional collectives need.
+    The class sets ``self._group_name`` in its constructor."""
+
+    _group_name: str
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    @property
+    def group_name(self) -> str:
+        return self._group_name
+
+
 class DoneWork(dist.Work):
     """Work of an op that already finished inline."""
 
@@ -103,7 +120,7 @@ class LinkP2PWork(dist.Work):
         return None
 
 
-class DeltaProcessGroup(dist.ProcessGroup):
+class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
     """What torch and megatron hold as a group handle; all work is done by its :class:`DeltaGroup`."""
 
     def __init__(self, group: DeltaGroup):
@@ -111,19 +128,8 @@ class DeltaProcessGroup(dist.ProcessGroup):
         self.delta = group
         self._group_name = group.name
 
-    # --- identity (functional collectives need a group name) -------------------
     def getBackendName(self) -> str:
         return BACKEND_NAME
-
-    def setGroupName(self, name: str) -> None:
-        self._group_name = name
-
-    def getGroupName(self) -> str:
-        return self._group_name
-
-    @property
-    def group_name(self) -> str:
-        return self._group_name
 
     def __repr__(self) -> str:
         return f"DeltaProcessGroup({self.delta!r})"

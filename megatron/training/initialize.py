@@ -72,6 +72,19 @@ def select_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def initialize_model_parallel(args) -> None:
+    """megatron-core's parallel groups for the flags, on the current default process group."""
+    from megatron.core import parallel_state as mpu
+
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
+        create_gloo_process_groups=False,
+    )
+
+
 def initialize_distributed(args, use_delta_comm: bool = False, join_epoch=None) -> ParallelLayout:
     """Install patches, init torch.distributed and megatron's parallel state.
 
@@ -116,13 +129,7 @@ def initialize_distributed(args, use_delta_comm: bool = False, join_epoch=None) 
         torch.distributed.init_process_group(
             backend=pg_backend, rank=rank, world_size=world_size, timeout=timeout, store=store
         )
-    mpu.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
-        create_gloo_process_groups=False,
-    )
+    initialize_model_parallel(args)
     if use_delta_comm and join_epoch is not None:
         import nccl_delta
 

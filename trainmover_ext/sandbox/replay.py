@@ -43,7 +43,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from nccl_delta.backend import DoneWork  # a replayed call is complete on return, like an inline op
+from nccl_delta.backend import DoneWork, NamedGroup  # a replayed call completes on return, like an inline op
 from trainmover_ext.errors import ReplayMismatch
 
 from .groups import megatron_group_kinds
@@ -180,7 +180,7 @@ def _answer_locally(pg: "ReplayProcessGroup", call: OpCall) -> None:
         # allreduce / broadcast / reduce / send / barrier: the local buffer already is the answer
 
 
-class ReplayProcessGroup(dist.ProcessGroup):
+class ReplayProcessGroup(NamedGroup, dist.ProcessGroup):
     """A group handle whose every op is answered by the process's :class:`ReplaySession`."""
 
     def __init__(self, rank: int, size: int, name: str, session: ReplaySession):
@@ -190,16 +190,6 @@ class ReplayProcessGroup(dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return BACKEND_NAME
-
-    def setGroupName(self, name: str) -> None:
-        self._group_name = name
-
-    def getGroupName(self) -> str:
-        return self._group_name
-
-    @property
-    def group_name(self) -> str:
-        return self._group_name
 
     def __repr__(self) -> str:
         return f"ReplayProcessGroup(ranks={self.session.members.get(id(self))}, rank={self.rank()})"

@@ -176,17 +176,11 @@ def warm_up(args, role: str, recording: Recording, iters: Optional[int] = None,
 
 def _shadow_iterations(args, role, recording, iters, on_progress, program, compile, keep_model,
                        t_start) -> WarmResult:
-    from megatron.core import parallel_state as mpu
+    from megatron.training.initialize import initialize_model_parallel
     from megatron.training.training import train_step
 
     with replay_world(recording, timeout_s=60.0 * args.distributed_timeout_minutes) as replay:
-        mpu.initialize_model_parallel(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-            distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
-            create_gloo_process_groups=False,
-        )
+        initialize_model_parallel(args)
         layout = _layout_from_mpu(args, recording)
         session = build_parts(args, layout, program, consumed_samples=recording.index["consumed_samples"],
                               iteration=recording.index["start_iteration"])
