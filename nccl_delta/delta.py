@@ -4,17 +4,17 @@ Protocol for a planned migration of logical rank ``r`` at epoch ``e``
 1. Joiner process (new): ``nccl_delta.expect_join(e)``, then the same
    ``init_process_group`` and group creation as the job (e.g. megatron's
    ``initialize_model_parallel``), which builds no links, then
-   ``current_world().join(e)``: it connects to r's ring neighbours in every
-   group containing r, group by group in creation order, and blocks until all
-   are up (deadline: ``connect_timeout_s`` per link).
+   ``current_world().join(e)``: it connects to every ring neighbour of r (in
+   any group), one link per neighbour, all at once, and blocks until all are
+   up (deadline: ``connect_timeout_s``).
 2. Every stayer: ``prepare(r, e)`` (phase 1). Returns at once. A stayer that
-   is a ring neighbour of r in some group builds its new link(s) to r on a
-   background thread while training continues on the old links; any other
+   is a ring neighbour of r in some group builds its one new link to r on a
+   background thread while training continues on the old link; any other
    stayer only records the epoch.
 3. At an iteration boundary, every stayer: ``switch(e)`` (phase 2). A
-   neighbour re-points its link to r, closes the old one, and reports how many
-   links it touched. No barrier and no global rebuild: cost is independent of
-   world size.
+   neighbour re-points its link to r (every group using it follows), closes
+   the old one, and reports how many links it touched. No barrier and no
+   global rebuild: cost is independent of world size.
 4. The leaver stops using the communicator and exits.
 
 Unexpected failure of rank ``r`` (a link raised :class:`CommLinkError`, or the
@@ -24,7 +24,7 @@ lease of r expired):
    one waiting on a hung peer. Processes that will exit instead should call
    ``os._exit`` after cleanup (gloo aborts at exit with abandoned ops).
 2. Every stayer: ``recover(e)``; the joiner: ``join(e)``. All links are rebuilt
-   in generation e, group by group in creation order.
+   in generation e, one per ring neighbour, all at once.
 
 Failures: ``switch`` raises :class:`MigrationAborted` (links unchanged, the
 old epoch stays in force) if the new links are not up within its deadline or
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,7 +43,6 @@ from trainmover_ext.errors import MigrationAborted
 from .links import Link
 
 if TYPE_CHECKING:
-    from .group import DeltaGroup
     from .world import DeltaWorld
 
 
@@ -58,8 +56,8 @@ class PreparedSwap:
     """Membership epoch the swap belongs to."""
     joiner: str | None = None
     """Control-plane id of the joining member (for messages only)."""
-    links: list[tuple["DeltaGroup", str, Link]] = field(default_factory=list)
-    """New links to the joiner, one per (group, transport) where r is a ring neighbour."""
+    links: list[tuple[str, Link]] = field(default_factory=list)
+    """New links to the joiner: one per transport, when r is a ring neighbour in some group."""
     planned: int = 0
     """How many links this stayer must build (0 when it is not a neighbour of r)."""
     error: BaseException | None = None
@@ -85,15 +83,6 @@ class SwitchReport:
     """Seconds ``switch`` waited for phase 1 to finish."""
 
 
-def _clone_store(store):
-    # A thread blocked in a TCPStore get blocks every other user of that client, and the
-    # background build may wait for the joiner for a long time: give it its own connection.
-    try:
-        return store.clone()
-    except Exception:  # a store without clone(): share it, at the cost of that contention
-        return store
-
-
 def prepare(world: "DeltaWorld", rank: int, epoch: int, *, joiner: str | None = None) -> PreparedSwap:
     """Phase 1 on a stayer: start building links to the joiner for ``rank`` in the background."""
     if rank == world.rank:
@@ -101,22 +90,17 @@ def prepare(world: "DeltaWorld", rank: int, epoch: int, *, joiner: str | None = 
     if epoch <= world.epoch or epoch in world.prepared:
         raise MigrationAborted(f"epoch {epoch} is not newer than the current epoch {world.epoch} or was prepared already")
     swap = PreparedSwap(rank=rank, epoch=epoch, joiner=joiner)
-    todo = [g for g in world.groups_with(rank) if rank in g.ring_peers()]
-    swap.planned = len(todo)
+    group = world.ring_neighbours().get(rank)
+    swap.planned = 0 if group is None else 1
     world.prepared[epoch] = swap
-    if not todo:
+    if group is None:
         swap.done.set()
         return swap
 
     def build() -> None:
-        stores: dict[int, object] = {}
         try:
-            # Group by group in creation order: the joiner walks the groups in the same order,
-            # so each of our links is the one it is waiting for.
-            for group in todo:
-                store = stores.setdefault(id(group.store), _clone_store(group.store))
-                link = group.connect_links([rank], world.transport, generation=epoch, store=store)[rank]
-                swap.links.append((group, world.transport, link))
+            link = world.connect_links([rank], world.transport, group=group, generation=epoch, install=False)[rank]
+            swap.links.append((world.transport, link))
         except BaseException as exc:  # reported by switch()
             swap.error = exc
         finally:
@@ -140,24 +124,24 @@ def switch(world: "DeltaWorld", epoch: int, *, timeout_s: float | None = None) -
     wait_s = time.perf_counter() - t0
     world.prepared.pop(epoch, None)
     if swap.error is not None:
-        for _, _, link in swap.links:
+        for _, link in swap.links:
             link.close()
         raise MigrationAborted(f"rank {world.rank}: building links to the joiner for rank {swap.rank} failed: "
                                f"{swap.error}") from swap.error
     t1 = time.perf_counter()
     touched = 0
     replaced = set()
-    for group, transport, link in swap.links:
-        old = group.install(transport, swap.rank, link)
-        replaced.add((id(group), transport))
+    for transport, link in swap.links:
+        old = world.install(transport, swap.rank, link)
+        replaced.add(transport)
         touched += 1
         if old is not None:
             old.close()
-    # Links to the leaver that phase 1 did not rebuild (a p2p link outside the ring, another
-    # transport) are closed; both ends rebuild them on first use in the new generation.
-    for group, transport, _ in world.links_to(swap.rank):
-        if (id(group), transport) not in replaced:
-            old = group.install(transport, swap.rank, None)
+    # A link to the leaver that phase 1 did not rebuild (a p2p link outside every ring, another
+    # transport) is closed; both ends rebuild it on first use in the new generation.
+    for transport, _ in world.links_to(swap.rank):
+        if transport not in replaced:
+            old = world.install(transport, swap.rank, None)
             if old is not None:
                 old.close()
                 touched += 1
@@ -171,10 +155,9 @@ def abandon(world: "DeltaWorld", epoch: int, reason: str) -> int:
     """Make every op in flight or to come fail fast (any thread); returns how many links were severed."""
     world.abandoned = f"epoch {epoch} abandoned: {reason}"
     severed = 0
-    for group in list(world.groups.values()):
-        for link in group.all_links():
-            link.sever(world.abandoned)
-            severed += 1
+    for _, link in world.links_snapshot():
+        link.sever(world.abandoned)
+        severed += 1
     return severed
 
 
@@ -187,11 +170,10 @@ def recover(world: "DeltaWorld", epoch: int, *, replaced_rank: int | None = None
     world.epoch = epoch
     if replaced_rank is not None:
         world.incarnation[replaced_rank] = epoch
-    for group in list(world.groups.values()):
-        for transport, peer in list(group.links):
-            old = group.install(transport, peer, None)
-            if old is not None:
-                old.close()
+    for (transport, peer), _ in world.links_snapshot():
+        old = world.install(transport, peer, None)
+        if old is not None:
+            old.close()
     connect_all_rings(world, epoch)
 
 
@@ -207,35 +189,13 @@ def join(world: "DeltaWorld", epoch: int) -> None:
 
 
 def connect_all_rings(world: "DeltaWorld", epoch: int) -> None:
-    """Build every missing ring link of every group, in generation ``epoch``.
+    """Build the link to every ring neighbour (in any group) that has none, in generation ``epoch``.
 
-    One thread per peer rank, so the cost is that of the busiest peer rather than
-    the sum over about 20 links (TP2xPP2xDP2). Links to one peer are built one
-    after the other, in group creation order (the peer follows the same order):
-    two pairs between the same two processes coming up at once could not be told
-    apart when the transport identifies a link's socket. Each build gets its own
-    store client when the store can be cloned (a TCPStore client blocks every
-    thread on one get); the Python etcd store is shared, being thread-safe.
+    One link per neighbour, all at once (one thread each): the cost is one link set-up, not
+    one per group (TP2xPP2xDP2 has up to ten groups over the same TP pair).
     """
-    by_peer: dict[int, list["DeltaGroup"]] = {}
-    for group in list(world.groups.values()):
-        with group._lock:
-            for p in group.ring_peers():
-                if (world.transport, p) not in group.links:
-                    by_peer.setdefault(p, []).append(group)
-    if not by_peer:
-        return
-
-    def build(peer: int, groups: list["DeltaGroup"]) -> None:
-        for group in groups:
-            store = _clone_store(group.store)
-            link = group.connect_links([peer], world.transport, generation=epoch, store=store)[peer]
-            if group.install(world.transport, peer, link) is not None:
-                raise MigrationAborted(f"a link to rank {peer} in group {group.name!r} appeared during the rebuild")
-
-    with ThreadPoolExecutor(max_workers=len(by_peer), thread_name_prefix="nccl_delta_rebuild") as pool:
-        futures = [pool.submit(build, p, gs) for p, gs in sorted(by_peer.items())]
-        errors = [f.exception() for f in futures]
-    failed = [e for e in errors if e is not None]
-    if failed:
-        raise failed[0]
+    needed = world.ring_neighbours()
+    with world._links_lock:
+        missing = {p: g for p, g in needed.items() if (world.transport, p) not in world.links}
+    if missing:
+        world.connect_links(sorted(missing), world.transport, group=missing, generation=epoch)

@@ -1,23 +1,29 @@
-"""DeltaGroup: one process group over logical ranks, made of links to its ring neighbours.
+"""DeltaGroup: one process group over logical ranks, whose ops run on its members' links.
 
 Contract
 - Created by :class:`nccl_delta.world.DeltaWorld` on every member, in the same
   order on every member (torch's ``new_group`` already requires this).
 - Ops run inline on the calling thread, one op at a time per group; megatron
   issues every collective of a group from its main thread.
-- The link table is keyed by ``(transport, peer)`` and may be changed by the
-  two-phase swap between ops; the group object itself (and so every handle
-  megatron cached) stays the same across swaps.
-- Ring links are built when the group is created; a link to a non-neighbour
-  (point-to-point over a big group, e.g. megatron's PP=2 path over WORLD) is
-  built on first use; both ends reach it because p2p calls come in matched pairs.
+- Links belong to the world, one per peer process (and transport), and serve
+  every group containing both ends. A group's messages carry tags of its own
+  (:func:`tag_base` of its name): p2p tags ``base + t`` for ``t`` below
+  :data:`P2P_TAG_LIMIT`, collectives ``base + P2P_TAG_LIMIT``. Sends and
+  receives on one tag match in posting order, which is program order on both
+  ends, so even two groups whose tags collide would still match correctly.
+- The world's link table may be changed by the two-phase swap between ops;
+  the group object itself (and so every handle megatron cached) stays the same
+  across swaps.
+- Links to ring neighbours are built when the group is created (unless they
+  exist already); a link to a non-neighbour (point-to-point over a big group,
+  e.g. megatron's PP=2 path over WORLD) is built on first use; both ends reach
+  it because p2p calls come in matched pairs.
 - Any error raises :class:`CommLinkError` naming the peer, the group and the op.
 """
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
+import zlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,15 +32,22 @@ from torch.distributed import Store
 
 from trainmover_ext.errors import CommAbandoned, CommLinkError
 
-from . import links as links_mod
-from .links import Link, LinkId, LinkWork
+from .links import Link, LinkWork
 from .ring import Ring, finish_avg, op_name
 
 if TYPE_CHECKING:
     from .world import DeltaWorld
 
-# Point-to-point tags stay below the collectives' tag so the two never match each other.
-P2P_TAG_LIMIT = 1 << 30
+# A group's point-to-point tags; its collective tag is the one right above them.
+P2P_TAG_LIMIT = 1 << 10
+# Tag bases: 2**19 spaces of 2**11 tags, all below 2**30 (gloo takes a signed 32-bit tag; the
+# transport's own probe tag lies above them).
+_TAG_SPACES = 1 << 19
+
+
+def tag_base(name: str) -> int:
+    """First tag of group ``name``'s space; the same on every process (it depends on the name only)."""
+    return (zlib.crc32(name.encode()) % _TAG_SPACES) << 11
 
 
 class DeltaGroup:
@@ -49,8 +62,8 @@ class DeltaGroup:
         self.store = store
         self.index = self.members.index(world.rank)
         self.size = len(self.members)
-        self.links: dict[tuple[str, int], Link] = {}
-        self._lock = threading.Lock()
+        self.tag = tag_base(name)
+        self.coll_tag = self.tag + P2P_TAG_LIMIT
 
     def __repr__(self) -> str:
         return f"DeltaGroup({self.name!r}, members={self.members}, me={self.world.rank})"
@@ -65,68 +78,28 @@ class DeltaGroup:
         peers = {self.members[(i + 1) % self.size], self.members[(i - 1) % self.size]}
         return sorted(peers)
 
-    def link_id(self, peer: int, transport: str, generation: int | None = None) -> LinkId:
-        me = self.world.rank
-        gen = self.world.generation(peer) if generation is None else generation
-        return LinkId(group=self.name, a=min(me, peer), b=max(me, peer), generation=gen, transport=transport)
+    def all_links(self) -> list[Link]:
+        """The links this group's ops use now (shared with other groups)."""
+        return [link for (_, peer), link in self.world.links_snapshot() if peer in self.members]
 
-    def connect_links(self, peers: list[int], transport: str, generation: int | None = None,
-                      store: Store | None = None) -> dict[int, Link]:
-        """Build links to ``peers`` and return them.
-
-        Concurrently when the store can be cloned: a thread blocked in a store get blocks every
-        other thread on the same client, so each thread gets its own. Otherwise one by one in
-        ascending (min, max) pair order, which every process follows, so no wait cycle forms.
-        """
-        store = store or self.store
-        ids = {peer: self.link_id(peer, transport, generation) for peer in peers}
-        me, config = self.world.rank, self.world.config
-        clones = _clones(store, len(ids)) if len(ids) > 1 else None
-        if clones is None:
-            order = sorted(ids, key=lambda p: (min(me, p), max(me, p)))
-            return {peer: links_mod.connect(ids[peer], me, store, config) for peer in order}
-        with ThreadPoolExecutor(max_workers=len(ids), thread_name_prefix="nccl_delta_connect") as pool:
-            futures = {peer: pool.submit(links_mod.connect, lid, me, clone, config)
-                       for (peer, lid), clone in zip(ids.items(), clones)}
-            return {peer: fut.result() for peer, fut in futures.items()}
-
-    def connect_ring(self, transport: str, generation: int | None = None) -> None:
-        """Build the missing ring links of this process (called on every member at once)."""
-        with self._lock:
-            missing = [p for p in self.ring_peers() if (transport, p) not in self.links]
-        built = self.connect_links(missing, transport, generation)
-        with self._lock:
-            for peer, link in built.items():
-                self.links[(transport, peer)] = link
-
-    def install(self, transport: str, peer: int, link: Link | None) -> Link | None:
-        """Replace the link to ``peer`` (``None`` removes it); returns the old link for the caller to close."""
-        with self._lock:
-            old = self.links.pop((transport, peer), None)
-            if link is not None:
-                self.links[(transport, peer)] = link
-            return old
+    def connect_ring(self, transport: str) -> None:
+        """Build the missing links to this process's ring neighbours (called on every member at once)."""
+        self.world.connect_links(self.ring_peers(), transport, group=self.name)
 
     def link_to(self, peer: int, transport: str, op: str) -> Link:
-        """The link to ``peer``; a missing non-ring link is built now (both ends are in a matched p2p call)."""
+        """The link to ``peer``; a missing one is built now (both ends are in a matched p2p call)."""
         self._check_live(op)
-        link = self.links.get((transport, peer))
+        link = self.world.links.get((transport, peer))
         if link is None:
             if self.world.joining:
                 raise CommLinkError(
-                    f"{op} in group {self.name!r} needs a link to rank {peer} before this joiner called join(epoch)")
-            built = self.connect_links([peer], transport)[peer]
-            with self._lock:
-                link = self.links.setdefault((transport, peer), built)
+                    f"{op} needs a link to rank {peer} before this joiner called join(epoch)")
+            link = self.world.connect_links([peer], transport, group=self.name)[peer]
         return link
 
     def _check_live(self, op: str) -> None:
         if self.world.abandoned is not None:
-            raise CommAbandoned(f"{op} in group {self.name!r}: {self.world.abandoned}; call recover(epoch) first")
-
-    def all_links(self) -> list[Link]:
-        with self._lock:
-            return list(self.links.values())
+            raise CommAbandoned(f"{op}: {self.world.abandoned}; call recover(epoch) first")
 
     # --- ops -----------------------------------------------------------------
     @staticmethod
@@ -134,17 +107,18 @@ class DeltaGroup:
         return "nccl" if tensor.is_cuda else "gloo"
 
     def _ring(self, transport: str, op: str) -> Ring:
+        op = f"{op} in group {self.name!r}"
         self._check_live(op)
-        if any((transport, p) not in self.links for p in self.ring_peers()):
+        if any((transport, p) not in self.world.links for p in self.ring_peers()):
             # First op on this transport (e.g. CPU metadata on a GPU world): every member is in
             # the same collective, so build both ring links at once; one by one could deadlock.
             if self.world.joining:
-                raise CommLinkError(f"{op} in group {self.name!r} before this joiner called join(epoch)")
+                raise CommLinkError(f"{op} before this joiner called join(epoch)")
             self.connect_ring(transport)
         prev = self.link_to(self.members[(self.index - 1) % self.size], transport, op)
         nxt = self.link_to(self.members[(self.index + 1) % self.size], transport, op)
         return Ring(index=self.index, size=self.size, prev=prev, next=nxt,
-                    segment_bytes=self.world.config.segment_bytes, op=op)
+                    segment_bytes=self.world.config.segment_bytes, op=op, tag=self.coll_tag)
 
     def allreduce(self, tensor: torch.Tensor, op) -> None:
         if self.size == 1:
@@ -218,23 +192,15 @@ class DeltaGroup:
         if not tensor.is_contiguous():
             raise ValueError("nccl_delta send/recv needs a contiguous tensor")
         peer = self.members[peer_index]
-        op = f"{'send' if send else 'recv'}(tag={tag})"
+        op = f"{'send' if send else 'recv'}(tag={tag}) in group {self.name!r}"
         link = self.link_to(peer, self.transport_for(tensor), op)
-        return link.isend(tensor, tag, op) if send else link.irecv(tensor, tag, op)
+        return link.isend(tensor, self.tag + tag, op) if send else link.irecv(tensor, self.tag + tag, op)
 
 
 # Reductions a 2-member group hands to its pair's native all-reduce: order-independent for two
 # operands, so the result is bit-identical to the ring's. AVG runs as SUM, then divides.
 _PAIR_OPS = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX,
              "MIN": dist.ReduceOp.MIN}
-
-
-def _clones(store: Store, count: int) -> list[Store] | None:
-    """``count`` independent clients of ``store``, or ``None`` if it cannot be cloned."""
-    try:
-        return [store.clone() for _ in range(count)]
-    except Exception:  # e.g. a store implemented in Python without clone()
-        return None
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:

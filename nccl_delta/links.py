@@ -1,15 +1,17 @@
-"""Links: one point-to-point connection between two logical ranks of one group.
+"""Links: one point-to-point connection between two logical ranks, shared by all their groups.
 
 Contract
-- A :class:`Link` belongs to one group and one generation. The generation is
-  part of its store prefix, so a rebuilt link never meets a stale key or a
-  stale socket of an older one.
+- A :class:`Link` joins two processes (logical ranks) in one generation and
+  serves every group that needs that pair; groups keep their traffic apart by
+  tag (see :mod:`nccl_delta.group`). The generation is part of its store
+  prefix, so a rebuilt link never meets a stale key or a stale socket of an
+  older one.
 - A link that saw an error is never reused: its state becomes ``broken`` and
   every later op raises :class:`CommLinkError` at once. Gloo closes the pair on
   an error, and unmatched sends/receives may still sit in it.
 - :meth:`Link.sever` (any thread) makes pending ops on both ends fail now; it
   is how ``abandon`` unblocks a thread waiting on a hung peer.
-- Errors name the peer's logical rank, the group and the op.
+- Errors name the peer's logical rank and the op; a group's ops name the group in ``op``.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from .config import DeltaConfig
 
 @dataclass(kw_only=True, frozen=True)
 class LinkId:
-    """Who a link connects: the group name, both logical ranks and the generation."""
+    """Who a link connects: both logical ranks and the generation (and the group that first needed it)."""
 
     group: str
-    """Group name as torch names it (identical on every member that created the group in the same order)."""
+    """Name of the group whose op first needed the link (for messages only: the link serves every group)."""
     a: int
     """The lower logical (global) rank."""
     b: int
@@ -104,7 +106,7 @@ class Link:
             cls = CommAbandoned
             why = f"{self._abandon_reason}; {why}"
         return cls(
-            f"{op} with peer rank {self.peer} in group {self.link_id.group!r} failed: {why}. "
+            f"{op} with peer rank {self.peer} failed: {why}. "
             "The link is broken: the control plane must replace the peer or recover the epoch."
         )
 

@@ -28,10 +28,6 @@ from trainmover_ext.errors import CommAbandoned, CommLinkError
 
 from .links import Link, LinkWork
 
-# Collectives use one tag per link; sends and receives on a tag match in
-# posting order, which is the same on both ends because ops run in program order.
-COLL_TAG = 1 << 30
-
 _REDUCERS: dict = {}
 
 
@@ -81,13 +77,17 @@ def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
 class Ring:
     """The ring of one op: member ``index`` of ``size``, with links to its neighbours."""
 
-    def __init__(self, *, index: int, size: int, prev: Link | None, next: Link | None, segment_bytes: int, op: str):
+    def __init__(self, *, index: int, size: int, prev: Link | None, next: Link | None, segment_bytes: int, op: str,
+                 tag: int):
         self.i = index
         self.n = size
         self.prev = prev
         self.next = next
         self.segment_bytes = segment_bytes
         self.op = op
+        self.tag = tag
+        """The group's collective tag: sends and receives on one tag match in posting order, which is
+        program order on both ends."""
         self._sends: list[LinkWork] = []
 
     # --- plumbing -------------------------------------------------------
@@ -96,10 +96,10 @@ class Ring:
         return [(s, min(s + step, end)) for s in range(start, end, step)] or []
 
     def _send(self, view: torch.Tensor) -> None:
-        self._sends.append(self.next.isend(view, COLL_TAG, self.op))
+        self._sends.append(self.next.isend(view, self.tag, self.op))
 
     def _recv(self, view: torch.Tensor) -> LinkWork:
-        return self.prev.irecv(view, COLL_TAG, self.op)
+        return self.prev.irecv(view, self.tag, self.op)
 
     def _drain_sends(self) -> None:
         sends, self._sends = self._sends, []

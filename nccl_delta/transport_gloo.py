@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 # One gloo device (listener + event loop) per process and host: every pair of
 # the process shares it, so a link costs one socket, not a thread and a port.
 _devices: dict[str | None, object] = {}
-# Above every tag the groups use (p2p < 2**30, collectives == 2**30): never matched by a send.
+# Above every tag the groups use (all below 2**30, see nccl_delta.group): never matched by a send.
 PROBE_TAG = (1 << 30) + 1
 _devices_lock = threading.Lock()
 

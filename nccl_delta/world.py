@@ -11,6 +11,11 @@ Contract
   thing that changes links after creation; see :mod:`nccl_delta.delta` for the
   protocol. Call it at an iteration boundary from the training thread, except
   ``abandon``, which may come from any thread (e.g. an etcd watch).
+- Links: one per peer process and transport, in :attr:`DeltaWorld.links`,
+  shared by every group containing both ends (groups tag their traffic apart,
+  see :mod:`nccl_delta.group`). So a rank holds one link per distinct ring
+  neighbour, whatever the number of groups, and a rebuild costs one link
+  set-up per peer, all peers at once.
 - Link generations: the link between logical ranks a and b is built in
   generation ``max(base, incarnation[a], incarnation[b])``, where
   ``incarnation[r]`` is the epoch at which r's current process joined and
@@ -22,12 +27,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from torch.distributed import Store
 
+from . import links as links_mod
 from .config import DeltaConfig
 from .group import DeltaGroup
+from .links import Link, LinkId
 
 if TYPE_CHECKING:
     from .delta import PreparedSwap, SwitchReport
@@ -48,6 +56,9 @@ class DeltaWorld:
         self.config = config
         self.transport = config.resolved_transport()
         self.groups: dict[str, DeltaGroup] = {}
+        self.links: dict[tuple[str, int], Link] = {}
+        """``(transport, peer) -> Link``: the one live link to each peer, shared by all groups."""
+        self._links_lock = threading.Lock()
         self.incarnation: dict[int, int] = {}
         self.base_generation = 0
         self.epoch = 0
@@ -75,12 +86,8 @@ class DeltaWorld:
         return group
 
     def remove_group(self, name: str) -> None:
-        group = self.groups.pop(name, None)
-        if group is not None:
-            for transport_peer in list(group.links):
-                old = group.install(*transport_peer, None)
-                if old is not None:
-                    old.close()
+        """Forget a group; its links stay for the other groups (:meth:`close` closes them all)."""
+        self.groups.pop(name, None)
 
     def generation(self, peer: int) -> int:
         return max(self.base_generation, self.incarnation.get(self.rank, 0), self.incarnation.get(peer, 0))
@@ -89,13 +96,81 @@ class DeltaWorld:
         """This process's groups that also contain ``rank``, in creation order."""
         return [g for g in self.groups.values() if rank in g.members]
 
-    def links_to(self, rank: int) -> list[tuple[DeltaGroup, str, object]]:
-        """Every (group, transport, link) of this process whose peer is ``rank``."""
-        out = []
-        for group in self.groups.values():
-            for (transport, peer), link in list(group.links.items()):
-                if peer == rank:
-                    out.append((group, transport, link))
+    def ring_neighbours(self) -> dict[int, str]:
+        """Every peer that is a ring neighbour of this process in some group -> the first such group."""
+        out: dict[int, str] = {}
+        for group in list(self.groups.values()):
+            for peer in group.ring_peers():
+                out.setdefault(peer, group.name)
+        return out
+
+    # --- links -------------------------------------------------------------------
+    def links_snapshot(self) -> list[tuple[tuple[str, int], Link]]:
+        with self._links_lock:
+            return list(self.links.items())
+
+    def links_to(self, rank: int) -> list[tuple[str, Link]]:
+        """Every (transport, link) of this process whose peer is ``rank``."""
+        return [(transport, link) for (transport, peer), link in self.links_snapshot() if peer == rank]
+
+    def install(self, transport: str, peer: int, link: Link | None) -> Link | None:
+        """Replace the link to ``peer`` (``None`` removes it); returns the old link for the caller to close."""
+        with self._links_lock:
+            old = self.links.pop((transport, peer), None)
+            if link is not None:
+                self.links[(transport, peer)] = link
+            return old
+
+    def connect_links(self, peers: list[int], transport: str, *, group: str | dict[int, str],
+                      generation: int | None = None,
+                      store: Store | None = None, install: bool = True) -> dict[int, Link]:
+        """Build the missing links to ``peers`` (all at once, one thread each) and return them.
+
+        Both ends of each link call this at about the same time. A link that exists already is
+        returned as it is. With ``install`` the new links go into :attr:`links`; without, the
+        caller installs them (phase 1 of a swap). Each thread gets its own client when the store
+        can be cloned (a TCPStore client blocks every thread on one get); a store that cannot
+        (the Python etcd store, thread-safe) is shared. ``group`` names the group that needs the
+        links (or maps each peer to one), for messages.
+        """
+        store = store or self.store
+        out: dict[int, Link] = {}
+        todo: list[int] = []
+        for peer in dict.fromkeys(peers):
+            link = self.links.get((transport, peer)) if install else None
+            if link is not None:
+                out[peer] = link
+            else:
+                todo.append(peer)
+        if not todo:
+            return out
+
+        def build(peer: int, client: Store) -> Link:
+            gen = self.generation(peer) if generation is None else generation
+            lid = LinkId(group=group if isinstance(group, str) else group[peer], a=min(self.rank, peer), b=max(self.rank, peer), generation=gen,
+                         transport=transport)
+            return links_mod.connect(lid, self.rank, client, self.config)
+
+        clients = _clients(store, len(todo))
+        if len(todo) == 1:
+            built = {todo[0]: build(todo[0], clients[0])}
+        else:
+            with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix="nccl_delta_connect") as pool:
+                futures = {peer: pool.submit(build, peer, client) for peer, client in zip(todo, clients)}
+                errors = [f.exception() for f in futures.values()]
+                failed = [e for e in errors if e is not None]
+                if failed:
+                    for f in futures.values():
+                        if f.exception() is None:
+                            f.result().close()
+                    raise failed[0]
+                built = {peer: f.result() for peer, f in futures.items()}
+        if install:
+            for peer, link in built.items():
+                old = self.install(transport, peer, link)
+                if old is not None:
+                    old.close()
+        out.update(built)
         return out
 
     # --- membership API (see nccl_delta.delta for the protocol) ----------------
@@ -125,9 +200,22 @@ class DeltaWorld:
         join(self, epoch)
 
     def close(self) -> None:
-        """Close every link of every group (idempotent)."""
-        for name in list(self.groups):
-            self.remove_group(name)
+        """Forget every group and close every link (idempotent)."""
+        self.groups.clear()
+        for (transport, peer), _ in self.links_snapshot():
+            old = self.install(transport, peer, None)
+            if old is not None:
+                old.close()
+
+
+def _clients(store: Store, count: int) -> list[Store]:
+    """``count`` store clients: independent clones when the store can be cloned, else ``store`` itself."""
+    if count <= 1:
+        return [store]
+    try:
+        return [store.clone() for _ in range(count)]
+    except Exception:  # e.g. a store implemented in Python without clone()
+        return [store] * count
 
 
 def current_world() -> DeltaWorld:
