@@ -1,0 +1,449 @@
+#!/usr/bin/env python3
+"""NVIDIA resiliency-ext (nvrx 0.4.1) in-process restart of the demo job: the ``nvrx_inprocess_s`` baseline.
+
+The job is the one ``downtime.py`` measures (8 ranks, TP2 x PP2 x DP2, the demo
+flags, trained by ``megatron.training.pretrain`` as ``pretrain_gpt.py`` does),
+on CPU with gloo, with each rank's training call wrapped in
+``nvidia_resiliency_ext.inprocess.Wrapper``. One extra process is started as
+nvrx's spare: the rank assignment ``Compose(MaxActiveWorldSize(8), FillGaps())``
+keeps it INACTIVE (waiting in nvrx's reserve loop) until an active rank is lost,
+then gives it the lost rank's index.
+
+What happens after the SIGKILL of rank 5 (after iteration 6 is logged):
+
+1. the victim's nvrx monitor process (a daemon forked per rank) sees its target
+   gone and records the rank as terminated in nvrx's store;
+2. ranks whose gloo operations touch the dead peer fail ("Connection closed by
+   peer"); nvrx's monitor threads see the interruption, abort torch.distributed
+   (``AbortTorchDistributed`` aborts only NCCL, so an ``AbortGloo`` calling
+   ``ProcessGroupGloo.abort()`` is composed in) and raise ``RankShouldRestart``
+   in the main thread, which unwinds ``pretrain``;
+3. observed here (nvrx 0.4.1, torch 2.13 CPU, gloo): a rank blocked in a gloo
+   collective with a *surviving* peer (e.g. the data-parallel gradient
+   all-reduce) is not interrupted: its monitor thread does not act and an
+   asynchronous exception cannot enter C++, so only nvrx's hard progress timeout
+   recovers it: its monitor process SIGTERMs it after ``hard_timeout`` (30 s
+   here, nvrx's default 90 s) and it is lost like the victim. Hence several
+   spares (each lost rank takes one) and a downtime bounded below by the hard
+   timeout. This is what nvrx does with a SIGKILL on this stack; it is measured
+   as is, nothing else is substituted;
+4. nvrx meets the survivors at its iteration barrier and re-assigns ranks
+   (``FillGaps``): spares take the lost ranks' indices, the others keep theirs;
+5. the wrapped function runs again in the same OS processes (no new interpreter,
+   no re-import): a new gloo process group, the model, and the state restored
+   from the latest checkpoint on disk (``--save``/``--load``, saved every 5
+   iterations), which is what an nvrx user of Megatron does (nvrx 0.4.1 restores
+   nothing by itself; the in-memory alternative is nvrx's separate local
+   checkpointing, which is not part of the in-process wrapper).
+
+``nvrx_inprocess_s`` uses ``downtime.py``'s definition and its code
+(:func:`downtime.lost_time`): from the SIGKILL to the end of the first iteration
+after the resume, minus one steady iteration. Iterations since the checkpoint
+(here iteration 6) are re-run inside that window, so they count as lost, as in
+``restart_s``. ``bit_identical`` compares the loss trajectory (last value logged
+per iteration) with a fault-free run of the same job.
+
+    python benchmarks/nvrx_inprocess.py --json bench_out/nvrx.json
+
+Needs ``pip install -r requirements-bench.txt``; without the package
+:func:`unavailable_reason` says why and nothing runs.
+"""
+
+# No `from __future__ import annotations` here: nvrx finds the parameter that receives its
+# CallWrapper by comparing real annotation objects; string annotations make it raise.
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import ROOT, print_table, read_events, wait_until, write_json  # noqa: E402
+
+from trainmover_ext.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
+
+PACKAGE = "nvidia-resiliency-ext"
+VERSION = "0.4.1"
+TOKEN_ENV = "NVRX_BENCH_TOKEN"
+"""Every process of a run (ranks, nvrx's monitor daemons) inherits this; cleanup finds them by it."""
+
+
+def unavailable_reason() -> Optional[str]:
+    """None when ``nvidia_resiliency_ext.inprocess`` imports at the pinned version, else why not."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            installed = version(PACKAGE)
+        except PackageNotFoundError:
+            return f"{PACKAGE} is not installed (pip install -r requirements-bench.txt)"
+        import nvidia_resiliency_ext.inprocess  # noqa: F401
+    except Exception as exc:  # an import failure of any kind means: cannot measure
+        return f"{PACKAGE} does not import: {type(exc).__name__}: {exc}"
+    if installed != VERSION:
+        return f"{PACKAGE} {installed} is installed; this baseline is written against {VERSION}"
+    return None
+
+
+@dataclass
+class WrapperTimings:
+    """nvrx ``Wrapper`` intervals and timeouts (seconds). The intervals are tuned below nvrx's 1 s
+    defaults so that polling is not what makes nvrx slow. The progress timeouts are cut from nvrx's
+    60 s / 90 s defaults to 20 s / 30 s: on gloo a rank whose main thread is blocked in a collective
+    that never fails is only recovered by the hard timeout (its monitor process terminates it), so
+    this bound is part of the measured downtime; lower risks terminating healthy ranks at start-up."""
+
+    monitor_thread_interval_s: float = 0.1
+    monitor_process_interval_s: float = 0.1
+    progress_watchdog_interval_s: float = 0.1
+    last_call_wait_s: float = 0.1
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 30.0
+    soft_timeout_s: float = 20.0
+    hard_timeout_s: float = 30.0
+    barrier_timeout_s: float = 120.0
+    completion_timeout_s: float = 120.0
+    termination_grace_s: float = 5.0
+
+
+@dataclass
+class NvrxRunConfig:
+    """One nvrx-wrapped job. ``job_args`` are the Megatron flags (without ``--save``/``--load``)."""
+
+    job_args: list[str]
+    ranks: int = 8
+    spares: int = 3
+    """nvrx reserve ranks: the killed rank, and each rank the hard timeout terminates, take one."""
+    victim: Optional[int] = 5
+    """Rank SIGKILLed once ``at_iteration`` is logged; None for a fault-free run."""
+    at_iteration: int = 6
+    save_interval: int = 5
+    max_restarts: int = 2
+    pg_timeout_s: float = 120.0
+    """Timeout of the gloo process group the wrapped function creates (and of its stores)."""
+    run_timeout_s: float = 900.0
+    timings: WrapperTimings = field(default_factory=WrapperTimings)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _token_pids(token: str) -> list[int]:
+    """Processes whose environment carries ``TOKEN_ENV=token`` (ours: started by this run)."""
+    needle = f"{TOKEN_ENV}={token}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def _kill_token(token: str) -> list[int]:
+    """SIGKILL every process of the run (one by one, by pid); returns the pids signalled."""
+    killed = []
+    for pid in _token_pids(token):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
+    return killed
+
+
+def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
+    """Start ``ranks + spares`` workers, SIGKILL ``victim`` after ``at_iteration`` (if set), wait for
+    the job to finish (at most ``run_timeout_s``), and return its records. Raises RuntimeError, with the
+    log paths, when the job does not complete; every process of the run is SIGKILLed on the way out."""
+    world = cfg.ranks + cfg.spares
+    metrics = os.path.join(workdir, f"{name}.jsonl")
+    events = os.path.join(workdir, f"{name}.events.jsonl")
+    ckpt = os.path.join(workdir, f"{name}.ckpt")
+    spec = {
+        "argv": cfg.job_args + ["--save", ckpt, "--load", ckpt, "--save-interval", str(cfg.save_interval),
+                                "--tm-metrics-file", metrics],
+        "events": events, "active": cfg.ranks, "pg_port": _free_port(), "pg_timeout_s": cfg.pg_timeout_s,
+        "max_restarts": cfg.max_restarts, "timings": asdict(cfg.timings),
+        "monitor_log": os.path.join(workdir, f"{name}.monitor{{rank}}.log"),
+    }
+    spec_path = os.path.join(workdir, f"{name}.spec.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    token = secrets.token_hex(8)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINMOVER_")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world), LOCAL_RANK="0",
+               PYTHONUNBUFFERED="1", **{TOKEN_ENV: token})
+    train_iters = int(cfg.job_args[cfg.job_args.index("--train-iters") + 1])
+    procs: list[subprocess.Popen] = []
+    t_kill, terminated = None, []
+    try:
+        for rank in range(world):
+            log = os.path.join(workdir, f"{name}.rank{rank}")
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--worker", spec_path],
+                stdout=open(log + ".out", "w"), stderr=open(log + ".err", "w"), cwd=ROOT,
+                env=dict(env, RANK=str(rank))))
+        deadline = time.time() + cfg.run_timeout_s
+        if cfg.victim is not None:
+            def reached():
+                if any(p.poll() not in (None, 0) for p in procs):
+                    raise RuntimeError(f"{name}: a rank exited before the kill; see {workdir}/{name}.rank*.err")
+                return any(e.get("event") == "iteration" and e["iteration"] >= cfg.at_iteration
+                           for e in read_events(metrics))
+
+            wait_until(reached, cfg.run_timeout_s, 0.01)
+            t_kill = time.time()
+            os.kill(procs[cfg.victim].pid, signal.SIGKILL)
+        codes = [proc.wait(max(1.0, deadline - time.time())) for proc in procs]
+        # nvrx's hard timeout terminates a rank it sees stuck (SIGTERM, then SIGKILL): a recovery, not a failure.
+        terminated = [r for r, rc in enumerate(codes) if r != cfg.victim and rc in (-signal.SIGTERM, -signal.SIGKILL)]
+        failed = [r for r, rc in enumerate(codes) if r != cfg.victim and rc != 0 and r not in terminated]
+        done = [e for e in read_events(metrics) if e.get("event") == "iteration" and e["iteration"] >= train_iters]
+        if failed or not done:
+            raise RuntimeError(f"{name}: ranks {failed} failed (exit codes {codes}), iteration {train_iters} "
+                               f"{'reached' if done else 'not reached'}; see {workdir}/{name}.rank*.err")
+    except subprocess.TimeoutExpired as exc:
+        raise RuntimeError(f"{name}: not finished within {cfg.run_timeout_s:.0f} s; "
+                           f"see {workdir}/{name}.rank*.err") from exc
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            proc.wait(30)
+        _kill_token(token)  # nvrx's monitor daemons (double-forked, re-parented to init)
+    return {"t_kill": t_kill, "terminated_by_nvrx": terminated, "metrics_path": metrics, "metrics": read_events(metrics), "events": read_events(events)}
+
+
+def trajectory(records: list[dict]) -> dict[int, float]:
+    """iteration -> loss; a re-run iteration keeps the value logged last (as downtime.py)."""
+    return {e["iteration"]: e["loss"] for e in records if e.get("event") == "iteration"}
+
+
+def analyse(cfg: NvrxRunConfig, run: dict) -> dict:
+    """Downtime of a killed run with downtime.py's :func:`lost_time`, plus nvrx's phases."""
+    from downtime import lost_time
+
+    t0, events = run["t_kill"], run["events"]
+    startups = [e for e in run["metrics"] if e.get("event") == "startup"]
+    after = [e for e in startups if e["process_start"] < t0 < e["rendezvous"]]
+    if not after:
+        raise RuntimeError("the logging rank recorded no start-up after the kill: nvrx did not restart the job")
+    resumed = after[0]
+    result = lost_time(run["metrics_path"], t0, {"t": resumed["checkpoint_loaded"],
+                                                 "resumed_iteration": resumed["resumed_iteration"]})
+    restarted = [e for e in events if e["event"] == "fn_start" and e["nvrx_iteration"] >= 1]
+    faults = [e for e in events if e["event"] == "nvrx_finalize" and e["t"] > t0]
+    spare = [e for e in restarted if e["initial_rank"] >= cfg.ranks]
+    first_fault = min((e["t"] for e in faults), default=None)
+    all_started = max((e["t"] for e in restarted), default=None)
+    first = next(e for e in run["metrics"] if e.get("event") == "iteration" and e["t_end"] > resumed["checkpoint_loaded"])
+    phases = {}
+    if first_fault is not None and all_started is not None:
+        phases = {
+            "detect_and_abort_s": first_fault - t0,
+            "finalize_barrier_reassign_s": all_started - first_fault,
+            "process_group_and_args_s": resumed["rendezvous"] - all_started,
+            "model_build_s": resumed["model_built"] - resumed["rendezvous"],
+            "checkpoint_load_s": resumed["checkpoint_loaded"] - resumed["model_built"],
+            "first_iteration_s": first["t_end"] - resumed["checkpoint_loaded"],
+        }
+    result.update(
+        nvrx_inprocess_s=result["downtime_s"],
+        phases={k: round(v, 4) for k, v in phases.items()},
+        restarts=max((e["nvrx_iteration"] for e in events if e["event"] == "fn_start"), default=0),
+        spare_took_rank=spare[0]["rank"] if spare else None,
+        terminated_by_nvrx=run["terminated_by_nvrx"],
+        fault_reports=sorted({e["error"] for e in faults}),
+        lost_iterations=(max(e["iteration"] for e in run["metrics"]
+                             if e.get("event") == "iteration" and e["t_end"] <= t0) - resumed["resumed_iteration"]),
+    )
+    return result
+
+
+def measure(data_prefix: str, iters: int = 16, victim: int = 5, at_iteration: int = 6, save_interval: int = 5,
+            reference: Optional[dict[int, float]] = None, job_args: Optional[list[str]] = None,
+            ranks: int = 8, workdir: Optional[str] = None, keep: bool = False) -> dict:
+    """The nvrx baseline end to end: a killed run, and a fault-free nvrx run unless ``reference`` (a
+    loss trajectory of the same job) is given. Logs stay in ``workdir`` when a run fails or ``keep``."""
+    cfg = NvrxRunConfig(job_args=job_args or demo_args(data_prefix, iters), ranks=ranks, victim=victim,
+                        at_iteration=at_iteration, save_interval=save_interval)
+    own = workdir is None
+    workdir = workdir or tempfile.mkdtemp(prefix="tm_nvrx_")
+    ok = False
+    try:
+        killed = run_job(cfg, workdir, "killed")
+        result = analyse(cfg, killed)
+        if reference is None:
+            fault_free = run_job(NvrxRunConfig(job_args=cfg.job_args, ranks=ranks, victim=None,
+                                               save_interval=save_interval), workdir, "fault_free")
+            reference = trajectory(fault_free["metrics"])
+        traj = trajectory(killed["metrics"])
+        result["bit_identical"] = traj == reference
+        result["final_iteration"] = max(traj) if traj else None
+        result["config"] = {"ranks": ranks, "spares": cfg.spares, "victim": victim, "at_iteration": at_iteration,
+                            "save_interval": save_interval, "restore": "latest checkpoint on disk",
+                            "wrapper": asdict(cfg.timings)}
+        ok = True
+        return result
+    finally:
+        if ok and own and not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif not ok:
+            print(f"nvrx run failed: its logs are kept in {workdir}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------- worker (one per rank, nvrx-wrapped)
+
+def _worker(spec_path: str) -> int:
+    """One rank: build the nvrx Wrapper and call the wrapped training function."""
+    import torch
+    from nvidia_resiliency_ext import inprocess
+    from nvidia_resiliency_ext.inprocess import rank_assignment as ra
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    with open(spec_path) as f:
+        spec = json.load(f)
+    t = spec["timings"]
+    td = lambda s: datetime.timedelta(seconds=s)  # noqa: E731
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    def stamp(event: str, **fields) -> None:
+        with open(spec["events"], "a") as out:
+            out.write(json.dumps({"event": event, "t": time.time(), "pid": os.getpid(), **fields}) + "\n")
+
+    class StampInitialize(inprocess.initialize.Initialize):
+        def __call__(self, state):
+            stamp("nvrx_initialize", nvrx_iteration=state.iteration, rank=state.rank, initial_rank=state.initial_rank)
+            return state
+
+    class StampFinalize(inprocess.finalize.Finalize):
+        def __call__(self, state):
+            stamp("nvrx_finalize", nvrx_iteration=state.iteration, rank=state.rank, initial_rank=state.initial_rank,
+                  error=type(state.fn_exception).__name__ if state.fn_exception is not None else "none")
+            return state
+
+    class AbortGloo(inprocess.abort.Abort):
+        """Abort every gloo backend, so that a main thread blocked in a gloo operation raises.
+
+        nvrx's ``AbortTorchDistributed`` aborts NCCL backends only and then destroys the groups; a
+        gloo operation already waiting on a peer stays blocked (the asynchronous ``RankShouldRestart``
+        cannot interrupt C++), until nvrx's hard timeout terminates that rank too."""
+
+        def __call__(self, state):
+            from torch.distributed import distributed_c10d as c10d
+
+            for group in list(c10d._world.pg_names):
+                try:
+                    backend = group._get_backend(torch.device("cpu"))
+                except RuntimeError:
+                    continue
+                if isinstance(backend, torch.distributed.ProcessGroupGloo):
+                    backend.abort()
+            return state
+
+    # The store of the training process groups (one prefix per nvrx iteration), hosted by rank 0 like
+    # nvrx's own store; it outlives the restarts.
+    pg_store = torch.distributed.TCPStore(
+        host_name=os.environ["MASTER_ADDR"], port=spec["pg_port"], world_size=world, is_master=rank == 0,
+        multi_tenant=True, wait_for_workers=True, use_libuv=True, timeout=td(spec["pg_timeout_s"]))
+
+    # Heavy imports before the wrapper's first barrier: while a rank waits in C++ (the process group's
+    # rendezvous) nvrx's progress watchdog sees no progress, so a long start-up spread looks like a hang.
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+
+    import pretrain_gpt
+    from trainmover_ext.config import add_trainmover_args
+
+    wrapper = inprocess.Wrapper(
+        store_kwargs={"host_name": os.environ["MASTER_ADDR"], "port": int(os.environ["MASTER_PORT"]),
+                      "timeout": td(spec["pg_timeout_s"])},
+        initialize=inprocess.Compose(inprocess.initialize.RetryController(max_iterations=spec["max_restarts"] + 1),
+                                     StampInitialize()),
+        abort=inprocess.Compose(inprocess.abort.AbortTorchDistributed(), AbortGloo()),  # gloo first
+        finalize=StampFinalize(),
+        rank_assignment=inprocess.Compose(ra.MaxActiveWorldSize(spec["active"]), ra.FillGaps()),
+        monitor_thread_interval=td(t["monitor_thread_interval_s"]),
+        monitor_process_interval=td(t["monitor_process_interval_s"]),
+        progress_watchdog_interval=td(t["progress_watchdog_interval_s"]),
+        last_call_wait=td(t["last_call_wait_s"]),
+        heartbeat_interval=td(t["heartbeat_interval_s"]),
+        heartbeat_timeout=td(t["heartbeat_timeout_s"]),
+        soft_timeout=td(t["soft_timeout_s"]),
+        hard_timeout=td(t["hard_timeout_s"]),
+        barrier_timeout=td(t["barrier_timeout_s"]),
+        completion_timeout=td(t["completion_timeout_s"]),
+        termination_grace_time=td(t["termination_grace_s"]),
+        monitor_process_logfile=spec["monitor_log"],
+    )
+
+    def train(store, call_wrapper: Optional[inprocess.CallWrapper] = None):
+        """The restartable unit: a fresh gloo group and ``pretrain`` (which loads the latest checkpoint)."""
+        active_rank, active_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        stamp("fn_start", nvrx_iteration=call_wrapper.iteration, rank=active_rank,
+              initial_rank=call_wrapper.state.initial_rank)
+        torch.distributed.init_process_group(
+            "gloo", store=torch.distributed.PrefixStore(f"nvrx_pg_{call_wrapper.iteration}", store),
+            rank=active_rank, world_size=active_world, timeout=td(spec["pg_timeout_s"]))
+        return pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+                        ModelType.encoder_or_decoder, pretrain_gpt.forward_step,
+                        extra_args_provider=add_trainmover_args, argv=spec["argv"])
+
+    wrapper(train)(pg_store)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="Write the result as JSON to this path.")
+    parser.add_argument("--iters", type=int, default=16, help="Training iterations of each run.")
+    parser.add_argument("--victim", type=int, default=5, help="Rank SIGKILLed (8-rank layout).")
+    parser.add_argument("--at-iteration", type=int, default=6, help="Kill once this iteration is logged.")
+    parser.add_argument("--save-interval", type=int, default=5, help="Checkpoint interval the restart resumes from.")
+    parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
+    parser.add_argument("--keep", action="store_true", help="Keep the run directory (logs, checkpoints).")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args.worker)
+    reason = unavailable_reason()
+    if reason:
+        print(f"nvrx_inprocess_s skipped: {reason}", file=sys.stderr)
+        return 2
+    ensure_corpus(args.data_prefix)
+    print(f"nvrx in-process restart, SIGKILL of rank {args.victim} after iteration {args.at_iteration}, "
+          f"then a fault-free nvrx run ...", flush=True)
+    result = measure(args.data_prefix, args.iters, args.victim, args.at_iteration, args.save_interval,
+                     keep=args.keep)
+    rows = [("nvrx_inprocess_s", f"{result['nvrx_inprocess_s']:.3f}"), ("iteration_s", f"{result['iteration_s']:.3f}"),
+            ("bit_identical", str(result["bit_identical"])), ("lost_iterations", str(result["lost_iterations"]))]
+    rows += [(f"  {k}", f"{v:.3f}") for k, v in result["phases"].items()]
+    print_table("nvrx in-process restart (seconds)", rows, ("measure", "value"))
+    write_json(args.json, result)
+    return 0 if result["bit_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
