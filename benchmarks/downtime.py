@@ -22,9 +22,10 @@ fault-free run of the same job.
 
     python benchmarks/downtime.py --json bench_out/downtime.json [--plot bench_out/downtime.png]
 
-NVIDIA resiliency-ext's in-process restart (``nvrx_inprocess_s``) is not
-measured yet: the wheel installs, but wrapping this trainer in its in-process
-restart (spare ranks filling a killed one) is not built; the key is null.
+- ``nvrx_inprocess_s``: the same SIGKILL under NVIDIA resiliency-ext 0.4.1's in-process
+  restart (``benchmarks/nvrx_inprocess.py``: spare ranks, restore from the latest
+  checkpoint), when ``nvidia-resiliency-ext`` imports (``requirements-bench.txt``);
+  otherwise "nvrx_inprocess_s skipped: <reason>" is printed and the key is null.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -190,6 +192,26 @@ def restart_baseline(data_prefix: str, iters: int) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def nvrx_baseline(args, workdir: str, ref: dict[int, float]) -> tuple[Optional[dict], Optional[str]]:
+    """``(result, None)`` from ``benchmarks/nvrx_inprocess.py`` (the same job, victim and iteration), or
+    ``(None, reason)`` when skipped. A failed nvrx run raises, and its logs stay under ``workdir/nvrx``."""
+    if args.skip_nvrx:
+        reason = "--skip-nvrx"
+    else:
+        from nvrx_inprocess import measure, unavailable_reason
+
+        reason = unavailable_reason()
+        if reason is None:
+            print(f"NVIDIA resiliency-ext in-process restart, SIGKILL of rank {args.victim} after iteration "
+                  f"{args.at_iteration} ...", flush=True)
+            nvrx_dir = os.path.join(workdir, "nvrx")
+            os.makedirs(nvrx_dir)
+            return measure(args.data_prefix, args.iters, args.victim, args.at_iteration, reference=ref,
+                           workdir=nvrx_dir), None
+    print(f"nvrx_inprocess_s skipped: {reason}", flush=True)
+    return None, reason
+
+
 def plot(path: str, result: dict) -> None:
     import matplotlib
 
@@ -218,6 +240,9 @@ def main(argv=None) -> int:
     parser.add_argument("--at-iteration", type=int, default=6, help="Act once this iteration is logged.")
     parser.add_argument("--scale", default="4,8,16", help="World sizes of the scale runs ('' to skip).")
     parser.add_argument("--skip-restart", action="store_true", help="Skip the stop-restart baseline.")
+    parser.add_argument("--skip-nvrx", action="store_true",
+                        help="Skip the NVIDIA resiliency-ext in-process restart baseline (nvrx_inprocess_s, "
+                             "about 2-3 minutes; it runs only when nvidia-resiliency-ext is installed).")
     parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
     args = parser.parse_args(argv)
     ensure_corpus(args.data_prefix)
@@ -237,6 +262,7 @@ def main(argv=None) -> int:
         if not args.skip_restart:
             print("stop-restart baseline (same job, checkpoint every 5 iterations) ...", flush=True)
             restart = restart_baseline(args.data_prefix, args.iters)
+        nvrx, nvrx_skipped = nvrx_baseline(args, workdir, ref)
         scale = []
         for ranks in [int(r) for r in args.scale.split(",") if r.strip()]:
             print(f"scale: {ranks} ranks, SIGKILL of the last rank ...", flush=True)
@@ -262,21 +288,30 @@ def main(argv=None) -> int:
         "planned": planned,
         "restart_s": restart["restart_s"] if restart else None,
         "restart": restart,
-        "nvrx_inprocess_s": None,
+        "nvrx_inprocess_s": nvrx["nvrx_inprocess_s"] if nvrx else None,
+        "nvrx": nvrx if nvrx else {"skipped": nvrx_skipped},
         "bit_identical": {"unexpected": traj_u == ref, "planned": traj_p == ref},
         "scale": scale,
     }
     if restart:
         result["unexpected_over_restart"] = result["unexpected_s"] / restart["restart_s"]
+    if nvrx:
+        result["unexpected_over_nvrx"] = result["unexpected_s"] / nvrx["nvrx_inprocess_s"]
     result["planned_over_iteration"] = result["planned_s"] / result["iteration_s"]
     by_ranks = {s["ranks"]: s["unexpected_s"] for s in scale}
     if 4 in by_ranks and 16 in by_ranks:
         result["scale_16_over_4"] = by_ranks[16] / by_ranks[4]
     rows = [("restart_s", f"{result['restart_s']:.3f}" if restart else "skipped"),
             ("unexpected_s", f"{result['unexpected_s']:.3f}"), ("planned_s", f"{result['planned_s']:.3f}"),
+            ("nvrx_inprocess_s", f"{nvrx['nvrx_inprocess_s']:.3f}" if nvrx else "skipped"),
             ("iteration_s", f"{result['iteration_s']:.3f}"),
             ("bit_identical", str(result["bit_identical"]))]
     rows += [(f"  unexpected {k}", f"{v:.3f}") for k, v in unexpected.get("phases", {}).items()]
+    if nvrx:
+        rows += [("unexpected_s / nvrx_inprocess_s", f"{result['unexpected_over_nvrx']:.3f} (goal <= 0.5)"),
+                 ("nvrx bit_identical", str(nvrx["bit_identical"])),
+                 ("nvrx ranks terminated by its hard timeout", str(nvrx["terminated_by_nvrx"]))]
+        rows += [(f"  nvrx {k}", f"{v:.3f}") for k, v in nvrx["phases"].items()]
     rows += [(f"scale {s['ranks']} ranks", f"{s['unexpected_s']:.3f} s (iteration {s['iteration_s']:.3f} s, "
               f"bit-identical {s['bit_identical']})") for s in scale]
     print_table("downtime (seconds)", rows, ("measure", "value"))
