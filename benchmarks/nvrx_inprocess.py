@@ -196,6 +196,15 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
     train_iters = int(cfg.job_args[cfg.job_args.index("--train-iters") + 1])
     procs: list[subprocess.Popen] = []
     t_kill, terminated = None, []
+    # Both stores are hosted here, not by rank 0: nvrx's hard timeout may terminate rank 0 too (see the
+    # module doc), and a store dying with its host takes every rank down. nvrx's TCPStore falls back to
+    # a client when the port is taken.
+    import torch
+
+    servers = [torch.distributed.TCPStore("127.0.0.1", port, world_size=None, is_master=True,
+                                          wait_for_workers=False, multi_tenant=True, use_libuv=True,
+                                          timeout=datetime.timedelta(seconds=cfg.pg_timeout_s))
+               for port in (int(env["MASTER_PORT"]), spec["pg_port"])]
     try:
         for rank in range(world):
             log = os.path.join(workdir, f"{name}.rank{rank}")
@@ -232,7 +241,9 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
         for proc in procs:
             proc.wait(30)
         _kill_token(token)  # nvrx's monitor daemons (double-forked, re-parented to init)
-    return {"t_kill": t_kill, "terminated_by_nvrx": terminated, "metrics_path": metrics, "metrics": read_events(metrics), "events": read_events(events)}
+        del servers
+    return {"t_kill": t_kill, "terminated_by_nvrx": terminated, "metrics_path": metrics,
+            "metrics": read_events(metrics), "events": read_events(events)}
 
 
 def trajectory(records: list[dict]) -> dict[int, float]:
@@ -257,7 +268,8 @@ def analyse(cfg: NvrxRunConfig, run: dict) -> dict:
     spare = [e for e in restarted if e["initial_rank"] >= cfg.ranks]
     first_fault = min((e["t"] for e in faults), default=None)
     all_started = max((e["t"] for e in restarted), default=None)
-    first = next(e for e in run["metrics"] if e.get("event") == "iteration" and e["t_end"] > resumed["checkpoint_loaded"])
+    first = next(e for e in run["metrics"]
+                 if e.get("event") == "iteration" and e["t_end"] > resumed["checkpoint_loaded"])
     phases = {}
     if first_fault is not None and all_started is not None:
         phases = {
@@ -363,11 +375,11 @@ def _worker(spec_path: str) -> int:
                     backend.abort()
             return state
 
-    # The store of the training process groups (one prefix per nvrx iteration), hosted by rank 0 like
-    # nvrx's own store; it outlives the restarts.
+    # The store of the training process groups (one prefix per nvrx iteration), hosted by the driver
+    # like nvrx's own store; it outlives the restarts.
     pg_store = torch.distributed.TCPStore(
-        host_name=os.environ["MASTER_ADDR"], port=spec["pg_port"], world_size=world, is_master=rank == 0,
-        multi_tenant=True, wait_for_workers=True, use_libuv=True, timeout=td(spec["pg_timeout_s"]))
+        host_name=os.environ["MASTER_ADDR"], port=spec["pg_port"], world_size=world, is_master=False,
+        multi_tenant=True, use_libuv=True, timeout=td(spec["pg_timeout_s"]))
 
     # Heavy imports before the wrapper's first barrier: while a rank waits in C++ (the process group's
     # rendezvous) nvrx's progress watchdog sees no progress, so a long start-up spread looks like a hang.
