@@ -87,6 +87,9 @@ def lost_time(metrics: str, t0: float, after_event: dict, *, planned: bool = Fal
         "resumed_iteration": after_event.get("resumed_iteration"),
         "to_resume_s": after_event["t"] - t0,
         "first_iteration_s": first["t_end"] - after_event["t"],
+        # Where the time went: each iteration ending in the window, as (iteration, seconds).
+        "window": [(e["iteration"], round(e["iteration_s"], 3)) for e in its
+                   if t0 < e["t_end"] <= first["t_end"] and e["iteration"] > last_before],
     }
 
 
@@ -119,7 +122,7 @@ class Etcd:
 
 def phases_of(steps: dict, t0: float) -> dict:
     """Durations between consecutive timeline steps, starting at ``t0`` (the kill or the request)."""
-    order = ["detected", "decided", "joined", "links_rebuilt", "transferred", "checkpoint_loaded", "first_iteration"]
+    order = ["detected", "decided", "joined", "links_rebuilt", "ready", "transferred", "checkpoint_loaded", "first_iteration"]
     out, prev = {}, t0
     for name in order:
         if name in steps:

@@ -177,14 +177,15 @@ def train_step(session: Session) -> Optional[float]:
             torch.distributed.all_reduce(loss_t, group=mpu.get_data_parallel_group())
             loss_t /= layout.dp_size
         loss = loss_t.item()
-    if layout.is_logging_rank:
-        session.metrics.write(
-            event="iteration", iteration=args.iteration + 1, loss=loss, iteration_s=time.time() - t0,
-            t_end=time.time(), consumed_samples=args.consumed_train_samples + args.global_batch_size,
-            lr=optimizer.param_groups[0]["lr"],
-        )
+    lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     session.scheduler.step(increment=args.global_batch_size)
+    if layout.is_logging_rank:  # after the step: iteration_s covers the whole iteration
+        t_end = time.time()
+        session.metrics.write(
+            event="iteration", iteration=args.iteration + 1, loss=loss, iteration_s=t_end - t0, t_end=t_end,
+            consumed_samples=args.consumed_train_samples + args.global_batch_size, lr=lr,
+        )
     args.iteration += 1
     args.consumed_train_samples += args.global_batch_size
     return loss

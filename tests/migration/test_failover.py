@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from helpers import ITERS, assert_transfer_memory, read_metrics, run_job, tm_args, trajectory
@@ -18,6 +20,8 @@ def _assert_recovered(job, ref, victim: int):
     err = job.stderr()
     assert f"rank {victim} -> standby" in err, err[-3000:]
     assert "falling back" not in err, err[-3000:]
+    # pool upkeep: a fresh standby replaces the consumed one once the migration is over
+    assert re.search(r"started standby \S+ \(pid \d+, spawn\)", err), err[-3000:]
     assert_transfer_memory(job)
 
 

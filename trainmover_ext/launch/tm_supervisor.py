@@ -7,8 +7,12 @@ Contract (one agent per node; the single-node case is what runs today):
   :class:`~trainmover_ext.control.controller.Controller`.
 - A rank process that exits non-zero is reported at once
   (``reports/<rank>/<agent>``): the fast detection path. The controller's plan
-  names a standby; the agent maps the rank to that standby's process and starts
-  a fresh standby (a new interpreter) so the pool returns to its size.
+  names a standby; the agent maps the rank to that standby's process and,
+  once that migration finished (its ``first_iteration`` step, or
+  ``REPLENISH_AFTER_S`` at the latest), starts a fresh standby (a new
+  interpreter) so the pool returns to its size. Waiting keeps the new
+  interpreter's imports and warm-up off the node's cores while the job is
+  still recovering.
 - A plan that leaves a rank unserved (no standby), or no plan within the
   deadline, ends the job the classic way: every process is stopped and the
   agent's restart policy applies.
@@ -33,6 +37,8 @@ from trainmover_ext.runtime.identity import ENV_MEMBER_ID
 
 
 MAX_STANDBY_FAILURES = 3
+REPLENISH_AFTER_S = 60.0
+"""A consumed standby is replaced when its migration finished, or this long after the plan at the latest."""
 
 
 def _member_id(kind: str, node: int, index: int) -> str:
@@ -56,6 +62,10 @@ class TrainMoverSupervisor:
         self.standbys_started = 0
         self.standby_failures = 0
         """Standbys that exited non-zero in a row; replenishing stops at ``MAX_STANDBY_FAILURES``."""
+        self.replenish: dict[int, list] = {}
+        """Epoch -> [standbys it consumed that are still to be replaced, the latest time to do so]."""
+        self.settled: set[int] = set()
+        """Epochs whose migration finished (the joiner's first iteration is done)."""
 
     # -- processes -------------------------------------------------------------
     def _start_standby(self, method: str) -> None:
@@ -115,6 +125,8 @@ class TrainMoverSupervisor:
     def _on_plan(self, plan) -> None:
         with self._lock:
             self.plans.append(plan)
+            if "first_iteration" in plan.steps:
+                self.settled.add(plan.epoch)
 
     def close(self) -> None:
         for obj in (self.watcher, self.controller, self.member):
@@ -151,8 +163,17 @@ class TrainMoverSupervisor:
                 self.serving[rep.rank] = (proc, rep.joiner)
                 self.agent.log(f"epoch {plan.epoch} ({plan.reason}): rank {rep.rank} -> {rep.joiner} "
                                f"(pid {proc.pid}); state from {rep.state_source.get('kind')}")
-                self._start_standby("spawn")  # keep the pool at --tm-standbys
+                # Keep the pool at --tm-standbys, once this migration is over (see the module doc).
+                self.replenish.setdefault(plan.epoch, [0, time.time() + REPLENISH_AFTER_S])[0] += 1
         return None
+
+    def _replenish(self) -> None:
+        with self._lock:
+            due = [e for e, (_, latest) in self.replenish.items() if e in self.settled or time.time() > latest]
+        for epoch in due:
+            count, _ = self.replenish.pop(epoch)
+            for _ in range(count):
+                self._start_standby("spawn")
 
     def _job_finished(self) -> bool:
         """Whether every rank of the job wrote ``finished/<r>`` (read when this agent serves none)."""
@@ -178,6 +199,7 @@ class TrainMoverSupervisor:
             if self.agent._stop_signal is not None:
                 return False, 128 + self.agent._stop_signal
             why = self._apply_plans()
+            self._replenish()
             if why:
                 self.agent.log(why + "; falling back to stop-restart")
                 return False, 1

@@ -151,6 +151,8 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
         args.iteration, args.consumed_train_samples = 0, 0
         runtime = WorkerRuntime(session, config, ident, space, member, epoch=plan.epoch - 1)
         if plan.reason == "planned":
+            # Links up and model built: the job may now pick the hand-over boundary.
+            mark_step(space, plan.epoch, "ready")
             receive_from_leaver(runtime, session, plan)
         else:
             converge(runtime, session, plan, joiner=True)

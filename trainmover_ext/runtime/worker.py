@@ -10,10 +10,12 @@ Contract (every rank, main thread unless noted):
   (:mod:`.converge`) and copies state from replicas, or loads the latest
   checkpoint when no replica holds it. Training continues at that iteration.
 - On a *planned* plan the stayers build the joiner's links in the background
-  (phase 1) and keep training. All ranks agree, through one compare-and-swap
-  key, on the iteration boundary where the hand-over happens: there the leaver
-  streams its state to the joiner and leaves, and the stayers switch the
-  leaver's links to the joiner (phase 2).
+  (phase 1) and keep training while the joiner builds its model. Once the
+  joiner marks the plan ``ready``, all ranks agree, through one
+  compare-and-swap key, on the iteration boundary where the hand-over
+  happens: there the leaver streams its state to the joiner and leaves, and
+  the stayers switch the leaver's links to the joiner (phase 2). So the
+  training pauses only for the state transfer and the joiner's first step.
 - A rank that finds itself replaced (declared dead while hung) stops with
   :class:`MembershipLost`.
 """
@@ -59,6 +61,7 @@ class WorkerRuntime(Runtime):
         self._plans: dict[int, MigrationPlan] = {}
         self._cond = threading.Condition()
         self._switch_at: dict[int, int] = {}
+        self._prepared: set[int] = set()
         self._replaced = False
         self.pending_first_iteration: int | None = None
         """Epoch whose ``first_iteration`` step this process (a joiner) still has to record."""
@@ -165,13 +168,19 @@ class WorkerRuntime(Runtime):
         layout, args = session.layout, session.args
         leaver = rep.rank == layout.rank
         if plan.epoch not in self._switch_at:
-            if not leaver:
+            if not leaver and plan.epoch not in self._prepared:
                 import nccl_delta
 
                 nccl_delta.current_world().prepare(rep.rank, plan.epoch, joiner=rep.joiner)
+                self._prepared.add(plan.epoch)
             key = self.space.key("switch_at", plan.epoch)
-            self.space.put_if_absent(key, encode("switch_at", {"iteration": args.iteration + 2}))
             entry = self.space.kv.get(key)
+            if entry is None:
+                if "ready" not in plan.steps:
+                    return True  # the joiner still builds its links and model: train on meanwhile
+                # Two iterations ahead: every rank is within one iteration of us, so none has passed it.
+                self.space.put_if_absent(key, encode("switch_at", {"iteration": args.iteration + 2}))
+                entry = self.space.kv.get(key)
             self._switch_at[plan.epoch] = decode(entry.value, kind="switch_at", key=key)["iteration"]
         if args.iteration < self._switch_at[plan.epoch]:
             return True
