@@ -85,13 +85,15 @@ def initialize_model_parallel(args) -> None:
     )
 
 
-def initialize_distributed(args, use_delta_comm: bool = False, join_epoch=None) -> ParallelLayout:
+def initialize_distributed(args, use_delta_comm: bool = False, join_epoch=None, join: bool = True) -> ParallelLayout:
     """Install patches, init torch.distributed and megatron's parallel state.
 
     With ``use_delta_comm`` every group (WORLD included) runs on nccl_delta, whose
     links can be swapped while training runs. ``join_epoch`` makes this process
     a joiner that takes over its rank at that membership epoch (it builds its
-    links only in ``nccl_delta.current_world().join``).
+    links only in ``nccl_delta.current_world().join``, called here unless
+    ``join`` is false: then the caller must call it before any collective, e.g.
+    on a thread while it builds its model).
     """
     import trainmover_ext.patches as patches
     from megatron.core import parallel_state as mpu
@@ -130,7 +132,7 @@ def initialize_distributed(args, use_delta_comm: bool = False, join_epoch=None) 
             backend=pg_backend, rank=rank, world_size=world_size, timeout=timeout, store=store
         )
     initialize_model_parallel(args)
-    if use_delta_comm and join_epoch is not None:
+    if use_delta_comm and join_epoch is not None and join:
         import nccl_delta
 
         nccl_delta.current_world().join(join_epoch)  # blocks until this rank's links are up

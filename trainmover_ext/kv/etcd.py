@@ -91,7 +91,9 @@ class EtcdClientConfig:
 def _is_unavailable(exc: BaseException) -> bool:
     import pyetcd.exceptions as pe
 
-    if isinstance(exc, (pe.ConnectionFailedError, pe.ConnectionTimeoutError, pe.NoServerAvailableError, pe.InternalServerError)):
+    # WatchTimedOut: the server did not confirm a new watch in time (seen on an overloaded host).
+    if isinstance(exc, (pe.ConnectionFailedError, pe.ConnectionTimeoutError, pe.NoServerAvailableError,
+                        pe.InternalServerError, pe.WatchTimedOut)):
         return True
     return isinstance(exc, grpc.RpcError) and exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 

@@ -141,13 +141,18 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
     print(f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (epoch {plan.epoch}, "
           f"{plan.reason})", flush=True)
     member.update(kind="worker")
-    layout = initialize_distributed(args, use_delta_comm=True, join_epoch=plan.epoch)
-    mark_step(space, plan.epoch, "joined", at=time.time())
+    layout = initialize_distributed(args, use_delta_comm=True, join_epoch=plan.epoch, join=False)
+    t_groups = time.time()
+    # The links come up on a thread while this one builds the model: neither needs the other.
+    joining = _Joining(plan.epoch, timeout_s=max(60.0, 10 * config.lease_ttl_s))
     metrics = MetricsLog(config.metrics_file, layout.is_logging_rank)
     runtime = None
     try:
         with no_collectives():  # everything they would set comes with the state transfer
             session = build_session(args, layout, *providers, metrics)
+        t_session = time.time()
+        joining.wait()
+        mark_step(space, plan.epoch, "joined", at=joining.done_at)
         args.iteration, args.consumed_train_samples = 0, 0
         runtime = WorkerRuntime(session, config, ident, space, member, epoch=plan.epoch - 1)
         if plan.reason == "planned":
@@ -158,7 +163,8 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
             converge(runtime, session, plan, joiner=True)
         runtime.pending_first_iteration = plan.epoch
         metrics.write(event="promoted", member=ident.member_id, rank=rep.rank, epoch=plan.epoch,
-                      promoted_at=t_promoted, resumed_iteration=args.iteration, state_ready=time.time())
+                      promoted_at=t_promoted, groups_built=t_groups, session_built=t_session,
+                      links_up=joining.done_at, resumed_iteration=args.iteration, state_ready=time.time())
         return train_loop(session, runtime)
     finally:
         if runtime is not None:
@@ -167,3 +173,35 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
             member.close()
         metrics.close()
         shutdown()
+
+
+class _Joining:
+    """``nccl_delta``'s ``join(epoch)`` on a thread; :meth:`wait` re-raises its error."""
+
+    def __init__(self, epoch: int, timeout_s: float):
+        import nccl_delta
+
+        self.timeout_s = timeout_s
+        self.error: BaseException | None = None
+        self.done_at: float | None = None
+        world = nccl_delta.current_world()
+
+        def run() -> None:
+            try:
+                world.join(epoch)
+            except BaseException as exc:  # re-raised by wait()
+                self.error = exc
+            finally:
+                self.done_at = time.time()
+
+        self._thread = threading.Thread(target=run, name=f"tm_join_e{epoch}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the links are up (at most ``timeout_s``)."""
+        self._thread.join(self.timeout_s)
+        if self._thread.is_alive():
+            raise MembershipLost(f"the joiner's links were not up within {self.timeout_s:.0f}s; "
+                                 "are the other ranks alive and in the same epoch?")
+        if self.error is not None:
+            raise self.error
