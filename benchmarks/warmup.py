@@ -4,26 +4,43 @@
 One tiny PP=3 GPT job (3 ranks, real megatron-core on nccl_delta over gloo
 pair links, forked from this process) records its first ``--record-iters``
 iterations, then trains on. For each role (first, middle, last) the rank of
-that role is handed over twice with nccl_delta's planned swap (only that
-rank's links change; no other process rebuilds anything):
+that role is handed over ``--repeats`` times each with nccl_delta's planned
+swap (only that rank's links change; no other process rebuilds anything):
 
 * to a **cold** process: it builds the model and joins;
 * to a **warm** general standby: it first warms all three roles alone in its
   sandbox (replaying the recordings; no link to the job), then builds and joins.
 
-    warm_ratio / cold_ratio = job iteration right after the switch / median of the 10 before it
+The hand-over is the real one (``trainmover_ext.sandbox.promotion``): at the
+boundary the leaver streams its state (model, optimizer state, scheduler, RNG,
+data position) with ``runtime.transfer`` and the newcomer receives it as a
+promoted standby does, so its first iteration does not pay what a real one
+does not (e.g. Adam's state, which a state-less newcomer would create lazily
+inside its first step). The transfer's duration is left out: stayers start the
+timed iteration once the newcomer holds the state. The leaver tears down only
+after the measured iterations, and the next hand-over starts once it is gone
+(its exit would otherwise run on the same cores inside a measured window).
 
-The job iteration time is the slowest stayer's: the pipeline waits for the
-newcomer, so its lazy start-up shows there. Also measured: recording size and
+Per hand-over, with s the boundary (the newcomer's first iteration is s+1) and
+a job iteration's time taken as the slowest *stayer's* (the pipeline waits for
+the newcomer, so its lazy start-up shows there):
+
+    ratio      = iteration s+1 / median of iterations s-9..s and s+3..s+12 (s-4 left out)
+    null_ratio = iteration s-4 / the same median   (an undisturbed iteration: the noise floor)
+
+``warm_ratio`` / ``cold_ratio`` is the median over the hand-overs of a role;
+every trial's ratio and null ratio is in the JSON, never a chosen one. Also
+reported: the newcomer's own first iteration against its own steady ones,
+garbage-collection time inside the first iteration, recording size and
 overhead per role, that the recorder hooks are gone after recording, the job's
 iteration time while a standby warms against the rest (isolation), and the
 standby's peak RSS against the job ranks'. Each newcomer and rank has its own
-inductor cache (a machine of its own). The warming standby runs at nice 19:
-on these two shared cores that stands for the separate machine it has in a
-real deployment.
+inductor cache (a machine of its own). The isolation probe's standby runs at
+SCHED_IDLE and nice 19: on these two shared cores that stands for the separate
+machine it has in a real deployment.
 
-    python benchmarks/warmup.py --json bench_out/warmup.json              # eager and --tm-compile
-    python benchmarks/warmup.py --json bench_out/warmup.json --compile off
+    python benchmarks/warmup.py --compile off --repeats 5 --json bench_out/warmup.json
+    python benchmarks/warmup.py --compile on --repeats 2 --no-probe --json bench_out/warmup_compile.json
 """
 
 from __future__ import annotations
@@ -139,59 +156,92 @@ def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: in
             quiet_until = time.time() + (window["warm_end"] - window["warm_start"])
             run.wait(lambda: time.time() >= quiet_until, "the quiet window after the probe")
         trials, epoch = [], 0
+        serving = {rank: ("job", rank) for rank in range(WORLD)}
         for role, _, kind in ((r, i, k) for r in roles for i in range(repeats) for k in ("cold", "warm")):
             epoch += 1
+            rank = RANK_OF[role]
             # Newcomers warm at normal priority (the probe above measures interference); the job then
             # trains steady_iters more iterations before the switch, so the baseline excludes the warm-up.
-            run.fork(("newcomer", epoch), promotion.newcomer, RANK_OF[role], WORLD, store.port, argv, epoch,
+            run.fork(("newcomer", epoch), promotion.newcomer, rank, WORLD, store.port, argv, epoch,
                      record_dir if kind == "warm" else None, 0)
             run.wait(lambda: run.ctl.check([f"ready/{epoch}"]), f"newcomer {epoch} to be ready")
             ready_at = run.progress()
             run.wait(lambda: run.progress() >= ready_at + steady_iters, f"steady iterations before switch {epoch}")
             switch_at = run.progress() + 3
-            run.ctl.set(f"plan/{epoch}", json.dumps({"rank": RANK_OF[role], "switch_at": switch_at}))
+            run.ctl.set(f"plan/{epoch}", json.dumps({"rank": rank, "switch_at": switch_at}))
             run.wait(lambda: run.progress() >= switch_at + steady_iters, f"iterations after switch {epoch}")
-            trials.append({"role": role, "kind": kind, "epoch": epoch, "switch_at": switch_at})
+            # Only now may the leaver tear down, and the next trial starts once it is gone: its exit
+            # runs on these same cores and must not fall into any measured window.
+            run.ctl.set(f"release/{epoch}", "1")
+            leaver, serving[rank] = serving[rank], ("newcomer", epoch)
+            run.wait(lambda: leaver in run.results, f"the leaver of epoch {epoch} to finish")
+            trials.append({"role": role, "kind": kind, "epoch": epoch, "switch_at": switch_at, "rank": rank})
         run.ctl.set("stop_at", str(run.progress() + 3))
         run.wait(lambda: len(run.results) == len(run.procs), "every process to finish")
     finally:
         run.kill()
     recordings = load_recordings(record_dir)
-    return analyse(run.results, trials, recordings, compile_, record_iters, roles, nice if probe else None)
+    return analyse(run.results, trials, recordings, compile_, record_iters, roles, nice if probe else None,
+                   steady_iters)
 
 
 def _iteration_times(results: dict) -> dict[int, list[tuple]]:
-    """iteration -> [(process key, t0, t1)] over every process that ran it."""
+    """iteration -> [(process key, rank, t0, t1, gc seconds)] over every process that ran it."""
     out: dict[int, list[tuple]] = {}
     for key, res in results.items():
         for step in res["steps"]:
-            out.setdefault(step["iteration"], []).append((key, step["t0"], step["t1"]))
+            out.setdefault(step["iteration"], []).append(
+                (key, res.get("rank"), step["t0"], step["t1"], step.get("gc_s", 0.0)))
     return out
 
 
+# Per trial, with s the switch boundary (the newcomer's first iteration is s+1):
+FIRST_AFTER = 1                      # the measured iteration
+NULL_ITERATION = -4                  # an undisturbed iteration, measured the same way (noise floor)
+BEFORE = range(-9, 1)                # baseline: the 10 iterations up to the switch ...
+AFTER = range(3, 13)                 # ... and 10 after it, once the newcomer is steady
+
+
+def trial_figures(its: dict, trial: dict, steady_iters: int) -> dict:
+    """One hand-over: the stayers' iteration right after the switch (the pipeline waits for the newcomer,
+    so its lazy start shows there) over the median stayers' iteration beside it, before and after."""
+    s, rank, newcomer = trial["switch_at"], trial["rank"], ("newcomer", trial["epoch"])
+
+    def stayers(k: int) -> float:
+        return max(t1 - t0 for key, r, t0, t1, _ in its[s + k] if r != rank)
+
+    offsets = [k for k in (*BEFORE, *AFTER) if k != NULL_ITERATION and k <= steady_iters]
+    steady = median(stayers(k) for k in offsets)
+    own = [t1 - t0 for key, _, t0, t1, _ in its[s + FIRST_AFTER] if key == newcomer]
+    own_steady = [t1 - t0 for k in AFTER if k <= steady_iters for key, _, t0, t1, _ in its[s + k] if key == newcomer]
+    gc_first = max((g for _, _, _, _, g in its[s + FIRST_AFTER]), default=0.0)
+    return {"ratio": stayers(FIRST_AFTER) / steady, "null_ratio": stayers(NULL_ITERATION) / steady,
+            "first_s": stayers(FIRST_AFTER), "steady_s": steady,
+            "own_ratio": own[0] / median(own_steady) if own and own_steady else None,
+            "own_first_s": own[0] if own else None, "gc_first_s": gc_first}
+
+
 def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool, record_iters: int,
-            roles_measured: tuple, nice: int) -> dict:
+            roles_measured: tuple, nice: int, steady_iters: int = 12) -> dict:
     its = _iteration_times(results)
-    job_time = {k: max(t1 - t0 for _, t0, t1 in v) for k, v in its.items()}
+    job_time = {k: max(t1 - t0 for _, _, t0, t1, _ in v) for k, v in its.items()}
     roles = []
     for role in roles_measured:
         entry = {"role": role, "compile": compile_, "record_bytes": recordings[role].data_bytes}
         for kind in ("cold", "warm"):
-            ratios, firsts, own, steadies = [], [], [], []
-            for trial in (t for t in trials if t["role"] == role and t["kind"] == kind):
-                s, newcomer = trial["switch_at"], ("newcomer", trial["epoch"])
-                steady = median(job_time[k] for k in range(s - 9, s + 1))
-                stayers = [t1 - t0 for key, t0, t1 in its[s + 1] if key != newcomer]
-                own += [t1 - t0 for key, t0, t1 in its[s + 1] if key == newcomer]
-                ratios.append(max(stayers) / steady)
-                firsts.append(max(stayers))
-                steadies.append(steady)
-            # the median trial: one noisy iteration on shared cores does not make the figure
-            entry[f"{kind}_ratio"] = round(median(ratios), 3)
-            entry[f"{kind}_ratios"] = [round(r, 3) for r in ratios]
-            entry[f"{kind}_first_iteration_s"] = round(median(firsts), 4)
-            entry[f"{kind}_newcomer_first_iteration_s"] = round(median(own), 4) if own else None
-            entry[f"{kind}_steady_s"] = round(median(steadies), 4)
+            figs = [trial_figures(its, t, steady_iters) for t in trials if t["role"] == role and t["kind"] == kind]
+            # The median trial: one noisy iteration on shared cores does not make the figure.
+            entry[f"{kind}_ratio"] = round(median(f["ratio"] for f in figs), 3)
+            entry[f"{kind}_ratios"] = [round(f["ratio"], 3) for f in figs]
+            entry[f"{kind}_null_ratios"] = [round(f["null_ratio"], 3) for f in figs]
+            entry[f"{kind}_first_iteration_s"] = round(median(f["first_s"] for f in figs), 4)
+            own = [f["own_ratio"] for f in figs if f["own_ratio"] is not None]
+            entry[f"{kind}_newcomer_own_ratio"] = round(median(own), 3) if own else None
+            entry[f"{kind}_newcomer_first_iteration_s"] = round(median(f["own_first_s"] for f in figs), 4)
+            entry[f"{kind}_steady_s"] = round(median(f["steady_s"] for f in figs), 4)
+            # garbage collection inside the first iteration, slowest process (newcomer or stayer)
+            entry[f"{kind}_first_iteration_gc_s"] = [round(f["gc_first_s"], 4) for f in figs]
+        entry["null_ratio"] = round(median(entry["cold_null_ratios"] + entry["warm_null_ratios"]), 3)
         recorder = next(r for key, r in results.items() if key[0] == "job" and r["recorded"]["role"] == role)
         rec = recorder["recorded"]
         entry["record_overhead_s_per_iteration"] = round(rec["overhead_s"] / len(rec["iteration_s"]), 5)
@@ -262,10 +312,12 @@ def main() -> None:
     variants = [c for c in (False, True) if args.compile in ("both", "on" if c else "off")]
     runs = [run_variant(corpus, c, args.record_iters, args.steady_iters, args.repeats, args.deadline,
                         tuple(args.roles), args.standby_nice, not args.no_probe) for c in variants]
-    rows = [(r["role"], "on" if r["compile"] else "off", r["warm_ratio"], r["cold_ratio"], r["record_bytes"],
-             f"{r['record_overhead_ratio']:.2%}") for run in runs for r in run["roles"]]
+    rows = [(r["role"], "on" if r["compile"] else "off", r["warm_ratio"], r["cold_ratio"], r["null_ratio"],
+             r["warm_newcomer_own_ratio"], r["record_bytes"], f"{r['record_overhead_ratio']:.2%}")
+            for run in runs for r in run["roles"]]
     print_table("First iteration after promotion / steady iteration (PP=3 tiny GPT, CPU)", rows,
-                ("role", "--tm-compile", "warm_ratio", "cold_ratio", "record_bytes", "record overhead/iter"))
+                ("role", "--tm-compile", "warm_ratio", "cold_ratio", "null_ratio", "warm own", "record_bytes",
+                 "record overhead/iter"))
     for run in runs:
         iso, mem = run["isolation"], run["memory"]
         iso_text = (f"{iso['ratio_of_medians']} ({iso['iterations_during']} vs {iso['iterations_quiet']} iterations, "

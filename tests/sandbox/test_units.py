@@ -79,3 +79,31 @@ def test_sandbox_flags_are_wired():
                       (["--tm-record-dir", " "], "--tm-record-dir")):
         with pytest.raises(ConfigError, match=flag):
             _config(bad)
+
+
+def _benchmark_module():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "warmup.py")
+    spec = importlib.util.spec_from_file_location("tm_bench_warmup", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_ratio_is_the_stayers_first_iteration_over_the_iterations_beside_it():
+    # Synthetic hand-over of rank 1 at boundary s=20: stayers (ranks 0, 2) take 0.05 s, except
+    # 0.10 s right after the switch; the leaver (before) and the newcomer (after) are slower still,
+    # which must not count: only the stayers measure the job's iteration.
+    bench = _benchmark_module()
+    s, its = 20, {}
+    for k in range(s - 9, s + 13):
+        stay = 0.10 if k == s + 1 else (0.06 if k == s + 12 else 0.05)
+        its[k] = [(("job", 0), 0, 0.0, stay, 0.0), (("job", 2), 2, 0.0, stay - 0.01, 0.0)]
+        its[k].append((("job", 1), 1, 0.0, 0.5, 0.0) if k <= s else
+                      (("newcomer", 3), 1, 0.0, 0.9 if k == s + 1 else 0.3, 0.02 if k == s + 1 else 0.0))
+    fig = bench.trial_figures(its, {"switch_at": s, "rank": 1, "epoch": 3}, steady_iters=12)
+    assert fig["ratio"] == pytest.approx(2.0) and fig["null_ratio"] == pytest.approx(1.0)
+    assert fig["own_ratio"] == pytest.approx(3.0) and fig["steady_s"] == pytest.approx(0.05)
+    assert fig["gc_first_s"] == pytest.approx(0.02)

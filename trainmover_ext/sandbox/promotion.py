@@ -8,14 +8,27 @@ through keys under ``ctl/`` in that store:
 ``plan/<e>``           ``{"rank": r, "switch_at": k}``: at the boundary after iteration k, rank r's
                        process leaves and a newcomer serves r (nccl_delta's planned swap, epoch e)
 ``ready/<e>``          set by the newcomer once its model is built and it waits in ``join``
-``switched/<e>/<q>``   set by stayer q after ``switch(e)``; the newcomer starts after all of them
+``switched/<e>/<q>``   set by stayer q after ``switch(e)``
+``received/<e>``       set by the newcomer once it holds the leaver's state; stayers start
+                       their next (timed) iteration only then
+``release/<e>``        set by the parent after the measured iterations: the leaver may tear down
 ``stop_at``            every member stops after this iteration
 ``progress``           the last iteration a member completed
 
 A newcomer is *cold* (it builds its model and joins) or *warm* (it first runs
-the general standby's sandbox warm-up of every role, alone, then joins). The
-state transfer is left out on purpose: only iteration times are compared, and
-the newcomer trains the right shapes on the right data from its own weights.
+the general standby's sandbox warm-up of every role, alone, then joins).
+
+The hand-over is the real planned one, minus its timing: at the boundary the
+leaver streams its state with ``runtime.transfer.send_state`` over a
+temporary link and the newcomer takes it with ``recv_state`` exactly as a
+promoted standby does (``runtime.standby.serve_rank``): its optimizer state
+is materialised before its first iteration (not lazily inside the first
+step), and it continues the leaver's training bit for bit. The transfer's
+duration is left out on purpose: stayers wait for ``received/<e>`` before
+they start the timed iteration, so only iteration times are compared. The
+leaver then sleeps until ``release/<e>``: its teardown would otherwise run on
+the same cores inside the measured iterations, which a leaver on its own
+machine (or a dead one) does not do.
 
 Every wait has a deadline; the parent kills children that miss theirs.
 """
@@ -23,6 +36,7 @@ Every wait has a deadline; the parent kills children that miss theirs.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import resource
@@ -74,8 +88,10 @@ def init_delta_world(args, rank: int, world_size: int, store, join_epoch: Option
     )
 
 
-def serve(session, ctl, epoch: int) -> dict:
-    """Train, following the parent's plans, until ``stop_at`` or until this process is replaced."""
+def serve(session, ctl, epoch: int, store=None) -> dict:
+    """Train, following the parent's plans, until ``stop_at`` or until this process is replaced.
+
+    ``store`` (the job's store) carries the state-transfer link when this process is replaced."""
     import nccl_delta
     from megatron.training.training import train_step
 
@@ -97,16 +113,61 @@ def serve(session, ctl, epoch: int) -> dict:
                 prepared.add(epoch + 1)
             if k == plan["switch_at"]:
                 epoch += 1
-                if plan["rank"] == rank:  # the leaver: wait until no stayer uses our links, then go
+                if plan["rank"] == rank:  # the leaver: hand the state over, wait for the measurements, go
                     ctl.wait([f"switched/{epoch}/{q}" for q in range(session.layout.world_size) if q != rank],
                              datetime.timedelta(seconds=TIMEOUT_S))
-                    return {"left": True, "steps": steps, "epoch": epoch}
+                    sent = hand_state_over(session, store, epoch)
+                    ctl.wait([f"release/{epoch}"], datetime.timedelta(seconds=TIMEOUT_S))
+                    return {"left": True, "steps": steps, "epoch": epoch, "sent_bytes": sent}
                 world.switch(epoch, timeout_s=TIMEOUT_S)
                 ctl.set(f"switched/{epoch}/{rank}", "1")
-        t0 = time.time()
+                ctl.wait([f"received/{epoch}"], datetime.timedelta(seconds=TIMEOUT_S))  # transfer not timed
+        t0, gc0 = time.time(), _GC_CLOCK.total_s
         train_step(session)
-        steps.append({"iteration": args.iteration, "t0": t0, "t1": time.time(), "epoch": epoch})
+        steps.append({"iteration": args.iteration, "t0": t0, "t1": time.time(), "epoch": epoch,
+                      "gc_s": _GC_CLOCK.total_s - gc0})
         ctl.set("progress", str(args.iteration))
+
+
+def _transfer_name(epoch: int) -> str:
+    return f"bench/{epoch}/leaver"
+
+
+def hand_state_over(session, store, epoch: int) -> int:
+    """The leaver's side of the planned hand-over (``runtime.worker.hand_over``): send every state tensor."""
+    from trainmover_ext.runtime.transfer import open_transfer_link, send_state
+
+    pg = open_transfer_link(store, _transfer_name(epoch), 0, TIMEOUT_S)
+    return send_state(pg, session)
+
+
+def take_state_over(session, store, epoch: int) -> int:
+    """The newcomer's side (``runtime.worker.receive_from_leaver``): model, optimizer state, fp32 masters,
+    scheduler, RNG, iteration and consumed samples from the leaver; the data iterators are re-pointed."""
+    from trainmover_ext.runtime.transfer import open_transfer_link, recv_state
+
+    pg = open_transfer_link(store, _transfer_name(epoch), 1, TIMEOUT_S)
+    received = recv_state(pg, session)
+    session.reset_data()
+    return received
+
+
+class _GcClock:
+    """Wall time this process spent in the cyclic garbage collector (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._t0 = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.total_s += time.perf_counter() - self._t0
+
+
+_GC_CLOCK = _GcClock()
 
 
 def _int(raw: Optional[str]) -> Optional[int]:
@@ -152,7 +213,7 @@ def job_member(rank: int, world_size: int, port: int, argv: list[str], record_di
         session = build_parts(args, layout, default_program(), consumed_samples=0)
         handle = maybe_start_recording(args, layout, record_dir=record_dir, record_iters=record_iters)
         recorded = _record(session, handle)
-        out = serve(session, ctl, epoch=0)
+        out = serve(session, ctl, epoch=0, store=store)
         out.update(rank=rank, role=layout.role, recorded=recorded, hooks_after=hooks_installed(),
                    peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         return out
@@ -235,11 +296,13 @@ def newcomer(rank: int, world_size: int, port: int, argv: list[str], epoch: int,
         plan = json.loads(ctl.get(plan_key).decode())
         ctl.wait([f"switched/{epoch}/{q}" for q in range(world_size) if q != rank],
                  datetime.timedelta(seconds=TIMEOUT_S))
-        args.iteration = plan["switch_at"]
-        args.consumed_train_samples = plan["switch_at"] * args.global_batch_size
-        session.reset_data()
+        report["received_bytes"] = take_state_over(session, store, epoch)
+        if session.args.iteration != plan["switch_at"]:
+            raise RuntimeError(f"newcomer {epoch} took the state of iteration {session.args.iteration}, "
+                               f"not {plan['switch_at']}")
         torch.set_num_threads(1)
-        report.update(serve(session, ctl, epoch=epoch))
+        ctl.set(f"received/{epoch}", "1")
+        report.update(serve(session, ctl, epoch=epoch, store=store))
         report["peak_rss_bytes"] = peak_rss_bytes()
         return report
     finally:
