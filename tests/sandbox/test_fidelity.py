@@ -60,6 +60,7 @@ def test_standby_is_isolated(standby, comm):
     assert standby["group_classes"] == [(GROUP_CLASS[comm], True)], standby["group_classes"]
     assert standby["new_sockets"] == [], f"the standby opened sockets: {standby['new_sockets']}"
     assert standby["initialized_after"] is False
+    assert standby["kept_models"] == 0, "a warmed model was kept: nothing reuses it, it would sit beside the rank's"
     for result in standby["results"]:
         assert result["replayed_calls"] > 0 and result["replayed_bytes"] > 0
 

@@ -6,7 +6,9 @@ job, with the job's own flags. :func:`warm_up` builds the role's model with
 role's real data iterator), runs shadow iterations through the very
 ``train_step`` the job runs, and tears the replay world down so the process
 can later init the real world. :func:`warm_standby` does that for first,
-middle and last in turn and keeps the model of one role.
+middle and last in turn; it keeps a role's model only when asked (nothing
+reuses it yet: a promoted standby builds its rank's model in the real world,
+and a kept model would sit beside it).
 
 What it warms: imports, model build, the allocator, autograd, the data loader
 and dataset index, ``torch.compile`` (``--tm-compile``); on GPU also the CUDA
@@ -216,6 +218,25 @@ def _shadow_iterations(args, role, recording, iters, on_progress, program, compi
     return result
 
 
+def release_free_memory() -> bool:
+    """Give the allocator's free pages back to the OS (glibc ``malloc_trim(0)``); False where unavailable.
+
+    Between two roles a standby frees one role's model and builds the next: without this, the freed
+    holes the next build cannot reuse stay resident and raise the standby's peak RSS above a rank's.
+
+    The symbol is looked up in the process itself (``dlopen(NULL)``), not through
+    ``ctypes.util.find_library``, which runs ``ldconfig`` in a child process: with that lookup the
+    launched standby of ``test_launch.py`` lost its etcd lease while warming (3 runs of 3), without
+    it it kept it."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False  # not glibc
+    return bool(trim(0))
+
+
 def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[str] = None,
                  iters: Optional[int] = None, program: Optional[ShadowProgram] = None,
                  on_progress: Optional[Callable[[ShadowProgress], None]] = None,
@@ -223,9 +244,13 @@ def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[
                  should_stop: Optional[Callable[[], bool]] = None) -> list[WarmResult]:
     """The general standby: warm every recorded role (first, middle, last order) in turn.
 
-    Each role's model is dropped before the next is built, so peak memory is
-    one role's, not three; ``keep_role`` (default: the last warmed) keeps its
-    model in the returned result. Every config is checked against every
+    Each role's model is dropped before the next is built, and the freed
+    pages go back to the OS (:func:`release_free_memory`) before the next
+    role, so peak memory is one role's, not three; after the last role they
+    stay with the allocator, for the promoted rank's build. After each role
+    what is left alive is frozen (:func:`freeze_warm_objects`). ``keep_role``
+    (default: none) keeps that role's model in the returned result. Every
+    config is checked against every
     recording before anything is built. ``should_stop`` is asked before each
     role (a standby promoted mid-way stops warming); ``on_role_done`` is
     called after each.
@@ -237,14 +262,29 @@ def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[
     mine = job_fingerprint(args)
     for role in order:
         check_compatible(recordings[role].fingerprint, mine, role=role)
-    keep_role = keep_role or order[-1]
     program = program or default_program()
     results = []
-    for role in order:
+    for i, role in enumerate(order):
         if should_stop is not None and should_stop():
             break
+        if i:
+            release_free_memory()  # the previous role's model is gone (warm_up collected it)
         results.append(warm_up(args, role, recordings[role], iters, on_progress, program=program,
                                keep_model=(role == keep_role)))
+        freeze_warm_objects()
         if on_role_done is not None:
             on_role_done(results[-1])
     return results
+
+
+def freeze_warm_objects() -> int:
+    """Move every object alive now out of the cyclic collector's reach (``gc.freeze``); call it right
+    after a collection (``warm_up`` ends with one), so that no garbage is frozen.
+
+    The warm-up leaves a few hundred thousand long-lived objects (modules, compiled code, caches). A
+    full collection walks all of them, holding the GIL: on the 2-core machine 0.1-1 s, which a
+    promoted rank would pay inside whichever iteration triggers it (and which can starve a standby's
+    lease-refresh thread). Frozen objects are skipped by every later collection; the promoted rank's
+    own objects are still collected. Returns the number of frozen objects."""
+    gc.freeze()
+    return gc.get_freeze_count()

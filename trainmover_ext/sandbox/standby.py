@@ -10,7 +10,10 @@ after it has registered with no warm roles. :func:`warm_general_standby`
 3. runs shadow iterations of first, middle and last in turn, against a
    replay world (no link to any job rank), and after each role rewrites its
    member record: ``warm_roles`` grows and ``warmup`` carries the timings;
-4. keeps the model of the last role warmed (:func:`kept_model`).
+4. keeps no model: a promoted standby builds its rank's model in the real
+   world (``runtime.standby.serve_rank``), so a kept model would only sit
+   beside it, in the promoted process's memory. What carries over is the
+   process-wide warm state (imports, allocator, data index, compiled code).
 
 Failure: :class:`RecordingNotFound` (timeout) and :class:`RecordingCorrupt`
 propagate, and the caller falls back to the basic warm-up and says so.
@@ -78,5 +81,6 @@ def warm_general_standby(args, config, providers, *, space, member,
 
 
 def kept_model() -> Optional[WarmResult]:
-    """The role whose model this standby kept after warming (None before, or after the basic warm-up)."""
+    """The role whose model this standby kept after warming: None, since it keeps none (see the module
+    doc); kept for a promotion path that re-points a kept model's groups to the real ones."""
     return _KEPT
