@@ -252,6 +252,7 @@ def main(argv=None) -> int:
     workdir = tempfile.mkdtemp(prefix="tm_downtime_")
     etcd = Etcd(workdir)
     ok_run = False
+    nvrx_skipped = None
     try:
         print("fault-free reference run (8 ranks) ...", flush=True)
         ref = reference(workdir, args.data_prefix, args.iters, 8)
@@ -265,7 +266,11 @@ def main(argv=None) -> int:
         if not args.skip_restart:
             print("stop-restart baseline (same job, checkpoint every 5 iterations) ...", flush=True)
             restart = restart_baseline(args.data_prefix, args.iters)
-        nvrx, nvrx_skipped = nvrx_baseline(args, workdir, ref)
+        try:
+            nvrx, nvrx_skipped = nvrx_baseline(args, workdir, ref)
+        except Exception as exc:  # noqa: BLE001 - one failed baseline must not lose the other figures
+            nvrx, nvrx_skipped = None, f"the nvrx run failed ({str(exc)[:300]}); logs in {workdir}/nvrx"
+            print(f"nvrx_inprocess_s: {nvrx_skipped}", flush=True)
         scale = []
         for ranks in [int(r) for r in args.scale.split(",") if r.strip()]:
             print(f"scale: {ranks} ranks, SIGKILL of the last rank ...", flush=True)
@@ -278,7 +283,7 @@ def main(argv=None) -> int:
         ok_run = True
     finally:
         etcd.stop()
-        if ok_run:
+        if ok_run and "failed" not in (nvrx_skipped or ""):  # a failed nvrx run keeps its logs too
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             print(f"a run failed: its logs are kept in {workdir}", file=sys.stderr)
