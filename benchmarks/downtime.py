@@ -160,6 +160,13 @@ def run_trainmover(workdir: str, name: str, data_prefix: str, iters: int, ranks:
     if not resumed:
         raise RuntimeError(f"{name}: the logging rank recorded no recovery; see {log}.err")
     result = lost_time(metrics, t0, resumed[0], planned=resumed[0].get("reason") == "planned")
+    promoted = [e for e in read_events(metrics) if e.get("event") == "promoted" and "groups_built" in e]
+    if promoted:  # only when the joiner is the logging rank (the scale runs kill it)
+        e = promoted[0]
+        result["joiner"] = {"groups_s": e["groups_built"] - e["promoted_at"],
+                            "model_s": e["session_built"] - e["groups_built"],
+                            "links_up_s": e["links_up"] - e["groups_built"],
+                            "state_s": e["state_ready"] - max(e["session_built"], e["links_up"])}
     plans = etcd.plan_steps(name)
     if plans:
         result["phases"] = phases_of(plans[0]["steps"], t0)
@@ -279,7 +286,8 @@ def main(argv=None) -> int:
             res, traj, _ = run_trainmover(workdir, name, args.data_prefix, args.iters, ranks, args.at_iteration,
                                           kill_rank(ranks - 1), etcd)
             scale.append({"ranks": ranks, "unexpected_s": res["downtime_s"], "iteration_s": res["iteration_s"],
-                          "bit_identical": traj == ref_s, "phases": res.get("phases", {})})
+                          "bit_identical": traj == ref_s, "phases": res.get("phases", {}),
+                          "joiner": res.get("joiner", {})})
         ok_run = True
     finally:
         etcd.stop()

@@ -156,6 +156,11 @@ class WorkerRuntime(Runtime):
                               resumed_iteration=session.args.iteration)
 
     # -- planned migration ----------------------------------------------------
+    def _wait_ready(self, epoch: int) -> bool:
+        """Block until the joiner of ``epoch`` marked its plan ``ready`` (at most ``timeout_s``)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: "ready" in self._plans[epoch].steps, self.timeout_s)
+
     def before_iteration(self, session: Session) -> bool:
         if self._replaced:
             raise MembershipLost(f"rank {session.layout.rank} was replaced by the control plane")
@@ -177,9 +182,17 @@ class WorkerRuntime(Runtime):
             entry = self.space.kv.get(key)
             if entry is None:
                 if "ready" not in plan.steps:
-                    return True  # the joiner still builds its links and model: train on meanwhile
-                # Two iterations ahead: every rank is within one iteration of us, so none has passed it.
-                self.space.put_if_absent(key, encode("switch_at", {"iteration": args.iteration + 2}))
+                    if args.iteration < args.train_iters - 1:
+                        return True  # the joiner still builds its links and model: train on meanwhile
+                    # The last boundary: the hand-over cannot come later, so wait for the joiner here.
+                    if not self._wait_ready(plan.epoch):
+                        logger.warning("rank %d: the joiner of epoch %d was not ready within %.0fs; finishing "
+                                       "without the planned move", layout.rank, plan.epoch, self.timeout_s)
+                        return True
+                # Two iterations ahead (every rank is within one iteration of us, so none has passed
+                # it), but never beyond the last boundary: a rank waiting there holds everyone back.
+                switch_at = min(args.iteration + 2, args.train_iters - 1)
+                self.space.put_if_absent(key, encode("switch_at", {"iteration": switch_at}))
                 entry = self.space.kv.get(key)
             self._switch_at[plan.epoch] = decode(entry.value, kind="switch_at", key=key)["iteration"]
         if args.iteration < self._switch_at[plan.epoch]:
