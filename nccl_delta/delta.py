@@ -99,7 +99,7 @@ def prepare(world: "DeltaWorld", rank: int, epoch: int, *, joiner: str | None = 
 
     def build() -> None:
         try:
-            link = world.connect_links([rank], world.transport, group=group, generation=epoch, install=False)[rank]
+            link = world.connect_links({rank: group}, world.transport, generation=epoch, install=False)[rank]
             swap.links.append((world.transport, link))
         except BaseException as exc:  # reported by switch()
             swap.error = exc
@@ -132,19 +132,14 @@ def switch(world: "DeltaWorld", epoch: int, *, timeout_s: float | None = None) -
     touched = 0
     replaced = set()
     for transport, link in swap.links:
-        old = world.install(transport, swap.rank, link)
+        world.install(transport, swap.rank, link)
         replaced.add(transport)
         touched += 1
-        if old is not None:
-            old.close()
     # A link to the leaver that phase 1 did not rebuild (a p2p link outside every ring, another
     # transport) is closed; both ends rebuild it on first use in the new generation.
     for transport, _ in world.links_to(swap.rank):
-        if transport not in replaced:
-            old = world.install(transport, swap.rank, None)
-            if old is not None:
-                old.close()
-                touched += 1
+        if transport not in replaced and world.install(transport, swap.rank, None):
+            touched += 1
     world.incarnation[swap.rank] = epoch
     world.epoch = epoch
     return SwitchReport(rank=swap.rank, epoch=epoch, links_touched=touched,
@@ -170,10 +165,7 @@ def recover(world: "DeltaWorld", epoch: int, *, replaced_rank: int | None = None
     world.epoch = epoch
     if replaced_rank is not None:
         world.incarnation[replaced_rank] = epoch
-    for (transport, peer), _ in world.links_snapshot():
-        old = world.install(transport, peer, None)
-        if old is not None:
-            old.close()
+    world.drop_links()
     connect_all_rings(world, epoch)
 
 
@@ -194,8 +186,7 @@ def connect_all_rings(world: "DeltaWorld", epoch: int) -> None:
     One link per neighbour, all at once (one thread each): the cost is one link set-up, not
     one per group (TP2xPP2xDP2 has up to ten groups over the same TP pair).
     """
-    needed = world.ring_neighbours()
-    with world._links_lock:
-        missing = {p: g for p, g in needed.items() if (world.transport, p) not in world.links}
+    have = {peer for (transport, peer), _ in world.links_snapshot() if transport == world.transport}
+    missing = {p: g for p, g in sorted(world.ring_neighbours().items()) if p not in have}
     if missing:
-        world.connect_links(sorted(missing), world.transport, group=missing, generation=epoch)
+        world.connect_links(missing, world.transport, generation=epoch)

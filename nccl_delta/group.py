@@ -78,13 +78,9 @@ class DeltaGroup:
         peers = {self.members[(i + 1) % self.size], self.members[(i - 1) % self.size]}
         return sorted(peers)
 
-    def all_links(self) -> list[Link]:
-        """The links this group's ops use now (shared with other groups)."""
-        return [link for (_, peer), link in self.world.links_snapshot() if peer in self.members]
-
     def connect_ring(self, transport: str) -> None:
         """Build the missing links to this process's ring neighbours (called on every member at once)."""
-        self.world.connect_links(self.ring_peers(), transport, group=self.name)
+        self.world.connect_links(dict.fromkeys(self.ring_peers(), self.name), transport)
 
     def link_to(self, peer: int, transport: str, op: str) -> Link:
         """The link to ``peer``; a missing one is built now (both ends are in a matched p2p call)."""
@@ -94,7 +90,7 @@ class DeltaGroup:
             if self.world.joining:
                 raise CommLinkError(
                     f"{op} needs a link to rank {peer} before this joiner called join(epoch)")
-            link = self.world.connect_links([peer], transport, group=self.name)[peer]
+            link = self.world.connect_links({peer: self.name}, transport)[peer]
         return link
 
     def _check_live(self, op: str) -> None:

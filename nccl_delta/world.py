@@ -92,10 +92,6 @@ class DeltaWorld:
     def generation(self, peer: int) -> int:
         return max(self.base_generation, self.incarnation.get(self.rank, 0), self.incarnation.get(peer, 0))
 
-    def groups_with(self, rank: int) -> list[DeltaGroup]:
-        """This process's groups that also contain ``rank``, in creation order."""
-        return [g for g in self.groups.values() if rank in g.members]
-
     def ring_neighbours(self) -> dict[int, str]:
         """Every peer that is a ring neighbour of this process in some group -> the first such group."""
         out: dict[int, str] = {}
@@ -113,30 +109,36 @@ class DeltaWorld:
         """Every (transport, link) of this process whose peer is ``rank``."""
         return [(transport, link) for (transport, peer), link in self.links_snapshot() if peer == rank]
 
-    def install(self, transport: str, peer: int, link: Link | None) -> Link | None:
-        """Replace the link to ``peer`` (``None`` removes it); returns the old link for the caller to close."""
+    def install(self, transport: str, peer: int, link: Link | None) -> bool:
+        """Replace the link to ``peer`` (``None`` removes it) and close the old one; returns whether there was one."""
         with self._links_lock:
             old = self.links.pop((transport, peer), None)
             if link is not None:
                 self.links[(transport, peer)] = link
-            return old
+        if old is not None:
+            old.close()
+        return old is not None
 
-    def connect_links(self, peers: list[int], transport: str, *, group: str | dict[int, str],
-                      generation: int | None = None,
+    def drop_links(self) -> None:
+        """Close every link (the groups stay; ops fail until links are built again)."""
+        for transport, peer in [key for key, _ in self.links_snapshot()]:
+            self.install(transport, peer, None)
+
+    def connect_links(self, peers: dict[int, str], transport: str, *, generation: int | None = None,
                       store: Store | None = None, install: bool = True) -> dict[int, Link]:
         """Build the missing links to ``peers`` (all at once, one thread each) and return them.
 
+        ``peers`` maps each peer to the name of the group that needs the link (for messages).
         Both ends of each link call this at about the same time. A link that exists already is
         returned as it is. With ``install`` the new links go into :attr:`links`; without, the
         caller installs them (phase 1 of a swap). Each thread gets its own client when the store
         can be cloned (a TCPStore client blocks every thread on one get); a store that cannot
-        (the Python etcd store, thread-safe) is shared. ``group`` names the group that needs the
-        links (or maps each peer to one), for messages.
+        (the Python etcd store, thread-safe) is shared.
         """
         store = store or self.store
         out: dict[int, Link] = {}
         todo: list[int] = []
-        for peer in dict.fromkeys(peers):
+        for peer in peers:
             link = self.links.get((transport, peer)) if install else None
             if link is not None:
                 out[peer] = link
@@ -147,7 +149,7 @@ class DeltaWorld:
 
         def build(peer: int, client: Store) -> Link:
             gen = self.generation(peer) if generation is None else generation
-            lid = LinkId(group=group if isinstance(group, str) else group[peer], a=min(self.rank, peer), b=max(self.rank, peer), generation=gen,
+            lid = LinkId(group=peers[peer], a=min(self.rank, peer), b=max(self.rank, peer), generation=gen,
                          transport=transport)
             return links_mod.connect(lid, self.rank, client, self.config)
 
@@ -167,9 +169,7 @@ class DeltaWorld:
                 built = {peer: f.result() for peer, f in futures.items()}
         if install:
             for peer, link in built.items():
-                old = self.install(transport, peer, link)
-                if old is not None:
-                    old.close()
+                self.install(transport, peer, link)
         out.update(built)
         return out
 
@@ -202,10 +202,7 @@ class DeltaWorld:
     def close(self) -> None:
         """Forget every group and close every link (idempotent)."""
         self.groups.clear()
-        for (transport, peer), _ in self.links_snapshot():
-            old = self.install(transport, peer, None)
-            if old is not None:
-                old.close()
+        self.drop_links()
 
 
 def _clients(store: Store, count: int) -> list[Store]:

@@ -62,8 +62,8 @@ class TrainMoverSupervisor:
         self.standbys_started = 0
         self.standby_failures = 0
         """Standbys that exited non-zero in a row; replenishing stops at ``MAX_STANDBY_FAILURES``."""
-        self.replenish: dict[int, list] = {}
-        """Epoch -> [standbys it consumed that are still to be replaced, the latest time to do so]."""
+        self.replenish: list[tuple[int, float]] = []
+        """One ``(epoch, latest time)`` per consumed standby still to be replaced."""
         self.settled: set[int] = set()
         """Epochs whose migration finished (the joiner's first iteration is done)."""
 
@@ -164,16 +164,15 @@ class TrainMoverSupervisor:
                 self.agent.log(f"epoch {plan.epoch} ({plan.reason}): rank {rep.rank} -> {rep.joiner} "
                                f"(pid {proc.pid}); state from {rep.state_source.get('kind')}")
                 # Keep the pool at --tm-standbys, once this migration is over (see the module doc).
-                self.replenish.setdefault(plan.epoch, [0, time.time() + REPLENISH_AFTER_S])[0] += 1
+                self.replenish.append((plan.epoch, time.time() + REPLENISH_AFTER_S))
         return None
 
     def _replenish(self) -> None:
         with self._lock:
-            due = [e for e, (_, latest) in self.replenish.items() if e in self.settled or time.time() > latest]
-        for epoch in due:
-            count, _ = self.replenish.pop(epoch)
-            for _ in range(count):
-                self._start_standby("spawn")
+            due = [(e, t) for e, t in self.replenish if e in self.settled or time.time() > t]
+        for entry in due:
+            self.replenish.remove(entry)
+            self._start_standby("spawn")
 
     def _job_finished(self) -> bool:
         """Whether every rank of the job wrote ``finished/<r>`` (read when this agent serves none)."""

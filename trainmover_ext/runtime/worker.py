@@ -61,7 +61,6 @@ class WorkerRuntime(Runtime):
         self._plans: dict[int, MigrationPlan] = {}
         self._cond = threading.Condition()
         self._switch_at: dict[int, int] = {}
-        self._prepared: set[int] = set()
         self._replaced = False
         self.pending_first_iteration: int | None = None
         """Epoch whose ``first_iteration`` step this process (a joiner) still has to record."""
@@ -173,11 +172,14 @@ class WorkerRuntime(Runtime):
         layout, args = session.layout, session.args
         leaver = rep.rank == layout.rank
         if plan.epoch not in self._switch_at:
-            if not leaver and plan.epoch not in self._prepared:
+            if not leaver:
                 import nccl_delta
 
-                nccl_delta.current_world().prepare(rep.rank, plan.epoch, joiner=rep.joiner)
-                self._prepared.add(plan.epoch)
+                world = nccl_delta.current_world()
+                if plan.epoch not in world.prepared:
+                    world.prepare(rep.rank, plan.epoch, joiner=rep.joiner)
+            # Read every boundary until set: another rank may pick the boundary before our watch
+            # delivers the joiner's ``ready``, and we must not pass it.
             key = self.space.key("switch_at", plan.epoch)
             entry = self.space.kv.get(key)
             if entry is None:

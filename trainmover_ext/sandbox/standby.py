@@ -32,7 +32,6 @@ from trainmover_ext.control.records import MemberRecord
 from .registry import control_role, roles_of_job, wait_for_recordings
 from .shadow import WarmResult, peak_rss_bytes, program_from_providers, warm_standby
 
-_KEPT: Optional[WarmResult] = None
 
 
 @dataclass(kw_only=True)
@@ -59,7 +58,6 @@ def role_timings(result: WarmResult) -> dict:
 def warm_general_standby(args, config, providers, *, space, member,
                          should_stop: Optional[Callable[[], bool]] = None) -> dict:
     """Warm every role of the job from its recordings; returns the warm-up report (see module doc)."""
-    global _KEPT
     t0 = time.time()
     roles = roles_of_job(args.pipeline_model_parallel_size)
     member.update(warmup={"mode": "warming", "waiting_for": roles})
@@ -74,13 +72,6 @@ def warm_general_standby(args, config, providers, *, space, member,
         warm = [control_role(r["role"]) for r in report["roles"]]
         member.update(warm_roles=warm, warmup=dict(report))
 
-    results = warm_standby(args, recordings, program=program_from_providers(providers),
-                           on_role_done=on_role_done, should_stop=should_stop)
-    _KEPT = next((r for r in results if r.model is not None), None)
+    warm_standby(args, recordings, program=program_from_providers(providers), on_role_done=on_role_done,
+                 should_stop=should_stop)
     return report
-
-
-def kept_model() -> Optional[WarmResult]:
-    """The role whose model this standby kept after warming: None, since it keeps none (see the module
-    doc); kept for a promotion path that re-points a kept model's groups to the real ones."""
-    return _KEPT
