@@ -60,7 +60,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -73,6 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, print_table, read_events, wait_until, write_json  # noqa: E402
 
 from trainmover_ext.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
+from trainmover_ext.netutil import free_port  # noqa: E402
 
 PACKAGE = "nvidia-resiliency-ext"
 VERSION = "0.4.1"
@@ -137,12 +137,6 @@ class NvrxRunConfig:
     timings: WrapperTimings = field(default_factory=WrapperTimings)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _token_pids(token: str) -> list[int]:
     """Processes whose environment carries ``TOKEN_ENV=token`` (ours: started by this run)."""
     needle = f"{TOKEN_ENV}={token}".encode()
@@ -182,7 +176,7 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
     spec = {
         "argv": cfg.job_args + ["--save", ckpt, "--load", ckpt, "--save-interval", str(cfg.save_interval),
                                 "--tm-metrics-file", metrics],
-        "events": events, "active": cfg.ranks, "pg_port": _free_port(), "pg_timeout_s": cfg.pg_timeout_s,
+        "events": events, "active": cfg.ranks, "pg_port": free_port(), "pg_timeout_s": cfg.pg_timeout_s,
         "max_restarts": cfg.max_restarts, "timings": asdict(cfg.timings),
         "monitor_log": os.path.join(workdir, f"{name}.monitor{{rank}}.log"),
     }
@@ -191,7 +185,7 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
         json.dump(spec, f)
     token = secrets.token_hex(8)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINMOVER_")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world), LOCAL_RANK="0",
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), LOCAL_RANK="0",
                PYTHONUNBUFFERED="1", **{TOKEN_ENV: token})
     train_iters = int(cfg.job_args[cfg.job_args.index("--train-iters") + 1])
     procs: list[subprocess.Popen] = []

