@@ -195,3 +195,36 @@ def assert_transfer_memory(job: LaunchedJob, limit: float = 1.02) -> None:
     assert reports, "no state transfer was reported:\n" + job.stdout()[-2000:]
     for rank, before, after in reports:
         assert after <= limit * before, f"rank {rank}: peak RSS grew {before} -> {after} MiB during the transfer"
+
+
+class JobProbe:
+    """Reads one job's control keys straight from etcd (who leads, which plans were written)."""
+
+    def __init__(self, endpoints: list[str], job: str, token: str):
+        self.endpoints, self.job, self.token = endpoints, job, token
+
+    def _space(self):
+        from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
+        from trainmover_ext.kv.job import JobSpace
+
+        return JobSpace.open(EtcdKV(EtcdClientConfig(endpoints=",".join(self.endpoints))), self.job, self.token)
+
+    def leader(self) -> Optional[str]:
+        from trainmover_ext.kv.codec import decode
+
+        space = self._space()
+        try:
+            entry = space.kv.get(space.key("leader"))
+            return None if entry is None else decode(entry.value, kind="leader", key=space.key("leader"))["id"]
+        finally:
+            space.kv.close()
+
+    def plans(self) -> list:
+        from trainmover_ext.control.records import MigrationPlan
+
+        space = self._space()
+        try:
+            return [MigrationPlan.from_bytes(e.value, key=e.key)
+                    for e in space.kv.get_prefix(space.key("migrations") + "/").entries]
+        finally:
+            space.kv.close()

@@ -66,3 +66,8 @@ def test_cli_errors_say_what_to_do(etcd, kv, capsys):
     help_text = subprocess.run([sys.executable, "-m", "trainmover_ext.cli", "migrate", "--help"], capture_output=True, text=True, timeout=60).stdout
     for flag in ("--rank", "--to", "--tm-job-token", "--tm-etcd-ca", "--tm-etcd-cert", "--tm-etcd-key"):
         assert flag in help_text
+    # a stand-alone controller needs the job's token, and refuses a wrong one before standing
+    assert main(["controller", "--tm-etcd-endpoints", ",".join(etcd.endpoints), "--tm-job", "cli"]) == 2
+    assert "--tm-job-token" in capsys.readouterr().err
+    assert main(["controller", *flags(etcd, "wrong")]) == 2
+    assert "token" in capsys.readouterr().err

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers import launch_cmd, read_metrics, tm_args, trajectory
+from helpers import JobProbe, launch_cmd, read_metrics, tm_args, trajectory
 from trainmover_ext.jobs import REPO_ROOT
 
 
@@ -28,6 +28,8 @@ class TwoNodeJob:
         self.token = secrets.token_hex(16)
         self.metrics = str(tmp_path / "metrics.jsonl")
         self.procs = []
+        self.probe = JobProbe(self.etcd.endpoints, name, self.token)
+        self.leader, self.plans = self.probe.leader, self.probe.plans
         port = str(free_port())
         for node in (0, 1):
             args = tm_args(corpus, extra=["--tm-metrics-file", self.metrics])
@@ -53,32 +55,6 @@ class TwoNodeJob:
 
     def rank_pid(self, rank: int) -> int:
         return json.loads(re.findall(r"pids (\[[\d, ]+\])", self.err(rank // 4))[0])[rank % 4]
-
-    def space(self):
-        from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
-        from trainmover_ext.kv.job import JobSpace
-
-        return JobSpace.open(EtcdKV(EtcdClientConfig(endpoints=",".join(self.etcd.endpoints))), self.name, self.token)
-
-    def leader(self) -> str:
-        from trainmover_ext.kv.codec import decode
-
-        space = self.space()
-        try:
-            entry = space.kv.get(space.key("leader"))
-            return decode(entry.value, kind="leader", key=space.key("leader"))["id"]
-        finally:
-            space.kv.close()
-
-    def plans(self) -> list:
-        from trainmover_ext.control.records import MigrationPlan
-
-        space = self.space()
-        try:
-            return [MigrationPlan.from_bytes(e.value, key=e.key)
-                    for e in space.kv.get_prefix(space.key("migrations") + "/").entries]
-        finally:
-            space.kv.close()
 
     def finish(self, timeout: float = 300) -> list[int]:
         try:

@@ -1,4 +1,4 @@
-"""``trainmover status | events | migrate``: look at and steer a running job's control plane.
+"""``trainmover status | events | migrate | controller``: look at and steer a running job's control plane.
 
 Each subcommand finds the job through ``--tm-etcd-endpoints``, ``--tm-job`` and
 ``--tm-job-token`` (or ``TRAINMOVER_ETCD_ENDPOINTS`` / ``TRAINMOVER_JOB`` /
@@ -10,6 +10,7 @@ Example::
 
     trainmover status --tm-etcd-endpoints 127.0.0.1:2379 --tm-job llama --tm-job-token $TOKEN
     trainmover migrate --rank 3 --to standby-n7-1234-ab12cd
+    trainmover controller --tm-job llama --tm-job-token $TOKEN   # one more candidate, e.g. on a service node
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import os
+import signal
+import threading
 from typing import Callable
 
 from trainmover_ext.control.membership import request_migration
@@ -161,6 +164,56 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def job_done(view: View) -> bool:
+    """Whether every rank the job assigned has written ``finished/<r>``."""
+    return bool(view.ranks) and set(view.ranks) <= view.finished
+
+
+def cmd_controller(args: argparse.Namespace) -> int:
+    """One more controller candidate for the job, outside any agent.
+
+    Every agent already runs one; extra candidates on nodes that host no rank (a Slurm batch
+    host, a service node) keep the job's control plane up when agents die with their nodes.
+    It registers the job if it is the first to arrive (with the same token every agent uses),
+    stands for election, and when leading decides exactly as an agent's controller does. It
+    exits 0 when every rank of the job has finished, or on SIGTERM / SIGINT (resigning, so a
+    successor is elected at once)."""
+    from trainmover_ext.control.controller import Controller, ControllerConfig
+
+    if args.tm_lease_ttl < 1:
+        raise ConfigError("--tm-lease-ttl must be at least 1 second")
+    if not args.tm_job or not args.tm_job_token:
+        raise ConfigError("a controller needs the job and its token: pass --tm-job NAME and --tm-job-token TOKEN "
+                          "(the same ones the launchers use)")
+    cid = args.id or f"controller-{os.uname().nodename}-{os.getpid()}"
+    kv = EtcdKV(client_config(args))
+    stop = threading.Event()
+    ctl = None
+    try:
+        space = JobSpace.create(kv, args.tm_job, args.tm_job_token)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        ctl = Controller(space, ControllerConfig(controller_id=cid, ttl_s=round(args.tm_lease_ttl))).start()
+        print(f"[trainmover] controller {cid} stands for job {space.job}; Ctrl-C (SIGTERM) resigns and exits",
+              flush=True)
+        leading, done_check = False, 0.0
+        while not stop.wait(0.2):
+            if ctl.is_leader != leading:
+                leading = ctl.is_leader
+                print(f"[trainmover] controller {cid} {'leads' if leading else 'follows'}", flush=True)
+            done_check += 0.2
+            if done_check >= args.tm_lease_ttl:
+                done_check = 0.0
+                if job_done(read_view(space)):
+                    print(f"[trainmover] job {space.job} finished; controller {cid} exits", flush=True)
+                    break
+    finally:
+        if ctl is not None:
+            ctl.close()
+        kv.close()
+    return 0
+
+
 def _sub(subparsers: argparse._SubParsersAction, name: str, help_: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help=help_, description=help_)
     add_connection_flags(p)
@@ -176,4 +229,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     migrate = _sub(subparsers, "migrate", "request a planned migration of one rank to a warm standby", cmd_migrate)
     migrate.add_argument("--rank", type=int, required=True, help="the logical rank to move (see `trainmover status`)")
     migrate.add_argument("--to", default=None, help="member id of the standby to move it to (default: the controller picks)")
+    controller = _sub(subparsers, "controller", "run one more leader-elected controller candidate for a job (e.g. on a "
+                      "node without ranks); it exits when the job has finished", cmd_controller)
+    controller.add_argument("--id", default=None,
+                            help="this candidate's id, shown as the job's controller (default: controller-<host>-<pid>)")
+    controller.add_argument("--tm-lease-ttl", type=float, default=2.0,
+                            help="leader lease TTL in seconds, as the job's --tm-lease-ttl: a successor takes over "
+                                 "within about this long after this process dies (default 2)")
     return status
