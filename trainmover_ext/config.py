@@ -16,9 +16,7 @@ from typing import Optional
 from trainmover_ext.errors import ConfigError
 
 # flag attribute -> why it cannot be used yet. Remove an entry when wiring it.
-NOT_WIRED: dict[str, str] = {
-    "tm_leaver_becomes_standby": "a planned leaver exits; rejoining the pool is not built yet",
-}
+NOT_WIRED: dict[str, str] = {}
 
 
 @dataclass(kw_only=True)
@@ -86,6 +84,8 @@ class TrainMoverConfig:
             raise ConfigError("--tm-lease-ttl must be positive")
         if self.standbys < 0:
             raise ConfigError("--tm-standbys must be >= 0")
+        if self.leaver_becomes_standby and not self.enabled:
+            raise ConfigError("--tm-leaver-becomes-standby needs --trainmover (a leaver exists only under it)")
         if self.record_iters < 1:
             raise ConfigError("--tm-record-iters must be >= 1")
         if self.record_timeout_s <= 0:
@@ -148,7 +148,9 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="Seconds a standby waits for the job's recordings before the basic warm-up (default 300).")
     g.add_argument("--tm-compile", action="store_true", default=None, help="Wrap the model in torch.compile.")
     g.add_argument("--tm-leaver-becomes-standby", action="store_true", default=None,
-                   help="After a planned migration the leaver rejoins the standby pool instead of exiting.")
+                   help="After a planned migration the leaver (its state handed over, its groups torn down) stays "
+                        "alive and rejoins the standby pool in the same process, instead of exiting; its agent "
+                        "then starts no new standby for the one the move consumed.")
     g.add_argument("--tm-comm", choices=["auto", "nccl_delta", "native"], default=None,
                    help="Communicator for every process group: nccl_delta (links can be swapped live; the default "
                         "under --trainmover) or native gloo/NCCL (the default without --trainmover).")

@@ -240,6 +240,7 @@ def pretrain(
     t_rendezvous = time.time()
     metrics = MetricsLog(tm_config.metrics_file if tm_config else None, layout.is_logging_rank)
     runtime: Runtime = Runtime()
+    worker = None
     try:
         session = build_session(args, layout, *providers, metrics)
         t_model = time.time()
@@ -265,7 +266,7 @@ def pretrain(
         if tm_config is not None and tm_config.enabled:
             from trainmover_ext.runtime.worker import WorkerRuntime
 
-            runtime = WorkerRuntime.for_session(session, tm_config)
+            runtime = worker = WorkerRuntime.for_session(session, tm_config)
         if tm_config is not None and tm_config.inject_fault:
             from trainmover_ext.runtime import faults
 
@@ -274,11 +275,18 @@ def pretrain(
             from trainmover_ext.sandbox.hook import attach_recorder
 
             runtime = attach_recorder(session, runtime, tm_config)
-        return train_loop(session, runtime)
+        summary = train_loop(session, runtime)
     finally:
         runtime.close()
         metrics.close()
         shutdown()
+    if worker is not None and worker.handed_over is not None and tm_config.leaver_becomes_standby:
+        from trainmover_ext.runtime.standby import rejoin_as_standby
+
+        leaver, epoch = worker.ident.member_id, worker.handed_over
+        del session, runtime, worker  # the model and optimizer go before the standby warms up
+        return rejoin_as_standby(args, tm_config, providers, t_process, leaver, epoch)
+    return summary
 
 
 def _wire_config(config, model, optimizer) -> None:

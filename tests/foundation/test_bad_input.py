@@ -55,10 +55,10 @@ def test_missing_data_file_under_launcher_prints_once(tmp_path):
     assert res.stderr.count("does not exist") == 1
 
 
-def test_unwired_trainmover_flag_is_refused():
+def test_trainmover_flag_without_trainmover_is_refused():
     res = _run(tiny_args(None) + ["--tm-leaver-becomes-standby"])
     assert res.returncode == 2
-    assert "--tm-leaver-becomes-standby is declared but not available" in res.stderr
+    assert "--tm-leaver-becomes-standby needs --trainmover" in res.stderr
 
 
 def test_launcher_rejects_missing_script(tmp_path):

@@ -65,12 +65,18 @@ def test_micro_batch_indices():
     assert micro_batch_indices(BatchPlan(micro_batch_size=2, data_parallel_size=2, data_parallel_rank=1), 8) == [10, 11]
 
 
-def test_trainmover_flags_parse_and_unwired_flags_refuse():
+def test_trainmover_flags_parse_and_unwired_flags_refuse(monkeypatch):
+    import trainmover_ext.config as config
+
     parser = add_trainmover_args(argparse.ArgumentParser())
     cfg = config_from_args(parser.parse_args(["--trainmover", "--tm-job", "j1", "--tm-lease-ttl", "3"]))
     assert cfg.enabled and cfg.job == "j1" and cfg.lease_ttl_s == 3.0
-    with pytest.raises(ConfigError, match="--tm-leaver-becomes-standby is declared but not available"):
+    assert config_from_args(parser.parse_args(["--trainmover", "--tm-leaver-becomes-standby"])).leaver_becomes_standby
+    with pytest.raises(ConfigError, match="--tm-leaver-becomes-standby needs --trainmover"):
         config_from_args(parser.parse_args(["--tm-leaver-becomes-standby"]))
+    monkeypatch.setitem(config.NOT_WIRED, "tm_compile", "not built in this test")
+    with pytest.raises(ConfigError, match="--tm-compile is declared but not available in this build: not built"):
+        config_from_args(parser.parse_args(["--tm-compile"]))
     with pytest.raises(ConfigError, match="--tm-lease-ttl"):
         config_from_args(parser.parse_args(["--tm-lease-ttl", "0"]))
 

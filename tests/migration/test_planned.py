@@ -3,10 +3,12 @@ iteration boundary while the job trains on; the trajectory stays bit-identical t
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from helpers import (ITERS, assert_transfer_memory, control_flags, read_metrics, start_job, tm_args,
-                     trainmover_cli, trajectory, transfer_reports, wait_iteration)
+                     trainmover_cli, trajectory, transfer_reports, wait_for, wait_iteration)
 
 # TP2 x PP2 x DP2: rank = tp + 2*dp + 4*pp
 CASES = [
@@ -52,3 +54,50 @@ def test_planned_migration_of_a_middle_stage(tmp_path, corpus, reference):
     """PP3: the middle stage receives and sends activations; rank 2 = (tp0, dp0, pp1) in TP1 x PP3 x DP2."""
     args = tm_args(corpus, tp=1, pp=3, extra=["--num-layers", "6"])
     _migrate_and_check(tmp_path, corpus, reference, 6, args, "tp1pp3dp2", 2)
+
+
+def _warm_standbys(job) -> set[str]:
+    """Standby member ids that `trainmover status` lists with warm roles."""
+    status = trainmover_cli("status", *control_flags(job))
+    assert status.returncode == 0, status.stderr[-2000:]
+    section = status.stdout.split("standbys:", 1)[1].split("last migration:", 1)[0]
+    return {line.split()[0] for line in section.splitlines()[2:] if line.strip() and "(warming)" not in line}
+
+
+def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, reference):
+    """--tm-leaver-becomes-standby: rank 1's process hands its state over, stays alive as a standby
+    (no new interpreter is started for the consumed one), warms up, and is then moved into rank 6
+    by a second planned migration. Both moves are bit-identical to a run without them."""
+    iters = 40
+    args = tm_args(corpus, iters=iters)
+    ref = reference("tp2pp2dp2-i40", 8, args)
+    job = start_job(tmp_path, 8, args + ["--tm-leaver-becomes-standby"], name="rejoin")
+    try:
+        wait_iteration(job, 3)
+        rank1_pid = job.rank_pids()[0][1]
+        done = trainmover_cli("migrate", "--rank", "1", *control_flags(job))
+        assert done.returncode == 0, done.stderr[-2000:]
+        m = wait_for(lambda: re.search(r"the leaver of rank 1 \(pid (\d+)\) rejoins the pool as (\S+)", job.stderr()),
+                     120, interval=0.1, what="the leaver to rejoin the pool")
+        assert int(m.group(1)) == rank1_pid
+        rejoined = m.group(2)
+        wait_for(lambda: rejoined in _warm_standbys(job), 120, interval=0.2, what=f"{rejoined} to be warm")
+        done = trainmover_cli("migrate", "--rank", "6", "--to", rejoined, *control_flags(job))
+        assert done.returncode == 0, done.stderr[-2000:]
+        code = job.wait(300)
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+    assert code == 0, job.stderr()[-4000:]
+    err = job.stderr()
+    assert f"(planned): rank 6 -> {rejoined} (pid {rank1_pid})" in err, err[-3000:]
+    assert "the leaver of rank 6" in err and "rejoins the pool" in err, err[-3000:]
+    assert "spawn)" not in err, "a new standby was started although the leaver refilled the pool"
+    assert "falling back" not in err and "exited with code" not in err, err[-3000:]
+    got = trajectory(job.metrics_path)
+    assert sorted(got) == list(range(1, iters + 1))
+    assert got == ref, "the trajectory differs from the run without the migrations"
+    switched = read_metrics(job.metrics_path, "recovered")
+    assert [(s["reason"], s["epoch"]) for s in switched] == [("planned", 1), ("planned", 2)], switched
+    assert len(read_metrics(job.metrics_path, "startup")) == 1, "a rank restarted"
+    assert [r[0] for r in transfer_reports(job)] == [1, 6]

@@ -46,6 +46,8 @@ class LaunchConfig:
     """``--tm-standbys`` of the script: warm standbys the agent keeps."""
     lease_ttl_s: float = 2.0
     """``--tm-lease-ttl`` of the script: membership lease TTL (controller and agent use it too)."""
+    leaver_becomes_standby: bool = False
+    """``--tm-leaver-becomes-standby`` of the script: a planned leaver stays alive as one of this agent's standbys."""
     run_dir: Optional[str] = None
     """``--run-dir``: the job's working directory (embedded etcd data, logs); default runs/<job>."""
 

@@ -16,6 +16,9 @@ Contract (one agent per node; the single-node case is what runs today):
 - A plan that leaves a rank unserved (no standby), or no plan within the
   deadline, ends the job the classic way: every process is stopped and the
   agent's restart policy applies.
+- With ``--tm-leaver-becomes-standby`` a planned leaver of this agent stays
+  alive as one of its standbys (``leaver_standby_id``), so the standby the move
+  consumed here is not replaced: the leaver refills the pool.
 - A rank may move to a standby of another node's agent: the leaver's agent
   retires (and fences) its process, the joiner's agent adopts the standby.
 - The job is done for an agent when every process it serves has exited 0, or,
@@ -33,7 +36,7 @@ import uuid
 from typing import Optional
 
 from trainmover_ext.launch.process import RankProcess, fork_rank, spawn_rank
-from trainmover_ext.runtime.identity import ENV_MEMBER_ID
+from trainmover_ext.runtime.identity import ENV_MEMBER_ID, leaver_standby_id
 
 
 MAX_STANDBY_FAILURES = 3
@@ -146,12 +149,20 @@ class TrainMoverSupervisor:
                 return f"epoch {plan.epoch}: no warm standby left for rank(s) {plan.unserved}"
             for rep in plan.replacement_list():
                 old = self.serving.get(rep.rank)
+                rejoined = False
                 if old is not None and old[1] == rep.leaver:
                     # The leaver is ours: retire it, whoever serves the rank from now on.
                     if plan.reason == "failure" and old[0].poll() is None:
                         # Fence a member declared dead while alive (hung): it must never touch the job again.
                         old[0].signal(signal.SIGKILL)
-                    self.retired.append(old[0])
+                    if plan.reason == "planned" and self.cfg.leaver_becomes_standby:
+                        standby = leaver_standby_id(rep.leaver, plan.epoch)
+                        self.standbys[standby] = old[0]
+                        rejoined = True
+                        self.agent.log(f"epoch {plan.epoch} (planned): the leaver of rank {rep.rank} (pid "
+                                       f"{old[0].pid}) rejoins the pool as {standby}")
+                    else:
+                        self.retired.append(old[0])
                     del self.serving[rep.rank]
                     self.reported.pop(rep.rank, None)
                 proc = self.standbys.pop(rep.joiner, None)
@@ -163,8 +174,10 @@ class TrainMoverSupervisor:
                 self.serving[rep.rank] = (proc, rep.joiner)
                 self.agent.log(f"epoch {plan.epoch} ({plan.reason}): rank {rep.rank} -> {rep.joiner} "
                                f"(pid {proc.pid}); state from {rep.state_source.get('kind')}")
-                # Keep the pool at --tm-standbys, once this migration is over (see the module doc).
-                self.replenish.append((plan.epoch, time.time() + REPLENISH_AFTER_S))
+                # Keep the pool at --tm-standbys, once this migration is over (see the module doc),
+                # unless the leaver already refilled it.
+                if not rejoined:
+                    self.replenish.append((plan.epoch, time.time() + REPLENISH_AFTER_S))
         return None
 
     def _replenish(self) -> None:

@@ -30,6 +30,12 @@ class Identity:
     pid: int
 
 
+def leaver_standby_id(leaver: str, epoch: int) -> str:
+    """The member id a planned leaver of ``epoch`` takes when it rejoins the pool
+    (``--tm-leaver-becomes-standby``); its agent derives the same id to adopt it as a standby."""
+    return f"standby-{leaver}-e{epoch}"
+
+
 def identity_from_env() -> Identity:
     """Read the ids the launcher set; :class:`ConfigError` outside ``trainmover launch``."""
     if os.environ.get(rendezvous.ENV_BACKEND) != "etcd" or not os.environ.get(rendezvous.ENV_ENDPOINTS):

@@ -127,6 +127,28 @@ def run_standby(args, config, providers, t_process: float) -> dict:
     return serve_rank(args, config, providers, plan, ident, space, member)
 
 
+def rejoin_as_standby(args, config, providers, t_process: float, leaver: str, epoch: int) -> dict:
+    """A planned leaver of ``epoch`` (``--tm-leaver-becomes-standby``) serves the pool again.
+
+    Called by the worker's process after its state went to the joiner and its groups, links,
+    model and optimizer were torn down. It becomes a standby in the same process, as
+    ``leaver_standby_id(leaver, epoch)`` (the id its agent adopts it under), warms up like any
+    standby and may be promoted into any rank later; returns what :func:`run_standby` returns."""
+    import gc
+
+    from trainmover_ext.runtime.identity import ENV_MEMBER_ID, leaver_standby_id
+    from trainmover_ext.sandbox.shadow import release_free_memory
+
+    gc.collect()
+    release_free_memory()
+    os.environ.pop("RANK", None)
+    os.environ.pop("LOCAL_RANK", None)
+    os.environ[ENV_MEMBER_ID] = leaver_standby_id(leaver, epoch)
+    print(f"[trainmover] {leaver} left its rank at epoch {epoch}; rejoining the pool as standby "
+          f"{os.environ[ENV_MEMBER_ID]} (pid {os.getpid()})", flush=True)
+    return run_standby(args, config, providers, t_process)
+
+
 def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, member) -> dict:
     """Join the communicator as the plan's rank, take the state, and train."""
     from megatron.training.initialize import initialize_distributed, shutdown

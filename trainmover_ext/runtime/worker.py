@@ -62,6 +62,8 @@ class WorkerRuntime(Runtime):
         self._cond = threading.Condition()
         self._switch_at: dict[int, int] = {}
         self._replaced = False
+        self.handed_over: int | None = None
+        """Epoch at which this rank, a planned leaver, handed its state over and left training."""
         self.pending_first_iteration: int | None = None
         """Epoch whose ``first_iteration`` step this process (a joiner) still has to record."""
         grid = grid_of(session.layout)
@@ -201,6 +203,7 @@ class WorkerRuntime(Runtime):
             return True
         if leaver:
             hand_over(self, session, plan)
+            self.handed_over = plan.epoch
             return False
         import nccl_delta
 
