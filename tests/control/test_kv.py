@@ -124,3 +124,26 @@ def test_etcd_lease_expiry_deletes_keys(kv):
     assert kv.refresh_lease(lease) == 0
     with pytest.raises(StoreError, match="lease"):
         kv.put("/l/b", b"x", lease=lease)
+
+
+def test_wait_prefix_sees_writes_made_after_the_read_and_times_out(anykv):
+    from trainmover_ext.kv.base import wait_prefix
+
+    anykv.put("/w/a", b"1")
+    anykv.put("/w/gone", b"x")
+
+    def writer():
+        time.sleep(0.2)
+        anykv.delete("/w/gone")
+        anykv.put("/w/b", b"2")
+        anykv.put("/w/c", b"3")
+
+    t = threading.Thread(target=writer)
+    t.start()
+    values = wait_prefix(anykv, "/w/", lambda v: len(v) >= 3, 10)
+    t.join()
+    assert values == {"/w/a": b"1", "/w/b": b"2", "/w/c": b"3"}
+    assert wait_prefix(anykv, "/w/", lambda v: len(v) >= 3, 0.1) == values  # already true: no watch
+    t0 = time.monotonic()
+    assert wait_prefix(anykv, "/w/", lambda v: len(v) >= 4, 0.3) is None
+    assert time.monotonic() - t0 >= 0.3

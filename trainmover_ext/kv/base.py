@@ -201,3 +201,39 @@ def prefix_end(prefix: str) -> str:
         return "\0"
     raw[-1] += 1
     return raw.decode(errors="surrogateescape")
+
+
+def wait_prefix(kv: KV, prefix: str, ready: Callable[[dict[str, bytes]], bool], timeout_s: float) -> dict[str, bytes] | None:
+    """Block until ``ready(values)`` holds for the keys under ``prefix``; returns ``{key: value}``.
+
+    One read, then a watch from the revision after it (no change is missed, nothing is polled:
+    many ranks waiting at once cost etcd nothing while they wait). Returns None when
+    ``timeout_s`` passes first; the caller says what was missing."""
+    import threading
+
+    snap = kv.get_prefix(prefix)
+    values = {e.key: e.value for e in snap.entries}
+    if ready(values):
+        return values
+    cond = threading.Condition()
+    state = {"values": values}
+
+    def on_events(events: list[WatchEvent]) -> None:
+        with cond:
+            current = dict(state["values"])
+            for ev in events:
+                if ev.kind == "put":
+                    current[ev.key] = ev.value
+                else:
+                    current.pop(ev.key, None)
+            state["values"] = current
+            cond.notify_all()
+
+    watch = kv.watch_prefix(prefix, on_events, start_revision=snap.revision + 1)
+    try:
+        with cond:
+            if cond.wait_for(lambda: ready(state["values"]), timeout_s):
+                return state["values"]
+            return None
+    finally:
+        watch.cancel()

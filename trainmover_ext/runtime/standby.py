@@ -57,6 +57,22 @@ def basic_warm_up(args, providers) -> dict:
     return {"data_s": t_data - t0, "kernels_s": time.time() - t_data}
 
 
+def preload_rank_code(args) -> float:
+    """Do now the job-independent part of a promotion; returns the seconds it took.
+
+    That is installing the megatron patches (source rewrites: about 0.4 s of CPU) and importing
+    the modules the rank's model is built from (the layer spec, fused kernels, dynamo's rules).
+    ``initialize_distributed`` and ``build_session`` would otherwise pay them after the plan, on
+    the downtime's critical path, competing with every stayer for the node's cores."""
+    t0 = time.time()
+    import trainmover_ext.patches as patches
+    from megatron.training.model import gpt_layer_spec
+
+    patches.install()
+    gpt_layer_spec(args)
+    return time.time() - t0
+
+
 def warm_up(args, config, providers, space, member, should_stop) -> dict:
     """Warm this standby and report it on its member record; returns the warm-up report.
 
@@ -68,6 +84,7 @@ def warm_up(args, config, providers, space, member, should_stop) -> dict:
     """
     from trainmover_ext.errors import RecordingCorrupt, RecordingNotFound
 
+    preload_s = preload_rank_code(args)
     reason = "no --tm-record-dir: the sandbox is off"
     if config.record_dir:
         from trainmover_ext.sandbox.standby import warm_general_standby
@@ -78,7 +95,7 @@ def warm_up(args, config, providers, space, member, should_stop) -> dict:
             reason = str(exc)
             print(f"[trainmover] standby {member.record.member_id}: sandbox warm-up impossible, falling back to "
                   f"the basic warm-up: {reason}", flush=True)
-    timings = basic_warm_up(args, providers)
+    timings = {"preload_s": preload_s, **basic_warm_up(args, providers)}
     report = {"mode": "basic", "reason": reason, **{k: round(v, 4) for k, v in timings.items()},
               "total_s": round(sum(timings.values()), 4)}
     member.update(warm_roles=list(ROLES), warmup=report)

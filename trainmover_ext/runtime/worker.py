@@ -215,17 +215,17 @@ class WorkerRuntime(Runtime):
 
 
 def _gather_iterations(rt: WorkerRuntime, epoch: int, expected: int) -> dict[int, int]:
+    """Every stayer's iteration at the failure (``recovery/<epoch>/<rank>``), once ``expected`` reported."""
+    from trainmover_ext.kv.base import wait_prefix
+
     prefix = rt.space.key("recovery", epoch) + "/"
-    deadline = time.time() + rt.timeout_s
-    while True:
-        snap = rt.space.kv.get_prefix(prefix)
-        found = {int(e.key.rsplit("/", 1)[1]): decode(e.value, kind="recovery", key=e.key)["iteration"]
-                 for e in snap.entries}
-        if len(found) >= expected:
-            return found
-        if time.time() > deadline:
-            raise MigrationAborted(f"epoch {epoch}: only {len(found)}/{expected} ranks reported their iteration")
-        time.sleep(0.005)
+    values = wait_prefix(rt.space.kv, prefix, lambda v: len(v) >= expected, rt.timeout_s)
+    if values is None:
+        found = len(rt.space.kv.get_prefix(prefix).entries)
+        raise MigrationAborted(f"epoch {epoch}: only {found}/{expected} ranks reported their iteration within "
+                               f"{rt.timeout_s:.0f}s")
+    return {int(key.rsplit("/", 1)[1]): decode(value, kind="recovery", key=key)["iteration"]
+            for key, value in values.items()}
 
 
 def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: bool) -> None:
