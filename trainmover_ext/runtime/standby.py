@@ -66,6 +66,9 @@ def preload_rank_code(args) -> float:
     the downtime's critical path, competing with every stayer for the node's cores."""
     t0 = time.time()
     import trainmover_ext.patches as patches
+    import trainmover_ext.runtime.quiet_build  # noqa: F401
+    import trainmover_ext.runtime.transfer  # noqa: F401
+    import trainmover_ext.runtime.worker  # noqa: F401
     from megatron.training.model import gpt_layer_spec
 
     patches.install()
