@@ -4,33 +4,40 @@
 The job is the one ``downtime.py`` measures (8 ranks, TP2 x PP2 x DP2, the demo
 flags, trained by ``megatron.training.pretrain`` as ``pretrain_gpt.py`` does),
 on CPU with gloo, with each rank's training call wrapped in
-``nvidia_resiliency_ext.inprocess.Wrapper``. One extra process is started as
-nvrx's spare: the rank assignment ``Compose(MaxActiveWorldSize(8), FillGaps())``
-keeps it INACTIVE (waiting in nvrx's reserve loop) until an active rank is lost,
-then gives it the lost rank's index.
+``nvidia_resiliency_ext.inprocess.Wrapper``. ``--spares`` extra processes (2 by
+default) are nvrx's reserve: the rank assignment
+``Compose(MaxActiveWorldSize(8), FillGaps())`` keeps them INACTIVE (waiting in
+nvrx's reserve loop) until an active rank is lost, then gives one the lost
+rank's index.
 
 What happens after the SIGKILL of rank 5 (after iteration 6 is logged):
 
 1. the victim's nvrx monitor process (a daemon forked per rank) sees its target
-   gone and records the rank as terminated in nvrx's store;
-2. ranks whose gloo operations touch the dead peer fail ("Connection closed by
-   peer"); nvrx's monitor threads see the interruption, abort torch.distributed
-   (``AbortTorchDistributed`` aborts only NCCL, so an ``AbortGloo`` calling
-   ``ProcessGroupGloo.abort()`` is composed in) and raise ``RankShouldRestart``
+   gone and records the rank as terminated in nvrx's store; ranks whose gloo
+   operations touch the dead peer fail ("Connection closed by peer") and record
+   an exception;
+2. every rank's nvrx monitor thread sees the interruption and runs the abort:
+   ``AbortGloo`` (composed in because nvrx's ``AbortTorchDistributed`` aborts
+   only NCCL), then ``AbortTorchDistributed``, then raises ``RankShouldRestart``
    in the main thread, which unwinds ``pretrain``;
-3. observed here (nvrx 0.4.1, torch 2.13 CPU, gloo): a rank blocked in a gloo
-   collective with a *surviving* peer (e.g. the data-parallel gradient
-   all-reduce) is not interrupted: its monitor thread does not act and an
-   asynchronous exception cannot enter C++, so only nvrx's hard progress timeout
-   recovers it: its monitor process SIGTERMs it after ``hard_timeout`` (30 s
-   here, nvrx's default 90 s) and it is lost like the victim. Hence several
-   spares (each lost rank takes one) and a downtime bounded below by the hard
-   timeout. This is what nvrx does with a SIGKILL on this stack; it is measured
-   as is, nothing else is substituted;
+3. a main thread blocked in a gloo collective with a *surviving* peer (e.g. the
+   data-parallel gradient all-reduce) cannot take an asynchronous exception
+   while in C++, and ``ProcessGroupGloo.abort()`` (torch 2.13) does not fail an
+   operation already waiting. So ``AbortGloo`` also shuts the rank's gloo TCP
+   connections down (``--gloo-abort sockets``, the default): the pending
+   operations fail at once, here and at the peers. This is the gloo
+   counterpart of what nvrx's abort does to NCCL communicators on GPUs. With
+   ``--gloo-abort backend`` (the earlier behaviour) such a rank stays blocked
+   until nvrx's hard progress timeout (30 s here, nvrx's default 90 s) makes its
+   monitor process SIGTERM it; it is then lost like the victim and takes a
+   spare. On the demo job that lost more ranks than 3 spares, restarted on 7
+   ranks, which TP2 x PP2 cannot use, and gave up after 3 restarts;
 4. nvrx meets the survivors at its iteration barrier and re-assigns ranks
    (``FillGaps``): spares take the lost ranks' indices, the others keep theirs;
 5. the wrapped function runs again in the same OS processes (no new interpreter,
-   no re-import): a new gloo process group, the model, and the state restored
+   no re-import): it first completes any torch.distributed teardown the
+   asynchronous exception cut short (:func:`finish_torch_teardown`),
+   then builds a new gloo process group, the model, and the state restored
    from the latest checkpoint on disk (``--save``/``--load``, saved every 5
    iterations), which is what an nvrx user of Megatron does (nvrx 0.4.1 restores
    nothing by itself; the in-memory alternative is nvrx's separate local
@@ -54,6 +61,7 @@ Needs ``pip install -r requirements-bench.txt``; without the package
 
 import argparse
 import datetime
+import faulthandler
 import json
 import logging
 import os
@@ -64,7 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -72,10 +80,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, print_table, read_events, wait_until, write_json  # noqa: E402
 
 from trainmover_ext.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
+from nvrx_gloo_fixes import finish_torch_teardown, shutdown_tcp_connections  # noqa: E402
 from trainmover_ext.netutil import free_port  # noqa: E402
 
 PACKAGE = "nvidia-resiliency-ext"
 VERSION = "0.4.1"
+GLOO_ABORTS = ("sockets", "backend")
 TOKEN_ENV = "NVRX_BENCH_TOKEN"
 """Every process of a run (ranks, nvrx's monitor daemons) inherits this; cleanup finds them by it."""
 
@@ -101,9 +111,10 @@ def unavailable_reason() -> Optional[str]:
 class WrapperTimings:
     """nvrx ``Wrapper`` intervals and timeouts (seconds). The intervals are tuned below nvrx's 1 s
     defaults so that polling is not what makes nvrx slow. The progress timeouts are cut from nvrx's
-    60 s / 90 s defaults to 20 s / 30 s: on gloo a rank whose main thread is blocked in a collective
-    that never fails is only recovered by the hard timeout (its monitor process terminates it), so
-    this bound is part of the measured downtime; lower risks terminating healthy ranks at start-up."""
+    60 s / 90 s defaults to 20 s / 30 s: with ``--gloo-abort backend`` a rank whose main thread is
+    blocked in a collective that never fails is only recovered by the hard timeout (its monitor
+    process terminates it), so this bound is then part of the measured downtime; lower risks
+    terminating healthy ranks at start-up. With ``--gloo-abort sockets`` they are only a backstop."""
 
     monitor_thread_interval_s: float = 0.1
     monitor_process_interval_s: float = 0.1
@@ -124,8 +135,11 @@ class NvrxRunConfig:
 
     job_args: list[str]
     ranks: int = 8
-    spares: int = 3
+    spares: int = 2
     """nvrx reserve ranks: the killed rank, and each rank the hard timeout terminates, take one."""
+    gloo_abort: str = "sockets"
+    """How nvrx's abort frees a rank blocked in gloo: "sockets" shuts its gloo connections down;
+    "backend" only calls ProcessGroupGloo.abort(), which leaves such a rank to the hard timeout."""
     victim: Optional[int] = 5
     """Rank SIGKILLed once ``at_iteration`` is logged; None for a fault-free run."""
     at_iteration: int = 6
@@ -135,6 +149,12 @@ class NvrxRunConfig:
     """Timeout of the gloo process group the wrapped function creates (and of its stores)."""
     run_timeout_s: float = 900.0
     timings: WrapperTimings = field(default_factory=WrapperTimings)
+
+    def __post_init__(self):
+        if self.gloo_abort not in GLOO_ABORTS:
+            raise ValueError(f"--gloo-abort must be one of {GLOO_ABORTS}, not {self.gloo_abort!r}")
+        if self.spares < 1:
+            raise ValueError(f"--spares must be at least 1 (the killed rank's replacement), not {self.spares}")
 
 
 def _token_pids(token: str) -> list[int]:
@@ -177,7 +197,7 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
         "argv": cfg.job_args + ["--save", ckpt, "--load", ckpt, "--save-interval", str(cfg.save_interval),
                                 "--tm-metrics-file", metrics],
         "events": events, "active": cfg.ranks, "pg_port": free_port(), "pg_timeout_s": cfg.pg_timeout_s,
-        "max_restarts": cfg.max_restarts, "timings": asdict(cfg.timings),
+        "max_restarts": cfg.max_restarts, "timings": asdict(cfg.timings), "gloo_abort": cfg.gloo_abort,
         "monitor_log": os.path.join(workdir, f"{name}.monitor{{rank}}.log"),
     }
     spec_path = os.path.join(workdir, f"{name}.spec.json")
@@ -257,18 +277,21 @@ def analyse(cfg: NvrxRunConfig, run: dict) -> dict:
     resumed = after[0]
     result = lost_time(run["metrics_path"], t0, {"t": resumed["checkpoint_loaded"],
                                                  "resumed_iteration": resumed["resumed_iteration"]})
-    restarted = [e for e in events if e["event"] == "fn_start" and e["nvrx_iteration"] >= 1]
-    faults = [e for e in events if e["event"] == "nvrx_finalize" and e["t"] > t0]
+    last = max((e["nvrx_iteration"] for e in events if e["event"] == "fn_start"), default=0)
+    restarted = [e for e in events if e["event"] == "fn_start" and e["nvrx_iteration"] == last and last >= 1]
+    # The restart the job resumed from: its interrupted iteration's finalizes (spares' included).
+    faults = [e for e in events
+              if e["event"] == "nvrx_finalize" and e["t"] > t0 and e["nvrx_iteration"] == last - 1]
     spare = [e for e in restarted if e["initial_rank"] >= cfg.ranks]
-    first_fault = min((e["t"] for e in faults), default=None)
-    all_started = max((e["t"] for e in restarted), default=None)
     first = next(e for e in run["metrics"]
                  if e.get("event") == "iteration" and e["t_end"] > resumed["checkpoint_loaded"])
     phases = {}
-    if first_fault is not None and all_started is not None:
+    if faults and restarted:
+        all_aborted, all_started = max(e["t"] for e in faults), max(e["t"] for e in restarted)
         phases = {
-            "detect_and_abort_s": first_fault - t0,
-            "finalize_barrier_reassign_s": all_started - first_fault,
+            "first_rank_aborted_s": min(e["t"] for e in faults) - t0,  # informative: not a term of the sum
+            "detect_and_abort_s": all_aborted - t0,  # every process has aborted gloo and unwound
+            "barrier_reassign_s": all_started - all_aborted,  # nvrx's iteration barrier, FillGaps, gc
             "process_group_and_args_s": resumed["rendezvous"] - all_started,
             "model_build_s": resumed["model_built"] - resumed["rendezvous"],
             "checkpoint_load_s": resumed["checkpoint_loaded"] - resumed["model_built"],
@@ -277,8 +300,9 @@ def analyse(cfg: NvrxRunConfig, run: dict) -> dict:
     result.update(
         nvrx_inprocess_s=result["downtime_s"],
         phases={k: round(v, 4) for k, v in phases.items()},
-        restarts=max((e["nvrx_iteration"] for e in events if e["event"] == "fn_start"), default=0),
+        restarts=last,
         spare_took_rank=spare[0]["rank"] if spare else None,
+        spares_took_ranks=sorted(e["rank"] for e in spare),
         terminated_by_nvrx=run["terminated_by_nvrx"],
         fault_reports=sorted({e["error"] for e in faults}),
         lost_iterations=(max(e["iteration"] for e in run["metrics"]
@@ -289,11 +313,13 @@ def analyse(cfg: NvrxRunConfig, run: dict) -> dict:
 
 def measure(data_prefix: str, iters: int = 16, victim: int = 5, at_iteration: int = 6, save_interval: int = 5,
             reference: Optional[dict[int, float]] = None, job_args: Optional[list[str]] = None,
-            ranks: int = 8, workdir: Optional[str] = None, keep: bool = False) -> dict:
+            ranks: int = 8, workdir: Optional[str] = None, keep: bool = False, spares: int = 2,
+            gloo_abort: str = "sockets") -> dict:
     """The nvrx baseline end to end: a killed run, and a fault-free nvrx run unless ``reference`` (a
     loss trajectory of the same job) is given. Logs stay in ``workdir`` when a run fails or ``keep``."""
     cfg = NvrxRunConfig(job_args=job_args or demo_args(data_prefix, iters), ranks=ranks, victim=victim,
-                        at_iteration=at_iteration, save_interval=save_interval)
+                        at_iteration=at_iteration, save_interval=save_interval, spares=spares,
+                        gloo_abort=gloo_abort)
     own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="tm_nvrx_")
     ok = False
@@ -301,15 +327,14 @@ def measure(data_prefix: str, iters: int = 16, victim: int = 5, at_iteration: in
         killed = run_job(cfg, workdir, "killed")
         result = analyse(cfg, killed)
         if reference is None:
-            fault_free = run_job(NvrxRunConfig(job_args=cfg.job_args, ranks=ranks, victim=None,
-                                               save_interval=save_interval), workdir, "fault_free")
+            fault_free = run_job(replace(cfg, victim=None), workdir, "fault_free")
             reference = trajectory(fault_free["metrics"])
         traj = trajectory(killed["metrics"])
         result["bit_identical"] = traj == reference
         result["final_iteration"] = max(traj) if traj else None
         result["config"] = {"ranks": ranks, "spares": cfg.spares, "victim": victim, "at_iteration": at_iteration,
                             "save_interval": save_interval, "restore": "latest checkpoint on disk",
-                            "wrapper": asdict(cfg.timings)}
+                            "gloo_abort": gloo_abort, "wrapper": asdict(cfg.timings)}
         ok = True
         return result
     finally:
@@ -329,6 +354,8 @@ def _worker(spec_path: str) -> int:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    # Where a rank was stuck when nvrx's hard timeout terminates it (SIGTERM): its stacks, in its .err.
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     with open(spec_path) as f:
         spec = json.load(f)
     t = spec["timings"]
@@ -353,13 +380,17 @@ def _worker(spec_path: str) -> int:
     class AbortGloo(inprocess.abort.Abort):
         """Abort every gloo backend, so that a main thread blocked in a gloo operation raises.
 
-        nvrx's ``AbortTorchDistributed`` aborts NCCL backends only and then destroys the groups; a
-        gloo operation already waiting on a peer stays blocked (the asynchronous ``RankShouldRestart``
-        cannot interrupt C++), until nvrx's hard timeout terminates that rank too."""
+        nvrx's ``AbortTorchDistributed`` aborts NCCL backends only and then destroys the groups.
+        ``ProcessGroupGloo.abort()`` (torch 2.13) does not fail an operation already waiting on a
+        peer either, so with ``gloo_abort == "sockets"`` the rank's gloo connections are shut down
+        too: its own pending operations fail at once ("Connection closed by peer"), and so do its
+        peers' operations on those connections. This is the gloo counterpart of aborting NCCL
+        communicators, which is what nvrx's abort does on GPUs."""
 
         def __call__(self, state):
             from torch.distributed import distributed_c10d as c10d
 
+            stamp("abort_start", rank=state.rank)
             for group in list(c10d._world.pg_names):
                 try:
                     backend = group._get_backend(torch.device("cpu"))
@@ -367,6 +398,9 @@ def _worker(spec_path: str) -> int:
                     continue
                 if isinstance(backend, torch.distributed.ProcessGroupGloo):
                     backend.abort()
+            if spec["gloo_abort"] == "sockets":
+                shut = shutdown_tcp_connections(keep_ports={int(os.environ["MASTER_PORT"]), spec["pg_port"]})
+                stamp("gloo_sockets_shut", rank=state.rank, count=shut)
             return state
 
     # The store of the training process groups (one prefix per nvrx iteration), hosted by the driver
@@ -409,7 +443,7 @@ def _worker(spec_path: str) -> int:
         """The restartable unit: a fresh gloo group and ``pretrain`` (which loads the latest checkpoint)."""
         active_rank, active_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         stamp("fn_start", nvrx_iteration=call_wrapper.iteration, rank=active_rank,
-              initial_rank=call_wrapper.state.initial_rank)
+              initial_rank=call_wrapper.state.initial_rank, stale_group_count=finish_torch_teardown())
         torch.distributed.init_process_group(
             "gloo", store=torch.distributed.PrefixStore(f"nvrx_pg_{call_wrapper.iteration}", store),
             rank=active_rank, world_size=active_world, timeout=td(spec["pg_timeout_s"]))
@@ -429,6 +463,15 @@ def main(argv=None) -> int:
     parser.add_argument("--at-iteration", type=int, default=6, help="Kill once this iteration is logged.")
     parser.add_argument("--save-interval", type=int, default=5, help="Checkpoint interval the restart resumes from.")
     parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
+    parser.add_argument("--spares", type=int, default=2,
+                        help="nvrx reserve processes started beside the ranks; each rank lost (the victim, and any "
+                             "rank nvrx's hard timeout terminates) takes one. With --gloo-abort backend on the demo "
+                             "job use --spares 8: up to every rank can be terminated.")
+    parser.add_argument("--gloo-abort", choices=GLOO_ABORTS, default="sockets",
+                        help="What nvrx's abort does to gloo: 'sockets' shuts the rank's gloo connections down, so a "
+                             "rank blocked in a collective raises at once (the gloo analogue of nvrx aborting NCCL); "
+                             "'backend' only calls ProcessGroupGloo.abort(), which leaves such a rank blocked until "
+                             "nvrx's hard timeout terminates it (the previous, slower behaviour).")
     parser.add_argument("--keep", action="store_true", help="Keep the run directory (logs, checkpoints).")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -442,10 +485,12 @@ def main(argv=None) -> int:
     print(f"nvrx in-process restart, SIGKILL of rank {args.victim} after iteration {args.at_iteration}, "
           f"then a fault-free nvrx run ...", flush=True)
     result = measure(args.data_prefix, args.iters, args.victim, args.at_iteration, args.save_interval,
-                     keep=args.keep)
+                     keep=args.keep, spares=args.spares, gloo_abort=args.gloo_abort)
     rows = [("nvrx_inprocess_s", f"{result['nvrx_inprocess_s']:.3f}"), ("iteration_s", f"{result['iteration_s']:.3f}"),
             ("bit_identical", str(result["bit_identical"])), ("lost_iterations", str(result["lost_iterations"]))]
     rows += [(f"  {k}", f"{v:.3f}") for k, v in result["phases"].items()]
+    rows += [("ranks terminated by nvrx", str(result["terminated_by_nvrx"])),
+             ("ranks taken by spares", str(result["spares_took_ranks"]))]
     print_table("nvrx in-process restart (seconds)", rows, ("measure", "value"))
     write_json(args.json, result)
     return 0 if result["bit_identical"] else 1
