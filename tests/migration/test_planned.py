@@ -17,19 +17,32 @@ CASES = [
 ]
 
 
-def _migrate_and_check(tmp_path, corpus, reference, nproc, args, ref_key, rank):
-    ref = reference(ref_key, nproc, args)
-    job = start_job(tmp_path, nproc, args, name=f"planned_{rank}")
+def _migrate(job, *argv: str) -> None:
+    done = trainmover_cli("migrate", *argv, *control_flags(job))
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _finish(job) -> str:
+    """Wait for the job to end well; returns the launcher's log."""
     try:
-        wait_iteration(job, 3)
-        done = trainmover_cli("migrate", "--rank", str(rank), *control_flags(job))
-        assert done.returncode == 0, done.stderr[-2000:]
         code = job.wait(300)
     finally:
         if job.popen.poll() is None:
             job.popen.kill()
     assert code == 0, job.stderr()[-4000:]
-    err = job.stderr()
+    return job.stderr()
+
+
+def _migrate_and_check(tmp_path, corpus, reference, nproc, args, ref_key, rank):
+    ref = reference(ref_key, nproc, args)
+    job = start_job(tmp_path, nproc, args, name=f"planned_{rank}")
+    try:
+        wait_iteration(job, 3)
+        _migrate(job, "--rank", str(rank))
+    except BaseException:
+        job.popen.kill()
+        raise
+    err = _finish(job)
     assert f"(planned): rank {rank} -> standby" in err, err[-3000:]
     assert "falling back" not in err and "exited with code" not in err, err[-3000:]
     got = trajectory(job.metrics_path)
@@ -75,21 +88,17 @@ def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, referen
     try:
         wait_iteration(job, 3)
         rank1_pid = job.rank_pids()[0][1]
-        done = trainmover_cli("migrate", "--rank", "1", *control_flags(job))
-        assert done.returncode == 0, done.stderr[-2000:]
+        _migrate(job, "--rank", "1")
         m = wait_for(lambda: re.search(r"the leaver of rank 1 \(pid (\d+)\) rejoins the pool as (\S+)", job.stderr()),
                      120, interval=0.1, what="the leaver to rejoin the pool")
         assert int(m.group(1)) == rank1_pid
         rejoined = m.group(2)
         wait_for(lambda: rejoined in _warm_standbys(job), 120, interval=0.2, what=f"{rejoined} to be warm")
-        done = trainmover_cli("migrate", "--rank", "6", "--to", rejoined, *control_flags(job))
-        assert done.returncode == 0, done.stderr[-2000:]
-        code = job.wait(300)
-    finally:
-        if job.popen.poll() is None:
-            job.popen.kill()
-    assert code == 0, job.stderr()[-4000:]
-    err = job.stderr()
+        _migrate(job, "--rank", "6", "--to", rejoined)
+    except BaseException:
+        job.popen.kill()
+        raise
+    err = _finish(job)
     assert f"(planned): rank 6 -> {rejoined} (pid {rank1_pid})" in err, err[-3000:]
     assert "the leaver of rank 6" in err and "rejoins the pool" in err, err[-3000:]
     assert "spawn)" not in err, "a new standby was started although the leaver refilled the pool"
