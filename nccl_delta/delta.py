@@ -19,12 +19,19 @@ Protocol for a planned migration of logical rank ``r`` at epoch ``e``
 
 Unexpected failure of rank ``r`` (a link raised :class:`CommLinkError`, or the
 lease of r expired):
-1. Every live process: ``abandon(e)`` (any thread). Every link is severed, so
-   any op in flight on any thread raises :class:`CommAbandoned` at once, even
-   one waiting on a hung peer. Processes that will exit instead should call
-   ``os._exit`` after cleanup (gloo aborts at exit with abandoned ops).
-2. Every stayer: ``recover(e)``; the joiner: ``join(e)``. All links are rebuilt
-   in generation e, one per ring neighbour, all at once.
+1. Every live process: ``abandon(e, dead={r})`` (any thread). Every link with
+   an op in flight, and every link to r, is severed, so any op in flight on any
+   thread raises :class:`CommAbandoned` at once, even one waiting on a hung
+   peer. An idle link is only quiesced: new ops on it raise, it stays
+   connected. Processes that will exit instead should call ``os._exit`` after
+   cleanup (gloo aborts at exit with abandoned ops).
+2. Every stayer: ``recover(e, replaced={r})``; the joiner: ``join(e)``. The
+   stayers publish each quiet link's ledger (messages sent and received per
+   tag, pair collectives) under ``nccl_delta/ledgers/e<e>/<rank>`` in the store
+   and keep a link only when both ends are quiet and the ledgers match: no
+   message is left in the pair, so the streams stay in step. Every other link
+   to a ring neighbour is rebuilt in generation e, all at once. So a failure
+   rebuilds the links that were busy or touched r, not every link of the job.
 
 Failures: ``switch`` raises :class:`MigrationAborted` (links unchanged, the
 old epoch stays in force) if the new links are not up within its deadline or
@@ -33,10 +40,12 @@ failed to connect.
 
 from __future__ import annotations
 
+import datetime
+import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from trainmover_ext.errors import MigrationAborted
 
@@ -81,6 +90,17 @@ class SwitchReport:
     """Seconds spent in phase 2 on this process (excluding any wait for phase 1)."""
     wait_s: float
     """Seconds ``switch`` waited for phase 1 to finish."""
+
+
+@dataclass(kw_only=True)
+class RecoverReport:
+    """What ``recover`` did on this process."""
+
+    epoch: int
+    kept: int
+    """Quiet links kept, their ledgers matching at both ends."""
+    rebuilt: int
+    """Ring links built anew in generation ``epoch``."""
 
 
 def prepare(world: "DeltaWorld", rank: int, epoch: int, *, joiner: str | None = None) -> PreparedSwap:
@@ -146,27 +166,71 @@ def switch(world: "DeltaWorld", epoch: int, *, timeout_s: float | None = None) -
                         switch_s=time.perf_counter() - t1, wait_s=wait_s)
 
 
-def abandon(world: "DeltaWorld", epoch: int, reason: str) -> int:
-    """Make every op in flight or to come fail fast (any thread); returns how many links were severed."""
+def abandon(world: "DeltaWorld", epoch: int, reason: str, *, dead: Iterable[int] = ()) -> int:
+    """Make every op in flight or to come fail fast (any thread); returns how many links were severed.
+
+    Links to ``dead`` ranks and links with an op in flight are severed; idle ones are quiesced
+    (see the module docstring)."""
     world.abandoned = f"epoch {epoch} abandoned: {reason}"
+    dead = set(dead)
     severed = 0
-    for _, link in world.links_snapshot():
-        link.sever(world.abandoned)
-        severed += 1
+    for (_, peer), link in world.links_snapshot():
+        if peer in dead or not link.quiesce(world.abandoned):
+            link.sever(world.abandoned)
+            severed += 1
     return severed
 
 
-def recover(world: "DeltaWorld", epoch: int, *, replaced_rank: int | None = None) -> None:
-    """After ``abandon``: rebuild every link in generation ``epoch`` (all stayers and the joiner at once)."""
+def recover(world: "DeltaWorld", epoch: int, *, replaced_rank: int | None = None,
+            replaced: Iterable[int] = ()) -> RecoverReport:
+    """After ``abandon``: keep the quiet links both ends agree on, rebuild the other ring links in
+    generation ``epoch`` (all stayers and the joiner at once); see the module docstring."""
     if epoch <= world.base_generation and world.abandoned is None:
         raise MigrationAborted(f"recover({epoch}) is not newer than generation {world.base_generation}")
+    replaced = set(replaced) | ({replaced_rank} if replaced_rank is not None else set())
     world.abandoned = None
     world.base_generation = epoch
     world.epoch = epoch
-    if replaced_rank is not None:
-        world.incarnation[replaced_rank] = epoch
-    world.drop_links()
-    connect_all_rings(world, epoch)
+    for rank in replaced:
+        world.incarnation[rank] = epoch
+    keep = agree_on_kept_links(world, epoch, replaced)
+    for (transport, peer), link in world.links_snapshot():
+        if (transport, peer) in keep:
+            link.resume()
+        else:
+            world.install(transport, peer, None)
+    rebuilt = connect_all_rings(world, epoch)
+    return RecoverReport(epoch=epoch, kept=len(keep), rebuilt=rebuilt)
+
+
+def _ledger_key(epoch: int, rank: int) -> str:
+    return f"nccl_delta/ledgers/e{epoch}/{rank}"
+
+
+def agree_on_kept_links(world: "DeltaWorld", epoch: int, replaced: set[int]) -> set[tuple[str, int]]:
+    """Publish this process's ledgers and return the ``(transport, peer)`` links both ends keep.
+
+    Every stayer publishes (peers may wait for it); it waits only for the peers of its own quiet
+    links. Both ends of a link compare the same two ledgers, so they decide alike."""
+    entries = {key: link for key, link in world.links_snapshot() if key[1] not in replaced}
+    mine = {f"{transport}/{peer}": link.ledger() for (transport, peer), link in entries.items()}
+    world.store.set(_ledger_key(epoch, world.rank), json.dumps(mine))
+    peers = sorted({peer for (transport, peer) in entries if mine[f"{transport}/{peer}"] is not None})
+    if not peers:
+        return set()
+    world.store.wait([_ledger_key(epoch, p) for p in peers], datetime.timedelta(seconds=world.config.connect_timeout_s))
+    theirs_by_peer = {p: json.loads(world.store.get(_ledger_key(epoch, p))) for p in peers}
+    return {(transport, peer) for transport, peer in entries
+            if ledgers_match(mine[f"{transport}/{peer}"],
+                             theirs_by_peer.get(peer, {}).get(f"{transport}/{world.rank}"))}
+
+
+def ledgers_match(ours: dict | None, theirs: dict | None) -> bool:
+    """Whether a link may be kept: both ends quiet, the same generation, the same number of pair
+    collectives, and every message one end sent received by the other (per tag)."""
+    return (ours is not None and theirs is not None and ours["generation"] == theirs["generation"]
+            and ours["pair"] == theirs["pair"] and ours["sent"] == theirs["received"]
+            and ours["received"] == theirs["sent"])
 
 
 def join(world: "DeltaWorld", epoch: int) -> None:
@@ -180,7 +244,7 @@ def join(world: "DeltaWorld", epoch: int) -> None:
     world.joining = False
 
 
-def connect_all_rings(world: "DeltaWorld", epoch: int) -> None:
+def connect_all_rings(world: "DeltaWorld", epoch: int) -> int:
     """Build the link to every ring neighbour (in any group) that has none, in generation ``epoch``.
 
     One link per neighbour, all at once (one thread each): the cost is one link set-up, not
@@ -190,3 +254,4 @@ def connect_all_rings(world: "DeltaWorld", epoch: int) -> None:
     missing = {p: g for p, g in sorted(world.ring_neighbours().items()) if p not in have}
     if missing:
         world.connect_links(missing, world.transport, generation=epoch)
+    return len(missing)

@@ -11,6 +11,11 @@ Contract
   an error, and unmatched sends/receives may still sit in it.
 - :meth:`Link.sever` (any thread) makes pending ops on both ends fail now; it
   is how ``abandon`` unblocks a thread waiting on a hung peer.
+- A link keeps a ledger: messages posted and received per tag, pair collectives
+  done, ops in flight. :meth:`Link.quiesce` (``abandon``) stops an idle link
+  without breaking it: new ops raise :class:`CommAbandoned`. ``recover`` keeps
+  a quiet link only when both ends' ledgers match (nothing sent that was not
+  received), and :meth:`Link.resume` reopens it; anything else is rebuilt.
 - Errors name the peer's logical rank and the op; a group's ops name the group in ``op``.
 """
 
@@ -93,11 +98,21 @@ class Link:
         self._abandon_reason: str | None = None
         self._timeout = datetime.timedelta(seconds=op_timeout_s)
         self._lock = threading.Lock()
+        self.sent: dict[int, int] = {}
+        """Messages posted per tag (a send counts once posted: its bytes may be on the wire)."""
+        self.received: dict[int, int] = {}
+        """Messages received per tag."""
+        self.pair_collectives = 0
+        """Transport collectives completed on the pair (2-member all-reduces)."""
+        self.in_flight = 0
+        """Ops posted and not yet waited for successfully."""
 
     def __repr__(self) -> str:
         return f"Link({self.me}->{self.peer}, group={self.link_id.group!r}, gen={self.link_id.generation}, {self.state})"
 
     def _check(self, op: str) -> None:
+        if self.state == "quiet":
+            raise self._error(op, "the link is quiet until recover() decides whether to keep it")
         if self.state != "open":
             raise self._error(op, f"link is {self.state} ({self.error}); it is never reused")
 
@@ -110,25 +125,66 @@ class Link:
             "The link is broken: the control plane must replace the peer or recover the epoch."
         )
 
+    def _start(self, op: str) -> None:
+        """Check the link and count one op in flight, atomically with :meth:`quiesce`."""
+        with self._lock:
+            self._check(op)
+            self.in_flight += 1
+
     def isend(self, tensor: torch.Tensor, tag: int, op: str) -> "LinkWork":
-        self._check(op)
+        self._start(op)
+        with self._lock:
+            self.sent[tag] = self.sent.get(tag, 0) + 1
         try:
             return LinkWork(self, self.handle.isend(tensor, tag), op)
         except Exception as exc:
             raise self._fail(op, exc) from exc
 
     def irecv(self, tensor: torch.Tensor, tag: int, op: str) -> "LinkWork":
-        self._check(op)
+        self._start(op)
         try:
-            return LinkWork(self, self.handle.irecv(tensor, tag), op)
+            return LinkWork(self, self.handle.irecv(tensor, tag), op, recv_tag=tag)
         except Exception as exc:
             raise self._fail(op, exc) from exc
+
+    def _done(self, recv_tag: int | None) -> None:
+        with self._lock:
+            self.in_flight -= 1
+            if recv_tag is not None:
+                self.received[recv_tag] = self.received.get(recv_tag, 0) + 1
+
+    # --- surviving an abandon ------------------------------------------------
+    def quiesce(self, reason: str) -> bool:
+        """Stop an idle link without breaking it (``abandon``); False if an op is in flight or the
+        link is not open (the caller then severs it). New ops raise :class:`CommAbandoned`."""
+        with self._lock:
+            if self.state != "open" or self.in_flight:
+                return False
+            self.state = "quiet"
+            self.error = reason
+            self._abandon_reason = reason
+            return True
+
+    def ledger(self) -> dict | None:
+        """What crossed this link (JSON-able), or None if it cannot be kept (not quiet)."""
+        with self._lock:
+            if self.state != "quiet":
+                return None
+            return {"generation": self.link_id.generation, "pair": self.pair_collectives,
+                    "sent": {str(t): n for t, n in sorted(self.sent.items())},
+                    "received": {str(t): n for t, n in sorted(self.received.items())}}
+
+    def resume(self) -> None:
+        """Reopen a quiet link that both ends agreed to keep (``recover``)."""
+        with self._lock:
+            if self.state == "quiet":
+                self.state, self.error, self._abandon_reason = "open", None, None
 
     def allreduce_pair(self, tensor: torch.Tensor, reduce_op, op: str) -> None:
         """All-reduce ``tensor`` with the peer in one transport call (a 2-member group's whole
         collective); the transport must offer ``allreduce``. On failure the link is severed so the
         peer fails fast too, as a ring does."""
-        self._check(op)
+        self._start(op)
         try:
             work = LinkWork(self, self.handle.allreduce(tensor, reduce_op), op)
         except Exception as exc:
@@ -138,6 +194,8 @@ class Link:
         except CommLinkError:
             self.sever(f"{op} failed", abandoned=False)
             raise
+        with self._lock:
+            self.pair_collectives += 1
 
     def _fail(self, op: str, exc: BaseException) -> CommLinkError:
         with self._lock:
@@ -154,6 +212,8 @@ class Link:
         :class:`CommAbandoned`; a cascade after a neighbour's error passes ``False``.
         """
         with self._lock:
+            if self.state == "quiet":
+                return  # nothing is pending on a quiet link, and nothing new can start on it
             if abandoned and self._abandon_reason is None:
                 self._abandon_reason = reason
             if self.state == "open":
@@ -163,6 +223,8 @@ class Link:
 
     def peer_down(self) -> bool:
         """Whether the peer closed or lost this link's connection (our own sever does not count)."""
+        if self.state == "quiet":
+            return False  # never probe a link recover() may keep: a timed-out probe closes the pair
         probe = getattr(self.handle, "peer_closed", None)
         return bool(probe()) if probe is not None else False
 
@@ -173,7 +235,7 @@ class Link:
         happens on a reaper thread, off the switch's critical path.
         """
         with self._lock:
-            if self.state == "open":
+            if self.state in ("open", "quiet"):
                 self.state = "closed"
                 self.error = "closed by switch"
         if wait:
@@ -209,13 +271,14 @@ def _reaper() -> "queue.SimpleQueue":
 class LinkWork:
     """A pending send or receive on a link; :meth:`wait` blocks at most the op timeout."""
 
-    __slots__ = ("link", "work", "op", "done")
+    __slots__ = ("link", "work", "op", "done", "recv_tag")
 
-    def __init__(self, link: Link, work, op: str):
+    def __init__(self, link: Link, work, op: str, recv_tag: int | None = None):
         self.link = link
         self.work = work
         self.op = op
         self.done = False
+        self.recv_tag = recv_tag
 
     def wait(self) -> None:
         if self.done:
@@ -225,6 +288,7 @@ class LinkWork:
         except Exception as exc:
             raise self.link._fail(self.op, exc) from exc
         self.done = True
+        self.link._done(self.recv_tag)
 
 
 def wait_all(works: list[LinkWork], on_error: Callable[[CommLinkError], None] | None = None) -> None:

@@ -117,10 +117,13 @@ class Ring:
         try:
             body()
             self._drain_sends()
+        except CommAbandoned:
+            self._sever(links)  # a quiet (idle) link stays quiet: recover() may keep it
+            raise
         except CommLinkError as exc:
             down = sorted({link.peer for link in links if link.peer_down()})
             self._sever(links)
-            if down and not isinstance(exc, CommAbandoned):
+            if down:
                 raise type(exc)(f"{exc} Ring peers whose connection closed: ranks {down}.") from exc
             raise
         except BaseException:

@@ -184,15 +184,15 @@ class DeltaWorld:
 
         return switch(self, epoch, timeout_s=timeout_s)
 
-    def abandon(self, epoch: int, reason: str = "abandoned by the control plane") -> int:
+    def abandon(self, epoch: int, reason: str = "abandoned by the control plane", *, dead=()) -> int:
         from .delta import abandon
 
-        return abandon(self, epoch, reason)
+        return abandon(self, epoch, reason, dead=dead)
 
-    def recover(self, epoch: int, *, replaced_rank: int | None = None) -> None:
+    def recover(self, epoch: int, *, replaced_rank: int | None = None, replaced=()):
         from .delta import recover
 
-        recover(self, epoch, replaced_rank=replaced_rank)
+        return recover(self, epoch, replaced_rank=replaced_rank, replaced=replaced)
 
     def join(self, epoch: int) -> None:
         from .delta import join

@@ -139,3 +139,60 @@ def test_recover_after_kill_with_joiner():
     finally:
         ranks.kill_all()
     assert set(results.values()) == {10.0}, results
+
+
+def _stayer_keeping_links(rank, n, store):
+    """All-reduce once; ranks 0 and 1 leave a send and a receive in flight; then abandon and recover."""
+    world = nccl_delta.current_world()
+    x = torch.ones(1000)
+    dist.all_reduce(x)
+    if rank == 0:
+        dist.isend(torch.ones(4), dst=1, tag=5)  # never waited for: in flight at the abandon
+    elif rank == 1:
+        dist.irecv(torch.zeros(4), src=0, tag=5)
+    store.set(f"idle/{rank}", "1")
+    store.wait(["abandon"])
+    severed = world.abandon(EPOCH, "rank 3 left", dead={3})
+    report = world.recover(EPOCH, replaced={3})
+    got = None
+    if rank == 0:
+        dist.send(torch.full((4,), 7.0), dst=1, tag=5)
+    elif rank == 1:
+        t = torch.zeros(4)
+        dist.recv(t, src=0, tag=5)
+        got = t[0].item()  # 7.0: the link was rebuilt, nothing of the old one is matched
+    y = torch.full((10001,), float(rank + 1))  # the size _replacement all-reduces
+    dist.all_reduce(y)
+    return dict(severed=severed, kept=report.kept, rebuilt=report.rebuilt, got=got, sum=y[0].item())
+
+
+def _leaving_rank(rank, n, store):
+    dist.all_reduce(torch.ones(1000))
+    store.set(f"idle/{rank}", "1")
+    return "left"
+
+
+def test_recover_keeps_idle_links_whose_ledgers_match():
+    """Ring 0-1-2-3, rank 3 replaced. Link 1-2 (idle, ledgers match) survives the recovery; 0-1 had
+    ops in flight, so it is severed and rebuilt; 0-3 and 2-3 go to the joiner."""
+    store = harness.host_store()
+    queue = harness.CTX.Queue()
+    ranks = harness.spawn(4, _stayer_keeping_links, ranks=[0, 1, 2], store=store, queue=queue)
+    leaver = harness.spawn(4, _leaving_rank, ranks=[3], keys=["leaver"], store=store, queue=queue)
+    try:
+        store.wait([f"idle/{r}" for r in range(4)])
+        assert leaver.results(timeout=30) == {"leaver": "left"}
+        store.set("abandon", "1")
+        joiner = harness.spawn(4, _replacement, ranks=[3], keys=["joiner"], store=store, queue=queue,
+                               join_epoch=EPOCH)
+        both = harness.Ranks(procs={**ranks.procs, **joiner.procs}, queue=queue, store=store)
+        results = both.results(timeout=60)
+    finally:
+        ranks.kill_all()
+    assert results["joiner"] == 10.0
+    stayers = {r: results[r] for r in (0, 1, 2)}
+    assert {r: v["sum"] for r, v in stayers.items()} == {0: 10.0, 1: 10.0, 2: 10.0}
+    assert stayers[1]["got"] == 7.0
+    # rank: (links kept, ring links rebuilt, links severed by the abandon)
+    assert {r: (v["kept"], v["rebuilt"], v["severed"]) for r, v in stayers.items()} == {
+        0: (0, 2, 2), 1: (1, 1, 1), 2: (1, 1, 1)}, stayers

@@ -86,3 +86,15 @@ def test_close_retires_at_once_and_tears_down_off_the_caller_thread():
     sync = _FakeHandle()
     Link(link_id=LinkId(group="g", a=0, b=1, generation=0), me=0, peer=1, handle=sync, op_timeout_s=1.0).close(wait=True)
     assert sync.closed_by == threading.current_thread().name
+
+
+def test_a_link_is_kept_only_when_both_ledgers_match():
+    from nccl_delta.delta import ledgers_match
+
+    a = {"generation": 0, "pair": 3, "sent": {"5": 2, "1029": 7}, "received": {"1029": 7}}
+    b = {"generation": 0, "pair": 3, "sent": {"1029": 7}, "received": {"5": 2, "1029": 7}}
+    assert ledgers_match(a, b) and ledgers_match(b, a)
+    assert not ledgers_match(a, None) and not ledgers_match(None, b)  # one end was busy or broken
+    assert not ledgers_match(a, dict(b, received={"5": 1, "1029": 7}))  # a message still in the pair
+    assert not ledgers_match(a, dict(b, pair=2))
+    assert not ledgers_match(a, dict(b, generation=1))

@@ -5,8 +5,8 @@ Contract (every rank, main thread unless noted):
   writes its ``ranks/<r>`` record if absent, and watches ``migrations/``.
 - On a *failure* plan (watch thread) the rank abandons its communicator at
   once: every op in flight or to come raises ``CommAbandoned``. The training
-  loop then calls :meth:`WorkerRuntime.recover`, which rebuilds every link in
-  the plan's epoch, agrees with the other ranks on the resume iteration
+  loop then calls :meth:`WorkerRuntime.recover`, which keeps the idle links
+  both ends agree on and rebuilds the others in the plan's epoch, agrees with the other ranks on the resume iteration
   (:mod:`.converge`) and copies state from replicas, or loads the latest
   checkpoint when no replica holds it. Training continues at that iteration.
 - On a *planned* plan the stayers build the joiner's links in the background
@@ -125,7 +125,8 @@ class WorkerRuntime(Runtime):
                 # Abandon before waking the main thread: it rebuilds the links next, and an
                 # abandon arriving after that would sever the new links.
                 if world.epoch < plan.epoch:
-                    world.abandon(plan.epoch, f"rank(s) {[r.rank for r in reps]} failed")
+                    world.abandon(plan.epoch, f"rank(s) {[r.rank for r in reps]} failed",
+                                  dead={r.rank for r in reps})
         with self._cond:
             self._plans[plan.epoch] = plan
             self._cond.notify_all()
@@ -242,7 +243,8 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: b
     world = nccl_delta.current_world()
     if not joiner:
         rt.space.put(rt.space.key("recovery", e, layout.rank), encode("recovery", {"iteration": args.iteration}))
-        world.recover(e, replaced_rank=min(replaced))
+        report = world.recover(e, replaced=replaced)
+        logger.info("rank %d: epoch %d kept %d links, rebuilt %d", layout.rank, e, report.kept, report.rebuilt)
     mark_step(rt.space, e, "links_rebuilt" if not joiner else "joined", only_if=joiner)
     iterations = _gather_iterations(rt, e, layout.world_size - len(replaced))
     cplan = plan_convergence(grid_of(layout), iterations, replaced,
