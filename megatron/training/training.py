@@ -219,6 +219,7 @@ def pretrain(
     die_with_parent_from_env()  # a rank spawned by `trainmover launch` never outlives its agent
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps every thread's stack
+    faulthandler.enable(all_threads=True)  # a crash in C++ (SIGSEGV, SIGABRT) prints every thread's stack too
     args = parse_args(extra_args_provider, argv)
     for key, value in (args_defaults or {}).items():
         if getattr(args, key, None) is None:
