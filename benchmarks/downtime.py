@@ -326,7 +326,10 @@ def main(argv=None) -> int:
     rows += [(f"  unexpected {k}", f"{v:.3f}") for k, v in unexpected.get("phases", {}).items()]
     if nvrx:
         rows += [("unexpected_s / nvrx_inprocess_s", f"{result['unexpected_over_nvrx']:.3f} (goal <= 0.5)"),
-                 ("nvrx bit_identical", str(nvrx["bit_identical"])),
+                 ("nvrx bit_identical (vs its own fault-free run)", str(nvrx["bit_identical"])),
+                 ("nvrx fault-free run = TrainMover's fault-free run",
+                  f"{nvrx.get('fault_free_matches_reference')} (first difference "
+                  f"{nvrx.get('first_difference_from_reference')})"),
                  ("nvrx ranks terminated by its hard timeout", str(nvrx["terminated_by_nvrx"]))]
         rows += [(f"  nvrx {k}", f"{v:.3f}") for k, v in nvrx["phases"].items()]
     rows += [(f"scale {s['ranks']} ranks", f"{s['unexpected_s']:.3f} s (iteration {s['iteration_s']:.3f} s, "

@@ -311,12 +311,22 @@ def analyse(cfg: NvrxRunConfig, run: dict) -> dict:
     return result
 
 
+def _first_difference(a: dict[int, float], b: dict[int, float]) -> Optional[list]:
+    """``[iteration, a's loss, b's loss]`` at the first iteration where they differ, or None."""
+    for it in sorted(set(a) | set(b)):
+        if a.get(it) != b.get(it):
+            return [it, a.get(it), b.get(it)]
+    return None
+
+
 def measure(data_prefix: str, iters: int = 16, victim: int = 5, at_iteration: int = 6, save_interval: int = 5,
             reference: Optional[dict[int, float]] = None, job_args: Optional[list[str]] = None,
             ranks: int = 8, workdir: Optional[str] = None, keep: bool = False, spares: int = 2,
             gloo_abort: str = "sockets") -> dict:
-    """The nvrx baseline end to end: a killed run, and a fault-free nvrx run unless ``reference`` (a
-    loss trajectory of the same job) is given. Logs stay in ``workdir`` when a run fails or ``keep``."""
+    """The nvrx baseline end to end: a killed run and a fault-free nvrx run of the same job;
+    ``bit_identical`` compares the two. With ``reference`` (another fault-free trajectory of the job,
+    e.g. TrainMover's) it also says whether nvrx's fault-free run matches it and where it first
+    differs. Logs stay in ``workdir`` when a run fails or ``keep``."""
     cfg = NvrxRunConfig(job_args=job_args or demo_args(data_prefix, iters), ranks=ranks, victim=victim,
                         at_iteration=at_iteration, save_interval=save_interval, spares=spares,
                         gloo_abort=gloo_abort)
@@ -326,11 +336,13 @@ def measure(data_prefix: str, iters: int = 16, victim: int = 5, at_iteration: in
     try:
         killed = run_job(cfg, workdir, "killed")
         result = analyse(cfg, killed)
-        if reference is None:
-            fault_free = run_job(replace(cfg, victim=None), workdir, "fault_free")
-            reference = trajectory(fault_free["metrics"])
+        fault_free = trajectory(run_job(replace(cfg, victim=None), workdir, "fault_free")["metrics"])
         traj = trajectory(killed["metrics"])
-        result["bit_identical"] = traj == reference
+        result["bit_identical"] = traj == fault_free
+        result["first_difference"] = _first_difference(traj, fault_free)
+        if reference is not None:
+            result["fault_free_matches_reference"] = fault_free == reference
+            result["first_difference_from_reference"] = _first_difference(fault_free, reference)
         result["final_iteration"] = max(traj) if traj else None
         result["config"] = {"ranks": ranks, "spares": cfg.spares, "victim": victim, "at_iteration": at_iteration,
                             "save_interval": save_interval, "restore": "latest checkpoint on disk",
