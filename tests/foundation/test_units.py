@@ -103,3 +103,35 @@ def test_interleaved_pp2_on_gloo_never_batches_p2p():
                       world_size=2)
     gloo = type("L", (), {"backend": "gloo"})
     assert transformer_config_from_args(args, gloo).batch_p2p_comm is False
+
+
+def test_the_agent_wakes_when_a_child_exits_not_at_its_next_poll():
+    import os
+    import signal
+    import time
+
+    from trainmover_ext.launch.process import RankProcess, wait_any_exit
+
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(0.3)
+        os._exit(3)
+    child = RankProcess(rank=0, pid=pid)
+    t0 = time.monotonic()
+    wait_any_exit([child], timeout_s=20)
+    assert time.monotonic() - t0 < 5, "woke at the timeout, not at the exit"
+    assert child.poll() == 3 and child.exit_fd() is None  # reaped, descriptor closed
+    t0 = time.monotonic()
+    wait_any_exit([], timeout_s=0.2)  # nothing to watch: a plain sleep
+    assert time.monotonic() - t0 >= 0.2
+    sleeper = os.fork()
+    if sleeper == 0:
+        time.sleep(60)
+        os._exit(0)
+    proc = RankProcess(rank=1, pid=sleeper)
+    t0 = time.monotonic()
+    wait_any_exit([proc], timeout_s=0.3)  # alive: returns at the timeout
+    assert 0.25 <= time.monotonic() - t0 < 5 and proc.poll() is None
+    proc.signal(signal.SIGKILL)
+    wait_any_exit([proc], timeout_s=20)
+    assert proc.poll() == -signal.SIGKILL

@@ -35,7 +35,7 @@ import time
 import uuid
 from typing import Optional
 
-from trainmover_ext.launch.process import RankProcess, fork_rank, spawn_rank
+from trainmover_ext.launch.process import RankProcess, fork_rank, spawn_rank, wait_any_exit
 from trainmover_ext.runtime.identity import ENV_MEMBER_ID, leaver_standby_id
 
 
@@ -243,4 +243,4 @@ class TrainMoverSupervisor:
                 for proc in self.standbys.values():
                     proc.signal(signal.SIGTERM)
                 return True, 0
-            time.sleep(self.cfg.monitor_interval_s)
+            wait_any_exit([p for p in self.agent.procs if p.returncode is None], self.cfg.monitor_interval_s)
