@@ -105,18 +105,26 @@ def test_interleaved_pp2_on_gloo_never_batches_p2p():
     assert transformer_config_from_args(args, gloo).batch_p2p_comm is False
 
 
-def test_the_agent_wakes_when_a_child_exits_not_at_its_next_poll():
+def _child_exiting_after(seconds: float, code: int):
     import os
-    import signal
     import time
 
-    from trainmover_ext.launch.process import RankProcess, wait_any_exit
+    from trainmover_ext.launch.process import RankProcess
 
     pid = os.fork()
     if pid == 0:
-        time.sleep(0.3)
-        os._exit(3)
-    child = RankProcess(rank=0, pid=pid)
+        time.sleep(seconds)
+        os._exit(code)
+    return RankProcess(rank=0, pid=pid)
+
+
+def test_the_agent_wakes_when_a_child_exits_not_at_its_next_poll():
+    import signal
+    import time
+
+    from trainmover_ext.launch.process import wait_any_exit
+
+    child = _child_exiting_after(0.3, 3)
     t0 = time.monotonic()
     wait_any_exit([child], timeout_s=20)
     assert time.monotonic() - t0 < 5, "woke at the timeout, not at the exit"
@@ -124,11 +132,7 @@ def test_the_agent_wakes_when_a_child_exits_not_at_its_next_poll():
     t0 = time.monotonic()
     wait_any_exit([], timeout_s=0.2)  # nothing to watch: a plain sleep
     assert time.monotonic() - t0 >= 0.2
-    sleeper = os.fork()
-    if sleeper == 0:
-        time.sleep(60)
-        os._exit(0)
-    proc = RankProcess(rank=1, pid=sleeper)
+    proc = _child_exiting_after(60, 0)
     t0 = time.monotonic()
     wait_any_exit([proc], timeout_s=0.3)  # alive: returns at the timeout
     assert 0.25 <= time.monotonic() - t0 < 5 and proc.poll() is None
