@@ -147,3 +147,12 @@ def test_wait_prefix_sees_writes_made_after_the_read_and_times_out(anykv):
     t0 = time.monotonic()
     assert wait_prefix(anykv, "/w/", lambda v: len(v) >= 4, 0.3) is None
     assert time.monotonic() - t0 >= 0.3
+
+
+def test_job_tokens_never_look_like_a_flag():
+    """`--tm-job-token TOKEN` must parse whatever token was drawn (a leading '-' reads as a flag)."""
+    from trainmover_ext.kv.job import new_token
+
+    tokens = [new_token() for _ in range(2000)]
+    assert all(t[0] != "-" and len(t) == 48 for t in tokens)
+    assert len(set(tokens)) == len(tokens)

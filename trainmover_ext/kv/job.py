@@ -42,8 +42,12 @@ _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 def new_token() -> str:
-    """A fresh random job token (192 bits, URL-safe)."""
-    return secrets.token_urlsafe(24)
+    """A fresh random job token: 192 bits as 48 hex digits.
+
+    Hex, not URL-safe base64: a token starting with ``-`` (1 in 64 of those) reads as a flag to
+    every command line that takes ``--tm-job-token TOKEN``; argparse then exits with "expected one
+    argument". A test's member process failed that way in CI."""
+    return secrets.token_hex(24)
 
 
 def _digest(token: str) -> str:
