@@ -48,10 +48,12 @@ Planned replacement of logical rank ``r`` at membership epoch ``e``
 
 Unexpected failure (a :class:`~trainmover_ext.errors.CommLinkError`, or a lease expiry)
 
-* every live process: ``world.abandon(e, reason)`` (any thread; every op in
-  flight raises :class:`~trainmover_ext.errors.CommAbandoned` at once);
-* stayers: ``world.recover(e, replaced_rank=r)``; joiner: ``expect_join(e)``,
-  init as above, then ``world.join(e)``. Every link is rebuilt in generation e.
+* every live process: ``world.abandon(e, reason, dead={r})`` (any thread; every op in
+  flight raises :class:`~trainmover_ext.errors.CommAbandoned` at once; idle links are
+  only quiesced);
+* stayers: ``world.recover(e, replaced={r})``; joiner: ``expect_join(e)``,
+  init as above, then ``world.join(e)``. Idle links whose ledgers match at both
+  ends are kept; every other ring link is rebuilt in generation e.
 
 Errors: link failures raise ``trainmover_ext.errors.CommLinkError`` naming the
 peer rank, the group and the op (within ~0.2 s of a peer SIGKILL); deadlines

@@ -181,13 +181,12 @@ def abandon(world: "DeltaWorld", epoch: int, reason: str, *, dead: Iterable[int]
     return severed
 
 
-def recover(world: "DeltaWorld", epoch: int, *, replaced_rank: int | None = None,
-            replaced: Iterable[int] = ()) -> RecoverReport:
+def recover(world: "DeltaWorld", epoch: int, *, replaced: Iterable[int] = ()) -> RecoverReport:
     """After ``abandon``: keep the quiet links both ends agree on, rebuild the other ring links in
     generation ``epoch`` (all stayers and the joiner at once); see the module docstring."""
     if epoch <= world.base_generation and world.abandoned is None:
         raise MigrationAborted(f"recover({epoch}) is not newer than generation {world.base_generation}")
-    replaced = set(replaced) | ({replaced_rank} if replaced_rank is not None else set())
+    replaced = set(replaced)
     world.abandoned = None
     world.base_generation = epoch
     world.epoch = epoch

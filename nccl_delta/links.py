@@ -125,16 +125,17 @@ class Link:
             "The link is broken: the control plane must replace the peer or recover the epoch."
         )
 
-    def _start(self, op: str) -> None:
-        """Check the link and count one op in flight, atomically with :meth:`quiesce`."""
+    def _start(self, op: str, send_tag: int | None = None) -> None:
+        """Check the link and count one op in flight (and a send's message), atomically with
+        :meth:`quiesce`."""
         with self._lock:
             self._check(op)
             self.in_flight += 1
+            if send_tag is not None:
+                self.sent[send_tag] = self.sent.get(send_tag, 0) + 1
 
     def isend(self, tensor: torch.Tensor, tag: int, op: str) -> "LinkWork":
-        self._start(op)
-        with self._lock:
-            self.sent[tag] = self.sent.get(tag, 0) + 1
+        self._start(op, send_tag=tag)
         try:
             return LinkWork(self, self.handle.isend(tensor, tag), op)
         except Exception as exc:

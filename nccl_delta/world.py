@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from torch.distributed import Store
 
@@ -38,7 +38,7 @@ from .group import DeltaGroup
 from .links import Link, LinkId
 
 if TYPE_CHECKING:
-    from .delta import PreparedSwap, SwitchReport
+    from .delta import PreparedSwap, RecoverReport, SwitchReport
 
 logger = logging.getLogger(__name__)
 
@@ -184,15 +184,15 @@ class DeltaWorld:
 
         return switch(self, epoch, timeout_s=timeout_s)
 
-    def abandon(self, epoch: int, reason: str = "abandoned by the control plane", *, dead=()) -> int:
+    def abandon(self, epoch: int, reason: str = "abandoned by the control plane", *, dead: Iterable[int] = ()) -> int:
         from .delta import abandon
 
         return abandon(self, epoch, reason, dead=dead)
 
-    def recover(self, epoch: int, *, replaced_rank: int | None = None, replaced=()):
+    def recover(self, epoch: int, *, replaced: Iterable[int] = ()) -> "RecoverReport":
         from .delta import recover
 
-        return recover(self, epoch, replaced_rank=replaced_rank, replaced=replaced)
+        return recover(self, epoch, replaced=replaced)
 
     def join(self, epoch: int) -> None:
         from .delta import join

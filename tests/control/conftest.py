@@ -1,22 +1,10 @@
-"""Fixtures for control-plane tests: real etcd servers on free loopback ports, stopped by pid."""
+"""Fixtures for control-plane tests: a client of the real etcd of ``tests/conftest.py``."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig
 from trainmover_ext.kv import EtcdClientConfig, EtcdKV
-
-
-@pytest.fixture
-def etcd(tmp_path):
-    """A single real etcd member with fast raft timings."""
-    server = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=tmp_path / "etcd", heartbeat_ms=10, election_ms=100))
-    server.start(timeout=15)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -17,15 +17,6 @@ from helpers import ITERS, JobProbe, start_job, tm_args, trajectory, wait_for, w
 from trainmover_ext.jobs import REPO_ROOT
 
 
-@pytest.fixture
-def etcd(tmp_path):
-    from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig
-
-    server = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=tmp_path / "etcd")).start(timeout=60)
-    yield server
-    server.stop()
-
-
 def _start_controller(etcd, job: str, token: str, log) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "trainmover_ext.cli", "controller", "--tm-etcd-endpoints", ",".join(etcd.endpoints),
            "--tm-job", job, "--tm-job-token", token, "--id", "ext-controller", "--tm-lease-ttl", "1"]

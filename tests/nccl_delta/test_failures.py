@@ -109,7 +109,7 @@ def _survivor(rank, n, store):
         pass
     world.abandon(EPOCH, "rank 2 died")
     store.set(f"abandoned/{rank}", "1")
-    world.recover(EPOCH, replaced_rank=2)
+    world.recover(EPOCH, replaced={2})
     x = torch.full((10001,), float(rank + 1))
     dist.all_reduce(x)
     return x[0].item()

@@ -20,6 +20,7 @@ import datetime as _dt
 import os
 import signal
 import threading
+import time
 from typing import Callable
 
 from trainmover_ext.control.membership import request_migration
@@ -196,14 +197,13 @@ def cmd_controller(args: argparse.Namespace) -> int:
         ctl = Controller(space, ControllerConfig(controller_id=cid, ttl_s=round(args.tm_lease_ttl))).start()
         print(f"[trainmover] controller {cid} stands for job {space.job}; Ctrl-C (SIGTERM) resigns and exits",
               flush=True)
-        leading, done_check = False, 0.0
+        leading, next_check = False, time.monotonic() + args.tm_lease_ttl
         while not stop.wait(0.2):
             if ctl.is_leader != leading:
                 leading = ctl.is_leader
                 print(f"[trainmover] controller {cid} {'leads' if leading else 'follows'}", flush=True)
-            done_check += 0.2
-            if done_check >= args.tm_lease_ttl:
-                done_check = 0.0
+            if time.monotonic() >= next_check:  # the job's progress, once per lease TTL
+                next_check = time.monotonic() + args.tm_lease_ttl
                 if job_done(read_view(space)):
                     print(f"[trainmover] job {space.job} finished; controller {cid} exits", flush=True)
                     break

@@ -5,6 +5,7 @@ launcher needs; see :mod:`trainmover_ext.etcd.server` for the contract.
 """
 
 from trainmover_ext.etcd.cluster import LocalEtcdCluster
-from trainmover_ext.etcd.server import EmbeddedEtcd, EmbeddedEtcdConfig, find_etcd_binary, free_port
+from trainmover_ext.etcd.server import EmbeddedEtcd, EmbeddedEtcdConfig, find_etcd_binary
+from trainmover_ext.netutil import free_port
 
 __all__ = ["EmbeddedEtcd", "EmbeddedEtcdConfig", "LocalEtcdCluster", "find_etcd_binary", "free_port"]

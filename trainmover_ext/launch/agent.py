@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from trainmover_ext.errors import ConfigError, LaunchError
-from trainmover_ext.netutil import free_port
 from trainmover_ext.launch.config import LaunchConfig
 from trainmover_ext.launch.process import RankProcess, fork_rank, preimport_for_fork, spawn_rank
+from trainmover_ext.netutil import free_port
 
 
 ENV_NODE_NAME = "TRAINMOVER_NODE_NAME"

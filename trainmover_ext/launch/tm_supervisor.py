@@ -84,8 +84,8 @@ class TrainMoverSupervisor:
         self.agent.log(f"started standby {member} (pid {proc.pid}, {method})")
 
     def start(self) -> None:
-        from trainmover_ext.netutil import free_port
         from trainmover_ext.launch.process import preimport_for_fork
+        from trainmover_ext.netutil import free_port
 
         cfg = self.cfg
         self.port = cfg.master_port or free_port(cfg.master_addr)

@@ -6,9 +6,10 @@ Contract (every rank, main thread unless noted):
 - On a *failure* plan (watch thread) the rank abandons its communicator at
   once: every op in flight or to come raises ``CommAbandoned``. The training
   loop then calls :meth:`WorkerRuntime.recover`, which keeps the idle links
-  both ends agree on and rebuilds the others in the plan's epoch, agrees with the other ranks on the resume iteration
-  (:mod:`.converge`) and copies state from replicas, or loads the latest
-  checkpoint when no replica holds it. Training continues at that iteration.
+  both ends agree on and rebuilds the others in the plan's epoch, agrees with
+  the other ranks on the resume iteration (:mod:`.converge`) and copies state
+  from replicas, or loads the latest checkpoint when no replica holds it.
+  Training continues at that iteration.
 - On a *planned* plan the stayers build the joiner's links in the background
   (phase 1) and keep training while the joiner builds its model. Once the
   joiner marks the plan ``ready``, all ranks agree, through one

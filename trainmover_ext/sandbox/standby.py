@@ -33,7 +33,6 @@ from .registry import control_role, roles_of_job, wait_for_recordings
 from .shadow import WarmResult, peak_rss_bytes, program_from_providers, warm_standby
 
 
-
 @dataclass(kw_only=True)
 class StandbyMemberRecord(MemberRecord):
     """A standby's ``members/<id>`` record with its warm-up report (readers of plain
