@@ -133,7 +133,10 @@ def _spawn(store, world_size, fn, args, queue, ranks=None, join_epoch=None):
 
 
 def _host_store():
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=300))
+    # The server runs in a process of its own: ranks fork from this one (see host_store_in_own_process).
+    from trainmover_ext.netutil import host_store_in_own_process
+
+    return host_store_in_own_process(timeout_s=300.0)
 
 
 # --- all-reduce -------------------------------------------------------------------------------

@@ -23,31 +23,14 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 import nccl_delta
+from trainmover_ext.netutil import host_store_in_own_process
 
 CTX = mp.get_context("fork")
 
 
 def host_store() -> TCPStore:
-    """A client of a TCPStore server that runs in a process of its own.
-
-    Ranks are forked from this process. A server hosted here would have threads serving the
-    ranks already started while the next one forks; a child can inherit a lock such a thread
-    held (c10's logging writes from it) and hang in its own TCPStore constructor. CI saw a rank
-    stuck there for 120 s."""
-    recv_end, send_end = CTX.Pipe(duplex=False)
-    server = CTX.Process(target=_serve_store, args=(send_end,), daemon=True)
-    server.start()
-    if not recv_end.poll(60):
-        server.kill()
-        raise TimeoutError("the test's TCPStore server did not start within 60s")
-    return client_store(recv_end.recv())
-
-
-def _serve_store(conn) -> None:
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
-    conn.send(store.port)
-    while True:  # a daemon: it ends with the test process
-        time.sleep(3600)
+    """A client of a TCPStore server in a process of its own (see ``host_store_in_own_process``)."""
+    return host_store_in_own_process(timeout_s=60.0)
 
 
 def client_store(port: int) -> TCPStore:

@@ -102,9 +102,11 @@ def fork_children(calls: dict[Any, tuple], nice: Optional[dict] = None) -> Child
 
 
 def host_store():
-    from torch.distributed import TCPStore
+    """The rank store of a forked job: a TCPStore server in a process of its own (never in the
+    process the ranks are forked from), and a client of it for the caller."""
+    from trainmover_ext.netutil import host_store_in_own_process
 
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    return host_store_in_own_process(timeout_s=120.0)
 
 
 def parse_job_args(argv: list[str], world_size: int):
