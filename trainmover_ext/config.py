@@ -15,6 +15,8 @@ from typing import Optional
 
 from trainmover_ext.errors import ConfigError
 
+KEEP_ROLES = ("first", "middle", "last", "none")
+
 # flag attribute -> why it cannot be used yet. Remove an entry when wiring it.
 NOT_WIRED: dict[str, str] = {}
 
@@ -57,6 +59,9 @@ class TrainMoverConfig:
     the basic warm-up (and says so)."""
     compile: bool = False
     """``--tm-compile``: wrap the model in ``torch.compile``."""
+    keep_role: str = "last"
+    """``--tm-keep-role``: the pipeline role whose model a sandbox standby keeps after warming (``first``,
+    ``middle``, ``last`` or ``none``); promoted into that role's recorded rank it adopts the model."""
     leaver_becomes_standby: bool = False
     """``--tm-leaver-becomes-standby``: a planned leaver rejoins the pool instead of exiting."""
     metrics_file: Optional[str] = None
@@ -90,6 +95,8 @@ class TrainMoverConfig:
             raise ConfigError("--tm-record-iters must be >= 1")
         if self.record_timeout_s <= 0:
             raise ConfigError("--tm-record-timeout must be positive (seconds a standby waits for recordings)")
+        if self.keep_role not in KEEP_ROLES:
+            raise ConfigError(f"--tm-keep-role must be one of {', '.join(KEEP_ROLES)}")
         if self.record_dir is not None and not self.record_dir.strip():
             raise ConfigError("--tm-record-dir must name a directory (shared by the job and its standbys)")
         if any(getattr(self, name) for name in ("etcd_cert", "etcd_key")) and not (self.etcd_cert and self.etcd_key):
@@ -113,6 +120,7 @@ _FLAG_TO_FIELD = {
     "tm_record_dir": "record_dir",
     "tm_record_timeout": "record_timeout_s",
     "tm_compile": "compile",
+    "tm_keep_role": "keep_role",
     "tm_leaver_becomes_standby": "leaver_becomes_standby",
     "tm_metrics_file": "metrics_file",
     "tm_comm": "comm",
@@ -147,6 +155,11 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--tm-record-timeout", type=float, default=None,
                    help="Seconds a standby waits for the job's recordings before the basic warm-up (default 300).")
     g.add_argument("--tm-compile", action="store_true", default=None, help="Wrap the model in torch.compile.")
+    g.add_argument("--tm-keep-role", choices=KEEP_ROLES, default=None,
+                   help="Pipeline role whose model a sandbox standby keeps after its warm-up (default last; it is "
+                        "warmed last, so memory stays one role's). Promoted into the rank that role was recorded "
+                        "at (TP and DP rank 0 of its stage), the standby adopts that model instead of building "
+                        "one; 'none' keeps no model.")
     g.add_argument("--tm-leaver-becomes-standby", action="store_true", default=None,
                    help="After a planned migration the leaver (its state handed over, its groups torn down) stays "
                         "alive and rejoins the standby pool in the same process, instead of exiting; its agent "

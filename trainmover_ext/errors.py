@@ -130,3 +130,8 @@ class RecordingNotFound(TrainMoverError):
 
 class RecordingCorrupt(TrainMoverError):
     """A recording fails its checksum or its index is unreadable; it is never used. Record again."""
+
+
+class KeptRoleUnusable(TrainMoverError):
+    """A standby's kept model cannot serve the rank it was promoted into (another rank's coordinates, or a
+    replay group it still holds that cannot be re-pointed). The standby builds the rank's model anew."""

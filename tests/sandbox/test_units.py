@@ -9,7 +9,8 @@ import torch.distributed as dist
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.sandbox.ops import decode
 from trainmover_ext.sandbox.recording import Recording, RecordingWriter
-from trainmover_ext.sandbox.registry import control_role, index_sha256, published_summary, roles_of_job
+from trainmover_ext.sandbox.registry import (control_role, index_sha256, keep_role_of_job, published_summary,
+                                             roles_of_job)
 
 
 def test_recording_roundtrip_keeps_bits_and_dtypes(tmp_path):
@@ -59,6 +60,16 @@ def test_roles_per_pipeline_depth():
     assert control_role("only") == "first" and control_role("middle") == "middle"
 
 
+def test_kept_role_per_pipeline_depth():
+    """--tm-keep-role names a pipeline role; a PP=1 job's only role serves first and last."""
+    assert keep_role_of_job("last", 2) == "last" and keep_role_of_job("middle", 3) == "middle"
+    assert keep_role_of_job("first", 1) == "only" and keep_role_of_job("none", 4) is None
+    with pytest.raises(ConfigError, match="pipeline roles are first, last"):
+        keep_role_of_job("middle", 2)
+    with pytest.raises(ConfigError, match="one pipeline stage"):
+        keep_role_of_job("middle", 1)
+
+
 def _config(argv):
     import argparse
 
@@ -71,8 +82,9 @@ def test_sandbox_flags_are_wired():
     from trainmover_ext.config import NOT_WIRED
 
     cfg = _config(["--tm-record-iters", "3", "--tm-record-dir", "/shared/rec", "--tm-compile",
-                   "--tm-record-timeout", "12.5"])
+                   "--tm-record-timeout", "12.5", "--tm-keep-role", "first"])
     assert (cfg.record_iters, cfg.record_dir, cfg.compile, cfg.record_timeout_s) == (3, "/shared/rec", True, 12.5)
+    assert cfg.keep_role == "first" and _config([]).keep_role == "last"
     assert not {"tm_record_iters", "tm_record_dir", "tm_compile"} & set(NOT_WIRED)
     for bad, flag in ((["--tm-record-iters", "0"], "--tm-record-iters"),
                       (["--tm-record-timeout", "0"], "--tm-record-timeout"),
@@ -107,3 +119,28 @@ def test_benchmark_ratio_is_the_stayers_first_iteration_over_the_iterations_besi
     assert fig["ratio"] == pytest.approx(2.0) and fig["null_ratio"] == pytest.approx(1.0)
     assert fig["own_ratio"] == pytest.approx(3.0) and fig["steady_s"] == pytest.approx(0.05)
     assert fig["gc_first_s"] == pytest.approx(0.02)
+
+
+def test_adoption_walk_repoints_every_mutable_holder_and_names_the_rest():
+    """sandbox.adopt.walk: references in dicts, lists, attributes, slots and closure cells are replaced;
+    one in a tuple cannot be, and is reported (the standby then builds the model anew)."""
+    from trainmover_ext.sandbox.adopt import walk
+
+    old, new = object(), object()
+
+    class Slotted:
+        __slots__ = ("group",)
+
+    def closure_over(group):
+        return lambda: group
+
+    holder = type("Holder", (), {})()
+    holder.attr, holder.items, holder.table, holder.fn = old, [1, old], {"k": old}, closure_over(old)
+    holder.frozen = ("x", old)
+    holder.slotted = Slotted()
+    holder.slotted.group = old
+    replaced, stuck = walk([holder], {id(old): new}, rewrite=True)
+    assert replaced == 5 and stuck == ["tuple"]
+    assert holder.attr is new and holder.items[1] is new and holder.table["k"] is new
+    assert holder.fn() is new and holder.slotted.group is new
+    assert walk([holder], {id(old): new}, rewrite=False) == (0, ["tuple"])

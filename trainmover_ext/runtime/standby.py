@@ -22,12 +22,16 @@ import logging
 import os
 import threading
 import time
+from typing import TYPE_CHECKING, Optional
 
 from trainmover_ext.control.membership import DecisionWatcher, Membership
 from trainmover_ext.control.records import ROLES, MigrationPlan
 from trainmover_ext.errors import MembershipLost
 from trainmover_ext.runtime.identity import identity_from_env, open_space
 from trainmover_ext.runtime.timeline import mark_step
+
+if TYPE_CHECKING:
+    from trainmover_ext.sandbox.adopt import KeptRole
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +80,9 @@ def preload_rank_code(args) -> float:
     return time.time() - t0
 
 
-def warm_up(args, config, providers, space, member, should_stop) -> dict:
-    """Warm this standby and report it on its member record; returns the warm-up report.
+def warm_up(args, config, providers, space, member, should_stop) -> tuple[dict, Optional["KeptRole"]]:
+    """Warm this standby and report it on its member record; returns the warm-up report and the
+    parts of the role it keeps (``--tm-keep-role``; None without the sandbox).
 
     With ``--tm-record-dir`` it runs sandbox shadow iterations of the first,
     middle and last roles (``trainmover_ext.sandbox.standby``); without it, or
@@ -102,7 +107,7 @@ def warm_up(args, config, providers, space, member, should_stop) -> dict:
     report = {"mode": "basic", "reason": reason, **{k: round(v, 4) for k, v in timings.items()},
               "total_s": round(sum(timings.values()), 4)}
     member.update(warm_roles=list(ROLES), warmup=report)
-    return report
+    return report, None
 
 
 def run_standby(args, config, providers, t_process: float) -> dict:
@@ -126,7 +131,7 @@ def run_standby(args, config, providers, t_process: float) -> dict:
 
     watcher = DecisionWatcher(space, on_plan)
     try:
-        report = warm_up(args, config, providers, space, member, should_stop=lambda: bool(promoted))
+        report, kept = warm_up(args, config, providers, space, member, should_stop=lambda: bool(promoted))
     except BaseException:
         watcher.close()
         member.close()
@@ -144,7 +149,7 @@ def run_standby(args, config, providers, t_process: float) -> dict:
             member.check()
     watcher.close()
     plan = promoted[0]
-    return serve_rank(args, config, providers, plan, ident, space, member)
+    return serve_rank(args, config, providers, plan, ident, space, member, kept=kept)
 
 
 def rejoin_as_standby(args, config, providers, t_process: float, leaver: str, epoch: int) -> dict:
@@ -169,8 +174,12 @@ def rejoin_as_standby(args, config, providers, t_process: float, leaver: str, ep
     return run_standby(args, config, providers, t_process)
 
 
-def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, member) -> dict:
-    """Join the communicator as the plan's rank, take the state, and train."""
+def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, member,
+               kept: Optional["KeptRole"] = None) -> dict:
+    """Join the communicator as the plan's rank, take the state, and train.
+
+    With ``kept`` (the sandbox role this standby kept) it adopts those parts when they were built
+    for this rank, and drops them otherwise, before it builds the rank's model."""
     from megatron.training.initialize import initialize_distributed, shutdown
     from megatron.training.training import MetricsLog, build_session, train_loop
     from trainmover_ext.runtime.quiet_build import no_collectives
@@ -183,6 +192,10 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
     print(f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (epoch {plan.epoch}, "
           f"{plan.reason})", flush=True)
     member.update(kind="worker")
+    not_adopted = "no kept model" if kept is None else None
+    if kept is not None and not kept.fits(rep.rank):
+        not_adopted = f"the kept {kept.role} model was built as rank {kept.rank}"
+        kept = drop_kept(kept)  # before the rank's model is built: never two models in memory
     layout = initialize_distributed(args, use_delta_comm=True, join_epoch=plan.epoch, join=False)
     t_groups = time.time()
     # The links come up on a thread while this one builds the model: neither needs the other.
@@ -190,8 +203,23 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
     metrics = MetricsLog(config.metrics_file, layout.is_logging_rank)
     runtime = None
     try:
-        with no_collectives():  # everything they would set comes with the state transfer
-            session = build_session(args, layout, *providers, metrics)
+        session = None
+        if kept is not None:
+            from trainmover_ext.errors import KeptRoleUnusable
+            from trainmover_ext.sandbox.adopt import adopt
+
+            try:
+                session = adopt(kept, layout, metrics, rep.rank)
+                print(f"[trainmover] standby {ident.member_id} adopted its kept {kept.role} model for rank "
+                      f"{rep.rank} ({session.repointed_groups} group references re-pointed)", flush=True)
+            except KeptRoleUnusable as exc:
+                not_adopted = str(exc)
+                kept = drop_kept(kept)
+        if session is None:
+            print(f"[trainmover] standby {ident.member_id} builds rank {rep.rank}'s model ({not_adopted})",
+                  flush=True)
+            with no_collectives():  # everything they would set comes with the state transfer
+                session = build_session(args, layout, *providers, metrics)
         t_session = time.time()
         joining.wait()
         mark_step(space, plan.epoch, "joined", at=joining.done_at)
@@ -206,7 +234,8 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
         runtime.pending_first_iteration = plan.epoch
         metrics.write(event="promoted", member=ident.member_id, rank=rep.rank, epoch=plan.epoch,
                       promoted_at=t_promoted, groups_built=t_groups, session_built=t_session,
-                      links_up=joining.done_at, resumed_iteration=args.iteration, state_ready=time.time())
+                      links_up=joining.done_at, resumed_iteration=args.iteration, state_ready=time.time(),
+                      adopted_kept_model=not_adopted is None, not_adopted=not_adopted)
         return train_loop(session, runtime)
     finally:
         if runtime is not None:
@@ -215,6 +244,23 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
             member.close()
         metrics.close()
         shutdown()
+
+
+def drop_kept(kept: "KeptRole") -> None:
+    """Free a kept role's parts and give their pages back, before another model is built; returns None.
+
+    The warm-up froze them (``gc.freeze``), and frozen cycles are never collected: thaw, collect,
+    and freeze what is left again."""
+    import gc
+
+    from trainmover_ext.sandbox.shadow import release_free_memory
+
+    kept.drop()
+    gc.unfreeze()
+    gc.collect()
+    release_free_memory()
+    gc.freeze()
+    return None
 
 
 class _Joining:

@@ -254,6 +254,6 @@ def standby_process(argv: list[str], world_size: int, record_dir: str, roles: Op
 
     results = warm_standby(args, recordings, iters=iters, on_progress=on_progress)
     return {"shadow": shadow, "results": [r.to_dict() for r in results], "group_classes": sorted(group_classes),
-            "kept_models": sum(r.model is not None for r in results),
+            "kept_models": sum(r.kept is not None for r in results),
             "new_sockets": sorted((sockets_during | socket_inodes()) - sockets_before),
             "initialized_after": dist.is_initialized()}

@@ -24,7 +24,7 @@ import os
 import time
 from typing import Callable, Optional
 
-from trainmover_ext.errors import RecordingCorrupt, RecordingNotFound
+from trainmover_ext.errors import ConfigError, RecordingCorrupt, RecordingNotFound
 
 from .recording import INDEX_FILE, Recording
 
@@ -38,6 +38,22 @@ def roles_of_job(pp_size: int) -> list[str]:
     if pp_size == 1:
         return ["only"]
     return ["first", "last"] if pp_size == 2 else ["first", "middle", "last"]
+
+
+def keep_role_of_job(choice: str, pp_size: int) -> str | None:
+    """The sandbox role a standby keeps for ``--tm-keep-role choice`` (None: keep none).
+
+    ``first`` and ``last`` are the PP=1 job's ``only`` role; ``middle`` needs PP >= 3."""
+    if choice == "none":
+        return None
+    roles = roles_of_job(pp_size)
+    if roles == ["only"]:
+        if choice == "middle":
+            raise ConfigError("--tm-keep-role middle: this job has one pipeline stage; use first, last or none")
+        return "only"
+    if choice not in roles:
+        raise ConfigError(f"--tm-keep-role {choice}: this job's pipeline roles are {', '.join(roles)} (or none)")
+    return choice
 
 
 def control_role(role: str) -> str:

@@ -6,9 +6,9 @@ job, with the job's own flags. :func:`warm_up` builds the role's model with
 role's real data iterator), runs shadow iterations through the very
 ``train_step`` the job runs, and tears the replay world down so the process
 can later init the real world. :func:`warm_standby` does that for first,
-middle and last in turn; it keeps a role's model only when asked (nothing
-reuses it yet: a promoted standby builds its rank's model in the real world,
-and a kept model would sit beside it).
+middle and last in turn; asked to keep one role, it warms that role last and
+keeps its parts (model, optimizer, scheduler, dataset) for a promotion into
+that role's recorded rank (``sandbox/adopt.py``).
 
 What it warms: imports, model build, the allocator, autograd, the data loader
 and dataset index, ``torch.compile`` (``--tm-compile``); on GPU also the CUDA
@@ -35,6 +35,7 @@ import torch
 
 from trainmover_ext.errors import ConfigError
 
+from .adopt import KeptRole, kept_from
 from .fingerprint import check_compatible, job_fingerprint
 from .parts import build_parts
 from .recording import Recording
@@ -107,12 +108,12 @@ class WarmResult:
     compiled: bool
     peak_rss_bytes: int
     """This process's peak resident set size so far."""
-    model: Optional[list] = field(default=None, repr=False)
-    """The chunks, when kept (their groups are the destroyed replay groups: re-point them before use)."""
+    kept: Optional[KeptRole] = field(default=None, repr=False)
+    """The role's parts, when kept (they hold the destroyed replay groups until :func:`~.adopt.adopt`)."""
 
     def to_dict(self) -> dict:
-        """JSON-able summary (without the model), e.g. for the member record in etcd."""
-        return {k: v for k, v in self.__dict__.items() if k != "model"}
+        """JSON-able summary (without the kept parts), e.g. for the member record in etcd."""
+        return {**{k: v for k, v in self.__dict__.items() if k != "kept"}, "kept": self.kept is not None}
 
 
 def peak_rss_bytes() -> int:
@@ -209,7 +210,7 @@ def _shadow_iterations(args, role, recording, iters, on_progress, program, compi
             role=role, rank=recording.rank, build_s=build_s, iteration_s=times, losses=losses, total_s=0.0,
             setup_calls=replay.setup_calls, replayed_calls=replay.replayed_calls,
             replayed_bytes=replay.replayed_bytes, compiled=compile, peak_rss_bytes=0,
-            model=model if keep_model else None,
+            kept=kept_from(session, role, recording.rank, replay.groups, replay.members) if keep_model else None,
         )
         del session, optimizer, model
     gc.collect()
@@ -249,7 +250,8 @@ def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[
     role, so peak memory is one role's, not three; after the last role they
     stay with the allocator, for the promoted rank's build. After each role
     what is left alive is frozen (:func:`freeze_warm_objects`). ``keep_role``
-    (default: none) keeps that role's model in the returned result. Every
+    (default: none) is warmed last and its parts are kept in its result
+    (``WarmResult.kept``), so the peak is still one role's. Every
     config is checked against every
     recording before anything is built. ``should_stop`` is asked before each
     role (a standby promoted mid-way stops warming); ``on_role_done`` is
@@ -258,6 +260,10 @@ def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[
     order = [r for r in ("only", "first", "middle", "last") if r in recordings]
     if not order:
         raise ConfigError("no recordings to warm up from: the job has not recorded any role yet")
+    if keep_role is not None:
+        if keep_role not in order:
+            raise ConfigError(f"cannot keep the {keep_role!r} role: this job's roles are {order}")
+        order = [r for r in order if r != keep_role] + [keep_role]  # warmed last: never beside another model
     _ensure_globals(args)
     mine = job_fingerprint(args)
     for role in order:

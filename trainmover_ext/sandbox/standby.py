@@ -10,10 +10,12 @@ after it has registered with no warm roles. :func:`warm_general_standby`
 3. runs shadow iterations of first, middle and last in turn, against a
    replay world (no link to any job rank), and after each role rewrites its
    member record: ``warm_roles`` grows and ``warmup`` carries the timings;
-4. keeps no model: a promoted standby builds its rank's model in the real
-   world (``runtime.standby.serve_rank``), so a kept model would only sit
-   beside it, in the promoted process's memory. What carries over is the
-   process-wide warm state (imports, allocator, data index, compiled code).
+4. keeps the parts of one role (``--tm-keep-role``, default ``last``), warmed
+   last so that its peak memory stays one role's. Promoted into the rank that
+   role was recorded at, the standby adopts them (``sandbox/adopt.py``);
+   promoted elsewhere, it drops them before it builds the rank's model. What
+   carries over in both cases is the process-wide warm state (imports,
+   allocator, data index, compiled code).
 
 Failure: :class:`RecordingNotFound` (timeout) and :class:`RecordingCorrupt`
 propagate, and the caller falls back to the basic warm-up and says so.
@@ -29,7 +31,8 @@ from typing import Any, Callable, Optional
 
 from trainmover_ext.control.records import MemberRecord
 
-from .registry import control_role, roles_of_job, wait_for_recordings
+from .adopt import KeptRole
+from .registry import control_role, keep_role_of_job, roles_of_job, wait_for_recordings
 from .shadow import WarmResult, peak_rss_bytes, program_from_providers, warm_standby
 
 
@@ -55,10 +58,12 @@ def role_timings(result: WarmResult) -> dict:
 
 
 def warm_general_standby(args, config, providers, *, space, member,
-                         should_stop: Optional[Callable[[], bool]] = None) -> dict:
-    """Warm every role of the job from its recordings; returns the warm-up report (see module doc)."""
+                         should_stop: Optional[Callable[[], bool]] = None) -> tuple[dict, Optional[KeptRole]]:
+    """Warm every role of the job from its recordings; returns the warm-up report and the kept role's
+    parts (None when ``--tm-keep-role none`` or a promotion stopped the warm-up first)."""
     t0 = time.time()
     roles = roles_of_job(args.pipeline_model_parallel_size)
+    keep = keep_role_of_job(config.keep_role, args.pipeline_model_parallel_size)
     member.update(warmup={"mode": "warming", "waiting_for": roles})
     recordings = wait_for_recordings(record_dir=config.record_dir, roles=roles, timeout_s=config.record_timeout_s,
                                      space=space, should_stop=should_stop)
@@ -71,6 +76,9 @@ def warm_general_standby(args, config, providers, *, space, member,
         warm = [control_role(r["role"]) for r in report["roles"]]
         member.update(warm_roles=warm, warmup=dict(report))
 
-    warm_standby(args, recordings, program=program_from_providers(providers), on_role_done=on_role_done,
-                 should_stop=should_stop)
-    return report
+    results = warm_standby(args, recordings, program=program_from_providers(providers), on_role_done=on_role_done,
+                           should_stop=should_stop, keep_role=keep)
+    kept = next((r.kept for r in results if r.kept is not None), None)
+    report["kept_role"] = None if kept is None else {"role": kept.role, "rank": kept.rank}
+    member.update(warmup=dict(report))
+    return report, kept

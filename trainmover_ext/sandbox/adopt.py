@@ -1,0 +1,221 @@
+"""A standby's kept role: the model it warmed last, adopted by the rank it is promoted into.
+
+Who calls it: :func:`~trainmover_ext.sandbox.shadow.warm_standby` keeps one
+role's session (``keep_role``, warmed last so that the standby's peak memory
+stays one role's), and a promoted standby (``runtime.standby.serve_rank``, the
+warm-up benchmark's newcomer) adopts it instead of building the model again.
+
+Contract:
+
+- A kept session was built as the recording's rank, under the replay world:
+  model chunks (DDP-wrapped, compiled under ``--tm-compile``), optimizer,
+  scheduler and dataset. It *fits* only that rank (:meth:`KeptRole.fits`): every
+  value derived from the rank at build time (the vocabulary shard, the seeds,
+  the distributed optimizer's shard) is that rank's.
+- :func:`adopt` runs once the real world's groups exist (after
+  ``initialize_distributed``). It re-points every reference to a replay group
+  that is reachable from the kept session to the real group of the same name
+  and members, checks that none is left, and returns a ``Session`` for the real
+  layout. Compiled code stays valid: dynamo guards on the groups' class, which
+  is the job's (see ``sandbox/replay.py``).
+- It saves the build, not the state: parameters, optimizer state, scheduler,
+  RNG and data position still come from the state transfer, which overwrites
+  what the shadow iterations left.
+- :class:`KeptRoleUnusable` says why a kept session cannot be adopted (another
+  rank, a group without a real counterpart, or one held where it cannot be
+  replaced, e.g. in a tuple); the caller then drops it (:meth:`KeptRole.drop`)
+  and builds the rank's model as before.
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from trainmover_ext.errors import KeptRoleUnusable
+
+# Objects the walk never enters: they cannot hold a group the kept session uses.
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray, range, type, types.ModuleType,
+           types.CodeType, types.BuiltinFunctionType, types.FrameType, weakref.ref, torch.dtype, torch.device)
+WALK_LIMIT = 2_000_000
+"""Objects a walk may visit before it gives up (a kept session of the tiny GPT has about 20 000)."""
+
+
+@dataclass(kw_only=True)
+class KeptRole:
+    """One warmed role's training parts, kept by a standby for the rank it was recorded at."""
+
+    role: str
+    rank: int
+    """The job rank the parts were built as (the recording's rank)."""
+    session: Any = field(repr=False)
+    """The ``megatron.training.training.Session`` of the shadow iterations (its layout is the replay's)."""
+    replay_groups: dict[str, tuple] = field(default_factory=dict, repr=False)
+    """Replay group name -> (group, global ranks), for every group the replay world created."""
+
+    def fits(self, rank: int) -> bool:
+        """Whether the parts were built for ``rank`` (the same coordinates in every parallel dimension)."""
+        return rank == self.rank
+
+    def roots(self) -> list:
+        s = self.session
+        return [s.model, s.optimizer, s.scheduler]
+
+    def drop(self) -> None:
+        """Let go of the parts (the caller collects and trims the heap before it builds another model)."""
+        self.session = None
+        self.replay_groups.clear()
+
+
+def real_groups() -> dict[str, tuple]:
+    """Name -> (group, global ranks) for every group of this process's (real) world."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return {name: (pg, list(dist.get_process_group_ranks(pg))) for pg, name in c10d._world.pg_names.items()
+            if isinstance(pg, dist.ProcessGroup)}
+
+
+def adopt(kept: KeptRole, layout, metrics, rank: int) -> Any:
+    """The kept parts as ``rank``'s ``Session`` on ``layout`` (see the module doc); raises :class:`KeptRoleUnusable`."""
+    from megatron.training.training import Session
+
+    if kept.session is None:
+        raise KeptRoleUnusable("the kept parts were dropped")
+    if not kept.fits(rank):
+        raise KeptRoleUnusable(f"the kept {kept.role} model was built as rank {kept.rank}, not rank {rank}")
+    real = real_groups()
+    mapping: dict[int, dist.ProcessGroup] = {}
+    for name, (old, members) in kept.replay_groups.items():
+        new = real.get(name)
+        if new is None or new[1] != members:
+            found = "none" if new is None else f"ranks {new[1]}"
+            raise KeptRoleUnusable(f"replay group {name!r} (ranks {members}) has no real counterpart ({found})")
+        mapping[id(old)] = new[0]
+    replaced, stuck = walk(kept.roots(), mapping, rewrite=True)
+    if stuck:
+        raise KeptRoleUnusable(f"replay groups are held where they cannot be replaced: {sorted(set(stuck))}")
+    _, left = walk(kept.roots(), mapping, rewrite=False)
+    if left:
+        raise KeptRoleUnusable(f"replay groups still reachable after re-pointing: {sorted(set(left))}")
+    s = kept.session
+    session = Session(args=s.args, layout=layout, model=s.model, optimizer=s.optimizer, scheduler=s.scheduler,
+                      dataset=s.dataset, forward_step_func=s.forward_step_func, metrics=metrics)
+    kept.drop()
+    session.repointed_groups = replaced
+    return session
+
+
+def walk(roots: Iterable, mapping: dict[int, Any], *, rewrite: bool) -> tuple[int, list[str]]:
+    """Visit every object reachable from ``roots`` (not through module globals or classes).
+
+    Each reference to an object whose ``id`` is in ``mapping`` is replaced by ``mapping[id]`` when
+    ``rewrite`` (in dicts, lists, instance attributes and closure cells). Returns how many were
+    replaced and, per reference that was found but not replaced, the holder's type name (all of
+    them when not ``rewrite``)."""
+    seen: set[int] = set(mapping)  # never walk into the groups themselves
+    stack = list(roots)
+    replaced, stuck = 0, []
+
+    def hit(value) -> bool:
+        return id(value) in mapping
+
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, _LEAVES) or id(obj) in seen or isinstance(obj, dist.ProcessGroup):
+            continue  # a real group is not walked into: it holds links, not the kept parts
+        seen.add(id(obj))
+        if len(seen) > WALK_LIMIT:
+            raise KeptRoleUnusable(f"the kept parts reach more than {WALK_LIMIT} objects")
+        if isinstance(obj, dict):
+            for key, value in list(obj.items()):
+                if hit(key):
+                    stuck.append("dict key")
+                if hit(value):
+                    if rewrite:
+                        obj[key] = mapping[id(value)]
+                        replaced += 1
+                    else:
+                        stuck.append(type(obj).__name__)
+                else:
+                    stack.append(value)
+            continue
+        if isinstance(obj, list):
+            for i, value in enumerate(obj):
+                if hit(value):
+                    if rewrite:
+                        obj[i] = mapping[id(value)]
+                        replaced += 1
+                    else:
+                        stuck.append("list")
+                else:
+                    stack.append(value)
+            continue
+        if isinstance(obj, types.CellType):
+            try:
+                value = obj.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if hit(value):
+                if rewrite:
+                    obj.cell_contents = mapping[id(value)]
+                    replaced += 1
+                else:
+                    stuck.append("cell")
+            else:
+                stack.append(value)
+            continue
+        if isinstance(obj, types.FunctionType):
+            stack.extend(obj.__closure__ or ())
+            stack.extend((obj.__defaults__, obj.__kwdefaults__, obj.__dict__))
+            continue
+        if isinstance(obj, types.MethodType):
+            stack.extend((obj.__self__, obj.__func__))
+            continue
+        attrs = getattr(obj, "__dict__", None)
+        slots = _slot_names(type(obj))
+        if isinstance(attrs, dict) or slots:
+            if isinstance(attrs, dict):
+                stack.append(attrs)
+            for name in slots:
+                value = getattr(obj, name, None)
+                if hit(value):
+                    if rewrite:
+                        setattr(obj, name, mapping[id(value)])
+                        replaced += 1
+                    else:
+                        stuck.append(f"{type(obj).__name__}.{name}")
+                elif value is not None:
+                    stack.append(value)
+            if not isinstance(obj, (tuple, set, frozenset)):
+                continue
+        # Other containers (tuples, sets, partials, C objects): walk their referents, which cannot be set.
+        for value in gc.get_referents(obj):
+            if hit(value):
+                stuck.append(type(obj).__name__)
+            else:
+                stack.append(value)
+    return replaced, stuck
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    names: list[str] = []
+    for klass in cls.__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        names.extend([slots] if isinstance(slots, str) else slots)
+    return tuple(n for n in names if n not in ("__dict__", "__weakref__"))
+
+
+def kept_from(session, role: str, rank: int, groups: Iterable, members: dict[int, list]) -> KeptRole:
+    """A :class:`KeptRole` of ``session``, with the replay world's ``groups`` (``members``: id -> global ranks)."""
+    named = {}
+    for pg in groups:
+        name: Optional[str] = getattr(pg, "_group_name", None)
+        if name is not None:
+            named[name] = (pg, list(members.get(id(pg), [])))
+    return KeptRole(role=role, rank=rank, session=session, replay_groups=named)
