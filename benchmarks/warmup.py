@@ -9,7 +9,10 @@ swap (only that rank's links change; no other process rebuilds anything):
 
 * to a **cold** process: it builds the model and joins;
 * to a **warm** general standby: it first warms all three roles alone in its
-  sandbox (replaying the recordings; no link to the job), then builds and joins.
+  sandbox (replaying the recordings; no link to the job), then builds and joins;
+* to a **kept** one: the same warm-up, keeping the role it is then promoted
+  into (``--tm-keep-role``), whose model it adopts instead of building one
+  (``sandbox/adopt.py``). In this job every rank is its role's recorded rank.
 
 The hand-over is the real one (``trainmover_ext.sandbox.promotion``): at the
 boundary the leaver streams its state (model, optimizer state, scheduler, RNG,
@@ -28,7 +31,7 @@ the newcomer, so its lazy start-up shows there):
     ratio      = iteration s+1 / median of iterations s-9..s and s+3..s+12 (s-4 left out)
     null_ratio = iteration s-4 / the same median   (an undisturbed iteration: the noise floor)
 
-``warm_ratio`` / ``cold_ratio`` is the median over the hand-overs of a role;
+``kept_ratio`` / ``warm_ratio`` / ``cold_ratio`` is the median over the hand-overs of a role;
 every trial's ratio and null ratio is in the JSON, never a chosen one. Also
 reported: the newcomer's own first iteration against its own steady ones,
 garbage-collection time inside the first iteration, recording size and
@@ -60,6 +63,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import print_table, write_json  # noqa: E402
 
 ROLES = ("first", "middle", "last")
+KINDS = ("cold", "warm", "kept")
+"""cold: builds its model; warm: sandbox warm-up of every role, then builds its model; kept: the same warm-up
+keeping the role it is promoted into, whose model it then adopts (``sandbox/adopt.py``)."""
 RANK_OF = {"first": 0, "middle": 1, "last": 2}
 WORLD = 3
 
@@ -157,13 +163,13 @@ def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: in
             run.wait(lambda: time.time() >= quiet_until, "the quiet window after the probe")
         trials, epoch = [], 0
         serving = {rank: ("job", rank) for rank in range(WORLD)}
-        for role, _, kind in ((r, i, k) for r in roles for i in range(repeats) for k in ("cold", "warm")):
+        for role, _, kind in ((r, i, k) for r in roles for i in range(repeats) for k in KINDS):
             epoch += 1
             rank = RANK_OF[role]
             # Newcomers warm at normal priority (the probe above measures interference); the job then
             # trains steady_iters more iterations before the switch, so the baseline excludes the warm-up.
             run.fork(("newcomer", epoch), promotion.newcomer, rank, WORLD, store.port, argv, epoch,
-                     record_dir if kind == "warm" else None, 0)
+                     None if kind == "cold" else record_dir, 0, role if kind == "kept" else None)
             run.wait(lambda: run.ctl.check([f"ready/{epoch}"]), f"newcomer {epoch} to be ready")
             ready_at = run.progress()
             run.wait(lambda: run.progress() >= ready_at + steady_iters, f"steady iterations before switch {epoch}")
@@ -228,7 +234,9 @@ def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool,
     roles = []
     for role in roles_measured:
         entry = {"role": role, "compile": compile_, "record_bytes": recordings[role].data_bytes}
-        for kind in ("cold", "warm"):
+        for kind in KINDS:
+            entry[f"{kind}_adopted"] = [results[("newcomer", t["epoch"])]["adopted"] for t in trials
+                                        if t["role"] == role and t["kind"] == kind]
             figs = [trial_figures(its, t, steady_iters) for t in trials if t["role"] == role and t["kind"] == kind]
             # The median trial: one noisy iteration on shared cores does not make the figure.
             entry[f"{kind}_ratio"] = round(median(f["ratio"] for f in figs), 3)
@@ -241,7 +249,7 @@ def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool,
             entry[f"{kind}_steady_s"] = round(median(f["steady_s"] for f in figs), 4)
             # garbage collection inside the first iteration, slowest process (newcomer or stayer)
             entry[f"{kind}_first_iteration_gc_s"] = [round(f["gc_first_s"], 4) for f in figs]
-        entry["null_ratio"] = round(median(entry["cold_null_ratios"] + entry["warm_null_ratios"]), 3)
+        entry["null_ratio"] = round(median(n for kind in KINDS for n in entry[f"{kind}_null_ratios"]), 3)
         recorder = next(r for key, r in results.items() if key[0] == "job" and r["recorded"]["role"] == role)
         rec = recorder["recorded"]
         entry["record_overhead_s_per_iteration"] = round(rec["overhead_s"] / len(rec["iteration_s"]), 5)
@@ -312,12 +320,12 @@ def main() -> None:
     variants = [c for c in (False, True) if args.compile in ("both", "on" if c else "off")]
     runs = [run_variant(corpus, c, args.record_iters, args.steady_iters, args.repeats, args.deadline,
                         tuple(args.roles), args.standby_nice, not args.no_probe) for c in variants]
-    rows = [(r["role"], "on" if r["compile"] else "off", r["warm_ratio"], r["cold_ratio"], r["null_ratio"],
-             r["warm_newcomer_own_ratio"], r["record_bytes"], f"{r['record_overhead_ratio']:.2%}")
+    rows = [(r["role"], "on" if r["compile"] else "off", r["kept_ratio"], r["warm_ratio"], r["cold_ratio"],
+             r["null_ratio"], r["warm_newcomer_own_ratio"], r["record_bytes"], f"{r['record_overhead_ratio']:.2%}")
             for run in runs for r in run["roles"]]
     print_table("First iteration after promotion / steady iteration (PP=3 tiny GPT, CPU)", rows,
-                ("role", "--tm-compile", "warm_ratio", "cold_ratio", "null_ratio", "warm own", "record_bytes",
-                 "record overhead/iter"))
+                ("role", "--tm-compile", "kept_ratio", "warm_ratio", "cold_ratio", "null_ratio", "warm own",
+                 "record_bytes", "record overhead/iter"))
     for run in runs:
         iso, mem = run["isolation"], run["memory"]
         iso_text = (f"{iso['ratio_of_medians']} ({iso['iterations_during']} vs {iso['iterations_quiet']} iterations, "

@@ -184,6 +184,7 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
     from megatron.training.training import MetricsLog, build_session, train_loop
     from trainmover_ext.runtime.quiet_build import no_collectives
     from trainmover_ext.runtime.worker import WorkerRuntime, converge, receive_from_leaver
+    from trainmover_ext.sandbox.adopt import release_kept
 
     rep = next(r for r in plan.replacement_list() if r.joiner == ident.member_id)
     os.environ["RANK"] = str(rep.rank)
@@ -195,7 +196,7 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
     not_adopted = "no kept model" if kept is None else None
     if kept is not None and not kept.fits(rep.rank):
         not_adopted = f"the kept {kept.role} model was built as rank {kept.rank}"
-        kept = drop_kept(kept)  # before the rank's model is built: never two models in memory
+        kept = release_kept(kept)  # before the rank's model is built: never two models in memory
     layout = initialize_distributed(args, use_delta_comm=True, join_epoch=plan.epoch, join=False)
     t_groups = time.time()
     # The links come up on a thread while this one builds the model: neither needs the other.
@@ -214,7 +215,7 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
                       f"{rep.rank} ({session.repointed_groups} group references re-pointed)", flush=True)
             except KeptRoleUnusable as exc:
                 not_adopted = str(exc)
-                kept = drop_kept(kept)
+                kept = release_kept(kept)
         if session is None:
             print(f"[trainmover] standby {ident.member_id} builds rank {rep.rank}'s model ({not_adopted})",
                   flush=True)
@@ -244,23 +245,6 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
             member.close()
         metrics.close()
         shutdown()
-
-
-def drop_kept(kept: "KeptRole") -> None:
-    """Free a kept role's parts and give their pages back, before another model is built; returns None.
-
-    The warm-up froze them (``gc.freeze``), and frozen cycles are never collected: thaw, collect,
-    and freeze what is left again."""
-    import gc
-
-    from trainmover_ext.sandbox.shadow import release_free_memory
-
-    kept.drop()
-    gc.unfreeze()
-    gc.collect()
-    release_free_memory()
-    gc.freeze()
-    return None
 
 
 class _Joining:

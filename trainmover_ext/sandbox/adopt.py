@@ -73,6 +73,22 @@ class KeptRole:
         self.replay_groups.clear()
 
 
+def release_kept(kept: Optional[KeptRole]) -> None:
+    """Free a kept role's parts and give their pages back, before another model is built; returns None.
+
+    The warm-up froze them (``gc.freeze``), and frozen cycles are never collected: thaw, collect,
+    and freeze what is left again."""
+    from .shadow import release_free_memory
+
+    if kept is not None:
+        kept.drop()
+    gc.unfreeze()
+    gc.collect()
+    release_free_memory()
+    gc.freeze()
+    return None
+
+
 def real_groups() -> dict[str, tuple]:
     """Name -> (group, global ranks) for every group of this process's (real) world."""
     from torch.distributed import distributed_c10d as c10d

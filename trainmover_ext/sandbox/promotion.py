@@ -257,13 +257,19 @@ def warm_only(argv: list[str], world_size: int, record_dir: str, nice: int = 19)
 
 
 def newcomer(rank: int, world_size: int, port: int, argv: list[str], epoch: int, record_dir: Optional[str],
-             warm_nice: int = 19) -> dict:
-    """A process that takes over ``rank`` at ``epoch``: warm (sandbox, all roles) when ``record_dir``, else cold."""
+             warm_nice: int = 19, keep_role: Optional[str] = None) -> dict:
+    """A process that takes over ``rank`` at ``epoch``: warm (sandbox, all roles) when ``record_dir``, else cold.
+
+    A warm one keeps ``keep_role``'s parts (see ``sandbox/adopt.py``): it adopts them when they were
+    built as ``rank``, and frees them before it builds the rank's model otherwise."""
     import torch
     from megatron.training.initialize import shutdown
 
     from trainmover_ext.runtime.quiet_build import no_collectives
 
+    from megatron.training.training import MetricsLog
+
+    from .adopt import adopt, release_kept
     from .harness import parse_job_args, socket_inodes
     from .parts import build_parts
     from .recording import load_recordings
@@ -277,17 +283,28 @@ def newcomer(rank: int, world_size: int, port: int, argv: list[str], epoch: int,
         background_priority(warm_nice)
         sockets = socket_inodes()
         t0 = time.time()
-        results = warm_standby(args, load_recordings(record_dir), program=program)
+        results = warm_standby(args, load_recordings(record_dir), program=program, keep_role=keep_role)
         report.update(warm_start=t0, warm_end=time.time(), warm_rss_bytes=peak_rss_bytes(),
                       warm_roles=[r.to_dict() for r in results], warm_new_sockets=len(socket_inodes() - sockets))
+        kept = next((r.kept for r in results if r.kept is not None), None)
         del results
         foreground_priority()
+    else:
+        kept = None
+    if kept is not None and not kept.fits(rank):
+        kept = release_kept(kept)
+    report["adopted"] = kept is not None
     store, ctl = _stores(port)
     plan_key = f"plan/{epoch}"
     layout = init_delta_world(args, rank, world_size, store, join_epoch=epoch)
     try:
-        with no_collectives():  # nothing to agree on with the job: its state would come by transfer
-            session = build_parts(args, layout, program, consumed_samples=0)
+        if kept is not None:
+            session = adopt(kept, layout, MetricsLog(None, False), rank)
+            report["repointed_groups"] = session.repointed_groups
+            args.iteration, args.consumed_train_samples = 0, 0  # the state transfer sets both
+        else:
+            with no_collectives():  # nothing to agree on with the job: its state would come by transfer
+                session = build_parts(args, layout, program, consumed_samples=0)
         ctl.set(f"ready/{epoch}", "1")
         import nccl_delta
 
