@@ -122,6 +122,23 @@ def test_standby_without_the_role_is_not_chosen():
     assert only(actions, RaiseAlert).alert.rank == 3
 
 
+def test_standby_that_kept_the_rank_model_is_preferred_on_the_same_side():
+    v = base_view()
+    v.members["s3"] = member("s3", "standby", host="h9", roles=ALL, t=3)
+    v.members["s3"].kept_rank = 1
+    v.members["s1"].kept_rank = 1  # kept it too, but on the dead rank's host: another host still comes first
+    del v.members["w1"]
+    (rep,) = only(decide(v, 200.0), PlanMigration).plan.replacement_list()
+    assert rep.joiner == "s3"
+    # Only standbys on the dead rank's host: the one that kept rank 1 beats an older one.
+    del v.members["s2"], v.members["s3"]
+    v.members["s1"].kept_rank = None
+    v.members["s4"] = member("s4", "standby", host="h0", roles=ALL, t=4)
+    v.members["s4"].kept_rank = 1
+    (rep,) = only(decide(v, 200.0), PlanMigration).plan.replacement_list()
+    assert rep.joiner == "s4"
+
+
 def test_planned_request_uses_the_leaver_as_source():
     req = MigrationRequest(request_id="r1", rank=3, to="s1", requested_at=50.0)
     act = only(decide(base_view(requests={ROOT + "requests/r1": req}), 60.0), PlanMigration)

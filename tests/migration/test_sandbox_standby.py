@@ -15,7 +15,7 @@ import signal
 
 import pytest
 
-from helpers import kill_quietly, start_job, tm_args, trajectory, wait_for
+from helpers import control_flags, kill_quietly, start_job, tm_args, trainmover_cli, trajectory, wait_for
 
 ITERS = 40  # the standby must be warm (two roles) well before the end
 # TP2 x PP2 x DP2: rank = tp + 2*dp + 4*pp
@@ -42,6 +42,9 @@ def test_sandbox_standby_replaces_a_killed_rank_bit_identically(tmp_path, corpus
     try:
         warm = wait_for(lambda: re.search(r"standby (\S+) warm in [\d.]+s \(sandbox, roles \[([^\]]*)\]\)", _log(job)),
                         180, 0.2, "the standby's sandbox warm-up")
+        status = trainmover_cli("status", *control_flags(job))
+        row = next(line for line in status.stdout.splitlines() if line.strip().startswith(warm.group(1)))
+        assert row.rstrip().endswith("rank 4"), status.stdout  # the kept model, shown to the operator
         killed_at = _last_iteration(job)
         assert killed_at < ITERS - 5, f"the standby was warm only at iteration {killed_at}: too late to test"
         kill_quietly(job.rank_pids()[0][victim], signal.SIGKILL)

@@ -97,8 +97,10 @@ def format_status(view: View, job: str) -> str:
     serving = {rec.member_id for rec in view.ranks.values()}
     standbys = [m for m in view.members.values() if m.kind == "standby" and m.member_id not in serving]
     out += ["", "standbys:"]
-    out.append(_table(["member", "host", "warm roles", "health"],
-                      [[m.member_id, m.host, ",".join(m.warm_roles) or "(warming)", m.health] for m in sorted(standbys, key=lambda m: m.member_id)])
+    out.append(_table(["member", "host", "warm roles", "health", "kept model"],
+                      [[m.member_id, m.host, ",".join(m.warm_roles) or "(warming)", m.health,
+                        "-" if m.kept_rank is None else f"rank {m.kept_rank}"]
+                       for m in sorted(standbys, key=lambda m: m.member_id)])
                if standbys else "  none")
     plan = view.last_plan
     out += ["", "last migration:"]

@@ -109,7 +109,10 @@ def _pick_standby(view: View, candidates: list[str], rec: RankRecord) -> str | N
     # A machine that lost one process may lose the rest: prefer a standby on another host.
     leaver_host = view.members[rec.member_id].host if rec.member_id in view.members else rec.host
     other_host = [c for c in able if view.members[c].host != leaver_host]
-    return (other_host or able)[0]
+    pool = other_host or able
+    # Then one that kept this very rank's model: it adopts it instead of building one.
+    kept_it = [c for c in pool if view.members[c].kept_rank == rec.rank]
+    return (kept_it or pool)[0]
 
 
 def _state_source(view: View, rec: RankRecord, failed: set[int]) -> dict:

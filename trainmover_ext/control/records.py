@@ -72,6 +72,8 @@ class MemberRecord(Record):
     """Process id on ``host``."""
     warm_roles: list[str] = field(default_factory=list)
     """Stage roles a standby has warmed (subset of :data:`ROLES`)."""
+    kept_rank: int | None = None
+    """The rank whose model a sandbox standby keeps built, ready to adopt (``--tm-keep-role``)."""
     health: str = "ok"
     """``ok`` or a reason the member should not be chosen."""
     registered_at: float = 0.0

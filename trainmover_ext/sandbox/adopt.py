@@ -138,8 +138,16 @@ def walk(roots: Iterable, mapping: dict[int, Any], *, rewrite: bool) -> tuple[in
     stack = list(roots)
     replaced, stuck = 0, []
 
-    def hit(value) -> bool:
-        return id(value) in mapping
+    def reference(value, holder: str, put) -> None:
+        """``holder`` refers to ``value``: re-point it with ``put`` when it is a mapped group, else walk on."""
+        nonlocal replaced
+        if id(value) not in mapping:
+            stack.append(value)
+        elif rewrite:
+            put(mapping[id(value)])
+            replaced += 1
+        else:
+            stuck.append(holder)
 
     while stack:
         obj = stack.pop()
@@ -150,72 +158,37 @@ def walk(roots: Iterable, mapping: dict[int, Any], *, rewrite: bool) -> tuple[in
             raise KeptRoleUnusable(f"the kept parts reach more than {WALK_LIMIT} objects")
         if isinstance(obj, dict):
             for key, value in list(obj.items()):
-                if hit(key):
+                if id(key) in mapping:
                     stuck.append("dict key")
-                if hit(value):
-                    if rewrite:
-                        obj[key] = mapping[id(value)]
-                        replaced += 1
-                    else:
-                        stuck.append(type(obj).__name__)
-                else:
-                    stack.append(value)
-            continue
-        if isinstance(obj, list):
+                reference(value, type(obj).__name__, lambda new, d=obj, k=key: d.__setitem__(k, new))
+        elif isinstance(obj, list):
             for i, value in enumerate(obj):
-                if hit(value):
-                    if rewrite:
-                        obj[i] = mapping[id(value)]
-                        replaced += 1
-                    else:
-                        stuck.append("list")
-                else:
-                    stack.append(value)
-            continue
-        if isinstance(obj, types.CellType):
+                reference(value, "list", lambda new, seq=obj, j=i: seq.__setitem__(j, new))
+        elif isinstance(obj, types.CellType):
             try:
                 value = obj.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if hit(value):
-                if rewrite:
-                    obj.cell_contents = mapping[id(value)]
-                    replaced += 1
-                else:
-                    stuck.append("cell")
-            else:
-                stack.append(value)
-            continue
-        if isinstance(obj, types.FunctionType):
+            reference(value, "cell", lambda new, cell=obj: setattr(cell, "cell_contents", new))
+        elif isinstance(obj, types.FunctionType):
             stack.extend(obj.__closure__ or ())
             stack.extend((obj.__defaults__, obj.__kwdefaults__, obj.__dict__))
-            continue
-        if isinstance(obj, types.MethodType):
+        elif isinstance(obj, types.MethodType):
             stack.extend((obj.__self__, obj.__func__))
-            continue
-        attrs = getattr(obj, "__dict__", None)
-        slots = _slot_names(type(obj))
-        if isinstance(attrs, dict) or slots:
+        elif isinstance(getattr(obj, "__dict__", None), dict) or _slot_names(type(obj)):
+            attrs = getattr(obj, "__dict__", None)
             if isinstance(attrs, dict):
                 stack.append(attrs)
-            for name in slots:
-                value = getattr(obj, name, None)
-                if hit(value):
-                    if rewrite:
-                        setattr(obj, name, mapping[id(value)])
-                        replaced += 1
-                    else:
-                        stuck.append(f"{type(obj).__name__}.{name}")
-                elif value is not None:
+            for name in _slot_names(type(obj)):
+                reference(getattr(obj, name, None), f"{type(obj).__name__}.{name}",
+                          lambda new, o=obj, n=name: setattr(o, n, new))
+        else:
+            # Other containers (tuples, sets, partials, C objects): their referents cannot be set.
+            for value in gc.get_referents(obj):
+                if id(value) in mapping:
+                    stuck.append(type(obj).__name__)
+                else:
                     stack.append(value)
-            if not isinstance(obj, (tuple, set, frozenset)):
-                continue
-        # Other containers (tuples, sets, partials, C objects): walk their referents, which cannot be set.
-        for value in gc.get_referents(obj):
-            if hit(value):
-                stuck.append(type(obj).__name__)
-            else:
-                stack.append(value)
     return replaced, stuck
 
 

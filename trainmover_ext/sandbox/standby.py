@@ -80,5 +80,6 @@ def warm_general_standby(args, config, providers, *, space, member,
                            should_stop=should_stop, keep_role=keep)
     kept = next((r.kept for r in results if r.kept is not None), None)
     report["kept_role"] = None if kept is None else {"role": kept.role, "rank": kept.rank}
-    member.update(warmup=dict(report))
+    # kept_rank: the controller prefers this standby for that rank (it adopts the model, no build).
+    member.update(warmup=dict(report), kept_rank=None if kept is None else kept.rank)
     return report, kept
