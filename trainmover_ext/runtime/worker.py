@@ -150,7 +150,11 @@ class WorkerRuntime(Runtime):
         layout = session.layout
         # Detection is the control plane's: the agent reports a dead child at once and a hung
         # one loses its lease; we only wait for the decision (which also abandoned our links).
-        plan = self._wait_plan(lambda p: p.reason == "failure", self.timeout_s)
+        try:
+            plan = self._wait_plan(lambda p: p.reason == "failure", self.timeout_s)
+        except MigrationAborted as abort:
+            # Say what broke the iteration: with no plan coming, that is where to look.
+            raise MigrationAborted(f"{abort} The iteration failed with: {type(exc).__name__}: {exc}") from exc
         if self._replaced:
             raise MembershipLost(f"rank {layout.rank} was replaced at epoch {plan.epoch} while unresponsive")
         logger.info("rank %d: recovering at epoch %d after %s", layout.rank, plan.epoch, exc)
