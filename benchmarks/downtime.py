@@ -23,6 +23,9 @@ fault-free run of the same job.
 
     python benchmarks/downtime.py --json bench_out/downtime.json [--plot bench_out/downtime.png]
 
+- ``sandbox``: the same SIGKILL with ``--tm-record-dir`` (the standby warms in the sandbox and keeps
+  the last role's model), once the standby is warm: of rank 4, the kept role's recorded rank, whose
+  model the standby adopts, and of ``--victim``, for which it builds one (``--sandbox-iters``).
 - ``nvrx_inprocess_s``: the same SIGKILL under NVIDIA resiliency-ext 0.4.1's in-process
   restart (``benchmarks/nvrx_inprocess.py``: spare ranks, restore from the latest
   checkpoint), when ``nvidia-resiliency-ext`` imports (``requirements-bench.txt``);
@@ -70,12 +73,16 @@ def trajectory(metrics: str) -> dict[int, float]:
     return {e["iteration"]: e["loss"] for e in iterations(metrics)}
 
 
-def lost_time(metrics: str, t0: float, after_event: dict, *, planned: bool = False) -> dict:
+def lost_time(metrics: str, t0: float, after_event: dict, *, planned: bool = False,
+              steady_after: Optional[float] = None) -> dict:
     """Downtime from ``t0`` to the end of the first iteration after ``after_event`` (see the module doc):
-    minus one steady iteration after a failure, minus every newly completed iteration for a planned move."""
+    minus one steady iteration after a failure, minus every newly completed iteration for a planned move.
+    The steady iteration is the median before ``t0`` (from ``steady_after`` when given, e.g. once a
+    standby that competed for the cores is warm)."""
     its = iterations(metrics)
     before = [e for e in its if e["t_end"] <= t0]
-    steady = median([e["iteration_s"] for e in before[2:]] or [e["iteration_s"] for e in before])
+    calm = [e["iteration_s"] for e in before if steady_after is not None and e["t_end"] > steady_after]
+    steady = median(calm or [e["iteration_s"] for e in before[2:]] or [e["iteration_s"] for e in before])
     first = next(e for e in its if e["t_end"] > after_event["t"])
     last_before = before[-1]["iteration"] if before else 0
     completed = {e["iteration"] for e in its if t0 < e["t_end"] <= first["t_end"] and e["iteration"] > last_before}
@@ -133,25 +140,34 @@ def phases_of(steps: dict, t0: float) -> dict:
     return out
 
 
-def reference(workdir: str, data_prefix: str, iters: int, ranks: int) -> dict[int, float]:
-    metrics = os.path.join(workdir, "reference.jsonl")
+def reference(workdir: str, data_prefix: str, iters: int, ranks: int, name: str = "reference") -> dict[int, float]:
+    metrics = os.path.join(workdir, f"{name}.jsonl")
     proc = start_launcher(ranks, job_args(data_prefix, iters, ranks) + ["--trainmover", "--tm-metrics-file", metrics],
-                          ["--run-dir", os.path.join(workdir, "ref.run")], os.path.join(workdir, "reference"))
+                          ["--run-dir", os.path.join(workdir, f"{name}.run")], os.path.join(workdir, name))
     if proc.wait(1200) != 0:
-        raise RuntimeError(f"fault-free run failed; see {workdir}/reference.err")
+        raise RuntimeError(f"fault-free run failed; see {workdir}/{name}.err")
     return trajectory(metrics)
 
 
 def run_trainmover(workdir: str, name: str, data_prefix: str, iters: int, ranks: int, at_iteration: int,
-                   action, etcd: Etcd) -> tuple[dict, dict[int, float], list[dict]]:
-    """Train under --trainmover with one standby; at ``at_iteration`` call ``action(log_prefix)`` -> t0."""
+                   action, etcd: Etcd, extra_args: tuple = (),
+                   ready=None) -> tuple[dict, dict[int, float], list[dict]]:
+    """Train under --trainmover with one standby; at ``at_iteration`` (and once ``ready(log_prefix)``, if
+    given) call ``action(log_prefix)`` -> t0."""
     metrics = os.path.join(workdir, f"{name}.jsonl")
     log = os.path.join(workdir, name)
     proc = start_launcher(ranks, job_args(data_prefix, iters, ranks) + [
-        "--trainmover", "--tm-standbys", "1", "--tm-metrics-file", metrics],
+        "--trainmover", "--tm-standbys", "1", "--tm-metrics-file", metrics, *extra_args],
         ["--run-dir", os.path.join(workdir, f"{name}.run"), "--tm-job", name, "--metrics-port", "-1", *etcd.flags], log)
     try:
         wait_until(lambda: any(e["iteration"] >= at_iteration for e in iterations(metrics)), 900, 0.01)
+        steady_after = None
+        if ready is not None:
+            wait_until(lambda: ready(log), 900, 0.05)
+            # Steady iterations are measured once the standby stopped competing for the cores.
+            steady_after = time.time()
+            after = len(iterations(metrics))
+            wait_until(lambda: len(iterations(metrics)) >= after + 5, 900, 0.01)
         t0 = action(log)
         if proc.wait(1200) != 0:
             raise RuntimeError(f"{name} failed; see {log}.err")
@@ -159,9 +175,13 @@ def run_trainmover(workdir: str, name: str, data_prefix: str, iters: int, ranks:
         if proc.poll() is None:
             proc.kill()
     resumed = [e for e in read_events(metrics) if e.get("event") == "recovered" and e["t"] > t0]
+    if not resumed:  # the killed rank was the logging rank: its joiner logs "promoted" instead
+        resumed = [dict(e, t=e["state_ready"], reason=e.get("reason", "failure")) for e in read_events(metrics)
+                   if e.get("event") == "promoted" and e.get("state_ready", 0) > t0]
     if not resumed:
         raise RuntimeError(f"{name}: the logging rank recorded no recovery; see {log}.err")
-    result = lost_time(metrics, t0, resumed[0], planned=resumed[0].get("reason") == "planned")
+    result = lost_time(metrics, t0, resumed[0], planned=resumed[0].get("reason") == "planned",
+                       steady_after=steady_after)
     promoted = [e for e in read_events(metrics) if e.get("event") == "promoted" and "groups_built" in e]
     if promoted:  # only when the joiner is the logging rank (the scale runs kill it)
         e = promoted[0]
@@ -174,6 +194,29 @@ def run_trainmover(workdir: str, name: str, data_prefix: str, iters: int, ranks:
         result["phases"] = phases_of(plans[0]["steps"], t0)
         result["epochs"] = len(plans)
     return result, trajectory(metrics), plans
+
+
+def sandbox_standby_warm(log: str) -> bool:
+    """Whether the launcher's standby finished its sandbox warm-up (it prints so, then waits)."""
+    text = "".join(open(log + ext).read() for ext in (".out", ".err") if os.path.exists(log + ext))
+    return re.search(r"standby \S+ warm in [\d.]+s \(sandbox", text) is not None
+
+
+def sandbox_runs(workdir: str, data_prefix: str, iters: int, victims: dict[str, int], etcd: Etcd) -> dict:
+    """SIGKILL under ``--tm-record-dir`` once the standby is warm: per case, the downtime and whether the
+    standby adopted its kept model (``--tm-keep-role last``: the last role's recorded rank is 4)."""
+    ref = reference(workdir, data_prefix, iters, 8, name="reference_sandbox")
+    out = {"iters": iters}
+    for case, victim in victims.items():
+        name = f"sandbox_{case}"
+        res, traj, _ = run_trainmover(workdir, name, data_prefix, iters, 8, 3, kill_rank(victim), etcd,
+                                      extra_args=("--tm-record-dir", os.path.join(workdir, f"rec_{case}")),
+                                      ready=sandbox_standby_warm)
+        text = "".join(open(os.path.join(workdir, name + ext)).read() for ext in (".out", ".err"))
+        res.update(victim=victim, bit_identical=traj == ref,
+                   adopted=re.search(rf"adopted its kept \w+ model for rank {victim} ", text) is not None)
+        out[case] = res
+    return out
 
 
 def kill_rank(rank: int):
@@ -255,6 +298,9 @@ def main(argv=None) -> int:
                         help="SIGKILL trials per scale world size; the median is reported (single trials on a "
                              "shared 2-core machine vary by 2x at 16 ranks).")
     parser.add_argument("--skip-restart", action="store_true", help="Skip the stop-restart baseline.")
+    parser.add_argument("--sandbox-iters", type=int, default=40,
+                        help="Iterations of the two sandbox-standby runs (the standby must warm before the kill; "
+                             "0 skips them).")
     parser.add_argument("--skip-nvrx", action="store_true",
                         help="Skip the NVIDIA resiliency-ext in-process restart baseline (nvrx_inprocess_s, "
                              "about 2-3 minutes; it runs only when nvidia-resiliency-ext is installed).")
@@ -285,6 +331,12 @@ def main(argv=None) -> int:
             nvrx_failed = True
             nvrx, nvrx_skipped = None, f"the nvrx run failed ({str(exc)[:300]}); logs in {workdir}/nvrx"
             print(f"nvrx_inprocess_s: {nvrx_skipped}", flush=True)
+        sandbox = None
+        if args.sandbox_iters:
+            print("TrainMover with a sandbox standby: SIGKILL of rank 4 (its kept model) and of rank "
+                  f"{args.victim} ...", flush=True)
+            sandbox = sandbox_runs(workdir, args.data_prefix, args.sandbox_iters,
+                                   {"kept_rank": 4, "other_rank": args.victim}, etcd)
         scale = []
         for ranks in [int(r) for r in args.scale.split(",") if r.strip()]:
             print(f"scale: {ranks} ranks, SIGKILL of the last rank ...", flush=True)
@@ -320,6 +372,7 @@ def main(argv=None) -> int:
         "nvrx": nvrx if nvrx else {"skipped": nvrx_skipped},
         "bit_identical": {"unexpected": traj_u == ref, "planned": traj_p == ref},
         "scale": scale,
+        "sandbox": sandbox,
     }
     if restart:
         result["unexpected_over_restart"] = result["unexpected_s"] / restart["restart_s"]
@@ -343,13 +396,19 @@ def main(argv=None) -> int:
                   f"{nvrx.get('first_difference_from_reference')})"),
                  ("nvrx ranks terminated by its hard timeout", str(nvrx["terminated_by_nvrx"]))]
         rows += [(f"  nvrx {k}", f"{v:.3f}") for k, v in nvrx["phases"].items()]
+    for case in ("kept_rank", "other_rank") if sandbox else ():
+        r = sandbox[case]
+        rows.append((f"sandbox standby, rank {r['victim']} killed", f"{r['downtime_s']:.3f} s (adopted its kept model: "
+                     f"{r['adopted']}, bit-identical {r['bit_identical']})"))
+        rows += [(f"  {k}", f"{v:.3f}") for k, v in r.get("phases", {}).items()]
     rows += [(f"scale {s['ranks']} ranks", f"{s['unexpected_s']:.3f} s (trials {s['trials_s']}, iteration "
               f"{s['iteration_s']:.3f} s, bit-identical {s['bit_identical']})") for s in scale]
     print_table("downtime (seconds)", rows, ("measure", "value"))
     write_json(args.json, result)
     if args.plot and restart:
         plot(args.plot, result)
-    ok = all(result["bit_identical"].values()) and all(s["bit_identical"] for s in scale)
+    ok = (all(result["bit_identical"].values()) and all(s["bit_identical"] for s in scale)
+          and all(sandbox[c]["bit_identical"] for c in ("kept_rank", "other_rank") if sandbox))
     return 0 if ok else 1
 
 

@@ -76,13 +76,12 @@ class KeptRole:
 def release_kept(kept: Optional[KeptRole]) -> None:
     """Free a kept role's parts and give their pages back, before another model is built; returns None.
 
-    The warm-up froze them (``gc.freeze``), and frozen cycles are never collected: thaw, collect,
-    and freeze what is left again."""
+    The warm-up froze everything but the kept parts (``warm_standby``), so one collection frees
+    their cycles and walks only what is not frozen; what it leaves is frozen too."""
     from .shadow import release_free_memory
 
     if kept is not None:
         kept.drop()
-    gc.unfreeze()
     gc.collect()
     release_free_memory()
     gc.freeze()
