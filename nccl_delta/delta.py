@@ -161,7 +161,8 @@ def switch(world: "DeltaWorld", epoch: int, *, timeout_s: float | None = None) -
         if transport not in replaced and world.install(transport, swap.rank, None):
             touched += 1
     world.incarnation[swap.rank] = epoch
-    world.epoch = epoch
+    with world._lock:  # abandon(epoch) is a no-op from here on
+        world.epoch = epoch
     return SwitchReport(rank=swap.rank, epoch=epoch, links_touched=touched,
                         switch_s=time.perf_counter() - t1, wait_s=wait_s)
 
@@ -170,15 +171,21 @@ def abandon(world: "DeltaWorld", epoch: int, reason: str, *, dead: Iterable[int]
     """Make every op in flight or to come fail fast (any thread); returns how many links were severed.
 
     Links to ``dead`` ranks and links with an op in flight are severed; idle ones are quiesced
-    (see the module docstring)."""
-    world.abandoned = f"epoch {epoch} abandoned: {reason}"
-    dead = set(dead)
-    severed = 0
-    for (_, peer), link in world.links_snapshot():
-        if peer in dead or not link.quiesce(world.abandoned):
-            link.sever(world.abandoned)
-            severed += 1
-    return severed
+    (see the module docstring). A no-op once this process is in ``epoch`` (``recover`` or ``switch``
+    reached it): a late call, e.g. from a watch thread that saw the plan again, must not touch the
+    links the new epoch is building. The check and the abandon hold the world's lock, which
+    ``recover`` takes to enter the epoch."""
+    with world._lock:
+        if world.epoch >= epoch:
+            return 0
+        world.abandoned = f"epoch {epoch} abandoned: {reason}"
+        dead = set(dead)
+        severed = 0
+        for (_, peer), link in world.links_snapshot():
+            if peer in dead or not link.quiesce(world.abandoned):
+                link.sever(world.abandoned)
+                severed += 1
+        return severed
 
 
 def recover(world: "DeltaWorld", epoch: int, *, replaced: Iterable[int] = ()) -> RecoverReport:
@@ -187,9 +194,10 @@ def recover(world: "DeltaWorld", epoch: int, *, replaced: Iterable[int] = ()) ->
     if epoch <= world.base_generation and world.abandoned is None:
         raise MigrationAborted(f"recover({epoch}) is not newer than generation {world.base_generation}")
     replaced = set(replaced)
-    world.abandoned = None
-    world.base_generation = epoch
-    world.epoch = epoch
+    with world._lock:  # from here on, abandon(epoch) is a no-op (see abandon)
+        world.abandoned = None
+        world.base_generation = epoch
+        world.epoch = epoch
     for rank in replaced:
         world.incarnation[rank] = epoch
     keep = agree_on_kept_links(world, epoch, replaced)

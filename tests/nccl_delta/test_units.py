@@ -98,3 +98,33 @@ def test_a_link_is_kept_only_when_both_ledgers_match():
     assert not ledgers_match(a, dict(b, received={"5": 1, "1029": 7}))  # a message still in the pair
     assert not ledgers_match(a, dict(b, pair=2))
     assert not ledgers_match(a, dict(b, generation=1))
+
+
+def test_a_late_abandon_leaves_the_new_epoch_alone():
+    """The runtime abandons from its watch thread whenever it sees a failure plan, and it sees the
+    same plan again each time a step is marked on it. An abandon of epoch e that comes once the
+    process entered e (recover started) must not quiesce the links e is building."""
+    from torch.distributed import HashStore
+
+    from nccl_delta.world import DeltaWorld
+
+    class NewLink:
+        quiesced = severed = False
+
+        def quiesce(self, reason):
+            self.quiesced = True
+            return True
+
+        def sever(self, reason, abandoned=True):
+            self.severed = True
+
+    world = DeltaWorld(rank=0, world_size=2, store=HashStore(), config=nccl_delta.DeltaConfig(link_host="127.0.0.1"))
+    world.abandon(1, "rank 1 failed", dead={1})
+    assert world.abandoned is not None
+    world.recover(1, replaced={1})  # no links, no groups: nothing to keep or rebuild
+    link = NewLink()
+    world.links[("gloo", 1)] = link  # as if recover had just built it
+    assert world.abandon(1, "the same plan, seen again") == 0
+    assert world.abandoned is None and not link.quiesced and not link.severed
+    world.abandon(2, "the next failure", dead={1})
+    assert world.abandoned is not None and link.severed
