@@ -107,14 +107,6 @@ def _endpoint(fd: int) -> tuple | None:
         sock.close()
 
 
-SMALL_PAIR_ALLREDUCE_BYTES = 64 << 10
-"""A pair all-reduce up to this size is waited for on the caller's thread, like a receive. Its send
-fits the socket buffers at once, so what can block is its receive, which raises when the pair is
-shut down (``sever``). The hand-off to the waiter thread cost about 10 % of the tiny TP2·PP2·DP2
-iteration: its TP all-reduces (4-64 KB) are latency-bound (``benchmarks/comm.py --sections
-training``: 1.13-1.18 x gloo with the hand-off, 1.01-1.06 x without)."""
-
-
 class _Send:
     """A work :meth:`GlooPair.wait` waits for interruptibly (a send, or the pair's all-reduce, which
     sends too)."""
@@ -180,9 +172,7 @@ class GlooPair:
         """The pair's own gloo all-reduce: one call instead of a send and a receive per step."""
         opts = AllreduceOptions()
         opts.reduceOp = reduce_op
-        work = self.pg.allreduce([tensor], opts)
-        # A small one waits on the caller's thread (see SMALL_PAIR_ALLREDUCE_BYTES).
-        return work if tensor.numel() * tensor.element_size() <= SMALL_PAIR_ALLREDUCE_BYTES else _Send(work)
+        return _Send(self.pg.allreduce([tensor], opts))
 
     def irecv(self, tensor: torch.Tensor, tag: int):
         return self.pg.recv([tensor], self.peer_side, tag)
