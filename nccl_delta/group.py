@@ -102,9 +102,7 @@ class DeltaGroup:
     def transport_for(tensor: torch.Tensor) -> str:
         return "nccl" if tensor.is_cuda else "gloo"
 
-    def _ring_ready(self, transport: str, op: str) -> str:
-        """Check the group is live and its ring links exist (built now on a first op); returns the
-        op's full name for errors."""
+    def _ring(self, transport: str, op: str) -> Ring:
         op = f"{op} in group {self.name!r}"
         self._check_live(op)
         if any((transport, p) not in self.world.links for p in self.ring_peers()):
@@ -113,10 +111,6 @@ class DeltaGroup:
             if self.world.joining:
                 raise CommLinkError(f"{op} before this joiner called join(epoch)")
             self.connect_ring(transport)
-        return op
-
-    def _ring(self, transport: str, op: str) -> Ring:
-        op = self._ring_ready(transport, op)
         prev = self.link_to(self.members[(self.index - 1) % self.size], transport, op)
         nxt = self.link_to(self.members[(self.index + 1) % self.size], transport, op)
         return Ring(index=self.index, size=self.size, prev=prev, next=nxt,
@@ -126,22 +120,15 @@ class DeltaGroup:
         if self.size == 1:
             self._check_live("allreduce")
             return
-        name = op_name(op)
-        transport = self.transport_for(tensor)
         with _flat(tensor) as flat:
-            pair_op = _PAIR_OPS.get(name) if self.size == 2 else None
-            if pair_op is not None:
+            ring = self._ring(self.transport_for(tensor), f"allreduce({op_name(op)})")
+            if self.size == 2 and hasattr(ring.next.handle, "allreduce") and _PAIR_OPS.get(op_name(op)):
                 # Two members: the pair's native all-reduce is the whole collective, and it is
                 # bit-identical to the ring's (two operands: a+b == b+a; AVG divides after the SUM).
-                # No Ring object: this is the hot path of TP and 2-way DP groups.
-                full = self._ring_ready(transport, f"allreduce({name})")
-                link = self.link_to(self.members[1 - self.index], transport, full)
-                if hasattr(link.handle, "allreduce"):
-                    link.allreduce_pair(flat, pair_op, full)
-                    if name == "AVG":
-                        finish_avg(flat, 2)
-                    return
-            ring = self._ring(transport, f"allreduce({name})")
+                ring.next.allreduce_pair(flat, _PAIR_OPS[op_name(op)], ring.op)
+                if op_name(op) == "AVG":
+                    finish_avg(flat, 2)
+                return
             if flat.numel() < self.size or flat.numel() * flat.element_size() <= self.world.config.small_bytes:
                 ring.allreduce_small(flat, op)
             else:
