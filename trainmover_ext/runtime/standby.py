@@ -184,7 +184,7 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
     from megatron.training.training import MetricsLog, build_session, train_loop
     from trainmover_ext.runtime.quiet_build import no_collectives
     from trainmover_ext.runtime.worker import WorkerRuntime, converge, receive_from_leaver
-    from trainmover_ext.sandbox.adopt import release_kept
+    from trainmover_ext.sandbox.adopt import adopt_or_build, keep_if_fits
 
     rep = next(r for r in plan.replacement_list() if r.joiner == ident.member_id)
     os.environ["RANK"] = str(rep.rank)
@@ -193,10 +193,7 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
     print(f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (epoch {plan.epoch}, "
           f"{plan.reason})", flush=True)
     member.update(kind="worker")
-    not_adopted = "no kept model" if kept is None else None
-    if kept is not None and not kept.fits(rep.rank):
-        not_adopted = f"the kept {kept.role} model was built as rank {kept.rank}"
-        kept = release_kept(kept)  # before the rank's model is built: never two models in memory
+    kept, not_adopted = keep_if_fits(kept, rep.rank)  # what does not fit is freed before anything is built
     layout = initialize_distributed(args, use_delta_comm=True, join_epoch=plan.epoch, join=False)
     t_groups = time.time()
     # The links come up on a thread while this one builds the model: neither needs the other.
@@ -204,23 +201,16 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
     metrics = MetricsLog(config.metrics_file, layout.is_logging_rank)
     runtime = None
     try:
-        session = None
-        if kept is not None:
-            from trainmover_ext.errors import KeptRoleUnusable
-            from trainmover_ext.sandbox.adopt import adopt
-
-            try:
-                session = adopt(kept, layout, metrics, rep.rank)
-                print(f"[trainmover] standby {ident.member_id} adopted its kept {kept.role} model for rank "
-                      f"{rep.rank} ({session.repointed_groups} group references re-pointed)", flush=True)
-            except KeptRoleUnusable as exc:
-                not_adopted = str(exc)
-                kept = release_kept(kept)
-        if session is None:
-            print(f"[trainmover] standby {ident.member_id} builds rank {rep.rank}'s model ({not_adopted})",
-                  flush=True)
+        def build(why: str):
+            print(f"[trainmover] standby {ident.member_id} builds rank {rep.rank}'s model ({why})", flush=True)
             with no_collectives():  # everything they would set comes with the state transfer
-                session = build_session(args, layout, *providers, metrics)
+                return build_session(args, layout, *providers, metrics)
+
+        kept_role = kept.role if kept is not None else None
+        session, not_adopted, repointed = adopt_or_build(kept, layout, metrics, rep.rank, build, not_adopted)
+        if not_adopted is None:
+            print(f"[trainmover] standby {ident.member_id} adopted its kept {kept_role} model for rank "
+                  f"{rep.rank} ({repointed} group references re-pointed)", flush=True)
         t_session = time.time()
         joining.wait()
         mark_step(space, plan.epoch, "joined", at=joining.done_at)

@@ -23,17 +23,19 @@ Contract:
   what the shadow iterations left.
 - :class:`KeptRoleUnusable` says why a kept session cannot be adopted (another
   rank, a group without a real counterpart, or one held where it cannot be
-  replaced, e.g. in a tuple); the caller then drops it (:meth:`KeptRole.drop`)
-  and builds the rank's model as before.
+  replaced, e.g. in a tuple). :func:`keep_if_fits` and :func:`adopt_or_build`
+  are the promotion's two steps: they free parts that do not fit before the
+  rank's world is built, and fall back to building the model, saying why.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -74,7 +76,7 @@ class KeptRole:
 
 
 def release_kept(kept: Optional[KeptRole]) -> None:
-    """Free a kept role's parts and give their pages back, before another model is built; returns None.
+    """Free a kept role's parts and give their pages back, before another model is built.
 
     The warm-up froze everything but the kept parts (``warm_standby``), so one collection frees
     their cycles and walks only what is not frozen; what it leaves is frozen too."""
@@ -85,7 +87,6 @@ def release_kept(kept: Optional[KeptRole]) -> None:
     gc.collect()
     release_free_memory()
     gc.freeze()
-    return None
 
 
 def real_groups() -> dict[str, tuple]:
@@ -96,8 +97,9 @@ def real_groups() -> dict[str, tuple]:
             if isinstance(pg, dist.ProcessGroup)}
 
 
-def adopt(kept: KeptRole, layout, metrics, rank: int) -> Any:
-    """The kept parts as ``rank``'s ``Session`` on ``layout`` (see the module doc); raises :class:`KeptRoleUnusable`."""
+def adopt(kept: KeptRole, layout, metrics, rank: int) -> tuple[Any, int]:
+    """The kept parts as ``rank``'s ``Session`` on ``layout``, and how many group references were
+    re-pointed (see the module doc); raises :class:`KeptRoleUnusable`."""
     from megatron.training.training import Session
 
     if kept.session is None:
@@ -112,18 +114,43 @@ def adopt(kept: KeptRole, layout, metrics, rank: int) -> Any:
             found = "none" if new is None else f"ranks {new[1]}"
             raise KeptRoleUnusable(f"replay group {name!r} (ranks {members}) has no real counterpart ({found})")
         mapping[id(old)] = new[0]
+    # One walk re-points every reference it can and reports the others: none may be left.
     replaced, stuck = walk(kept.roots(), mapping, rewrite=True)
     if stuck:
         raise KeptRoleUnusable(f"replay groups are held where they cannot be replaced: {sorted(set(stuck))}")
-    _, left = walk(kept.roots(), mapping, rewrite=False)
-    if left:
-        raise KeptRoleUnusable(f"replay groups still reachable after re-pointing: {sorted(set(left))}")
     s = kept.session
     session = Session(args=s.args, layout=layout, model=s.model, optimizer=s.optimizer, scheduler=s.scheduler,
                       dataset=s.dataset, forward_step_func=s.forward_step_func, metrics=metrics)
     kept.drop()
-    session.repointed_groups = replaced
-    return session
+    return session, replaced
+
+
+def keep_if_fits(kept: Optional[KeptRole], rank: int) -> tuple[Optional[KeptRole], Optional[str]]:
+    """Before ``rank``'s world and model are built: the kept parts if they fit ``rank``; otherwise
+    they are freed now (never two models in memory). Returns (parts or None, why not kept or None)."""
+    if kept is None:
+        return None, "no kept model"
+    if kept.fits(rank):
+        return kept, None
+    why = f"the kept {kept.role} model was built as rank {kept.rank}"
+    release_kept(kept)
+    return None, why
+
+
+def adopt_or_build(kept: Optional[KeptRole], layout, metrics, rank: int, build: Callable[[str], Any],
+                   why_not: str = "no kept model") -> tuple[Any, Optional[str], int]:
+    """``rank``'s session: the kept parts adopted (see :func:`adopt`), or ``build(why_not)`` when there
+    are none (``why_not`` from :func:`keep_if_fits`) or they cannot be adopted (then freed first).
+    Returns (session, None if adopted else why not, group references re-pointed). Call
+    :func:`keep_if_fits` before the world is built, and this once its groups exist."""
+    if kept is None:
+        return build(why_not), why_not, 0
+    try:
+        session, replaced = adopt(kept, layout, metrics, rank)
+        return session, None, replaced
+    except KeptRoleUnusable as exc:
+        release_kept(kept)
+        return build(str(exc)), str(exc), 0
 
 
 def walk(roots: Iterable, mapping: dict[int, Any], *, rewrite: bool) -> tuple[int, list[str]]:
@@ -174,11 +201,10 @@ def walk(roots: Iterable, mapping: dict[int, Any], *, rewrite: bool) -> tuple[in
             stack.extend((obj.__defaults__, obj.__kwdefaults__, obj.__dict__))
         elif isinstance(obj, types.MethodType):
             stack.extend((obj.__self__, obj.__func__))
-        elif isinstance(getattr(obj, "__dict__", None), dict) or _slot_names(type(obj)):
-            attrs = getattr(obj, "__dict__", None)
+        elif isinstance(attrs := getattr(obj, "__dict__", None), dict) or _slot_names(type(obj)):
             if isinstance(attrs, dict):
                 stack.append(attrs)
-            for name in _slot_names(type(obj)):
+            for name in _slot_names(type(obj)):  # cached per class
                 reference(getattr(obj, name, None), f"{type(obj).__name__}.{name}",
                           lambda new, o=obj, n=name: setattr(o, n, new))
         else:
@@ -191,6 +217,7 @@ def walk(roots: Iterable, mapping: dict[int, Any], *, rewrite: bool) -> tuple[in
     return replaced, stuck
 
 
+@functools.lru_cache(maxsize=None)
 def _slot_names(cls: type) -> tuple[str, ...]:
     names: list[str] = []
     for klass in cls.__mro__:

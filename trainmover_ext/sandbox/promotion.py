@@ -269,7 +269,7 @@ def newcomer(rank: int, world_size: int, port: int, argv: list[str], epoch: int,
 
     from megatron.training.training import MetricsLog
 
-    from .adopt import adopt, release_kept
+    from .adopt import adopt_or_build, keep_if_fits
     from .harness import parse_job_args, socket_inodes
     from .parts import build_parts
     from .recording import load_recordings
@@ -291,20 +291,19 @@ def newcomer(rank: int, world_size: int, port: int, argv: list[str], epoch: int,
         foreground_priority()
     else:
         kept = None
-    if kept is not None and not kept.fits(rank):
-        kept = release_kept(kept)
-    report["adopted"] = kept is not None
+    kept, why_not = keep_if_fits(kept, rank)
     store, ctl = _stores(port)
     plan_key = f"plan/{epoch}"
     layout = init_delta_world(args, rank, world_size, store, join_epoch=epoch)
     try:
-        if kept is not None:
-            session = adopt(kept, layout, MetricsLog(None, False), rank)
-            report["repointed_groups"] = session.repointed_groups
-            args.iteration, args.consumed_train_samples = 0, 0  # the state transfer sets both
-        else:
+        def build(why: str):
             with no_collectives():  # nothing to agree on with the job: its state would come by transfer
-                session = build_parts(args, layout, program, consumed_samples=0)
+                return build_parts(args, layout, program, consumed_samples=0)
+
+        session, why_not, report["repointed_groups"] = adopt_or_build(kept, layout, MetricsLog(None, False), rank,
+                                                                      build, why_not)
+        report["adopted"] = why_not is None
+        args.iteration, args.consumed_train_samples = 0, 0  # the state transfer sets both
         ctl.set(f"ready/{epoch}", "1")
         import nccl_delta
 
