@@ -15,7 +15,7 @@ Contract:
 - :func:`adopt` runs once the real world's groups exist (after
   ``initialize_distributed``). It re-points every reference to a replay group
   that is reachable from the kept session to the real group of the same name
-  and members, checks that none is left, and returns a ``Session`` for the real
+  and members, fails if any is left where it cannot be replaced, and returns a ``Session`` for the real
   layout. Compiled code stays valid: dynamo guards on the groups' class, which
   is the job's (see ``sandbox/replay.py``).
 - It saves the build, not the state: parameters, optimizer state, scheduler,
