@@ -1,10 +1,12 @@
 """A sandbox-warmed standby replaces a SIGKILLed rank (real launcher, etcd, processes).
 
 The job records its first iterations into ``--tm-record-dir``; the launcher's standby warms the
-first and last roles from the recordings and keeps the last role's model (``--tm-keep-role``
-default). Killed is either the rank that role was recorded at (TP0, DP0 of the last stage), whose
-model the standby adopts instead of building one, or another rank, for which it drops the kept
-model and builds the rank's own. Both runs must be bit-identical to the fault-free run: neither
+last and first roles from the recordings and keeps the first role's model (``--tm-keep-role
+first``). Killed is either the rank that role was recorded at (rank 0: TP0, DP0 of the first
+stage), whose model the standby adopts instead of building one, or another rank, for which it
+drops the kept model and builds the rank's own. (The last role's recorded rank, 4, is the rank
+that logs the trajectory: killed between finishing an iteration and logging it, it takes that
+line with it, while the job resumes after that iteration.) Both runs must be bit-identical to the fault-free run: neither
 the recording, nor the shadow iterations, nor the adopted model may leave a trace in the training.
 """
 
@@ -20,7 +22,7 @@ from helpers import control_flags, kill_quietly, start_job, tm_args, trainmover_
 ITERS = 40  # the standby must be warm (two roles) well before the end
 # TP2 x PP2 x DP2: rank = tp + 2*dp + 4*pp
 CASES = [
-    pytest.param(4, True, id="last-role-recorder-adopts-the-kept-model"),
+    pytest.param(0, True, id="first-role-recorder-adopts-the-kept-model"),
     pytest.param(2, False, id="first-stage-dp1-builds-its-model"),
 ]
 
@@ -38,13 +40,14 @@ def _last_iteration(job) -> int:
 def test_sandbox_standby_replaces_a_killed_rank_bit_identically(tmp_path, corpus, reference, victim, adopts):
     args = tm_args(corpus, iters=ITERS)
     ref = reference("tp2pp2dp2-i40", 8, args)
-    job = start_job(tmp_path, 8, args + ["--tm-record-dir", str(tmp_path / "recordings")], name=f"sandbox_{victim}")
+    job = start_job(tmp_path, 8, args + ["--tm-record-dir", str(tmp_path / "recordings"), "--tm-keep-role", "first"],
+                    name=f"sandbox_{victim}")
     try:
         warm = wait_for(lambda: re.search(r"standby (\S+) warm in [\d.]+s \(sandbox, roles \[([^\]]*)\]\)", _log(job)),
                         180, 0.2, "the standby's sandbox warm-up")
         status = trainmover_cli("status", *control_flags(job))
         row = next(line for line in status.stdout.splitlines() if line.strip().startswith(warm.group(1)))
-        assert row.rstrip().endswith("rank 4"), status.stdout  # the kept model, shown to the operator
+        assert row.rstrip().endswith("rank 0"), status.stdout  # the kept model, shown to the operator
         killed_at = _last_iteration(job)
         assert killed_at < ITERS - 5, f"the standby was warm only at iteration {killed_at}: too late to test"
         kill_quietly(job.rank_pids()[0][victim], signal.SIGKILL)
@@ -54,14 +57,15 @@ def test_sandbox_standby_replaces_a_killed_rank_bit_identically(tmp_path, corpus
             job.popen.kill()
     log = _log(job)
     assert code == 0, log[-4000:]
-    assert warm.group(2) == "'first', 'last'", warm.group(0)
+    # both roles warm; the kept one (first) was warmed last
+    assert warm.group(2) == "'last', 'first'", warm.group(0)
     assert f"rank {victim} -> {warm.group(1)}" in log, log[-3000:]
     if adopts:
-        m = re.search(rf"standby {re.escape(warm.group(1))} adopted its kept last model for rank {victim} "
+        m = re.search(rf"standby {re.escape(warm.group(1))} adopted its kept first model for rank {victim} "
                       r"\((\d+) group references re-pointed\)", log)
         assert m and int(m.group(1)) > 0, log[-3000:]
     else:
-        assert (f"standby {warm.group(1)} builds rank {victim}'s model (the kept last model was built as rank 4)"
+        assert (f"standby {warm.group(1)} builds rank {victim}'s model (the kept first model was built as rank 0)"
                 in log), log[-3000:]
     assert "falling back" not in log, log[-3000:]
     got = trajectory(job.metrics_path)
