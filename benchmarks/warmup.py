@@ -140,7 +140,8 @@ class Run:
 
 
 def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: int, repeats: int,
-                deadline_s: float, roles: tuple = ROLES, nice: int = 19, probe: bool = True) -> dict:
+                deadline_s: float, roles: tuple = ROLES, nice: int = 19, probe: bool = True,
+                kinds: tuple = KINDS) -> dict:
     from trainmover_ext.sandbox import harness, promotion
     from trainmover_ext.sandbox.recording import load_recordings
 
@@ -163,7 +164,7 @@ def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: in
             run.wait(lambda: time.time() >= quiet_until, "the quiet window after the probe")
         trials, epoch = [], 0
         serving = {rank: ("job", rank) for rank in range(WORLD)}
-        for role, _, kind in ((r, i, k) for r in roles for i in range(repeats) for k in KINDS):
+        for role, _, kind in ((r, i, k) for r in roles for i in range(repeats) for k in kinds):
             epoch += 1
             rank = RANK_OF[role]
             # Newcomers warm at normal priority (the probe above measures interference); the job then
@@ -188,7 +189,7 @@ def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: in
         run.kill()
     recordings = load_recordings(record_dir)
     return analyse(run.results, trials, recordings, compile_, record_iters, roles, nice if probe else None,
-                   steady_iters)
+                   steady_iters, kinds)
 
 
 def _iteration_times(results: dict) -> dict[int, list[tuple]]:
@@ -228,13 +229,13 @@ def trial_figures(its: dict, trial: dict, steady_iters: int) -> dict:
 
 
 def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool, record_iters: int,
-            roles_measured: tuple, nice: int, steady_iters: int = 12) -> dict:
+            roles_measured: tuple, nice: int, steady_iters: int = 12, kinds: tuple = KINDS) -> dict:
     its = _iteration_times(results)
     job_time = {k: max(t1 - t0 for _, _, t0, t1, _ in v) for k, v in its.items()}
     roles = []
     for role in roles_measured:
         entry = {"role": role, "compile": compile_, "record_bytes": recordings[role].data_bytes}
-        for kind in KINDS:
+        for kind in kinds:
             entry[f"{kind}_adopted"] = [results[("newcomer", t["epoch"])]["adopted"] for t in trials
                                         if t["role"] == role and t["kind"] == kind]
             figs = [trial_figures(its, t, steady_iters) for t in trials if t["role"] == role and t["kind"] == kind]
@@ -249,11 +250,12 @@ def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool,
             entry[f"{kind}_steady_s"] = round(median(f["steady_s"] for f in figs), 4)
             # garbage collection inside the first iteration, slowest process (newcomer or stayer)
             entry[f"{kind}_first_iteration_gc_s"] = [round(f["gc_first_s"], 4) for f in figs]
-        entry["null_ratio"] = round(median(n for kind in KINDS for n in entry[f"{kind}_null_ratios"]), 3)
+        entry["null_ratio"] = round(median(n for kind in kinds for n in entry[f"{kind}_null_ratios"]), 3)
         recorder = next(r for key, r in results.items() if key[0] == "job" and r["recorded"]["role"] == role)
         rec = recorder["recorded"]
         entry["record_overhead_s_per_iteration"] = round(rec["overhead_s"] / len(rec["iteration_s"]), 5)
-        entry["record_overhead_ratio"] = round(entry["record_overhead_s_per_iteration"] / entry["cold_steady_s"], 4)
+        entry["record_overhead_ratio"] = round(entry["record_overhead_s_per_iteration"]
+                                               / entry[f"{kinds[0]}_steady_s"], 4)
         roles.append(entry)
     return {"compile": compile_, "roles": roles,
             "isolation": isolation(results, job_time, record_iters, nice) if nice is not None else None,
@@ -288,8 +290,10 @@ def isolation(results: dict, job_time: dict, record_iters: int, nice: int) -> di
 
 def memory(results: dict) -> dict:
     job_peak = max(r["peak_rss_bytes"] for key, r in results.items() if key[0] == "job")
-    standby_peak = max(r.get("warm_rss_bytes", 0) for key, r in results.items()
-                       if key[0] == "probe" or (key[0] == "newcomer" and r["warm"]))
+    standby_peak = max((r.get("warm_rss_bytes", 0) for key, r in results.items()
+                        if key[0] == "probe" or (key[0] == "newcomer" and r["warm"])), default=None)
+    if standby_peak is None:
+        return {"job_rank_peak_rss_bytes": job_peak, "standby_warm_peak_rss_bytes": None, "standby_over_job": None}
     return {"job_rank_peak_rss_bytes": job_peak, "standby_warm_peak_rss_bytes": standby_peak,
             "standby_over_job": round(standby_peak / job_peak, 3)}
 
@@ -307,6 +311,8 @@ def main() -> None:
     parser.add_argument("--no-probe", action="store_true",
                         help="Skip the isolation probe (with --tm-compile an idle-priority warm-up takes long).")
     parser.add_argument("--steady-iters", type=int, default=12, help="Iterations before each switch and after it.")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
+                        help="Newcomer kinds to hand over to (default: all three).")
     parser.add_argument("--repeats", type=int, default=1,
                         help="Hand-overs per role and kind; the median trial is reported (default 1).")
     parser.add_argument("--deadline", type=float, default=1800.0, help="Seconds one variant may take.")
@@ -319,9 +325,9 @@ def main() -> None:
     corpus = ensure_corpus(args.data_prefix or DEFAULT_CORPUS_PREFIX)
     variants = [c for c in (False, True) if args.compile in ("both", "on" if c else "off")]
     runs = [run_variant(corpus, c, args.record_iters, args.steady_iters, args.repeats, args.deadline,
-                        tuple(args.roles), args.standby_nice, not args.no_probe) for c in variants]
-    rows = [(r["role"], "on" if r["compile"] else "off", r["kept_ratio"], r["warm_ratio"], r["cold_ratio"],
-             r["null_ratio"], r["warm_newcomer_own_ratio"], r["record_bytes"], f"{r['record_overhead_ratio']:.2%}")
+                        tuple(args.roles), args.standby_nice, not args.no_probe, tuple(args.kinds)) for c in variants]
+    rows = [(r["role"], "on" if r["compile"] else "off", *(r.get(f"{k}_ratio") for k in ("kept", "warm", "cold")),
+             r["null_ratio"], r.get("warm_newcomer_own_ratio"), r["record_bytes"], f"{r['record_overhead_ratio']:.2%}")
             for run in runs for r in run["roles"]]
     print_table("First iteration after promotion / steady iteration (PP=3 tiny GPT, CPU)", rows,
                 ("role", "--tm-compile", "kept_ratio", "warm_ratio", "cold_ratio", "null_ratio", "warm own",

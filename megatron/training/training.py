@@ -45,12 +45,49 @@ def process_start_time() -> float:
 class MetricsLog:
     """Appends JSON lines (one per event) when ``--tm-metrics-file`` is given; logging rank only."""
 
+    TAIL_BYTES = 1 << 16
+    """How much of the file's end :meth:`last_iteration` reads (many iteration records)."""
+
     def __init__(self, path: Optional[str], enabled: bool):
-        self.file = open(path, "a", buffering=1) if (path and enabled) else None
+        self.path = path if (path and enabled) else None
+        self.file = open(path, "a", buffering=1) if self.path else None
 
     def write(self, **record) -> None:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
+
+    def last_iteration(self) -> Optional[int]:
+        """The highest ``iteration`` event among the file's last records; ``None`` if there is none."""
+        if self.path is None:
+            return None
+        with open(self.path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - self.TAIL_BYTES))
+            tail = f.read().decode(errors="replace").splitlines()
+        best = None
+        for line in tail:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # the first line of the tail is usually cut
+            if isinstance(rec, dict) and rec.get("event") == "iteration":
+                best = rec["iteration"] if best is None else max(best, rec["iteration"])
+        return best
+
+    def restore(self, record: Optional[dict], source_rank: int) -> bool:
+        """Write ``record`` (an iteration's record, from another rank) unless the file already has it.
+
+        A logging rank killed after its optimizer step but before writing that iteration's record
+        loses the line, while the job resumes after the iteration; its replacement writes the record
+        the state source (a data-parallel replica: same loss, learning rate and sample count) kept.
+        Returns whether it wrote."""
+        if self.file is None or not record:
+            return False
+        last = self.last_iteration()
+        if last is not None and last >= record["iteration"]:
+            return False
+        self.write(**record, restored_from_rank=source_rank)
+        return True
 
     def close(self) -> None:
         if self.file is not None:
@@ -107,6 +144,10 @@ class Session:
     forward_step_func: Callable
     metrics: "MetricsLog"
     iterators: list = field(default_factory=list)
+    last_record: Optional[dict] = None
+    """The last completed iteration's metrics record, kept on every last-stage rank (the logging rank
+    writes it); a state transfer carries it so that a replacement can restore a record its
+    predecessor died before writing (:meth:`MetricsLog.restore`)."""
 
     def reset_data(self) -> None:
         """Point the data iterators at ``args.consumed_train_samples`` (exact resume)."""
@@ -150,8 +191,9 @@ class Runtime:
 
 def train_step(session: Session) -> Optional[float]:
     """One iteration. Increments ``args.iteration`` right after the optimizer step, so after an
-    abandoned iteration ``args.iteration`` is exactly the number of completed steps. The logging rank
-    writes the iteration's record before the step (a re-run after an abandon writes the same values)."""
+    abandoned iteration ``args.iteration`` is exactly the number of completed steps. After the step
+    every last-stage rank keeps the iteration's record in ``session.last_record`` and the logging rank
+    writes it (a re-run after an abandon writes the same values)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -180,12 +222,14 @@ def train_step(session: Session) -> Optional[float]:
     lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     session.scheduler.step(increment=args.global_batch_size)
-    if layout.is_logging_rank:  # after the step: iteration_s covers the whole iteration
+    if layout.is_last_stage:  # after the step: iteration_s covers the whole iteration
         t_end = time.time()
-        session.metrics.write(
+        session.last_record = dict(
             event="iteration", iteration=args.iteration + 1, loss=loss, iteration_s=t_end - t0, t_end=t_end,
             consumed_samples=args.consumed_train_samples + args.global_batch_size, lr=lr,
         )
+        if layout.is_logging_rank:
+            session.metrics.write(**session.last_record)
     args.iteration += 1
     args.consumed_train_samples += args.global_batch_size
     return loss

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import numpy as np
 import pytest
@@ -139,3 +140,47 @@ def test_the_agent_wakes_when_a_child_exits_not_at_its_next_poll():
     proc.signal(signal.SIGKILL)
     wait_any_exit([proc], timeout_s=20)
     assert proc.poll() == -signal.SIGKILL
+
+
+def test_metrics_log_restores_only_a_missing_iteration_record(tmp_path):
+    """A logging rank's replacement writes the record its predecessor died before writing, and only that."""
+    from megatron.training.training import MetricsLog
+
+    path = str(tmp_path / "metrics.jsonl")
+    log = MetricsLog(path, True)
+    assert log.last_iteration() is None
+    for it in (1, 2):
+        log.write(event="iteration", iteration=it, loss=1.0 / it)
+    log.write(event="recovered", epoch=1)
+    record = {"event": "iteration", "iteration": 3, "loss": 0.25}
+    assert log.last_iteration() == 2
+    assert not log.restore({**record, "iteration": 2}, source_rank=6), "iteration 2 is there already"
+    assert log.restore(record, source_rank=6)
+    assert not log.restore(record, source_rank=6), "written twice"
+    log.close()
+    lines = [json.loads(line) for line in open(path)]
+    assert [r.get("iteration") for r in lines] == [1, 2, None, 3]
+    assert lines[-1] == {**record, "restored_from_rank": 6}
+    # only the logging rank writes, and a missing record is no error
+    other = MetricsLog(path, False)
+    assert not other.restore(record, source_rank=6) and not MetricsLog(path, True).restore(None, source_rank=6)
+
+
+def test_metrics_log_reads_only_the_tail(tmp_path, monkeypatch):
+    from megatron.training.training import MetricsLog
+
+    monkeypatch.setattr(MetricsLog, "TAIL_BYTES", 200)
+    log = MetricsLog(str(tmp_path / "m.jsonl"), True)
+    for it in range(1, 50):
+        log.write(event="iteration", iteration=it, loss=0.5)
+    assert log.last_iteration() == 49
+
+
+def test_fault_phases_parse():
+    from trainmover_ext.errors import ConfigError
+    from trainmover_ext.runtime.faults import FaultSpec
+
+    spec = FaultSpec.parse("4:6:log")
+    assert (spec.rank, spec.iteration, spec.phase) == (4, 6, "log")
+    with pytest.raises(ConfigError, match="log"):
+        FaultSpec.parse("4:6:logging")

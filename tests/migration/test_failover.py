@@ -31,6 +31,9 @@ CASES = [
     pytest.param(5, "backward", id="last-stage-tp1-backward"),
     pytest.param(3, "allreduce", id="first-stage-tp1-allreduce"),
     pytest.param(6, "step", id="last-stage-tp0-step"),
+    # The logging rank, after its step and before its metrics record: the job resumes after that
+    # iteration, and the replacement writes the record it gets from its data-parallel replica.
+    pytest.param(4, "log", id="logging-rank-after-step"),
 ]
 
 
@@ -41,6 +44,8 @@ def test_sigkill_is_replaced_bit_identically(tmp_path, corpus, reference, victim
                   name=f"fault_{victim}_{phase}", timeout=300)
     assert "exited with code -9" in job.stderr()
     _assert_recovered(job, ref, victim)
+    restored = [r for r in read_metrics(job.metrics_path, "iteration") if "restored_from_rank" in r]
+    assert [(r["iteration"], r["restored_from_rank"]) for r in restored] == ([(6, 6)] if phase == "log" else [])
 
 
 def test_hung_rank_is_detected_by_lease_and_fenced(tmp_path, corpus, reference):

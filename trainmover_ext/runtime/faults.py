@@ -8,7 +8,9 @@ iteration ITERATION (1-based), in PHASE:
 - ``backward``: when the first parameter gradient of the iteration is produced;
 - ``allreduce``: when the data-parallel gradient reduction starts;
 - ``step``: inside the optimizer step, after the gradient-norm all-reduce and
-  before any parameter changes (other data-parallel replicas may finish it).
+  before any parameter changes (other data-parallel replicas may finish it);
+- ``log``: after the optimizer and scheduler steps, before the iteration's
+  metrics record is written (the iteration is complete everywhere else).
 
 Only the original worker injects: a standby that later serves the rank does not.
 """
@@ -22,7 +24,7 @@ from typing import Optional
 
 from trainmover_ext.errors import ConfigError
 
-PHASES = ("forward", "backward", "allreduce", "step")
+PHASES = ("forward", "backward", "allreduce", "step", "log")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +90,15 @@ def install(spec: Optional[FaultSpec], session) -> None:
             return inner_finalize(*a, **kw)
 
         config.finalize_model_grads_func = finalize
+    elif spec.phase == "log":
+        inner_sched = session.scheduler.step
+
+        def sched_step(*a, **kw):
+            out = inner_sched(*a, **kw)
+            fire("log")
+            return out
+
+        session.scheduler.step = sched_step
     else:
         from megatron.training import checkpointing
 

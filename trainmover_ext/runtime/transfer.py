@@ -14,6 +14,9 @@ Contract:
   non-contiguous one would be sent through a temporary contiguous copy).
 - :func:`recv_state` allocates nothing it does not keep: tensors land in the
   target's own parameters and in the optimizer state it must hold anyway.
+- The metadata also carries the source's last iteration record (last pipeline
+  stage only); a target that is the logging rank writes it to the metrics file
+  when the file lacks it (its predecessor died between the step and the write).
 - Every call has a deadline (the link's timeout); a failure raises
   :class:`MigrationAborted`.
 """
@@ -114,6 +117,8 @@ def send_state(pg, session) -> int:
         "consumed_train_samples": args.consumed_train_samples,
         "scheduler": session.scheduler.state_dict(),
         "rng": checkpointing.rng_state(),
+        "last_record": session.last_record,
+        "source_rank": session.layout.rank,
         "optimizer_layout": _optimizer_layout(session),
         "param_groups": [
             [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
@@ -158,4 +163,7 @@ def recv_state(pg, session) -> int:
     checkpointing.set_rng_state(meta["rng"])
     session.args.iteration = meta["iteration"]
     session.args.consumed_train_samples = meta["consumed_train_samples"]
+    record = meta.get("last_record")
+    session.last_record = record if record and record["iteration"] == meta["iteration"] else None
+    session.metrics.restore(session.last_record, meta.get("source_rank", -1))
     return received
