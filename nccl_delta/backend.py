@@ -28,7 +28,7 @@ from torch.futures import Future
 
 from .config import DeltaConfig
 from .group import DeltaGroup
-from . import world as world_mod
+from . import waiter, world as world_mod
 
 logger = logging.getLogger(__name__)
 
@@ -287,6 +287,10 @@ def _create(dist_opts, backend_opts=None) -> DeltaProcessGroup:
                                      store=dist_opts.store, config=config, join_epoch=_join_epoch)
         world.world_group_name = name
         world_mod._install_world(world)
+        # The thread that creates WORLD is the one that trains: start its send waiter now, not inside
+        # the first iteration (a thread start is milliseconds on loaded cores; a joiner's first
+        # iteration after a promotion is on the critical path).
+        waiter.prestart()
     rank = world.rank
     if members[dist_opts.group_rank] != rank:
         raise RuntimeError(f"nccl_delta: group {name!r} puts group rank {dist_opts.group_rank} at logical rank "

@@ -92,6 +92,11 @@ def _waiter() -> _Waiter:
     return w
 
 
+def prestart() -> None:
+    """Start the calling thread's waiter now (it is otherwise started by the thread's first send)."""
+    _waiter()
+
+
 def wait(pending: Pending) -> None:
     """Block until ``pending`` finishes or is cancelled (see the module docstring)."""
     w = _waiter()
