@@ -38,11 +38,12 @@ garbage-collection time inside the first iteration, recording size and
 overhead per role, that the recorder hooks are gone after recording, the job's
 iteration time while a standby warms against the rest (isolation), and the
 standby's peak RSS against the job ranks'. Each newcomer and rank has its own
-inductor cache (a machine of its own). The isolation probe's standby runs at
-SCHED_IDLE and nice 19: on these two shared cores that stands for the separate
-machine it has in a real deployment.
+inductor cache (a machine of its own). The isolation probes' standby runs as a
+launched one does (nice 0), unpaced and paced by ``--tm-standby-duty``
+(``--probe-duties``): on these two shared cores the pacing is what keeps a
+standby from slowing the job, as a machine of its own would.
 
-    python benchmarks/warmup.py --compile off --repeats 5 --json bench_out/warmup.json
+    python benchmarks/warmup.py --compile off --repeats 5 --probe-repeats 3 --json bench_out/warmup.json
     python benchmarks/warmup.py --compile on --repeats 2 --no-probe --json bench_out/warmup_compile.json
 """
 
@@ -140,8 +141,8 @@ class Run:
 
 
 def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: int, repeats: int,
-                deadline_s: float, roles: tuple = ROLES, nice: int = 19, probe: bool = True,
-                kinds: tuple = KINDS) -> dict:
+                deadline_s: float, roles: tuple = ROLES, nice: int = 0, probe_duties: tuple = (0.25,),
+                kinds: tuple = KINDS, probe_repeats: int = 1) -> dict:
     from trainmover_ext.sandbox import harness, promotion
     from trainmover_ext.sandbox.recording import load_recordings
 
@@ -156,10 +157,13 @@ def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: in
         run.wait(lambda: all(os.path.isfile(os.path.join(record_dir, r, "index.json")) for r in ROLES),
                  "the recordings")
         run.wait(lambda: run.progress() >= record_iters + steady_iters, "steady iterations")
-        if probe:  # a standby warms every role at idle priority while the job trains; then as long without it
-            run.fork(("probe", 0), promotion.warm_only, argv, WORLD, record_dir, nice)
-            run.wait(lambda: ("probe", 0) in run.results, "the isolation probe")
-            window = run.results[("probe", 0)]
+        # Isolation probes: a standby warms every role while the job trains, paced to each duty in turn;
+        # then the job trains as long without it.
+        probes = [(duty, i) for i in range(probe_repeats) for duty in probe_duties]
+        for n, (duty, _) in enumerate(probes):
+            run.fork(("probe", n), promotion.warm_only, argv, WORLD, record_dir, nice, duty)
+            run.wait(lambda: ("probe", n) in run.results, "the isolation probe")
+            window = run.results[("probe", n)]
             quiet_until = time.time() + (window["warm_end"] - window["warm_start"])
             run.wait(lambda: time.time() >= quiet_until, "the quiet window after the probe")
         trials, epoch = [], 0
@@ -188,8 +192,7 @@ def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: in
     finally:
         run.kill()
     recordings = load_recordings(record_dir)
-    return analyse(run.results, trials, recordings, compile_, record_iters, roles, nice if probe else None,
-                   steady_iters, kinds)
+    return analyse(run.results, trials, recordings, compile_, record_iters, roles, len(probes), steady_iters, kinds)
 
 
 def _iteration_times(results: dict) -> dict[int, list[tuple]]:
@@ -229,7 +232,7 @@ def trial_figures(its: dict, trial: dict, steady_iters: int) -> dict:
 
 
 def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool, record_iters: int,
-            roles_measured: tuple, nice: int, steady_iters: int = 12, kinds: tuple = KINDS) -> dict:
+            roles_measured: tuple, probes: int, steady_iters: int = 12, kinds: tuple = KINDS) -> dict:
     its = _iteration_times(results)
     job_time = {k: max(t1 - t0 for _, _, t0, t1, _ in v) for k, v in its.items()}
     roles = []
@@ -258,15 +261,26 @@ def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool,
                                                / entry[f"{kinds[0]}_steady_s"], 4)
         roles.append(entry)
     return {"compile": compile_, "roles": roles,
-            "isolation": isolation(results, job_time, record_iters, nice) if nice is not None else None,
+            "isolation": isolation_by_duty([isolation(results, job_time, record_iters, n) for n in range(probes)]),
             "memory": memory(results), "hooks_left_after_recording": sorted(
                 {h for key, r in results.items() if key[0] == "job" for h in r["hooks_after"]})}
 
 
-def isolation(results: dict, job_time: dict, record_iters: int, nice: int) -> dict:
-    """Job iterations inside the probe standby's warm-up against those in the quiet window as long right after
-    it and the steady ones right before it (nothing else of the benchmark runs then)."""
-    probe = results[("probe", 0)]
+def isolation_by_duty(probes: list[dict]) -> list[dict]:
+    """Per probe duty: the median ratio over its repeats, and every probe."""
+    out = []
+    for duty in sorted({p["standby_duty"] for p in probes}, reverse=True):
+        mine = [p for p in probes if p["standby_duty"] == duty]
+        ratios = [p["ratio_of_medians"] for p in mine if p["ratio_of_medians"] is not None]
+        out.append({"standby_duty": duty, "ratio_of_medians": round(median(ratios), 3) if ratios else None,
+                    "ratios": ratios, "probes": mine})
+    return out
+
+
+def isolation(results: dict, job_time: dict, record_iters: int, n: int) -> dict:
+    """Job iterations inside probe ``n``'s warm-up against those in the quiet window as long right after it
+    (nothing else of the benchmark runs then; the next probe starts after that window)."""
+    probe = results[("probe", n)]
     w0, w1 = probe["warm_start"], probe["warm_end"]
     spans: dict[int, tuple] = {}
     for key, res in results.items():
@@ -279,13 +293,14 @@ def isolation(results: dict, job_time: dict, record_iters: int, nice: int) -> di
             continue  # the job's own first iterations
         if w0 <= t0 and t1 <= w1:
             during.append(job_time[k])
-        elif t1 <= w0 or (w1 <= t0 and t1 <= 2 * w1 - w0):
+        elif w1 <= t0 and t1 <= 2 * w1 - w0:  # the quiet window right after it, as long
             quiet.append(job_time[k])
     ratio = round(median(during) / median(quiet), 3) if during and quiet else None
     return {"ratio_of_medians": ratio, "iterations_during": len(during), "iterations_quiet": len(quiet),
             "median_during_s": round(median(during), 4) if during else None,
             "median_quiet_s": round(median(quiet), 4) if quiet else None, "warm_s": round(w1 - w0, 2),
-            "standby_nice": nice, "standby_new_sockets": probe["warm_new_sockets"]}
+            "standby_nice": probe["nice"], "standby_duty": probe["duty"], "standby_paused_s": round(probe["paused_s"], 2),
+            "standby_new_sockets": probe["warm_new_sockets"]}
 
 
 def memory(results: dict) -> dict:
@@ -305,11 +320,15 @@ def main() -> None:
                         help="Measure eager, --tm-compile, or both (default).")
     parser.add_argument("--record-iters", type=int, default=2)
     parser.add_argument("--roles", nargs="+", choices=ROLES, default=list(ROLES), help="Roles to hand over.")
-    parser.add_argument("--standby-nice", type=int, default=19,
-                        help="Niceness of the isolation probe's standby (default 19, with SCHED_IDLE: it stands for "
-                             "a machine of its own).")
+    parser.add_argument("--standby-nice", type=int, default=0,
+                        help="Niceness of the isolation probes' standby (default 0, as a launched standby; above 0 it "
+                             "also runs at SCHED_IDLE).")
+    parser.add_argument("--probe-duties", default="1,0.25",
+                        help="Comma-separated --tm-standby-duty values the isolation probes' standby is paced to, "
+                             "one probe each (default '1,0.25': unpaced, then a quarter core).")
+    parser.add_argument("--probe-repeats", type=int, default=1, help="Probes per duty (default 1).")
     parser.add_argument("--no-probe", action="store_true",
-                        help="Skip the isolation probe (with --tm-compile an idle-priority warm-up takes long).")
+                        help="Skip the isolation probes (with --tm-compile a paced warm-up takes long).")
     parser.add_argument("--steady-iters", type=int, default=12, help="Iterations before each switch and after it.")
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
                         help="Newcomer kinds to hand over to (default: all three).")
@@ -325,7 +344,9 @@ def main() -> None:
     corpus = ensure_corpus(args.data_prefix or DEFAULT_CORPUS_PREFIX)
     variants = [c for c in (False, True) if args.compile in ("both", "on" if c else "off")]
     runs = [run_variant(corpus, c, args.record_iters, args.steady_iters, args.repeats, args.deadline,
-                        tuple(args.roles), args.standby_nice, not args.no_probe, tuple(args.kinds)) for c in variants]
+                        tuple(args.roles), args.standby_nice,
+                        () if args.no_probe else tuple(float(d) for d in args.probe_duties.split(",")),
+                        tuple(args.kinds), args.probe_repeats) for c in variants]
     rows = [(r["role"], "on" if r["compile"] else "off", *(r.get(f"{k}_ratio") for k in ("kept", "warm", "cold")),
              r["null_ratio"], r.get("warm_newcomer_own_ratio"), r["record_bytes"], f"{r['record_overhead_ratio']:.2%}")
             for run in runs for r in run["roles"]]
@@ -334,8 +355,8 @@ def main() -> None:
                  "record_bytes", "record overhead/iter"))
     for run in runs:
         iso, mem = run["isolation"], run["memory"]
-        iso_text = (f"{iso['ratio_of_medians']} ({iso['iterations_during']} vs {iso['iterations_quiet']} iterations, "
-                    f"standby at SCHED_IDLE/nice {iso['standby_nice']})") if iso else "not probed"
+        iso_text = "; ".join(f"duty {i['standby_duty']}: {i['ratio_of_medians']} (probes {i['ratios']})"
+                             for i in iso) if iso else "not probed"
         print(f"compile {'on' if run['compile'] else 'off'}: job iteration while a standby warms / otherwise = "
               f"{iso_text}; standby peak RSS / job rank peak = {mem['standby_over_job']}; hooks left after "
               f"recording: {run['hooks_left_after_recording'] or 'none'}")

@@ -62,6 +62,9 @@ class TrainMoverConfig:
     keep_role: str = "last"
     """``--tm-keep-role``: the pipeline role whose model a sandbox standby keeps after warming (``first``,
     ``middle``, ``last`` or ``none``); promoted into that role's recorded rank it adopts the model."""
+    standby_duty: float = 1.0
+    """``--tm-standby-duty``: the share of one core a warming standby may use (``1`` = unpaced); it pauses
+    between shadow iterations to stay within it (``trainmover_ext.sandbox.pacing``)."""
     leaver_becomes_standby: bool = False
     """``--tm-leaver-becomes-standby``: a planned leaver rejoins the pool instead of exiting."""
     metrics_file: Optional[str] = None
@@ -97,6 +100,9 @@ class TrainMoverConfig:
             raise ConfigError("--tm-record-timeout must be positive (seconds a standby waits for recordings)")
         if self.keep_role not in KEEP_ROLES:
             raise ConfigError(f"--tm-keep-role must be one of {', '.join(KEEP_ROLES)}")
+        if not 0 < self.standby_duty <= 1:
+            raise ConfigError(f"--tm-standby-duty {self.standby_duty} must be in (0, 1]: the share of one core a "
+                              "warming standby may use (e.g. 0.25)")
         if self.record_dir is not None and not self.record_dir.strip():
             raise ConfigError("--tm-record-dir must name a directory (shared by the job and its standbys)")
         if any(getattr(self, name) for name in ("etcd_cert", "etcd_key")) and not (self.etcd_cert and self.etcd_key):
@@ -121,6 +127,7 @@ _FLAG_TO_FIELD = {
     "tm_record_timeout": "record_timeout_s",
     "tm_compile": "compile",
     "tm_keep_role": "keep_role",
+    "tm_standby_duty": "standby_duty",
     "tm_leaver_becomes_standby": "leaver_becomes_standby",
     "tm_metrics_file": "metrics_file",
     "tm_comm": "comm",
@@ -160,6 +167,12 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "warmed last, so memory stays one role's). Promoted into the rank that role was recorded "
                         "at (TP and DP rank 0 of its stage), the standby adopts that model instead of building "
                         "one; 'none' keeps no model.")
+    g.add_argument("--tm-standby-duty", type=float, default=None, metavar="FRACTION",
+                   help="Share of one CPU core a warming standby may use, in (0, 1] (default 1: unpaced). Below 1 "
+                        "it pauses between shadow iterations and roles so that its CPU time stays within that "
+                        "share of the wall time: on a node whose cores the ranks keep busy, e.g. 0.25 keeps its "
+                        "warm-up from slowing the job (the warm-up takes about 1/FRACTION as long). Pausing "
+                        "ends at promotion.")
     g.add_argument("--tm-leaver-becomes-standby", action="store_true", default=None,
                    help="After a planned migration the leaver (its state handed over, its groups torn down) stays "
                         "alive and rejoins the standby pool in the same process, instead of exiting; its agent "

@@ -74,7 +74,9 @@ def _stop(job):
 
 def test_standby_warms_all_roles_from_recordings_without_touching_the_job(tmp_path, corpus):
     record_dir = str(tmp_path / "recordings")
-    job = _launch(tmp_path, corpus, "sbwarm", "--tm-record-dir", record_dir, "--tm-record-iters", "2")
+    # Paced to half a core (--tm-standby-duty): the pauses show in its report.
+    job = _launch(tmp_path, corpus, "sbwarm", "--tm-record-dir", record_dir, "--tm-record-iters", "2",
+                  "--tm-standby-duty", "0.5")
     try:
         kv, endpoint = _etcd(job)
         standby = wait_for(lambda: (s := _standby(kv, "sbwarm")) and s["warmup"].get("mode") == "sandbox"
@@ -84,6 +86,7 @@ def test_standby_warms_all_roles_from_recordings_without_touching_the_job(tmp_pa
         assert set(roles) == {"first", "middle", "last"}
         for timing in roles.values():
             assert timing["build_s"] > 0 and timing["first_iteration_s"] > 0 and timing["replayed_calls"] > 0
+        assert standby["warmup"]["paused_s"] > 0, standby["warmup"]
         # the index in etcd names the sealed files on the shared directory
         published = _records(kv, "/trainmover/sbwarm/recordings/", "recording")
         assert set(published) == {"first", "middle", "last"}

@@ -121,6 +121,27 @@ def test_benchmark_ratio_is_the_stayers_first_iteration_over_the_iterations_besi
     assert fig["gc_first_s"] == pytest.approx(0.02)
 
 
+def test_benchmark_isolation_compares_each_probe_window_with_the_quiet_one_after_it():
+    # Job iterations of 0.1 s from t=0; probe 0 (unpaced) warms over [2, 4) and doubles them, probe 1
+    # (duty 0.25) over [6, 8) and leaves them alone; each is followed by as long a quiet window.
+    bench = _benchmark_module()
+    steps = []
+    for k in range(1, 100):
+        t0 = 0.1 * (k - 1)
+        slow = 2.0 <= t0 < 4.0
+        steps.append({"iteration": k, "t0": t0, "t1": t0 + (0.2 if slow else 0.1)})
+    results = {("job", 0): {"steps": steps},
+               ("probe", 0): {"warm_start": 2.0, "warm_end": 4.0, "nice": 0, "duty": 1.0, "paused_s": 0.0,
+                              "warm_new_sockets": 0, "steps": []},
+               ("probe", 1): {"warm_start": 6.0, "warm_end": 8.0, "nice": 0, "duty": 0.25, "paused_s": 1.5,
+                              "warm_new_sockets": 0, "steps": []}}
+    job_time = {st["iteration"]: st["t1"] - st["t0"] for st in steps}
+    probes = [bench.isolation(results, job_time, 2, n) for n in range(2)]
+    assert probes[0]["ratio_of_medians"] == pytest.approx(2.0) and probes[1]["ratio_of_medians"] == pytest.approx(1.0)
+    by_duty = bench.isolation_by_duty(probes)
+    assert [(d["standby_duty"], d["ratio_of_medians"]) for d in by_duty] == [(1.0, 2.0), (0.25, 1.0)]
+
+
 def test_adoption_walk_repoints_every_mutable_holder_and_names_the_rest():
     """sandbox.adopt.walk: references in dicts, lists, attributes, slots and closure cells are replaced;
     one in a tuple cannot be, and is reported (the standby then builds the model anew)."""
@@ -144,3 +165,41 @@ def test_adoption_walk_repoints_every_mutable_holder_and_names_the_rest():
     assert holder.attr is new and holder.items[1] is new and holder.table["k"] is new
     assert holder.fn() is new and holder.slotted.group is new
     assert walk([holder], {id(old): new}, rewrite=False) == (0, ["tuple"])
+
+
+def test_pacer_keeps_cpu_within_its_duty_and_stops_at_once():
+    """--tm-standby-duty: the pause owed is CPU time / duty minus the wall time already passed."""
+    import threading
+    import time
+
+    from trainmover_ext.sandbox.pacing import Pacer
+
+    cpu = [0.0]
+    pacer = Pacer(0.25, cpu_clock=lambda: cpu[0])
+    assert pacer.pace() == 0.0  # nothing used yet
+    cpu[0] = 0.02  # 20 ms of CPU at a 25% share: 80 ms of wall time in all
+    t0 = time.monotonic()
+    slept = pacer.pace()
+    assert 0.05 <= slept and time.monotonic() - t0 >= 0.05
+    assert pacer.pace() == 0.0, "the debt is paid"
+    assert Pacer(1.0, cpu_clock=lambda: 100.0).pace() == 0.0, "duty 1 never pauses"
+
+    cpu[0] = 1000.0  # a long pause owed (capped at max_pause_s) ...
+    capped = Pacer(0.5, cpu_clock=lambda: cpu[0], max_pause_s=30.0)
+    cpu[0] = 2000.0
+    done = threading.Event()
+    threading.Thread(target=lambda: (capped.pace(), done.set()), daemon=True).start()
+    time.sleep(0.05)
+    capped.stop()  # ... ends at once on a promotion
+    assert done.wait(5.0)
+    assert capped.pace() == 0.0
+    with pytest.raises(ValueError):
+        Pacer(0.0)
+
+
+def test_standby_duty_flag():
+    from trainmover_ext.config import TrainMoverConfig
+
+    assert TrainMoverConfig(standby_duty=0.25).standby_duty == 0.25
+    with pytest.raises(ConfigError, match="--tm-standby-duty"):
+        TrainMoverConfig(standby_duty=1.5)

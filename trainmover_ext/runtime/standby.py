@@ -32,6 +32,7 @@ from trainmover_ext.runtime.timeline import mark_step
 
 if TYPE_CHECKING:
     from trainmover_ext.sandbox.adopt import KeptRole
+    from trainmover_ext.sandbox.pacing import Pacer
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ def preload_rank_code(args) -> float:
     return time.time() - t0
 
 
-def warm_up(args, config, providers, space, member, should_stop) -> tuple[dict, Optional["KeptRole"]]:
+def warm_up(args, config, providers, space, member, should_stop,
+            pacer: Optional["Pacer"] = None) -> tuple[dict, Optional["KeptRole"]]:
     """Warm this standby and report it on its member record; returns the warm-up report and the
     parts of the role it keeps (``--tm-keep-role``; None without the sandbox).
 
@@ -89,29 +91,36 @@ def warm_up(args, config, providers, space, member, should_stop) -> tuple[dict, 
     when the recordings do not appear in time or are corrupt, it says why and
     falls back to the basic warm-up (still able to serve any role, only colder).
     A standby whose config differs from the job's is refused (ConfigMismatch).
+    ``pacer`` (``--tm-standby-duty``) keeps its CPU share within bounds; it pauses between steps.
     """
     from trainmover_ext.errors import RecordingCorrupt, RecordingNotFound
+    from trainmover_ext.sandbox.pacing import Pacer
 
+    pacer = pacer or Pacer(1.0)
     preload_s = preload_rank_code(args)
+    pacer.pace()
     reason = "no --tm-record-dir: the sandbox is off"
     if config.record_dir:
         from trainmover_ext.sandbox.standby import warm_general_standby
 
         try:
-            return warm_general_standby(args, config, providers, space=space, member=member, should_stop=should_stop)
+            return warm_general_standby(args, config, providers, space=space, member=member, should_stop=should_stop,
+                                        pacer=pacer)
         except (RecordingNotFound, RecordingCorrupt) as exc:
             reason = str(exc)
             print(f"[trainmover] standby {member.record.member_id}: sandbox warm-up impossible, falling back to "
                   f"the basic warm-up: {reason}", flush=True)
     timings = {"preload_s": preload_s, **basic_warm_up(args, providers)}
+    pacer.pace()
     report = {"mode": "basic", "reason": reason, **{k: round(v, 4) for k, v in timings.items()},
-              "total_s": round(sum(timings.values()), 4)}
+              "total_s": round(sum(timings.values()) + pacer.paused_s, 4), "paused_s": round(pacer.paused_s, 4)}
     member.update(warm_roles=list(ROLES), warmup=report)
     return report, None
 
 
 def run_standby(args, config, providers, t_process: float) -> dict:
     """The standby's whole life; returns the training summary once it served a rank."""
+    from trainmover_ext.sandbox.pacing import Pacer
     from trainmover_ext.sandbox.standby import StandbyMemberRecord
 
     ident = identity_from_env()
@@ -122,16 +131,19 @@ def run_standby(args, config, providers, t_process: float) -> dict:
                         ttl_s=max(1, round(config.lease_ttl_s))).register()
     promoted: list[MigrationPlan] = []
     cond = threading.Condition()
+    pacer = Pacer(config.standby_duty)
 
     def on_plan(plan: MigrationPlan) -> None:
         if any(r.joiner == ident.member_id for r in plan.replacement_list()):
+            pacer.stop()  # a pause in progress ends now: the rank waits for us
             with cond:
                 promoted.append(plan)
                 cond.notify_all()
 
     watcher = DecisionWatcher(space, on_plan)
     try:
-        report, kept = warm_up(args, config, providers, space, member, should_stop=lambda: bool(promoted))
+        report, kept = warm_up(args, config, providers, space, member, should_stop=lambda: bool(promoted),
+                               pacer=pacer)
     except BaseException:
         watcher.close()
         member.close()

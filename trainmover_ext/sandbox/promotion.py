@@ -240,20 +240,27 @@ def _record(session, handle) -> dict:
             "data_bytes": handle.index["data_bytes"] if handle.index else None}
 
 
-def warm_only(argv: list[str], world_size: int, record_dir: str, nice: int = 19) -> dict:
-    """A general standby that only warms (all roles, alone) and reports its window: the isolation probe."""
+def warm_only(argv: list[str], world_size: int, record_dir: str, nice: int = 19, duty: float = 1.0) -> dict:
+    """A general standby that only warms (all roles, alone) and reports its window: the isolation probe.
+
+    ``duty`` paces it as ``--tm-standby-duty`` does a launched standby (:mod:`.pacing`)."""
     from .harness import parse_job_args, socket_inodes
+    from .pacing import Pacer
     from .recording import load_recordings
     from .shadow import default_program, peak_rss_bytes, warm_standby
 
     _own_inductor_cache("probe")
-    background_priority(nice)
+    if nice:
+        background_priority(nice)
     args = parse_job_args(argv, world_size)
     sockets = socket_inodes()
+    pacer = Pacer(duty)
     t0 = time.time()
-    warm_standby(args, load_recordings(record_dir), program=default_program())
+    warm_standby(args, load_recordings(record_dir), program=default_program(),
+                 on_progress=lambda _: pacer.pace(), on_role_done=lambda _: pacer.pace())
     return {"warm_start": t0, "warm_end": time.time(), "warm_rss_bytes": peak_rss_bytes(),
-            "warm_new_sockets": len(socket_inodes() - sockets), "nice": nice, "steps": []}
+            "warm_new_sockets": len(socket_inodes() - sockets), "nice": nice, "duty": duty,
+            "paused_s": pacer.paused_s, "steps": []}
 
 
 def newcomer(rank: int, world_size: int, port: int, argv: list[str], epoch: int, record_dir: Optional[str],
