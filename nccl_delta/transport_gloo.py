@@ -29,7 +29,7 @@ import torch
 from torch.distributed import AllreduceOptions, PrefixStore, Store
 from torch._C._distributed_c10d import ProcessGroupGloo
 
-from .waiter import Pending, WaitCancelled
+from .waiter import Pending, WaitCancelled, wait_completion
 from .waiter import wait as wait_interruptible
 
 logger = logging.getLogger(__name__)
@@ -108,13 +108,20 @@ def _endpoint(fd: int) -> tuple | None:
 
 
 class _Send:
-    """A work :meth:`GlooPair.wait` waits for interruptibly (a send, or the pair's all-reduce, which
-    sends too)."""
+    """A send :meth:`GlooPair.wait` waits for interruptibly, on the waiter thread (gloo completes a send
+    only inside ``wait``)."""
 
     __slots__ = ("work",)
 
     def __init__(self, work):
         self.work = work
+
+
+class _Collective(_Send):
+    """The pair's all-reduce: gloo runs it on the pair's worker thread and completes its future there, so
+    :meth:`GlooPair.wait` waits for the future, interruptibly, on the caller's thread."""
+
+    __slots__ = ()
 
 
 class GlooPair:
@@ -172,7 +179,7 @@ class GlooPair:
         """The pair's own gloo all-reduce: one call instead of a send and a receive per step."""
         opts = AllreduceOptions()
         opts.reduceOp = reduce_op
-        return _Send(self.pg.allreduce([tensor], opts))
+        return _Collective(self.pg.allreduce([tensor], opts))
 
     def irecv(self, tensor: torch.Tensor, tag: int):
         return self.pg.recv([tensor], self.peer_side, tag)
@@ -182,7 +189,9 @@ class GlooPair:
 
         Only sends need the waiter thread (see :mod:`nccl_delta.waiter`): the op gloo was seen
         to leave pending after its pair closed is a send, while a receive on a closed pair
-        raises. Receives, most of a ring's waits, block on the caller's thread.
+        raises. Receives, most of a ring's waits, block on the caller's thread. The pair's
+        all-reduce, which gloo was also seen to leave pending after a sever, completes on the
+        pair's worker thread: the caller waits for its future, which a sever interrupts too.
         """
         if not isinstance(work, _Send):
             work.wait(timeout)
@@ -193,7 +202,10 @@ class GlooPair:
                 raise WaitCancelled("the link was severed")
             self._pending.add(pending)
         try:
-            wait_interruptible(pending)
+            if isinstance(work, _Collective):
+                wait_completion(pending)
+            else:
+                wait_interruptible(pending)
         finally:
             with self._lock:
                 self._pending.discard(pending)

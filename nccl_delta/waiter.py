@@ -14,7 +14,9 @@ Contract
 - A waiter stuck in a cancelled wait is left behind (it is a daemon thread and
   its pair is dead); the caller gets a fresh waiter for its next op. The cost
   on the normal path is one hand-off between two threads per wait (about
-  10 us on the test machines).
+  10 us on an idle machine, 0.25 ms on two loaded cores).
+- :func:`wait_completion` does the same without a waiter thread, for works that
+  complete on gloo's own worker thread (their future fires without ``wait``).
 """
 
 from __future__ import annotations
@@ -90,6 +92,18 @@ def _waiter() -> _Waiter:
     if w is None or w.pid != os.getpid() or w.stuck:
         w = _local.waiter = _Waiter()
     return w
+
+
+def wait_completion(pending: Pending) -> None:
+    """Like :func:`wait`, for a work whose future completes without a ``wait`` call (an op gloo runs on
+    its own worker thread, such as a pair's all-reduce): no waiter thread, so no hand-off between two
+    threads per op (about 0.25 ms on two loaded cores), and still cancellable."""
+    pending.work.get_future().add_done_callback(lambda _fut: pending._finish(None))
+    if not pending.done.wait(pending.timeout.total_seconds() + 5.0):
+        pending.cancel("the op outlived its timeout")
+    if pending.cancelled is not None:
+        raise WaitCancelled(pending.cancelled)
+    pending.work.wait(pending.timeout)  # complete: returns at once, or raises the op's error
 
 
 def prestart() -> None:

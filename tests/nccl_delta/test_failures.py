@@ -93,6 +93,28 @@ def test_abandon_unblocks_ops_waiting_on_a_hung_peer():
     assert all(not ranks.procs[r].is_alive() for r in (0, 1, 3))
 
 
+def test_abandon_unblocks_a_pair_all_reduce_waiting_on_a_hung_peer():
+    """A 2-member group all-reduces with the pair's own gloo all-reduce, waited for on the caller's thread
+    through its future; gloo leaves that op pending when the pair is shut down, so only the cancel of the
+    wait by the sever frees the caller."""
+    ranks = harness.spawn(2, _loop_until_error, True)
+    try:
+        ranks.store.wait([f"looping/{r}" for r in range(2)])
+        time.sleep(0.3)
+        os.kill(ranks.procs[1].pid, signal.SIGSTOP)
+        time.sleep(1.0)
+        abandoned_at = time.time()
+        ranks.store.set("abandon", "1")
+        results = ranks.results(timeout=30, expect={0})
+    finally:
+        os.kill(ranks.procs[1].pid, signal.SIGKILL)
+        ranks.kill_all()
+    r = results[0]
+    assert r["kind"] == "CommAbandoned", r
+    assert abandoned_at <= r["at"] < abandoned_at + 1.0, f"unblocked {r['at'] - abandoned_at:.2f}s after abandon"
+    assert not ranks.procs[0].is_alive()
+
+
 EPOCH = 1
 
 

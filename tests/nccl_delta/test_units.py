@@ -128,3 +128,48 @@ def test_a_late_abandon_leaves_the_new_epoch_alone():
     assert world.abandoned is None and not link.quiesced and not link.severed
     world.abandon(2, "the next failure", dead={1})
     assert world.abandoned is not None and link.severed
+
+
+class _NeverDone:
+    """A gloo work whose op never completes (what gloo was seen to do with a pair op after a sever)."""
+
+    def __init__(self):
+        self.future = torch.futures.Future()
+
+    def get_future(self):
+        return self.future
+
+    def wait(self, timeout=None):
+        raise AssertionError("wait() on a work that never completes would block")
+
+
+def test_a_sever_frees_a_pair_all_reduce_gloo_never_completes():
+    """The pair all-reduce is waited for through its future on the caller's thread; the sever cancels it."""
+    import datetime
+
+    from nccl_delta.transport_gloo import GlooPair, _Collective
+    from nccl_delta.waiter import WaitCancelled
+
+    pair = GlooPair(None, 0, {}, datetime.timedelta(seconds=60))
+    outcome = {}
+
+    def waiter():
+        try:
+            pair.wait(_Collective(_NeverDone()), datetime.timedelta(seconds=60))
+        except WaitCancelled as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    thread.join(0.2)
+    assert thread.is_alive(), "the wait must block until the op completes or is cancelled"
+    pair.sever()
+    thread.join(5.0)
+    assert not thread.is_alive() and "severed" in str(outcome["error"])
+    with pytest.raises(WaitCancelled):  # a severed pair takes no new wait
+        pair.wait(_Collective(_NeverDone()), datetime.timedelta(seconds=60))
+
+    done = _NeverDone()
+    done.future.set_result(None)
+    done.wait = lambda timeout=None: None
+    GlooPair(None, 0, {}, datetime.timedelta(seconds=60)).wait(_Collective(done), datetime.timedelta(seconds=1))
