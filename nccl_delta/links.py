@@ -292,6 +292,26 @@ class LinkWork:
         self.link._done(self.recv_tag)
 
 
+def wait_sends(works: list[LinkWork]) -> None:
+    """Wait for sends, all on one link, as one wait where the transport can (``wait_sends``): a ring
+    drains dozens of segment sends per op, and each separate wait costs a thread hand-off."""
+    if not works:
+        return
+    link = works[0].link
+    batch = getattr(link.handle, "wait_sends", None)
+    if batch is None or len(works) == 1 or any(w.link is not link or w.done for w in works):
+        for work in works:
+            work.wait()
+        return
+    try:
+        batch([w.work for w in works], link._timeout)
+    except Exception as exc:
+        raise link._fail(works[0].op, exc) from exc
+    for work in works:
+        work.done = True
+        link._done(None)
+
+
 def wait_all(works: list[LinkWork], on_error: Callable[[CommLinkError], None] | None = None) -> None:
     """Wait for every work; on the first error call ``on_error`` (e.g. to sever sibling links) and re-raise."""
     for work in works:

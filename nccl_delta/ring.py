@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from trainmover_ext.errors import CommAbandoned, CommLinkError
 
-from .links import Link, LinkWork
+from .links import Link, LinkWork, wait_sends
 
 _REDUCERS: dict = {}
 
@@ -103,8 +103,7 @@ class Ring:
 
     def _drain_sends(self) -> None:
         sends, self._sends = self._sends, []
-        for work in sends:
-            work.wait()
+        wait_sends(sends)  # all on the link to the next member: one wait
 
     def run(self, body: Callable[[], None]) -> None:
         """Run ``body``; on a link error sever both ring links (so neighbours fail fast) and re-raise.

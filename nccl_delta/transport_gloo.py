@@ -117,6 +117,19 @@ class _Send:
         self.work = work
 
 
+class _Sends:
+    """Several sends on one pair waited for as one (one hand-off to the waiter thread, not one each)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        for work in self.works:
+            work.wait(timeout)
+
+
 class _Collective(_Send):
     """The pair's all-reduce: gloo runs it on the pair's worker thread and completes its future there, so
     :meth:`GlooPair.wait` waits for the future, interruptibly, on the caller's thread."""
@@ -209,6 +222,10 @@ class GlooPair:
         finally:
             with self._lock:
                 self._pending.discard(pending)
+
+    def wait_sends(self, works: list, timeout: datetime.timedelta) -> None:
+        """Block until every send in ``works`` (from :meth:`isend`) is done, as one interruptible wait."""
+        self.wait(_Send(_Sends([w.work for w in works])), timeout)
 
     def sever(self) -> None:
         """Shut the pair's socket down so that pending ops on both ends raise now."""
