@@ -47,3 +47,14 @@ def test_distributed_optimizer_falls_back_to_checkpoint():
 def test_everyone_equal_without_joiner_needs_no_copy():
     plan = plan_convergence(GRID, {r: 4 for r in range(8)}, joiners=set())
     assert plan.resume_iteration == 4 and plan.copies == []
+
+
+def test_the_source_is_the_replica_nearest_in_the_data_parallel_ring():
+    """DP=4: a joiner at DP index 2 copies from DP index 1 or 3 (its ring neighbours), not from DP index 0."""
+    grid = GridShape(tp=2, pp=2, dp=4)  # rank = tp + 2*dp + 8*pp
+    stayers = {r: 5 for r in range(16) if r != 13}  # rank 13: tp1, dp2, pp1; replicas 9, 11, 13, 15
+    plan = plan_convergence(grid, stayers, {13})
+    assert plan.copies == [(11, 13)]
+    assert plan_convergence(grid, {r: 5 for r in range(16) if r != 15}, {15}).copies == [(9, 15)]  # wraps round
+    late = {**stayers, 11: 4, 15: 4}  # only DP index 0 is at the resume iteration besides itself
+    assert (9, 13) in plan_convergence(grid, late, {13}).copies

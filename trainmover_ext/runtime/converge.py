@@ -6,7 +6,8 @@ different data-parallel replicas of one parameter shard may differ by one step
 at ``k = min over shards of (max over a shard's live replicas)``: the newest
 iteration that every shard completed somewhere. A rank whose iteration is not
 ``k``, and every joiner, copies its state from a live replica of its shard that
-is at ``k``. When some shard has no such replica (data-parallel size 1, the
+is at ``k``: the one nearest it in the data-parallel ring, so that the copy
+runs over a communicator link that exists already. When some shard has no such replica (data-parallel size 1, the
 distributed optimizer, or every replica lost), every rank falls back to the
 latest checkpoint.
 
@@ -92,5 +93,18 @@ def plan_convergence(grid: GridShape, iterations: dict[int, int], joiners: set[i
             return ConvergencePlan(resume_iteration=-1, from_checkpoint=True,
                                    reason=f"rank {target} is off by one step and distributed-optimizer "
                                           "shards cannot be copied from a replica")
-        copies.append((sources[0], target))
+        copies.append((nearest_in_ring(grid.replicas_of(target), target, sources), target))
     return ConvergencePlan(resume_iteration=k, copies=copies)
+
+
+def nearest_in_ring(ring: list[int], target: int, sources: list[int]) -> int:
+    """The source nearest ``target`` along ``ring`` (the data-parallel group in rank order), lowest rank on a
+    tie: a ring neighbour already holds a communicator link to the target, which the copy then uses."""
+    at = {rank: i for i, rank in enumerate(ring)}
+    n = len(ring)
+
+    def distance(rank: int) -> int:
+        d = abs(at[rank] - at[target])
+        return min(d, n - d)
+
+    return min(sources, key=lambda rank: (distance(rank), rank))

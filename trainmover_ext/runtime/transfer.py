@@ -36,15 +36,62 @@ from megatron.training import checkpointing
 from trainmover_ext.errors import MigrationAborted
 
 
-def open_transfer_link(store, name: str, side: int, timeout_s: float, host: Optional[str] = None):
-    """A 2-rank gloo group named ``name`` on ``store``; side 0 sends, side 1 receives."""
+class PairChannel:
+    """The transfer over a 2-rank gloo group of its own (:func:`open_transfer_link`): source side 0."""
+
+    def __init__(self, pg):
+        self.pg = pg
+
+    def send(self, tensor: torch.Tensor, tag: int):
+        return self.pg.send([tensor], 1, tag)
+
+    def recv(self, tensor: torch.Tensor, tag: int):
+        return self.pg.recv([tensor], 0, tag)
+
+    def wait_sends(self, works: list) -> None:
+        for work in works:
+            work.wait()
+
+
+class LinkChannel:
+    """The transfer over the nccl_delta world's link to ``peer`` (point-to-point in WORLD, one tag).
+
+    After a failure the joiner and its state source are usually ring neighbours (the source is the
+    replica nearest in the data-parallel ring, see ``converge.plan_convergence``), so that link is
+    up already and the transfer sets nothing up; otherwise both ends build it on first use. Every
+    message goes on one tag: sends and receives on a tag match in posting order."""
+
+    TAG = 1000
+    """WORLD's point-to-point tag for state transfers (megatron's pipeline p2p over WORLD uses tag 0)."""
+
+    def __init__(self, peer: int):
+        import nccl_delta
+
+        world = nccl_delta.current_world()
+        self.group = world.groups[world.world_group_name]
+        self.peer = peer
+
+    def send(self, tensor: torch.Tensor, tag: int):
+        return self.group.isend(tensor, self.peer, self.TAG)
+
+    def recv(self, tensor: torch.Tensor, tag: int):
+        return self.group.irecv(tensor, self.peer, self.TAG)
+
+    def wait_sends(self, works: list) -> None:
+        from nccl_delta.links import wait_sends
+
+        wait_sends(works)  # one link: one wait
+
+
+def open_transfer_link(store, name: str, side: int, timeout_s: float, host: Optional[str] = None) -> PairChannel:
+    """A channel over a 2-rank gloo group named ``name`` on ``store``; side 0 sends, side 1 receives."""
     opts = ProcessGroupGloo._Options()
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     host = host or os.environ.get("NCCL_DELTA_LINK_HOST") or "127.0.0.1"
     opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
     opts._threads = 1
     try:
-        return ProcessGroupGloo(PrefixStore(f"transfer/{name}/", store), side, 2, opts)
+        return PairChannel(ProcessGroupGloo(PrefixStore(f"transfer/{name}/", store), side, 2, opts))
     except RuntimeError as exc:
         raise MigrationAborted(f"state-transfer link {name!r} could not be built: {exc}") from exc
 
@@ -83,17 +130,17 @@ def _optimizer_layout(session) -> list:
     return layout
 
 
-def _send_blob(pg, obj, dst: int) -> None:
+def _send_blob(channel, obj) -> None:
     data = pickle.dumps(obj)
-    pg.send([torch.tensor([len(data)], dtype=torch.int64)], dst, 0).wait()
-    pg.send([torch.frombuffer(bytearray(data), dtype=torch.uint8)], dst, 1).wait()
+    channel.wait_sends([channel.send(torch.tensor([len(data)], dtype=torch.int64), 0),
+                        channel.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), 1)])
 
 
-def _recv_blob(pg, src: int):
+def _recv_blob(channel):
     size = torch.zeros(1, dtype=torch.int64)
-    pg.recv([size], src, 0).wait()
+    channel.recv(size, 0).wait()
     buf = torch.empty(int(size.item()), dtype=torch.uint8)
-    pg.recv([buf], src, 1).wait()
+    channel.recv(buf, 1).wait()
     return pickle.loads(buf.numpy().tobytes())
 
 
@@ -109,8 +156,10 @@ def peak_rss_bytes() -> int:
     return 0
 
 
-def send_state(pg, session) -> int:
-    """Source side; returns the bytes sent."""
+def send_state(channel, session) -> int:
+    """Source side (``channel``: :class:`PairChannel` or :class:`LinkChannel`); returns the bytes sent.
+
+    Every tensor's send is posted before any is waited for: one round of waits, not one per tensor."""
     args = session.args
     meta = {
         "iteration": args.iteration,
@@ -125,18 +174,19 @@ def send_state(pg, session) -> int:
             for opt in checkpointing._optimizers(session.optimizer)
         ],
     }
-    _send_blob(pg, meta, 1)
-    sent = 0
+    _send_blob(channel, meta)
+    sent, works = 0, []
     for i, t in enumerate(_tensor_list(session)):
         data = t.detach().contiguous()  # a no-op (same storage) for every tensor megatron keeps
-        pg.send([data], 1, 100 + i).wait()
+        works.append(channel.send(data, 100 + i))
         sent += data.numel() * data.element_size()
+    channel.wait_sends(works)
     return sent
 
 
-def recv_state(pg, session) -> int:
+def recv_state(channel, session) -> int:
     """Target side: overwrite model, optimizer, scheduler, RNG and counters; returns bytes received."""
-    meta = _recv_blob(pg, 0)
+    meta = _recv_blob(channel)
     # Materialise the optimizer state with the source's structure so that the
     # tensor order below matches; values are overwritten by the receives.
     for opt, per_param, groups in zip(checkpointing._optimizers(session.optimizer), meta["optimizer_layout"],
@@ -152,13 +202,15 @@ def recv_state(pg, session) -> int:
                     st[key] = spec[1]
         for group, saved in zip(opt.optimizer.param_groups, groups):
             group.update(saved)
-    received = 0
+    received, posted = 0, []
     for i, t in enumerate(_tensor_list(session)):
         buf = t.detach() if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
-        pg.recv([buf], 0, 100 + i).wait()
-        if buf is not t.detach():
-            t.detach().copy_(buf)
+        posted.append((t, buf, channel.recv(buf, 100 + i)))
         received += buf.numel() * buf.element_size()
+    for t, buf, work in posted:
+        work.wait()
+        if buf.data_ptr() != t.detach().data_ptr():
+            t.detach().copy_(buf)
     checkpointing.load_scheduler_state(session.scheduler, meta["scheduler"])
     checkpointing.set_rng_state(meta["rng"])
     session.args.iteration = meta["iteration"]

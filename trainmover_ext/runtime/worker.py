@@ -238,8 +238,7 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: b
     """Rebuild links at ``plan.epoch``, agree on the resume iteration, copy state, reset data."""
     import nccl_delta
 
-    from trainmover_ext.launch.rendezvous import rank_store
-    from trainmover_ext.runtime.transfer import open_transfer_link, recv_state
+    from trainmover_ext.runtime.transfer import LinkChannel, recv_state
 
     layout, args = session.layout, session.args
     reps = plan.replacement_list()
@@ -263,15 +262,13 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: b
         args.iteration = checkpointing.read_latest_iteration(root)
         args.consumed_train_samples = args.iteration * args.global_batch_size
     else:
-        store = rank_store(_td(rt.timeout_s))
+        # Over the communicator's own link: the source is a ring neighbour of its target when one
+        # qualifies (plan_convergence), so nothing is set up on the critical path.
         for src, dst in cplan.copies:
-            if layout.rank not in (src, dst):
-                continue
-            pg = open_transfer_link(store, f"{e}/{src}-{dst}", 0 if layout.rank == src else 1, rt.timeout_s)
             if layout.rank == src:
-                _send_and_report(pg, session, dst, e)
-            else:
-                recv_state(pg, session)
+                _send_and_report(LinkChannel(dst), session, dst, e)
+            elif layout.rank == dst:
+                recv_state(LinkChannel(src), session)
         if args.iteration != cplan.resume_iteration:
             raise MigrationAborted(f"rank {layout.rank} holds iteration {args.iteration} after the copies, "
                                    f"not {cplan.resume_iteration}")
