@@ -60,6 +60,34 @@ def test_wait_blocks_until_set_and_times_out(store):
         store.get("never-either")
 
 
+def test_a_watch_that_never_fires_costs_a_recheck_not_the_timeout(monkeypatch):
+    """pyetcd can bind a new watch's callback to another watch after a create timed out; the waiter then
+    never hears of its key. Waits re-read the key every RECHECK_S, so they still see it."""
+    import trainmover_ext.kv.base as kv_base
+    from trainmover_ext.kv.memory import MemoryKV
+
+    class DeafKV(MemoryKV):
+        def watch_prefix(self, prefix, callback, *, start_revision=0):
+            return super().watch_prefix(prefix, lambda events: None, start_revision=start_revision)
+
+    monkeypatch.setattr(kv_base, "RECHECK_S", 0.1)
+    store = EtcdStore(["unused:1"], prefix="/t/deaf/", timeout=10, kv=DeafKV())
+    threading.Timer(0.2, lambda: store.set("late", b"v")).start()
+    t0 = time.monotonic()
+    assert store.get("late") == b"v"
+    assert time.monotonic() - t0 < 2.0
+    with pytest.raises(StoreTimeout):
+        store.wait(["never"], timedelta(seconds=0.35))
+    # the same safety net under wait_prefix (the stayers' wait for each other's iteration)
+    from trainmover_ext.kv.base import wait_prefix
+
+    kv = store._kv()
+    threading.Timer(0.2, lambda: kv.put("/t/deaf/it/1", b"5")).start()
+    got = wait_prefix(kv, "/t/deaf/it/", lambda values: len(values) >= 1, timeout_s=5.0)
+    assert got == {"/t/deaf/it/1": b"5"}
+    assert wait_prefix(kv, "/t/deaf/none/", lambda values: bool(values), timeout_s=0.3) is None
+
+
 def test_concurrent_adds_are_exact(store):
     threads = [threading.Thread(target=lambda: [store.add("ctr", 1) for _ in range(20)]) for _ in range(4)]
     [t.start() for t in threads]

@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -203,12 +204,19 @@ def prefix_end(prefix: str) -> str:
     return raw.decode(errors="surrogateescape")
 
 
+RECHECK_S = 1.0
+"""How often a wait on etcd also reads the keys itself instead of relying on its watch alone: pyetcd can
+bind a new watch's callback to another watch when a create request timed out under load, and that
+waiter would never hear of its key (seen once: a 16-rank start, two ranks waiting out a 120 s
+timeout for a key their peer had written)."""
+
+
 def wait_prefix(kv: KV, prefix: str, ready: Callable[[dict[str, bytes]], bool], timeout_s: float) -> dict[str, bytes] | None:
     """Block until ``ready(values)`` holds for the keys under ``prefix``; returns ``{key: value}``.
 
-    One read, then a watch from the revision after it (no change is missed, nothing is polled:
-    many ranks waiting at once cost etcd nothing while they wait). Returns None when
-    ``timeout_s`` passes first; the caller says what was missing."""
+    One read, then a watch from the revision after it (no change is missed), plus one read every
+    :data:`RECHECK_S` in case the watch never fires. Returns None when ``timeout_s`` passes first;
+    the caller says what was missing."""
     import threading
 
     snap = kv.get_prefix(prefix)
@@ -230,10 +238,17 @@ def wait_prefix(kv: KV, prefix: str, ready: Callable[[dict[str, bytes]], bool], 
             cond.notify_all()
 
     watch = kv.watch_prefix(prefix, on_events, start_revision=snap.revision + 1)
+    deadline = time.monotonic() + timeout_s
     try:
-        with cond:
-            if cond.wait_for(lambda: ready(state["values"]), timeout_s):
-                return state["values"]
-            return None
+        while True:
+            with cond:
+                if cond.wait_for(lambda: ready(state["values"]), max(0.0, min(RECHECK_S, deadline - time.monotonic()))):
+                    return state["values"]
+            # The safety net under the watch (see RECHECK_S): read the prefix itself.
+            values = {e.key: e.value for e in kv.get_prefix(prefix).entries}
+            if ready(values):
+                return values
+            if time.monotonic() >= deadline:
+                return None
     finally:
         watch.cancel()

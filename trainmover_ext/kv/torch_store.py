@@ -35,6 +35,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from trainmover_ext.errors import ConfigError, StoreTimeout
+from trainmover_ext.kv import base
 from trainmover_ext.kv.base import KV, Guard, Put
 from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
 
@@ -184,7 +185,15 @@ class EtcdStore(dist.Store):
         # Watch from the revision right after the read: a put in between is replayed, never missed.
         watch = kv.watch_prefix(full, on_events, start_revision=snap.revision + 1)
         try:
-            if not arrived.wait(remaining):
+            # The watch is the fast path; a plain read every RECHECK_S is the safety net (see there):
+            # a watch that never delivers its event then costs a second, not the timeout.
+            deadline = time.monotonic() + remaining
+            while not arrived.wait(max(0.0, min(base.RECHECK_S, deadline - time.monotonic()))):
+                if kv.get(full) is not None:
+                    return
+                if time.monotonic() >= deadline:
+                    break
+            if not arrived.is_set():
                 raise StoreTimeout(
                     f"timed out after {total if total is not None else remaining:.1f}s waiting for store keys "
                     f"{all_keys or [key]} under {self.prefix} (missing: {key!r}); a peer did not arrive: check that "
