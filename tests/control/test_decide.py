@@ -223,3 +223,36 @@ def test_malformed_values_are_reported_and_kept():
 def test_plan_record_round_trips():
     plan = MigrationPlan(epoch=2, reason="failure", replacements=[], resume_iteration=3)
     assert MigrationPlan.from_bytes(plan.to_bytes(), key="k") == plan
+
+
+def test_decision_watcher_delivers_each_plan_write_once_even_when_its_watch_is_deaf():
+    """The watch delivers plans; a backstop read every resync_s delivers what a deaf watch missed, and a
+    write both saw is delivered once."""
+    import time
+
+    from trainmover_ext.control.membership import DecisionWatcher
+
+    class DeafKV(MemoryKV):
+        def watch_prefix(self, prefix, callback, *, start_revision=0):
+            return super().watch_prefix(prefix, lambda events: None, start_revision=start_revision)
+
+    def plan(epoch, step=None):
+        return MigrationPlan(epoch=epoch, reason="failure", replacements=[], resume_iteration=0,
+                             steps={step: 1.0} if step else {}).to_bytes()
+
+    for kv_class, resync_s in ((MemoryKV, 0.05), (DeafKV, 0.05)):
+        space = JobSpace.create(kv_class(), "j", "tok")
+        space.put(space.key("migrations", 1), plan(1))  # before the watcher: never delivered
+        got = []
+        watcher = DecisionWatcher(space, lambda p: got.append((p.epoch, sorted(p.steps))), resync_s=resync_s)
+        try:
+            space.put(space.key("migrations", 2), plan(2))
+            space.put(space.key("migrations", 2), plan(2, "joined"))  # a step marked: a new write
+            deadline = time.monotonic() + 5.0
+            while (not got or got[-1] != (2, ["joined"])) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.2)  # several resyncs: nothing more may arrive
+            assert got in ([(2, []), (2, ["joined"])], [(2, ["joined"])]), (kv_class.__name__, got)
+            assert got[-1] == (2, ["joined"])
+        finally:
+            watcher.close()

@@ -179,20 +179,45 @@ def request_migration(space: JobSpace, *, rank: int, to: str | None = None, requ
 
 
 class DecisionWatcher:
-    """Calls ``on_plan(plan)`` for every migration plan committed after it started; see the module docstring."""
+    """Calls ``on_plan(plan)`` for every migration plan committed after it started (once per write of
+    it: a plan is written again each time a step is marked on it); see the module docstring.
 
-    def __init__(self, space: JobSpace, on_plan: Callable[[MigrationPlan], None]) -> None:
+    The watch delivers plans at once. A backstop thread also reads the plans every ``resync_s`` and
+    delivers any write the watch did not: pyetcd can bind a watch created right after a timed-out
+    create to the wrong stream (see ``kv.base.RECHECK_S``), and a rank that never hears of a failure
+    plan would hang in its recovery."""
+
+    def __init__(self, space: JobSpace, on_plan: Callable[[MigrationPlan], None], *, resync_s: float = 2.0) -> None:
         self.space, self.on_plan = space, on_plan
         self.plans: list[MigrationPlan] = []
         self._cond = threading.Condition()
-        prefix = space.key("migrations/")
-        start = space.kv.get_prefix(prefix).revision + 1
-        self._watch = space.kv.watch_prefix(prefix, self._on_events, start_revision=start)
+        self._seen: dict[str, int] = {}
+        self._seen_lock = threading.Lock()
+        self._prefix = space.key("migrations/")
+        self._start = space.kv.get_prefix(self._prefix).revision + 1
+        self._closed = threading.Event()
+        self._watch = space.kv.watch_prefix(self._prefix, self._on_events, start_revision=self._start)
+        self._backstop = threading.Thread(target=self._resync, args=(resync_s,), name="tm-plan-resync", daemon=True)
+        self._backstop.start()
+
+    def _resync(self, every_s: float) -> None:
+        while not self._closed.wait(every_s):
+            try:
+                entries = self.space.kv.get_prefix(self._prefix).entries
+            except Exception as exc:  # noqa: BLE001 - etcd trouble: the watch may still deliver; read again later
+                logger.info("plan resync failed: %s", exc)
+                continue
+            self._on_events([WatchEvent(kind="put", key=e.key, value=e.value, mod_revision=e.mod_revision)
+                             for e in entries if e.mod_revision >= self._start])
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         for ev in events:
             if ev.kind != "put":
                 continue
+            with self._seen_lock:  # each write once, whichever of the watch and the backstop saw it first
+                if ev.mod_revision <= self._seen.get(ev.key, 0):
+                    continue
+                self._seen[ev.key] = ev.mod_revision
             try:
                 plan = MigrationPlan.from_bytes(ev.value, key=ev.key)
             except MalformedValue as exc:
@@ -211,4 +236,5 @@ class DecisionWatcher:
             return next(p for p in self.plans if p.epoch == epoch)
 
     def close(self) -> None:
+        self._closed.set()
         self._watch.cancel()
