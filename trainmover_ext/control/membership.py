@@ -214,19 +214,22 @@ class DecisionWatcher:
         for ev in events:
             if ev.kind != "put":
                 continue
-            with self._seen_lock:  # each write once, whichever of the watch and the backstop saw it first
+            # Each write once, whichever of the watch and the backstop saw it first, and the check and
+            # the delivery under one lock: a plan's writes reach on_plan in revision order (an older
+            # write delivered after a newer one would hide the newer one's steps).
+            with self._seen_lock:
                 if ev.mod_revision <= self._seen.get(ev.key, 0):
                     continue
                 self._seen[ev.key] = ev.mod_revision
-            try:
-                plan = MigrationPlan.from_bytes(ev.value, key=ev.key)
-            except MalformedValue as exc:
-                logger.error("ignoring unreadable plan: %s", exc)
-                continue
-            with self._cond:
-                self.plans.append(plan)
-                self._cond.notify_all()
-            self.on_plan(plan)
+                try:
+                    plan = MigrationPlan.from_bytes(ev.value, key=ev.key)
+                except MalformedValue as exc:
+                    logger.error("ignoring unreadable plan: %s", exc)
+                    continue
+                with self._cond:
+                    self.plans.append(plan)
+                    self._cond.notify_all()
+                self.on_plan(plan)
 
     def wait_for_epoch(self, epoch: int, timeout: float) -> MigrationPlan:
         """Block until the plan opening ``epoch`` arrives; ``TimeoutError`` after ``timeout`` seconds."""
