@@ -35,8 +35,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from trainmover_ext.errors import ConfigError, StoreTimeout
-from trainmover_ext.kv import base
-from trainmover_ext.kv.base import KV, Guard, Put
+from trainmover_ext.kv.base import KV, Guard, Put, wait_prefix
 from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
 
 
@@ -172,32 +171,11 @@ class EtcdStore(dist.Store):
 
     # -- waiting --
     def _wait_one(self, key: str, remaining: float, *, total: float | None = None, all_keys: list[str] | None = None) -> None:
-        kv, full = self._kv(), self._full(key)
-        snap = kv.get_prefix(full)
-        if any(e.key == full for e in snap.entries):
-            return
-        arrived = threading.Event()
-
-        def on_events(events: list) -> None:
-            if any(e.key == full and e.kind == "put" for e in events):
-                arrived.set()
-
-        # Watch from the revision right after the read: a put in between is replayed, never missed.
-        watch = kv.watch_prefix(full, on_events, start_revision=snap.revision + 1)
-        try:
-            # The watch is the fast path; a plain read every RECHECK_S is the safety net (see there):
-            # a watch that never delivers its event then costs a second, not the timeout.
-            deadline = time.monotonic() + remaining
-            while not arrived.wait(max(0.0, min(base.RECHECK_S, deadline - time.monotonic()))):
-                if kv.get(full) is not None:
-                    return
-                if time.monotonic() >= deadline:
-                    break
-            if not arrived.is_set():
-                raise StoreTimeout(
-                    f"timed out after {total if total is not None else remaining:.1f}s waiting for store keys "
-                    f"{all_keys or [key]} under {self.prefix} (missing: {key!r}); a peer did not arrive: check that "
-                    "every rank started and uses the same --tm-job and store generation"
-                )
-        finally:
-            watch.cancel()
+        full = self._full(key)
+        # One read, then a watch, plus a read every RECHECK_S in case the watch never fires.
+        if wait_prefix(self._kv(), full, lambda values: full in values, remaining) is None:
+            raise StoreTimeout(
+                f"timed out after {total if total is not None else remaining:.1f}s waiting for store keys "
+                f"{all_keys or [key]} under {self.prefix} (missing: {key!r}); a peer did not arrive: check that "
+                "every rank started and uses the same --tm-job and store generation"
+            )

@@ -7,9 +7,9 @@ at ``k = min over shards of (max over a shard's live replicas)``: the newest
 iteration that every shard completed somewhere. A rank whose iteration is not
 ``k``, and every joiner, copies its state from a live replica of its shard that
 is at ``k``: the one nearest it in the data-parallel ring, so that the copy
-runs over a communicator link that exists already. When some shard has no such replica (data-parallel size 1, the
-distributed optimizer, or every replica lost), every rank falls back to the
-latest checkpoint.
+runs over a communicator link that exists already. When some shard has no such
+replica (data-parallel size 1, the distributed optimizer, or every replica
+lost), every rank falls back to the latest checkpoint.
 
 Unit-tested without I/O; see tests/runtime/test_converge.py.
 """

@@ -82,7 +82,7 @@ def preload_rank_code(args) -> float:
 
 
 def warm_up(args, config, providers, space, member, should_stop,
-            pacer: Optional["Pacer"] = None) -> tuple[dict, Optional["KeptRole"]]:
+            pacer: "Pacer") -> tuple[dict, Optional["KeptRole"]]:
     """Warm this standby and report it on its member record; returns the warm-up report and the
     parts of the role it keeps (``--tm-keep-role``; None without the sandbox).
 
@@ -94,9 +94,7 @@ def warm_up(args, config, providers, space, member, should_stop,
     ``pacer`` (``--tm-standby-duty``) keeps its CPU share within bounds; it pauses between steps.
     """
     from trainmover_ext.errors import RecordingCorrupt, RecordingNotFound
-    from trainmover_ext.sandbox.pacing import Pacer
 
-    pacer = pacer or Pacer(1.0)
     preload_s = preload_rank_code(args)
     pacer.pace()
     reason = "no --tm-record-dir: the sandbox is off"
@@ -104,8 +102,8 @@ def warm_up(args, config, providers, space, member, should_stop,
         from trainmover_ext.sandbox.standby import warm_general_standby
 
         try:
-            return warm_general_standby(args, config, providers, space=space, member=member, should_stop=should_stop,
-                                        pacer=pacer)
+            return warm_general_standby(args, config, providers, space=space, member=member, pacer=pacer,
+                                        should_stop=should_stop)
         except (RecordingNotFound, RecordingCorrupt) as exc:
             reason = str(exc)
             print(f"[trainmover] standby {member.record.member_id}: sandbox warm-up impossible, falling back to "

@@ -215,7 +215,7 @@ def recv_state(channel, session) -> int:
     checkpointing.set_rng_state(meta["rng"])
     session.args.iteration = meta["iteration"]
     session.args.consumed_train_samples = meta["consumed_train_samples"]
-    record = meta.get("last_record")
+    record = meta["last_record"]
     session.last_record = record if record and record["iteration"] == meta["iteration"] else None
-    session.metrics.restore(session.last_record, meta.get("source_rank", -1))
+    session.metrics.restore(session.last_record, meta["source_rank"])
     return received

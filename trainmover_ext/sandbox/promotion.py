@@ -256,8 +256,7 @@ def warm_only(argv: list[str], world_size: int, record_dir: str, nice: int = 19,
     sockets = socket_inodes()
     pacer = Pacer(duty)
     t0 = time.time()
-    warm_standby(args, load_recordings(record_dir), program=default_program(),
-                 on_progress=lambda _: pacer.pace(), on_role_done=lambda _: pacer.pace())
+    warm_standby(args, load_recordings(record_dir), program=default_program(), pacer=pacer)
     return {"warm_start": t0, "warm_end": time.time(), "warm_rss_bytes": peak_rss_bytes(),
             "warm_new_sockets": len(socket_inodes() - sockets), "nice": nice, "duty": duty,
             "paused_s": pacer.paused_s, "steps": []}

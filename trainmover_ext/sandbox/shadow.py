@@ -29,7 +29,7 @@ import importlib.util
 import resource
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -40,6 +40,9 @@ from .fingerprint import check_compatible, job_fingerprint
 from .parts import build_parts
 from .recording import Recording
 from .replay import replay_world
+
+if TYPE_CHECKING:
+    from .pacing import Pacer
 
 
 @dataclass(kw_only=True)
@@ -242,7 +245,8 @@ def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[
                  iters: Optional[int] = None, program: Optional[ShadowProgram] = None,
                  on_progress: Optional[Callable[[ShadowProgress], None]] = None,
                  on_role_done: Optional[Callable[[WarmResult], None]] = None,
-                 should_stop: Optional[Callable[[], bool]] = None) -> list[WarmResult]:
+                 should_stop: Optional[Callable[[], bool]] = None,
+                 pacer: Optional["Pacer"] = None) -> list[WarmResult]:
     """The general standby: warm every recorded role (first, middle, last order) in turn.
 
     Each role's model is dropped before the next is built, and the freed
@@ -256,7 +260,8 @@ def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[
     config is checked against every
     recording before anything is built. ``should_stop`` is asked before each
     role (a standby promoted mid-way stops warming); ``on_role_done`` is
-    called after each.
+    called after each. ``pacer`` (``--tm-standby-duty``, see :mod:`.pacing`)
+    pauses after every shadow iteration and every role as its budget needs.
     """
     order = [r for r in ("only", "first", "middle", "last") if r in recordings]
     if not order:
@@ -270,6 +275,11 @@ def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[
     for role in order:
         check_compatible(recordings[role].fingerprint, mine, role=role)
     program = program or default_program()
+    if pacer is not None:
+        def on_progress(progress: ShadowProgress, _user=on_progress) -> None:
+            if _user is not None:
+                _user(progress)
+            pacer.pace()
     results = []
     for i, role in enumerate(order):
         if should_stop is not None and should_stop():
@@ -287,6 +297,8 @@ def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[
                                keep_model=keep))
         if not keep:
             freeze_warm_objects()
+        if pacer is not None:
+            pacer.pace()
         if on_role_done is not None:
             on_role_done(results[-1])
     return results

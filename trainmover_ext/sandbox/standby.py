@@ -58,14 +58,12 @@ def role_timings(result: WarmResult) -> dict:
     }
 
 
-def warm_general_standby(args, config, providers, *, space, member,
-                         should_stop: Optional[Callable[[], bool]] = None,
-                         pacer: Optional[Pacer] = None) -> tuple[dict, Optional[KeptRole]]:
+def warm_general_standby(args, config, providers, *, space, member, pacer: Pacer,
+                         should_stop: Optional[Callable[[], bool]] = None) -> tuple[dict, Optional[KeptRole]]:
     """Warm every role of the job from its recordings; returns the warm-up report and the kept role's
     parts (None when ``--tm-keep-role none`` or a promotion stopped the warm-up first). ``pacer``
     (``--tm-standby-duty``) pauses after every shadow iteration and role as its budget needs."""
     t0 = time.time()
-    pacer = pacer or Pacer(1.0)
     roles = roles_of_job(args.pipeline_model_parallel_size)
     keep = keep_role_of_job(config.keep_role, args.pipeline_model_parallel_size)
     member.update(warmup={"mode": "warming", "waiting_for": roles})
@@ -74,7 +72,6 @@ def warm_general_standby(args, config, providers, *, space, member,
     report: dict[str, Any] = {"mode": "sandbox", "wait_s": round(time.time() - t0, 4), "roles": []}
 
     def on_role_done(result: WarmResult) -> None:
-        pacer.pace()
         report["paused_s"] = round(pacer.paused_s, 4)
         report["roles"].append(role_timings(result))
         report["peak_rss_bytes"] = peak_rss_bytes()
@@ -83,7 +80,7 @@ def warm_general_standby(args, config, providers, *, space, member,
         member.update(warm_roles=warm, warmup=dict(report))
 
     results = warm_standby(args, recordings, program=program_from_providers(providers), on_role_done=on_role_done,
-                           on_progress=lambda _: pacer.pace(), should_stop=should_stop, keep_role=keep)
+                           should_stop=should_stop, keep_role=keep, pacer=pacer)
     kept = next((r.kept for r in results if r.kept is not None), None)
     report["kept_role"] = None if kept is None else {"role": kept.role, "rank": kept.rank}
     # kept_rank: the controller prefers this standby for that rank (it adopts the model, no build).
