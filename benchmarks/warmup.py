@@ -71,10 +71,18 @@ RANK_OF = {"first": 0, "middle": 1, "last": 2}
 WORLD = 3
 
 
-def job_argv(corpus: str, compile_: bool) -> list[str]:
+MODELS = {
+    "demo": dict(layers=3, hidden=128, heads=4, seq=128, mbs=2, gbs=8),
+    "tiny": dict(layers=3, hidden=64, heads=4, seq=32, mbs=1, gbs=4),
+}
+"""demo: the demo job's model (hidden 128, sequence 128, micro-batch 2), one layer per stage; tiny: the
+sessions-1-6 model, whose ~30 ms iteration puts a few milliseconds of scheduling noise at 20%."""
+
+
+def job_argv(corpus: str, compile_: bool, model: str = "demo") -> list[str]:
     from trainmover_ext.jobs import model_args
 
-    return model_args(layers=3, hidden=64, heads=4, seq=32, mbs=1, gbs=4, iters=100000, lr=1e-3) + [
+    return model_args(**MODELS[model], iters=100000, lr=1e-3) + [
         "--pipeline-model-parallel-size", "3", "--data-path", corpus + "_text_document",
         *(["--tm-compile"] if compile_ else [])]
 
@@ -142,13 +150,13 @@ class Run:
 
 def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: int, repeats: int,
                 deadline_s: float, roles: tuple = ROLES, nice: int = 0, probe_duties: tuple = (0.25,),
-                kinds: tuple = KINDS, probe_repeats: int = 1) -> dict:
+                kinds: tuple = KINDS, probe_repeats: int = 1, model: str = "demo") -> dict:
     from trainmover_ext.sandbox import harness, promotion
     from trainmover_ext.sandbox.recording import load_recordings
 
     workdir = tempfile.mkdtemp(prefix="tm-warmup-")
     record_dir = os.path.join(workdir, "recordings")
-    argv = job_argv(corpus, compile_)
+    argv = job_argv(corpus, compile_, model)
     store = harness.host_store()
     run = Run(store.port, deadline_s)
     try:
@@ -336,6 +344,8 @@ def main() -> None:
                         help="Hand-overs per role and kind; the median trial is reported (default 1).")
     parser.add_argument("--deadline", type=float, default=1800.0, help="Seconds one variant may take.")
     parser.add_argument("--data-prefix", default=None, help="Corpus prefix (default: the bundled one).")
+    parser.add_argument("--model", choices=sorted(MODELS), default="demo",
+                        help="Model size: the demo job's (default) or the tiny one of earlier figures.")
     args = parser.parse_args()
 
     import megatron.training  # noqa: F401  (imported once here: every forked process starts warm)
@@ -346,11 +356,11 @@ def main() -> None:
     runs = [run_variant(corpus, c, args.record_iters, args.steady_iters, args.repeats, args.deadline,
                         tuple(args.roles), args.standby_nice,
                         () if args.no_probe else tuple(float(d) for d in args.probe_duties.split(",")),
-                        tuple(args.kinds), args.probe_repeats) for c in variants]
+                        tuple(args.kinds), args.probe_repeats, args.model) for c in variants]
     rows = [(r["role"], "on" if r["compile"] else "off", *(r.get(f"{k}_ratio") for k in ("kept", "warm", "cold")),
              r["null_ratio"], r.get("warm_newcomer_own_ratio"), r["record_bytes"], f"{r['record_overhead_ratio']:.2%}")
             for run in runs for r in run["roles"]]
-    print_table("First iteration after promotion / steady iteration (PP=3 tiny GPT, CPU)", rows,
+    print_table(f"First iteration after promotion / steady iteration (PP=3 {args.model} GPT, CPU)", rows,
                 ("role", "--tm-compile", "kept_ratio", "warm_ratio", "cold_ratio", "null_ratio", "warm own",
                  "record_bytes", "record overhead/iter"))
     for run in runs:
@@ -360,7 +370,7 @@ def main() -> None:
         print(f"compile {'on' if run['compile'] else 'off'}: job iteration while a standby warms / otherwise = "
               f"{iso_text}; standby peak RSS / job rank peak = {mem['standby_over_job']}; hooks left after "
               f"recording: {run['hooks_left_after_recording'] or 'none'}")
-    write_json(args.json, {"roles": [r for run in runs for r in run["roles"]], "variants": runs,
+    write_json(args.json, {"model": args.model, "roles": [r for run in runs for r in run["roles"]], "variants": runs,
                            "machine": f"{os.cpu_count()} CPUs", "time": time.time()})
 
 
