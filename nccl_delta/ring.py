@@ -193,10 +193,10 @@ class Ring:
             buf = slots[(k % depth) * seg:(k % depth) * seg + (b - a)]
             pending.append((s, a, b, buf, self._recv(buf)))
 
+        for k in range(depth):  # receives first: the neighbour's data can land while we send
+            post(k)
         for a, b in self._segments(*bounds[(i - 1) % n], esize):
             self._send(flat[a:b])
-        for k in range(depth):
-            post(k)
         done = 0
         while pending:
             s, a, b, buf, work = pending.popleft()
