@@ -262,7 +262,9 @@ def connect_gloo_pair(
     # Only send/recv run on a pair, inline on the caller's thread, so one worker thread is enough.
     opts._threads = 1
     link_store = PrefixStore(prefix, store)
-    before = _socket_fds()
+    # By connection, not by fd number: a link closed by another thread meanwhile frees its number,
+    # and the new pair's socket may take it.
+    before = _connected_endpoints(_socket_fds())
     pg = ProcessGroupGloo(link_store, side, 2, opts)
     # A round trip first: gloo may still replace the pair's first socket after the constructor
     # returns (seen as the recorded fd later holding another connection). Data that crossed
@@ -271,7 +273,7 @@ def connect_gloo_pair(
     works = [pg.send([torch.ones(1)], 1 - side, 0), pg.recv([probe], 1 - side, 0)]
     for work in works:
         work.wait(timeout)
-    mine = _connected_endpoints(_socket_fds() - before)
+    mine = {fd: ends for fd, ends in _connected_endpoints(_socket_fds()).items() if before.get(fd) != ends}
     # Other threads may open sockets meanwhile, so keep only the socket whose
     # mirror image (peer <-> local) the other end reports: that is the pair.
     link_store.set(f"sock/{side}", json.dumps(list(mine.values())))

@@ -173,3 +173,61 @@ def test_a_sever_frees_a_pair_all_reduce_gloo_never_completes():
     done.future.set_result(None)
     done.wait = lambda timeout=None: None
     GlooPair(None, 0, {}, datetime.timedelta(seconds=60)).wait(_Collective(done), datetime.timedelta(seconds=1))
+
+
+def _pair_peer(port: int) -> None:
+    import datetime
+    import os
+
+    from torch.distributed import TCPStore
+
+    from nccl_delta import transport_gloo
+
+    code = 1
+    try:
+        transport_gloo._devices.clear()  # pytest's process may have made one before the fork
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        transport_gloo.connect_gloo_pair(store, "fdreuse/", 1, datetime.timedelta(seconds=30), "127.0.0.1")
+        store.wait(["done"])
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def test_the_pair_socket_is_found_when_it_takes_a_just_freed_fd_number(monkeypatch):
+    """Another thread may close a link (freeing its fd number) while a pair connects, and the pair's
+    socket may take that number: it must still be identified, or a sever could not unblock its ops."""
+    import datetime
+    import multiprocessing
+    import socket
+
+    from torch.distributed import TCPStore
+
+    from nccl_delta import transport_gloo
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=30))
+    peer = multiprocessing.get_context("fork").Process(target=_pair_peer, args=(store.port,), daemon=True)
+    peer.start()  # before this process makes its gloo device: a forked child cannot use its parent's
+    transport_gloo._gloo_device("127.0.0.1")  # the device's own descriptors exist before the test's
+    listener = socket.create_server(("127.0.0.1", 0))
+    doomed = socket.create_connection(listener.getsockname())  # the lowest free fd number now ...
+    accepted, _ = listener.accept()
+    freed = doomed.fileno()
+
+    class ClosesALinkMeanwhile(transport_gloo.ProcessGroupGloo):
+        def __init__(self, *args):
+            doomed.close()  # ... freed just before the pair's socket is made
+            super().__init__(*args)
+
+    monkeypatch.setattr(transport_gloo, "ProcessGroupGloo", ClosesALinkMeanwhile)
+    try:
+        pair = transport_gloo.connect_gloo_pair(store, "fdreuse/", 0, datetime.timedelta(seconds=30), "127.0.0.1")
+        assert freed in pair._sockets, f"the pair's socket did not take fd {freed}: {pair._sockets}"
+        assert pair.severable
+    finally:
+        store.set("done", "1")
+        peer.join(10)
+        accepted.close()
+        listener.close()
+    assert peer.exitcode == 0
