@@ -349,6 +349,8 @@ def main(argv=None) -> int:
             # The median trial stands for the world size; every trial must be bit-identical.
             res, _ = sorted(trials, key=lambda t: t[0]["downtime_s"])[len(trials) // 2]
             scale.append({"ranks": ranks, "unexpected_s": res["downtime_s"], "iteration_s": res["iteration_s"],
+                          # in steady iterations of the same world: contention on shared cores slows both alike
+                          "unexpected_over_iteration": round(res["downtime_s"] / res["iteration_s"], 3),
                           "bit_identical": all(same for _, same in trials),
                           "trials_s": [round(t[0]["downtime_s"], 4) for t in trials],
                           "phases": res.get("phases", {}), "joiner": res.get("joiner", {})})
