@@ -175,7 +175,10 @@ def test_a_sever_frees_a_pair_all_reduce_gloo_never_completes():
     GlooPair(None, 0, {}, datetime.timedelta(seconds=60)).wait(_Collective(done), datetime.timedelta(seconds=1))
 
 
-def _pair_peer(port: int) -> None:
+def _pair_end(port: int, side: int, queue) -> None:
+    """One end of a pair in a forked child (the test process must never own a gloo device: every
+    later fork would inherit it without its thread). Side 0 sees every fd number taken before
+    its constructor, as if each had held another socket a moment before."""
     import datetime
     import os
 
@@ -185,44 +188,50 @@ def _pair_peer(port: int) -> None:
 
     code = 1
     try:
-        transport_gloo._devices.clear()  # pytest's process may have made one before the fork
+        transport_gloo._devices.clear()
         store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
-        transport_gloo.connect_gloo_pair(store, "fdreuse/", 1, datetime.timedelta(seconds=30), "127.0.0.1")
-        store.wait(["done"])
+        if side == 0:
+            real_fds, calls = transport_gloo._socket_fds, []
+
+            def every_number_was_taken() -> set[int]:
+                calls.append(1)
+                return real_fds() | (set(range(4096)) if len(calls) == 1 else set())
+
+            transport_gloo._socket_fds = every_number_was_taken
+        pair = transport_gloo.connect_gloo_pair(store, "fdreuse/", side, datetime.timedelta(seconds=30), "127.0.0.1")
+        queue.put((side, list(pair._sockets.values())))
+        store.set(f"done/{side}", "1")
+        store.wait([f"done/{1 - side}"])
         code = 0
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        queue.put((side, repr(exc)))
     finally:
+        queue.close()
+        queue.join_thread()  # the put is flushed before the exit
         os._exit(code)
 
 
-def test_the_pair_socket_is_found_when_its_fd_number_held_another_socket_before(monkeypatch):
+def test_the_pair_socket_is_found_when_its_fd_number_held_another_socket_before():
     """Another thread may close a link (freeing its fd number) while a pair connects, and the pair's
     socket may take that number (seen in 4 of 2000 concurrent builds): it must still be identified,
     or a sever could not unblock its ops. Deterministically here: the snapshot taken before the
-    constructor sees every fd number in use, as if each had held another socket a moment before."""
+    constructor sees every fd number in use."""
     import datetime
     import multiprocessing
 
     from torch.distributed import TCPStore
 
-    from nccl_delta import transport_gloo
-
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=30))
-    peer = multiprocessing.get_context("fork").Process(target=_pair_peer, args=(store.port,), daemon=True)
-    peer.start()  # before this process makes its gloo device: a forked child cannot use its parent's
-    real_fds, calls = transport_gloo._socket_fds, []
-
-    def every_number_was_taken() -> set[int]:
-        calls.append(1)
-        return real_fds() | (set(range(4096)) if len(calls) == 1 else set())
-
-    monkeypatch.setattr(transport_gloo, "_socket_fds", every_number_was_taken)
-    try:
-        pair = transport_gloo.connect_gloo_pair(store, "fdreuse/", 0, datetime.timedelta(seconds=30), "127.0.0.1")
-        assert pair.severable, "the pair's socket was not identified: a sever could not unblock its ops"
-        (local, remote), = pair._sockets.values()
-        assert local[0] == remote[0] == "127.0.0.1" and local != remote
-    finally:
-        store.set("done", "1")
-        peer.join(10)
-    assert peer.exitcode == 0
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    ends = [ctx.Process(target=_pair_end, args=(store.port, side, queue), daemon=True) for side in (0, 1)]
+    for end in ends:
+        end.start()
+    found = dict(queue.get(timeout=60) for _ in ends)
+    for end in ends:
+        end.join(10)
+    assert [end.exitcode for end in ends] == [0, 0], found
+    assert len(found[0]) == 1, f"the pair's socket was not identified: a sever could not unblock its ops: {found}"
+    (local, remote), = found[0]
+    assert [list(remote), list(local)] in [[list(a), list(b)] for a, b in found[1]], found
