@@ -79,7 +79,7 @@ MODELS = {
 sessions-1-6 model, whose ~30 ms iteration puts a few milliseconds of scheduling noise at 20%."""
 
 
-def job_argv(corpus: str, compile_: bool, model: str = "demo") -> list[str]:
+def job_argv(corpus: str, compile_: bool, model: str) -> list[str]:
     from trainmover_ext.jobs import model_args
 
     return model_args(**MODELS[model], iters=100000, lr=1e-3) + [
@@ -150,7 +150,7 @@ class Run:
 
 def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: int, repeats: int,
                 deadline_s: float, roles: tuple = ROLES, nice: int = 0, probe_duties: tuple = (0.25,),
-                kinds: tuple = KINDS, probe_repeats: int = 1, model: str = "demo") -> dict:
+                kinds: tuple = KINDS, probe_repeats: int = 1, *, model: str) -> dict:
     from trainmover_ext.sandbox import harness, promotion
     from trainmover_ext.sandbox.recording import load_recordings
 
@@ -356,7 +356,7 @@ def main() -> None:
     runs = [run_variant(corpus, c, args.record_iters, args.steady_iters, args.repeats, args.deadline,
                         tuple(args.roles), args.standby_nice,
                         () if args.no_probe else tuple(float(d) for d in args.probe_duties.split(",")),
-                        tuple(args.kinds), args.probe_repeats, args.model) for c in variants]
+                        tuple(args.kinds), args.probe_repeats, model=args.model) for c in variants]
     rows = [(r["role"], "on" if r["compile"] else "off", *(r.get(f"{k}_ratio") for k in ("kept", "warm", "cold")),
              r["null_ratio"], r.get("warm_newcomer_own_ratio"), r["record_bytes"], f"{r['record_overhead_ratio']:.2%}")
             for run in runs for r in run["roles"]]

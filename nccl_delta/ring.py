@@ -111,8 +111,12 @@ class Ring:
         self._sends: list[LinkWork] = []
 
     # --- plumbing -------------------------------------------------------
+    def _max_segment(self, esize: int) -> int:
+        """Elements in the largest segment :meth:`_segments` makes."""
+        return max(1, self.segment_bytes // esize)
+
     def _segments(self, start: int, end: int, esize: int) -> list[tuple[int, int]]:
-        step = max(1, self.segment_bytes // esize)
+        step = self._max_segment(esize)
         if (end - start) * esize >= 2 * MIN_SPLIT_BYTES:  # at least two segments, so a chunk pipelines
             step = min(step, -(-(end - start) // 2))
         return [(s, min(s + step, end)) for s in range(start, end, step)] or []
@@ -183,7 +187,7 @@ class Ring:
         n, i, esize = self.n, self.i, flat.element_size()
         combine = reducer(op)
         units = [(s, a, b) for s in range(n - 1) for a, b in self._segments(*bounds[(i - s - 2) % n], esize)]
-        seg = max(1, self.segment_bytes // esize)
+        seg = self._max_segment(esize)
         depth = min(RECV_DEPTH, len(units))
         slots = _scratch(depth * seg * esize, flat.device).view(flat.dtype)
         pending: deque = deque()
