@@ -17,9 +17,12 @@ CPU_REPLACEMENTS = [
     ('device="cuda"', 'device="cpu"'),
     ("device='cuda'", "device='cpu'"),
     ("device=torch.cuda.current_device()", "device='cpu'"),
+    (".cuda(torch.cuda.current_device())", ".cpu()"),
     ("torch.cuda.current_device()", "'cpu'"),
     ("torch.cuda.synchronize()", "None"),
     ("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),
+    # bf16/fp16 parameters are recognised by their type string when the optimizer wraps them.
+    ("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']", "['torch.HalfTensor', 'torch.BFloat16Tensor']"),
     (".cuda()", ""),
 ]
 
@@ -47,9 +50,16 @@ CPU_TARGETS: dict[str, list[str]] = {
         "MixedPrecisionOptimizer.__init__",
         "Float16OptimizerWithFloat16Params.__init__",
         "FP32Optimizer.__init__",
+        "ChainedOptimizer.get_loss_scale",
+    ],
+    "megatron.core.optimizer.grad_scaler": [
+        "MegatronGradScaler.__init__",
+        "DynamicGradScaler.__init__",
+        "DynamicGradScaler.load_state_dict",
     ],
     "megatron.core.optimizer.distrib_optimizer": [
         "DistributedOptimizer._build_model_and_main_param_groups",
+        "DistributedOptimizer.__init__",
     ],
     "megatron.core.distributed.param_and_grad_buffer": [
         "_ParamAndGradBuffer.__init__",

@@ -65,8 +65,20 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
     g.add_argument("--seed", type=int, default=1234, help="Random seed (initialisation, data order, dropout).")
-    g.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU only).")
-    g.add_argument("--fp16", action="store_true", help="fp16 mixed precision with loss scaling (GPU only).")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 mixed precision: bf16 parameters and activations, fp32 master copies in the optimizer.")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 mixed precision with loss scaling: fp16 parameters, fp32 master copies, and a "
+                        "dynamic loss scale unless --loss-scale is given.")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="fp16 only: a constant loss scale (a positive power of 2 is best); default: dynamic.")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
+                   help="fp16 only: the dynamic loss scale's starting value.")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16 only: the dynamic loss scale's floor.")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="fp16 only: iterations without overflow before the dynamic loss scale grows.")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="fp16 only: overflowing iterations tolerated before the dynamic loss scale shrinks.")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="Shard optimizer state across data-parallel ranks (ZeRO-1).")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap DP gradient reduction with backward.")
@@ -191,6 +203,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--seq-length is larger than --max-position-embeddings")
     if args.bf16 and args.fp16:
         raise ConfigError("choose one of --bf16 and --fp16")
+    if args.loss_scale is not None and args.loss_scale <= 0:
+        raise ConfigError("--loss-scale must be positive (or leave it out for a dynamic scale)")
+    if not 0 < args.min_loss_scale <= args.initial_loss_scale:
+        raise ConfigError("need 0 < --min-loss-scale <= --initial-loss-scale")
+    if args.loss_scale_window < 1 or args.hysteresis < 1:
+        raise ConfigError("--loss-scale-window and --hysteresis must be >= 1")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
     if args.lr_decay_iters is None:

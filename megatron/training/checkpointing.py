@@ -88,7 +88,9 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    # A copy: the tracker keeps the dict it is given and rebinds its entries as regions fork,
+    # which would otherwise change ``state`` (an iteration's start, re-applied after a second abandon).
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
 
 
 def training_state(model, optimizer, scheduler, iteration: int, consumed_samples: int, args, with_optim=True) -> dict:

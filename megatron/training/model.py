@@ -151,6 +151,13 @@ def get_model(model_provider: Callable, args, layout, transformer_config) -> lis
         check_for_nan_in_grad=False,
         bucket_size=None,
     )
+    if args.bf16 or args.fp16:
+        from megatron.core.transformer.module import Float16Module
+
+        # As in Megatron-LM: the first stage casts its inputs to the model's precision and the
+        # last stage returns fp32 logits/losses; the parameters stay bf16/fp16 (fp32 master copies
+        # live in the optimizer).
+        chunks = [Float16Module(transformer_config, chunk) for chunk in chunks]
     return [
         DistributedDataParallel(
             config=transformer_config,

@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from megatron.training import checkpointing, global_vars
+from megatron.training import checkpointing, global_vars, iteration_start
 from megatron.training.arguments import parse_args
 from megatron.training.data import BatchPlan, GPTBatchIterator
 from megatron.training.initialize import initialize_distributed, set_random_seeds, shutdown
@@ -111,6 +111,11 @@ def setup_optimizer(model, args):
         bf16=args.bf16,
         fp16=args.fp16,
         params_dtype=torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32),
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, model, use_gloo_process_groups=False)
@@ -148,6 +153,22 @@ class Session:
     """The last completed iteration's metrics record, kept on every last-stage rank (the logging rank
     writes it); a state transfer carries it so that a replacement can restore a record its
     predecessor died before writing (:meth:`MetricsLog.restore`)."""
+    started: Optional[iteration_start.IterationStart] = None
+    """The start of the iteration in progress (or last run): its counters and random state, so that
+    an abandoned iteration re-runs exactly (:meth:`rewind`) and a state transfer sends the random
+    state of the iteration the target resumes with (:meth:`resume_rng`)."""
+
+    def rewind(self) -> bool:
+        """After an abandoned iteration: restore the random state it started from and point the data
+        at ``consumed_train_samples`` again. Returns whether the random state was rewound (False when
+        the rank had completed that iteration: its state is its next iteration's start already)."""
+        rewound = iteration_start.rewind(self.started, self.args)
+        self.reset_data()
+        return rewound
+
+    def resume_rng(self) -> dict:
+        """The random state the iteration after ``args.iteration`` starts from on this rank."""
+        return iteration_start.resume_rng(self.started, self.args)
 
     def reset_data(self) -> None:
         """Point the data iterators at ``args.consumed_train_samples`` (exact resume)."""
@@ -199,6 +220,7 @@ def train_step(session: Session) -> Optional[float]:
 
     args, layout, model, optimizer = session.args, session.layout, session.model, session.optimizer
     t0 = time.time()
+    session.started = iteration_start.capture(args)
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()

@@ -165,7 +165,7 @@ def send_state(channel, session) -> int:
         "iteration": args.iteration,
         "consumed_train_samples": args.consumed_train_samples,
         "scheduler": session.scheduler.state_dict(),
-        "rng": checkpointing.rng_state(),
+        "rng": session.resume_rng(),  # the resumed iteration's start, not our advanced state
         "last_record": session.last_record,
         "source_rank": session.layout.rank,
         "optimizer_layout": _optimizer_layout(session),

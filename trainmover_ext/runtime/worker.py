@@ -246,6 +246,9 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: b
     e = plan.epoch
     world = nccl_delta.current_world()
     if not joiner:
+        # The abandoned iteration drew dropout masks before it failed: start it again from its
+        # snapshot, as a run without the failure would (a copy below may overwrite it).
+        session.rewind()
         rt.space.put(rt.space.key("recovery", e, layout.rank), encode("recovery", {"iteration": args.iteration}))
         report = world.recover(e, replaced=replaced)
         logger.info("rank %d: epoch %d kept %d links, rebuilt %d", layout.rank, e, report.kept, report.rebuilt)
