@@ -8,7 +8,7 @@ Layout::
 Each file holds the model chunks, the inner optimizer state (the shard for the
 distributed optimizer), fp32 master copies when training in bf16/fp16, the LR
 scheduler, every RNG state (python, numpy, torch CPU/CUDA, megatron's tracker)
-and the consumed-samples counter. A checkpoint becomes visible only when every
+fp16's loss scaler and the consumed-samples counter. A checkpoint becomes visible only when every
 rank has written its file (barrier, then the ``latest`` pointer), so a kill
 during saving leaves the previous checkpoint as the latest.
 
@@ -64,6 +64,34 @@ def _master_groups(opt) -> Optional[list]:
     return None
 
 
+def grad_scaler_states(optimizer) -> list[Optional[dict]]:
+    """fp16's loss scaler per optimizer (scale, growth and hysteresis trackers) as plain numbers;
+    ``None`` where an optimizer has no scaler (fp32, bf16)."""
+    states = []
+    for opt in _optimizers(optimizer):
+        scaler = getattr(opt, "grad_scaler", None)
+        if scaler is None:
+            states.append(None)
+            continue
+        state = dict(scaler.state_dict()) if hasattr(scaler, "_growth_tracker") else {}
+        state["scale"] = float(scaler.scale.item())
+        states.append(state)
+    return states
+
+
+def load_grad_scaler_states(optimizer, states: Optional[list]) -> None:
+    """Apply :func:`grad_scaler_states`; a missing entry leaves the scaler as it is."""
+    for opt, state in zip(_optimizers(optimizer), states or []):
+        scaler = getattr(opt, "grad_scaler", None)
+        if scaler is None or state is None:
+            continue
+        scale = torch.tensor([state["scale"]], dtype=torch.float, device=scaler.scale.device)
+        if hasattr(scaler, "_growth_tracker"):  # dynamic: scale and both trackers
+            scaler.load_state_dict(dict(state, scale=scale))
+        else:
+            scaler._scale = scale
+
+
 def rng_state() -> dict:
     """Every RNG state of this process."""
     from megatron.core import tensor_parallel
@@ -113,6 +141,7 @@ def training_state(model, optimizer, scheduler, iteration: int, consumed_samples
     }
     if with_optim:
         state["optimizer"] = [opt.optimizer.state_dict() for opt in _optimizers(optimizer)]
+        state["grad_scaler"] = grad_scaler_states(optimizer)
         state["master"] = [
             [[p.detach().clone() for p in g] for g in (_master_groups(opt) or [])] for opt in _optimizers(optimizer)
         ]
@@ -157,6 +186,7 @@ def load_training_state(state: dict, model, optimizer, scheduler, args, load_opt
             for group, saved in zip(_master_groups(opt) or [], master):
                 for p, s in zip(group, saved):
                     p.data.copy_(s)
+        load_grad_scaler_states(optimizer, state.get("grad_scaler"))
     if scheduler is not None and state.get("scheduler") is not None:
         load_scheduler_state(scheduler, state["scheduler"])
     if load_rng:

@@ -250,6 +250,8 @@ def train_step(session: Session) -> Optional[float]:
             event="iteration", iteration=args.iteration + 1, loss=loss, iteration_s=t_end - t0, t_end=t_end,
             consumed_samples=args.consumed_train_samples + args.global_batch_size, lr=lr,
         )
+        if args.fp16:  # the dynamic scale after this step's update: part of what must resume exactly
+            session.last_record["loss_scale"] = float(optimizer.get_loss_scale().item())
         if layout.is_logging_rank:
             session.metrics.write(**session.last_record)
     args.iteration += 1

@@ -5,7 +5,7 @@ Contract:
   as side 0, the target as side 1); the link is a standalone gloo pair group on
   the job's store, used once and dropped.
 - :func:`send_state` sends a small metadata blob (iteration, consumed samples,
-  scheduler, RNG states, the structure of the optimizer state) and then every
+  scheduler, fp16's loss scaler, RNG states, the structure of the optimizer state) and then every
   tensor of the model, optimizer state and fp32 master copies, in one
   deterministic order. Tensors are sent from where they live, without a copy,
   so the source needs no extra memory (the design's staging through the idle
@@ -165,6 +165,7 @@ def send_state(channel, session) -> int:
         "iteration": args.iteration,
         "consumed_train_samples": args.consumed_train_samples,
         "scheduler": session.scheduler.state_dict(),
+        "grad_scaler": checkpointing.grad_scaler_states(session.optimizer),
         "rng": session.resume_rng(),  # the resumed iteration's start, not our advanced state
         "last_record": session.last_record,
         "source_rank": session.layout.rank,
@@ -212,6 +213,7 @@ def recv_state(channel, session) -> int:
         if buf.data_ptr() != t.detach().data_ptr():
             t.detach().copy_(buf)
     checkpointing.load_scheduler_state(session.scheduler, meta["scheduler"])
+    checkpointing.load_grad_scaler_states(session.optimizer, meta["grad_scaler"])
     checkpointing.set_rng_state(meta["rng"])
     session.args.iteration = meta["iteration"]
     session.args.consumed_train_samples = meta["consumed_train_samples"]
