@@ -182,8 +182,10 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "under --trainmover) or native gloo/NCCL (the default without --trainmover).")
     g.add_argument("--tm-inject-fault", default=None, metavar="RANK:ITER:PHASE[:KILL|STOP]",
                    help="Failure drill: the worker serving RANK sends itself SIGKILL (or SIGSTOP) during "
-                        "iteration ITER in PHASE (forward, backward, allreduce, step, or log: after the step, "
-                        "before the metrics record).")
+                        "iteration ITER in PHASE: forward, backward, allreduce (the gradient reduction), clip "
+                        "(before the optimizer step's gradient-norm all-reduce: the replicas end one step apart), "
+                        "step (inside the optimizer step), log (after the step, before the metrics record), or save "
+                        "(during the checkpoint save after ITER steps).")
     g.add_argument("--tm-metrics-file", default=None,
                    help="Append one JSON line per iteration (iteration, loss, ms, consumed samples) to this file.")
     return parser

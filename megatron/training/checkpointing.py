@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -194,14 +194,20 @@ def load_training_state(state: dict, model, optimizer, scheduler, args, load_opt
     return state["iteration"], state["consumed_train_samples"]
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, args, layout) -> str:
-    """Write this rank's file, then (rank 0, after a barrier) the ``latest`` pointer."""
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, args, layout,
+                    after_write: Sequence[Callable[[], None]] = ()) -> str:
+    """Write this rank's file, call ``after_write``, then (rank 0, after a barrier) the ``latest`` pointer.
+
+    A rank lost before the pointer is written leaves the previous checkpoint as the latest; the
+    other ranks' barrier then fails, which the caller may recover from and save again."""
     path = _rank_file(root, iteration, layout)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     state = training_state(model, optimizer, scheduler, iteration, consumed_samples, args, not args.no_save_optim)
     tmp = path + ".tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)
+    for hook in after_write:
+        hook()
     torch.distributed.barrier()
     if layout.rank == 0:
         tmp = os.path.join(root, LATEST + ".tmp")

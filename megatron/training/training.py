@@ -158,6 +158,12 @@ class Session:
     an abandoned iteration re-runs exactly (:meth:`rewind`) and a state transfer sends the random
     state of the iteration the target resumes with (:meth:`resume_rng`)."""
 
+    saved_iteration: int = 0
+    """The iteration of the latest complete checkpoint (``train_loop`` keeps it)."""
+    save_hooks: list = field(default_factory=list)
+    """Called on this rank after it wrote its checkpoint file and before the ranks agree the
+    checkpoint is complete (fault drills kill a rank there)."""
+
     def rewind(self) -> bool:
         """After an abandoned iteration: restore the random state it started from and point the data
         at ``consumed_train_samples`` again. Returns whether the random state was rewound (False when
@@ -368,23 +374,59 @@ def _wire_config(config, model, optimizer) -> None:
     config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
 
 
+def _checkpointed_iteration(args) -> int:
+    """The iteration of the latest complete checkpoint under ``--save`` (0 when there is none).
+
+    Read from the file system, not remembered, so that every rank, a joiner too, agrees after a
+    failure whether a save that was under way completed (rank 0 writes the pointer only after
+    every rank wrote its file)."""
+    latest = checkpointing.read_latest_iteration(args.save) if args.save else None
+    return latest if latest is not None else 0
+
+
+def _save_due(session: Session) -> bool:
+    args = session.args
+    return bool(args.save and args.save_interval and args.iteration % args.save_interval == 0
+                and args.iteration != session.saved_iteration)
+
+
+def save(session: Session, runtime: Runtime) -> None:
+    """Save the checkpoint of ``args.iteration`` (every rank) and tell the runtime."""
+    args = session.args
+    checkpointing.save_checkpoint(
+        args.save, args.iteration, session.model, session.optimizer, session.scheduler,
+        args.consumed_train_samples, args, session.layout, after_write=session.save_hooks,
+    )
+    session.saved_iteration = args.iteration
+    session.metrics.write(event="checkpoint", iteration=args.iteration, t=time.time())
+    runtime.after_checkpoint(session)
+
+
 def train_loop(session: Session, runtime: Runtime) -> dict:
-    """Train until ``--train-iters``; the runtime may migrate ranks at boundaries or after failures."""
+    """Train until ``--train-iters``; the runtime may migrate ranks at boundaries or after failures.
+
+    A failure the runtime can recover from, during an iteration or during a checkpoint save,
+    abandons that work; after :meth:`Runtime.recover` the loop goes on from the iteration the job
+    resumed at, saving again a checkpoint that was due and not completed."""
     args, layout, model = session.args, session.layout, session.model
     tokens_per_iter = args.global_batch_size * args.seq_length
     times: list[float] = []
     losses: list[float] = []
     start_iter = args.iteration
+    session.saved_iteration = _checkpointed_iteration(args)
     for chunk in model:
         chunk.train()
-    while args.iteration < args.train_iters:
-        if not runtime.before_iteration(session):
-            break
-        t0 = time.time()
+    while True:
         try:
+            if _save_due(session):
+                save(session, runtime)
+            if args.iteration >= args.train_iters or not runtime.before_iteration(session):
+                break
+            t0 = time.time()
             loss = train_step(session)
         except runtime.recoverable as exc:
             runtime.recover(session, exc)
+            session.saved_iteration = _checkpointed_iteration(args)
             continue
         dt = time.time() - t0
         times.append(dt)
@@ -398,12 +440,6 @@ def train_loop(session: Session, runtime: Runtime) -> dict:
                 f"consumed samples {args.consumed_train_samples}",
                 flush=True,
             )
-        if args.save and args.save_interval and args.iteration % args.save_interval == 0:
-            checkpointing.save_checkpoint(
-                args.save, args.iteration, model, session.optimizer, session.scheduler,
-                args.consumed_train_samples, args, layout,
-            )
-            runtime.after_checkpoint(session)
     if args.iteration >= args.train_iters:
         runtime.after_training(session)
     steady = sorted(times[1:]) if len(times) > 1 else times

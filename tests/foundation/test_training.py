@@ -10,10 +10,11 @@ from helpers import kill_quietly, losses_by_iteration, read_metrics, run_job, st
 
 
 def test_tp2_pp2_dp2_matches_single_rank(tmp_path, corpus):
-    """8 ranks TP2xPP2xDP2 (with and without the distributed optimizer) = 1 rank, within 1e-5."""
-    single = run_job(tmp_path, 1, tiny_args(corpus), name="tp1pp1")
-    grid = run_job(tmp_path, 8, tiny_args(corpus, tp=2, pp=2), name="tp2pp2dp2")
-    dist = run_job(tmp_path, 8, tiny_args(corpus, tp=2, pp=2, extra=["--use-distributed-optimizer"]),
+    """8 ranks TP2xPP2xDP2 (with and without the distributed optimizer) = 1 rank, within 1e-5.
+    Dropout off: TP ranks draw their own masks, so layouts differ by design with it on."""
+    single = run_job(tmp_path, 1, tiny_args(corpus, dropout=0), name="tp1pp1")
+    grid = run_job(tmp_path, 8, tiny_args(corpus, tp=2, pp=2, dropout=0), name="tp2pp2dp2")
+    dist = run_job(tmp_path, 8, tiny_args(corpus, tp=2, pp=2, dropout=0, extra=["--use-distributed-optimizer"]),
                    name="distopt")
     ref = losses_by_iteration(single.metrics_path)
     assert sorted(ref) == list(range(1, 11))

@@ -30,7 +30,7 @@ ITERS = 8
 
 
 def _pair(tmp_path, corpus, nproc: int, tp: int, pp: int, extra: list[str] | None = None):
-    args = tiny_args(corpus, tp=tp, pp=pp, iters=ITERS, extra=extra)
+    args = tiny_args(corpus, tp=tp, pp=pp, iters=ITERS, dropout=0, extra=extra)
     delta = run_job(tmp_path, nproc, args + ["--tm-comm", "nccl_delta"], name="delta", timeout=600)
     gloo = run_job(tmp_path, nproc, args + ["--tm-comm", "native"], name="gloo", timeout=600)
     assert "comm nccl_delta" in delta.stdout(), delta.stdout()[-2000:]

@@ -7,10 +7,16 @@ iteration ITERATION (1-based), in PHASE:
 - ``forward``: inside the forward pass of the second micro-batch (or the first, if only one);
 - ``backward``: when the first parameter gradient of the iteration is produced;
 - ``allreduce``: when the data-parallel gradient reduction starts;
+- ``clip``: at the start of the optimizer step, before its gradient-norm
+  all-reduce: this rank's model-parallel group cannot step, while the other
+  data-parallel replicas do, so the replicas of every shard end one step apart;
 - ``step``: inside the optimizer step, after the gradient-norm all-reduce and
   before any parameter changes (other data-parallel replicas may finish it);
 - ``log``: after the optimizer and scheduler steps, before the iteration's
-  metrics record is written (the iteration is complete everywhere else).
+  metrics record is written (the iteration is complete everywhere else);
+- ``save``: during the checkpoint save after ITERATION (ITERATION counts
+  completed steps here), once this rank wrote its file and before the ranks
+  agree the checkpoint is complete.
 
 Only the original worker injects: a standby that later serves the rank does not.
 """
@@ -24,7 +30,7 @@ from typing import Optional
 
 from trainmover_ext.errors import ConfigError
 
-PHASES = ("forward", "backward", "allreduce", "step", "log")
+PHASES = ("forward", "backward", "allreduce", "clip", "step", "log", "save")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +66,8 @@ def install(spec: Optional[FaultSpec], session) -> None:
     args = session.args
 
     def fire(phase: str) -> None:
-        if phase == spec.phase and args.iteration + 1 == spec.iteration:
+        running = args.iteration if phase == "save" else args.iteration + 1
+        if phase == spec.phase and running == spec.iteration:
             os.kill(os.getpid(), spec.sig)
 
     if spec.phase == "forward":
@@ -90,6 +97,16 @@ def install(spec: Optional[FaultSpec], session) -> None:
             return inner_finalize(*a, **kw)
 
         config.finalize_model_grads_func = finalize
+    elif spec.phase == "clip":
+        inner_opt_step = session.optimizer.step
+
+        def opt_step(*a, **kw):
+            fire("clip")
+            return inner_opt_step(*a, **kw)
+
+        session.optimizer.step = opt_step
+    elif spec.phase == "save":
+        session.save_hooks.append(lambda: fire("save"))
     elif spec.phase == "log":
         inner_sched = session.scheduler.step
 
