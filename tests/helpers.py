@@ -137,15 +137,15 @@ def tm_args(corpus, *, tp=2, pp=2, gbs=8, iters=ITERS, extra=None):
                      extra=["--trainmover", "--tm-standbys", "1"] + (extra or []))
 
 
-def trajectory(path: str) -> dict[int, tuple[float, int]]:
-    """iteration -> (loss, consumed samples); an iteration logged twice (re-run after an abandon)
-    must carry identical values."""
+def trajectory(path: str) -> dict[int, tuple[float, int, Optional[float]]]:
+    """iteration -> (loss, consumed samples, fp16 loss scale or None); an iteration logged twice
+    (re-run after an abandon) must carry identical values."""
     out: dict[int, tuple[float, int]] = {}
     for line in open(path):
         rec = json.loads(line)
         if rec.get("event") != "iteration":
             continue
-        value = (rec["loss"], rec["consumed_samples"])
+        value = (rec["loss"], rec["consumed_samples"], rec.get("loss_scale"))
         assert out.setdefault(rec["iteration"], value) == value, f"iteration {rec['iteration']} re-ran differently"
     return out
 
@@ -184,9 +184,17 @@ def trainmover_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProce
 
 def transfer_reports(job: LaunchedJob) -> list[tuple[int, float, float]]:
     """(source rank, peak RSS MiB before, after) of every state transfer the job's ranks reported."""
-    return [(int(r), float(b), float(a)) for r, b, a in re.findall(
-        r"rank (\d+) sent [\d.]+ MiB of state to rank \d+ \(epoch \d+\); peak RSS ([\d.]+) MiB before, "
-        r"([\d.]+) MiB after", job.stdout())]
+    return [(int(r), float(b), float(a)) for r, _, b, a in _transfers(job)]
+
+
+def transfer_pairs(job: LaunchedJob) -> set[tuple[int, int]]:
+    """(source rank, target rank) of every state transfer the job's ranks reported."""
+    return {(int(r), int(t)) for r, t, _, _ in _transfers(job)}
+
+
+def _transfers(job: LaunchedJob) -> list[tuple[str, str, str, str]]:
+    return re.findall(r"rank (\d+) sent [\d.]+ MiB of state to rank (\d+) \(epoch \d+\); peak RSS ([\d.]+) MiB "
+                      r"before, ([\d.]+) MiB after", job.stdout())
 
 
 def assert_transfer_memory(job: LaunchedJob, limit: float = 1.02) -> None:
@@ -195,6 +203,24 @@ def assert_transfer_memory(job: LaunchedJob, limit: float = 1.02) -> None:
     assert reports, "no state transfer was reported:\n" + job.stdout()[-2000:]
     for rank, before, after in reports:
         assert after <= limit * before, f"rank {rank}: peak RSS grew {before} -> {after} MiB during the transfer"
+
+
+def assert_recovered(job: LaunchedJob, ref: dict, victim: int) -> None:
+    """``job`` lost ``victim`` once, replaced it with a standby without a restart, and trained the
+    fault-free trajectory ``ref`` bit for bit, with no sample skipped or repeated."""
+    got = trajectory(job.metrics_path)
+    assert sorted(got) == list(range(1, ITERS + 1)), "an iteration is missing"
+    for it in ref:
+        assert got[it] == ref[it], f"iteration {it}: {got[it]} != fault-free {ref[it]}"
+    # no sample skipped or repeated: consumed samples advance by exactly one global batch
+    consumed = [got[i][1] for i in sorted(got)]
+    assert all(b - a == consumed[0] for a, b in zip(consumed, consumed[1:]))
+    err = job.stderr()
+    assert f"rank {victim} -> standby" in err, err[-3000:]
+    assert "falling back" not in err, err[-3000:]
+    # pool upkeep: a fresh standby replaces the consumed one once the migration is over
+    assert re.search(r"started standby \S+ \(pid \d+, spawn\)", err), err[-3000:]
+    assert_transfer_memory(job)
 
 
 class JobProbe:

@@ -2,27 +2,9 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from helpers import ITERS, assert_transfer_memory, read_metrics, run_job, tm_args, trajectory
-
-
-def _assert_recovered(job, ref, victim: int):
-    got = trajectory(job.metrics_path)
-    assert sorted(got) == list(range(1, ITERS + 1)), "an iteration is missing"
-    for it in ref:
-        assert got[it] == ref[it], f"iteration {it}: {got[it]} != fault-free {ref[it]}"
-    # no sample skipped or repeated: consumed samples advance by exactly one global batch
-    consumed = [got[i][1] for i in sorted(got)]
-    assert all(b - a == consumed[0] for a, b in zip(consumed, consumed[1:]))
-    err = job.stderr()
-    assert f"rank {victim} -> standby" in err, err[-3000:]
-    assert "falling back" not in err, err[-3000:]
-    # pool upkeep: a fresh standby replaces the consumed one once the migration is over
-    assert re.search(r"started standby \S+ \(pid \d+, spawn\)", err), err[-3000:]
-    assert_transfer_memory(job)
+from helpers import assert_recovered, read_metrics, run_job, tm_args, trajectory
 
 
 # victim rank -> (stage, tp rank) in TP2 x PP2 x DP2: rank = tp + 2*dp + 4*pp
@@ -43,7 +25,7 @@ def test_sigkill_is_replaced_bit_identically(tmp_path, corpus, reference, victim
     job = run_job(tmp_path, 8, tm_args(corpus, extra=["--tm-inject-fault", f"{victim}:6:{phase}"]),
                   name=f"fault_{victim}_{phase}", timeout=300)
     assert "exited with code -9" in job.stderr()
-    _assert_recovered(job, ref, victim)
+    assert_recovered(job, ref, victim)
     restored = [r for r in read_metrics(job.metrics_path, "iteration") if "restored_from_rank" in r]
     assert [(r["iteration"], r["restored_from_rank"]) for r in restored] == ([(6, 6)] if phase == "log" else [])
 
@@ -53,7 +35,7 @@ def test_hung_rank_is_detected_by_lease_and_fenced(tmp_path, corpus, reference):
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
     job = run_job(tmp_path, 8, tm_args(corpus, extra=["--tm-inject-fault", "4:6:forward:STOP"]),
                   name="hung", timeout=300)
-    _assert_recovered(job, ref, 4)
+    assert_recovered(job, ref, 4)
     assert "exited with code" not in job.stderr(), "the hung rank was reported by its exit, not by its lease"
 
 
@@ -72,7 +54,7 @@ def test_middle_stage_sigkill_is_replaced_bit_identically(tmp_path, corpus, refe
     ref = reference(f"tp{tp}pp3dp2", nproc, args)
     job = run_job(tmp_path, nproc, args + ["--tm-inject-fault", f"{victim}:6:{phase}"],
                   name=f"middle_{victim}_{phase}", timeout=600)
-    _assert_recovered(job, ref, victim)
+    assert_recovered(job, ref, victim)
 
 
 def test_no_replica_falls_back_to_the_checkpoint_without_restarts(tmp_path, corpus, reference):

@@ -62,6 +62,13 @@ def test_planned_migration_is_bit_identical(tmp_path, corpus, reference, rank):
     _migrate_and_check(tmp_path, corpus, reference, 8, tm_args(corpus), "tp2pp2dp2", rank)
 
 
+def test_planned_migration_in_fp16(tmp_path, corpus, reference):
+    """fp16 with a dynamic loss scale that doubles every 3 iterations: the leaver hands its scaler over
+    with the rest of its state (the trajectory compared includes the logged scale)."""
+    args = tm_args(corpus, extra=["--fp16", "--initial-loss-scale", "4096", "--loss-scale-window", "3"])
+    _migrate_and_check(tmp_path, corpus, reference, 8, args, "tp2pp2dp2-fp16", 5)
+
+
 @pytest.mark.slow
 def test_planned_migration_of_a_middle_stage(tmp_path, corpus, reference):
     """PP3: the middle stage receives and sends activations; rank 2 = (tp0, dp0, pp1) in TP1 x PP3 x DP2."""
