@@ -48,10 +48,11 @@ class LaunchedJob:
             raise AssertionError(f"job did not finish in {timeout}s; stderr tail:\n{self.stderr()[-3000:]}")
 
 
-def start_job(tmp_path, nproc: int, script_args: list[str], *launch_flags: str, name: str = "job") -> LaunchedJob:
+def start_job(tmp_path, nproc: int, script_args: list[str], *launch_flags: str, name: str = "job",
+              env: Optional[dict] = None) -> LaunchedJob:
     metrics = str(tmp_path / f"{name}.metrics.jsonl")
     out, err = str(tmp_path / f"{name}.out"), str(tmp_path / f"{name}.err")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     popen = subprocess.Popen(
         launch_cmd(nproc, script_args + ["--tm-metrics-file", metrics], "--run-dir", str(tmp_path / f"{name}.run"),
                    *launch_flags),
@@ -61,8 +62,8 @@ def start_job(tmp_path, nproc: int, script_args: list[str], *launch_flags: str, 
 
 
 def run_job(tmp_path, nproc: int, script_args: list[str], *launch_flags: str, name: str = "job",
-            timeout: float = 300) -> LaunchedJob:
-    job = start_job(tmp_path, nproc, script_args, *launch_flags, name=name)
+            timeout: float = 300, env: Optional[dict] = None) -> LaunchedJob:
+    job = start_job(tmp_path, nproc, script_args, *launch_flags, name=name, env=env)
     code = job.wait(timeout)
     assert code == 0, f"{name} exited {code}; stderr tail:\n{job.stderr()[-4000:]}"
     return job
@@ -182,27 +183,57 @@ def trainmover_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProce
                           timeout=timeout, cwd=REPO_ROOT)
 
 
+@dataclass(frozen=True)
+class TransferReport:
+    """One side of a state transfer as a rank reported it (sizes in MiB)."""
+
+    side: str  # "sent" or "received"
+    rank: int
+    peer: int
+    state_mib: float
+    start_mib: float
+    peak_mib: float
+    end_mib: Optional[float]  # the receiver's resident size after the receive
+
+    @property
+    def extra_mib(self) -> float:
+        """Memory beyond what the rank held (sender: at the start) or keeps (receiver: after)."""
+        return self.peak_mib - (self.start_mib if self.side == "sent" else self.end_mib)
+
+
+_TRANSFER_RE = re.compile(
+    r"rank (\d+) (sent|received) ([\d.]+) MiB of state (?:to|from) rank (\d+) \(epoch \d+\); RSS ([\d.]+) MiB at "
+    r"the start, peak ([\d.]+) MiB during(?:, ([\d.]+) MiB after)?")
+
+
+def transfers(job: LaunchedJob) -> list[TransferReport]:
+    """Every state transfer the job's ranks reported, both sides."""
+    return [TransferReport(side=m[1], rank=int(m[0]), peer=int(m[3]), state_mib=float(m[2]), start_mib=float(m[4]),
+                           peak_mib=float(m[5]), end_mib=float(m[6]) if m[6] else None)
+            for m in _TRANSFER_RE.findall(job.stdout())]
+
+
 def transfer_reports(job: LaunchedJob) -> list[tuple[int, float, float]]:
-    """(source rank, peak RSS MiB before, after) of every state transfer the job's ranks reported."""
-    return [(int(r), float(b), float(a)) for r, _, b, a in _transfers(job)]
+    """(source rank, RSS MiB at the start, peak MiB during) of every state transfer's sending side."""
+    return [(t.rank, t.start_mib, t.peak_mib) for t in transfers(job) if t.side == "sent"]
 
 
 def transfer_pairs(job: LaunchedJob) -> set[tuple[int, int]]:
     """(source rank, target rank) of every state transfer the job's ranks reported."""
-    return {(int(r), int(t)) for r, t, _, _ in _transfers(job)}
+    return {(t.rank, t.peer) for t in transfers(job) if t.side == "sent"}
 
 
-def _transfers(job: LaunchedJob) -> list[tuple[str, str, str, str]]:
-    return re.findall(r"rank (\d+) sent [\d.]+ MiB of state to rank (\d+) \(epoch \d+\); peak RSS ([\d.]+) MiB "
-                      r"before, ([\d.]+) MiB after", job.stdout())
-
-
-def assert_transfer_memory(job: LaunchedJob, limit: float = 1.02) -> None:
-    """The state source's peak RSS during the transfer stays within ``limit`` x its steady peak."""
-    reports = transfer_reports(job)
-    assert reports, "no state transfer was reported:\n" + job.stdout()[-2000:]
-    for rank, before, after in reports:
-        assert after <= limit * before, f"rank {rank}: peak RSS grew {before} -> {after} MiB during the transfer"
+def assert_transfer_memory(job: LaunchedJob, fraction: float = 0.02, slack_mib: float = 1.0) -> None:
+    """Neither side of any state transfer took more than ``fraction`` of the state (+ ``slack_mib``)
+    beyond what it held: the sender beyond its resident size at the start, the receiver beyond what
+    it keeps. The slack absorbs allocator noise on the tests' tiny states; the dedicated memory test
+    (tests/migration/test_transfer_memory.py) uses a state large enough to need none."""
+    reports = transfers(job)
+    assert any(t.side == "sent" for t in reports), "no state transfer was reported:\n" + job.stdout()[-2000:]
+    for t in reports:
+        assert t.extra_mib <= fraction * t.state_mib + slack_mib, (
+            f"rank {t.rank} ({t.side} {t.state_mib:.1f} MiB): peak {t.peak_mib:.1f} MiB is {t.extra_mib:.1f} MiB "
+            f"over {'its resident size at the start' if t.side == 'sent' else 'what it keeps'}")
 
 
 def assert_recovered(job: LaunchedJob, ref: dict, victim: int) -> None:

@@ -144,16 +144,9 @@ def _recv_blob(channel):
     return pickle.loads(buf.numpy().tobytes())
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far (``VmHWM``); 0 where /proc is not available."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+DRILL_EXTRA_COPY_ENV = "TRAINMOVER_DRILL_EXTRA_STATE_COPY"
+"""Failure drill for the memory check: set to 1, a source keeps one extra full copy of the state
+while it sends (what a careless staging would cost); the transfer's memory report must then show it."""
 
 
 def send_state(channel, session) -> int:
@@ -176,12 +169,15 @@ def send_state(channel, session) -> int:
         ],
     }
     _send_blob(channel, meta)
+    tensors = _tensor_list(session)
+    hoard = [t.detach().clone() for t in tensors] if os.environ.get(DRILL_EXTRA_COPY_ENV) == "1" else None
     sent, works = 0, []
-    for i, t in enumerate(_tensor_list(session)):
+    for i, t in enumerate(tensors):
         data = t.detach().contiguous()  # a no-op (same storage) for every tensor megatron keeps
         works.append(channel.send(data, 100 + i))
         sent += data.numel() * data.element_size()
     channel.wait_sends(works)
+    del hoard
     return sent
 
 

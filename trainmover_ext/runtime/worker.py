@@ -238,7 +238,7 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: b
     """Rebuild links at ``plan.epoch``, agree on the resume iteration, copy state, reset data."""
     import nccl_delta
 
-    from trainmover_ext.runtime.transfer import LinkChannel, recv_state
+    from trainmover_ext.runtime.transfer import LinkChannel
 
     layout, args = session.layout, session.args
     reps = plan.replacement_list()
@@ -271,7 +271,7 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: b
             if layout.rank == src:
                 _send_and_report(LinkChannel(dst), session, dst, e)
             elif layout.rank == dst:
-                recv_state(LinkChannel(src), session)
+                _recv_and_report(LinkChannel(src), session, src, e)
         if args.iteration != cplan.resume_iteration:
             raise MigrationAborted(f"rank {layout.rank} holds iteration {args.iteration} after the copies, "
                                    f"not {cplan.resume_iteration}")
@@ -294,25 +294,39 @@ def hand_over(rt: WorkerRuntime, session: Session, plan: MigrationPlan) -> None:
 def receive_from_leaver(rt: WorkerRuntime, session: Session, plan: MigrationPlan) -> None:
     """The planned joiner: receive the leaver's state (blocks until the leaver reaches the boundary)."""
     from trainmover_ext.launch.rendezvous import rank_store
-    from trainmover_ext.runtime.transfer import open_transfer_link, recv_state
+    from trainmover_ext.runtime.transfer import open_transfer_link
 
     pg = open_transfer_link(rank_store(_td(rt.timeout_s)), f"{plan.epoch}/leaver", 1, rt.timeout_s)
-    recv_state(pg, session)
+    _recv_and_report(pg, session, plan.replacement_list()[0].rank, plan.epoch)
     mark_step(rt.space, plan.epoch, "transferred", resume_iteration=session.args.iteration)
     session.reset_data()
     rt.epoch = plan.epoch
 
 
-def _send_and_report(pg, session, dst: int, epoch: int) -> int:
-    """Send this rank's state and say how much, and what it cost in peak memory (must be ~nothing)."""
-    from trainmover_ext.runtime.transfer import peak_rss_bytes, send_state
+def _send_and_report(channel, session, dst: int, epoch: int) -> int:
+    """Send this rank's state and say how much, and what it cost in memory (must be ~nothing)."""
+    from trainmover_ext.runtime.memwatch import PeakWindow
+    from trainmover_ext.runtime.transfer import send_state
 
-    before = peak_rss_bytes()
-    sent = send_state(pg, session)
-    after = peak_rss_bytes()
+    with PeakWindow() as mem:
+        sent = send_state(channel, session)
     print(f"[trainmover] rank {session.layout.rank} sent {sent / 2**20:.2f} MiB of state to rank {dst} "
-          f"(epoch {epoch}); peak RSS {before / 2**20:.1f} MiB before, {after / 2**20:.1f} MiB after", flush=True)
+          f"(epoch {epoch}); RSS {mem.start_rss / 2**20:.1f} MiB at the start, peak {mem.peak / 2**20:.1f} MiB "
+          "during", flush=True)
     return sent
+
+
+def _recv_and_report(channel, session, src: int, epoch: int) -> int:
+    """Receive a rank's state and say how much, and whether it allocated anything it does not keep."""
+    from trainmover_ext.runtime.memwatch import PeakWindow
+    from trainmover_ext.runtime.transfer import recv_state
+
+    with PeakWindow() as mem:
+        received = recv_state(channel, session)
+    print(f"[trainmover] rank {session.layout.rank} received {received / 2**20:.2f} MiB of state from rank {src} "
+          f"(epoch {epoch}); RSS {mem.start_rss / 2**20:.1f} MiB at the start, peak {mem.peak / 2**20:.1f} MiB "
+          f"during, {mem.end_rss / 2**20:.1f} MiB after", flush=True)
+    return received
 
 
 def _td(seconds: float):
