@@ -223,11 +223,12 @@ def transfer_pairs(job: LaunchedJob) -> set[tuple[int, int]]:
     return {(t.rank, t.peer) for t in transfers(job) if t.side == "sent"}
 
 
-def assert_transfer_memory(job: LaunchedJob, fraction: float = 0.02, slack_mib: float = 1.0) -> None:
+def assert_transfer_memory(job: LaunchedJob, fraction: float = 0.02, slack_mib: float = 2.0) -> None:
     """Neither side of any state transfer took more than ``fraction`` of the state (+ ``slack_mib``)
     beyond what it held: the sender beyond its resident size at the start, the receiver beyond what
-    it keeps. The slack absorbs allocator noise on the tests' tiny states; the dedicated memory test
-    (tests/migration/test_transfer_memory.py) uses a state large enough to need none."""
+    it keeps. On the tests' tiny states (under 1 MiB) the slack absorbs the fixed ~1.1 MiB a sender
+    takes whatever the state's size; the dedicated memory test (tests/migration/test_transfer_memory.py)
+    uses a state large enough to need no slack."""
     reports = transfers(job)
     assert any(t.side == "sent" for t in reports), "no state transfer was reported:\n" + job.stdout()[-2000:]
     for t in reports:
