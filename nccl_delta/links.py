@@ -222,12 +222,26 @@ class Link:
                 self.error = reason
         self.handle.sever()
 
-    def peer_down(self) -> bool:
-        """Whether the peer closed or lost this link's connection (our own sever does not count)."""
-        if self.state == "quiet":
-            return False  # never probe a link recover() may keep: a timed-out probe closes the pair
+    def probe_then_sever(self, reason: str) -> bool:
+        """After an op on a neighbouring link failed: whether our peer closed or lost this link's
+        connection (to name the dead rank), then sever the link. Returns False for a quiet link,
+        which is left untouched (``recover`` may keep it) and never probed.
+
+        The link is marked broken *before* the probe, under the lock ``quiesce`` takes: a probe is a
+        receive that times out on a live peer, and a timed-out gloo receive closes the pair. An
+        abandon racing the probe must therefore not quiesce the link, or ``recover`` would keep a
+        pair the probe closed and the next collective on it would fail."""
+        with self._lock:
+            if self.state == "quiet":
+                return False
+            if self.state == "open":
+                self.state = "broken"
+                self.error = reason
         probe = getattr(self.handle, "peer_closed", None)
-        return bool(probe()) if probe is not None else False
+        try:
+            return bool(probe()) if probe is not None else False
+        finally:
+            self.handle.sever()
 
     def close(self, *, wait: bool = False) -> None:
         """Retire a link that is no longer in use (after a switch); ops on it raise from now on.

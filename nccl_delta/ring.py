@@ -146,8 +146,8 @@ class Ring:
             self._sever(links)  # a quiet (idle) link stays quiet: recover() may keep it
             raise
         except CommLinkError as exc:
-            down = sorted({link.peer for link in links if link.peer_down()})
-            self._sever(links)
+            down = sorted({link.peer for link in links
+                           if link.probe_then_sever(f"{self.op} failed on a neighbouring link")})
             if down:
                 raise type(exc)(f"{exc} Ring peers whose connection closed: ranks {down}.") from exc
             raise

@@ -88,6 +88,42 @@ def test_close_retires_at_once_and_tears_down_off_the_caller_thread():
     assert sync.closed_by == threading.current_thread().name
 
 
+class _ProbeRacedByAbandon:
+    """A pair whose probe is raced by an abandon: while the probe (a receive that times out, which
+    closes a live gloo pair) is in progress, the control plane quiesces the link."""
+
+    def __init__(self):
+        self.link = None
+        self.quiesced_during_probe = None
+        self.severed = False
+
+    def peer_closed(self):
+        self.quiesced_during_probe = self.link.quiesce("epoch 1 abandoned")
+        return False
+
+    def sever(self):
+        self.severed = True
+
+
+def test_a_probed_link_is_severed_even_when_an_abandon_races_the_probe():
+    """The race behind a rare hang after recovery: a ring's neighbour failed, the ring probed its other
+    link while the abandon quiesced it, the probe's time-out closed the pair, and recover() then kept
+    the closed pair (its ledgers matched). The probe now marks the link broken first."""
+    from nccl_delta.links import Link, LinkId
+
+    handle = _ProbeRacedByAbandon()
+    link = handle.link = Link(link_id=LinkId(group="g", a=0, b=1, generation=0), me=0, peer=1, handle=handle,
+                              op_timeout_s=1.0)
+    assert link.probe_then_sever("allreduce failed on a neighbouring link") is False
+    assert handle.quiesced_during_probe is False, "the abandon quiesced a link under probe"
+    assert handle.severed and link.state == "broken" and link.ledger() is None
+    quiet = Link(link_id=LinkId(group="g", a=0, b=1, generation=0), me=0, peer=1, handle=_ProbeRacedByAbandon(),
+                 op_timeout_s=1.0)
+    assert quiet.quiesce("epoch 1 abandoned")
+    assert quiet.probe_then_sever("x") is False and not quiet.handle.severed  # recover() may keep a quiet link
+    assert quiet.ledger() is not None
+
+
 def test_a_link_is_kept_only_when_both_ledgers_match():
     from nccl_delta.delta import ledgers_match
 
