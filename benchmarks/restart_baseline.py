@@ -32,14 +32,17 @@ from common import median, print_table, rank_pids, read_events, start_launcher, 
 from trainmover_ext.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
 
 
-def one_trial(workdir: str, data_prefix: str, iters: int, save_interval: int, kill_after: int) -> dict:
+def one_trial(workdir: str, data_prefix: str, iters: int, save_interval: int, kill_after: int, *,
+              job_args: list[str] | None = None, restart_start_method: str = "spawn") -> dict:
+    """One stop-restart of the demo job (or ``job_args``, 8 ranks); ``restart_start_method`` 'spawn' starts
+    fresh interpreters (what a real stop-restart pays), 'fork' forks them from the warm agent."""
     ckpt = os.path.join(workdir, "ckpt")
     metrics = os.path.join(workdir, "metrics.jsonl")
-    args = demo_args(data_prefix, iters) + [
+    args = (job_args or demo_args(data_prefix, iters)) + [
         "--save", ckpt, "--load", ckpt, "--save-interval", str(save_interval), "--tm-metrics-file", metrics,
     ]
     log = os.path.join(workdir, "launch")
-    proc = start_launcher(8, args, ["--max-restarts", "1"], log)
+    proc = start_launcher(8, args, ["--max-restarts", "1", "--restart-start-method", restart_start_method], log)
     kill_iter = save_interval + kill_after
 
     def reached():
@@ -76,6 +79,7 @@ def one_trial(workdir: str, data_prefix: str, iters: int, save_interval: int, ki
         "killed_after_iteration": before[-1]["iteration"],
         "resumed_from_iteration": restart["resumed_iteration"],
         "lost_iterations": before[-1]["iteration"] - restart["resumed_iteration"],
+        "restart_start_method": restart_start_method,
     }
 
 

@@ -30,7 +30,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(the classic stop-restart baseline). 0 = fail the job.")
     parser.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
                         help="'fork' forks ranks from this already-warm process (fast start on few cores); "
-                        "'spawn' starts fresh interpreters. Restarts always spawn fresh processes.")
+                        "'spawn' starts fresh interpreters. Restarts spawn unless --restart-start-method fork.")
+    parser.add_argument("--restart-start-method", choices=["spawn", "fork"], default="spawn",
+                        help="How --max-restarts starts ranks again: 'spawn' (default) fresh interpreters, as a "
+                        "real stop-restart pays; 'fork' from this warm process (a lower bound for benchmarks).")
     parser.add_argument("--term-timeout", type=float, default=5.0,
                         help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
     parser.add_argument("--rdzv-backend", choices=["etcd", "tcp"], default="etcd",
@@ -115,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         master_port=args.master_port,
         max_restarts=args.max_restarts,
         start_method=args.start_method,
+        restart_start_method=args.restart_start_method,
         term_timeout_s=args.term_timeout,
     )
     metrics = MetricsEndpoint(port=args.metrics_port, host=args.metrics_host, metrics_file=tm["tm_metrics_file"],

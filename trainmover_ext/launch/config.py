@@ -62,6 +62,8 @@ class LaunchConfig:
             raise ConfigError("--max-restarts must be >= 0")
         if self.start_method not in ("fork", "spawn"):
             raise ConfigError("--start-method must be 'fork' or 'spawn'")
+        if self.restart_start_method not in ("fork", "spawn"):
+            raise ConfigError("--restart-start-method must be 'fork' or 'spawn'")
         if self.nnodes > 1 and self.master_port == 0:
             raise ConfigError("--master-port is required with --nnodes > 1")
         if self.rendezvous.backend == "etcd" and not self.rendezvous.endpoints and self.nnodes > 1:
