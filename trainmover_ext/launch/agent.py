@@ -96,9 +96,11 @@ class Agent:
             "MASTER_ADDR": cfg.master_addr,
             "MASTER_PORT": str(port),
             "TRAINMOVER_RESTART_COUNT": str(self.restarts),
+            "TORCHELASTIC_RESTART_COUNT": str(self.restarts),  # as torchrun sets it
             ENV_NODE_NAME: node_name(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-            "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+            # Megatron wants 1 (TP/SP comm overlap); a user's own setting is kept.
+            "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
         }
 
     def start_ranks(self, method: str) -> None:
@@ -107,10 +109,11 @@ class Agent:
         if method == "fork":
             preimport_for_fork()
         start = spawn_rank if method == "spawn" else fork_rank
-        self.procs = [
-            start(cfg.node_rank * cfg.nproc_per_node + i, self._env(i, port), cfg.script, cfg.script_args)
-            for i in range(cfg.nproc_per_node)
-        ]
+        self.procs = []
+        for i in range(cfg.nproc_per_node):
+            rank = cfg.node_rank * cfg.nproc_per_node + i
+            self.procs.append(start(rank, self._env(i, port), cfg.script, cfg.script_args,
+                                    cfg.logs.open(str(rank), i, self.restarts)))
         self.events.append({"event": "start", "t": time.time(), "method": method, "restart": self.restarts,
                             "pids": [p.pid for p in self.procs]})
         self.log(f"started {len(self.procs)} ranks ({method}), pids {[p.pid for p in self.procs]}")
@@ -150,6 +153,7 @@ class Agent:
         if self._stop_signal is not None or self.restarts >= self.config.max_restarts:
             return code
         self.restarts += 1
+        self._count_restart()
         self.log(f"restart {self.restarts}/{self.config.max_restarts}: all ranks start again from the checkpoint")
         self.start_ranks(self.config.restart_start_method)
         return None
@@ -214,6 +218,10 @@ class Agent:
         shown = socket.gethostname() if ep.host in ("0.0.0.0", "::") else ep.host
         self.log(f"metrics: http://{shown}:{port}/metrics"
                  + ("" if ep.metrics_file else " (no iteration series: the script has no --tm-metrics-file)"))
+
+    def _count_restart(self) -> None:
+        if self.metrics is not None:
+            self.metrics.restarts.labels(self.metrics.job).inc()
 
     def _stop_metrics(self) -> None:
         if self.metrics_feed is not None:
@@ -280,6 +288,7 @@ class Agent:
                         self.log(f"no restarts left (--max-restarts {self.config.max_restarts}); giving up")
                     return 128 - code if code < 0 else code
                 self.restarts += 1
+                self._count_restart()
                 self.log(f"restart {self.restarts}/{self.config.max_restarts}: all ranks start again and "
                          "resume from the latest checkpoint")
                 self.start_ranks(self.config.restart_start_method)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from trainmover_ext.control.cli import add_connection_flags
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.kv.job import new_token
 from trainmover_ext.launch.agent import Agent, MetricsEndpoint
 from trainmover_ext.launch.config import LaunchConfig
+from trainmover_ext.launch.logs import LogConfig, parse_std_spec
 from trainmover_ext.launch.rendezvous import RendezvousPlan
 
 
@@ -19,13 +21,34 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Start --nproc-per-node ranks of a training script on this node and supervise them. "
         "Example: trainmover launch --nproc-per-node 8 pretrain_gpt.py --mock-data ...",
     )
-    parser.add_argument("--nproc-per-node", type=int, default=1, help="Ranks to start on this node.")
-    parser.add_argument("--nnodes", type=int, default=1, help="Number of nodes in the job.")
-    parser.add_argument("--node-rank", type=int, default=0, help="This node's index in [0, nnodes).")
-    parser.add_argument("--master-addr", default="127.0.0.1", help="Rendezvous host (node 0's address).")
-    parser.add_argument("--master-port", type=int, default=0,
+    # torchrun's spellings are accepted too (--nproc_per_node ...), so that a launch script written for
+    # torchrun runs with `torchrun` replaced by `trainmover launch`.
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", default="1", metavar="N|gpu|cpu|auto",
+                        help="Ranks to start on this node: a number, 'gpu' (one per visible GPU), 'cpu' (one per "
+                        "core) or 'auto' (gpu when CUDA is present, else cpu).")
+    parser.add_argument("--nnodes", default="1", metavar="N",
+                        help="Number of nodes in the job (torchrun's MIN:MAX form is accepted when MIN = MAX).")
+    parser.add_argument("--node-rank", "--node_rank", type=int, default=0, help="This node's index in [0, nnodes).")
+    parser.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
+                        help="Rendezvous host (node 0's address).")
+    parser.add_argument("--master-port", "--master_port", type=int, default=0,
                         help="Rendezvous port (default: a free port; required with --nnodes > 1).")
-    parser.add_argument("--max-restarts", type=int, default=0,
+    parser.add_argument("--standalone", action="store_true",
+                        help="torchrun's single-node mode: one node, a local rendezvous on a free port.")
+    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST[:PORT]",
+                        help="torchrun's rendezvous endpoint: the same as --master-addr HOST --master-port PORT.")
+    parser.add_argument("--rdzv-id", "--rdzv_id", default=None,
+                        help="torchrun's job id: names the job (--tm-job) unless --tm-job is given.")
+    parser.add_argument("--log-dir", "--log_dir", default=None,
+                        help="Write each started process's stdout and stderr to LOG_DIR/attempt_<restart>/<rank or "
+                        "standby id>/{stdout,stderr}.log (the console still shows them unless --redirects).")
+    parser.add_argument("--redirects", "-r", default=None, metavar="0-3|LOCAL:0-3,...",
+                        help="With --log-dir, send these streams to the files only: 0 none, 1 stdout, 2 stderr, "
+                        "3 both; e.g. 3, or 0:3,1:2 per local rank.")
+    parser.add_argument("--tee", "-t", default=None, metavar="0-3|LOCAL:0-3,...",
+                        help="With --log-dir, send these streams to the files and the console (same values as "
+                        "--redirects).")
+    parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
                         help="On a rank failure, restart all ranks from the latest checkpoint up to K times "
                         "(the classic stop-restart baseline). 0 = fail the job.")
     parser.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
@@ -36,9 +59,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "real stop-restart pays; 'fork' from this warm process (a lower bound for benchmarks).")
     parser.add_argument("--term-timeout", type=float, default=5.0,
                         help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
-    parser.add_argument("--rdzv-backend", choices=["etcd", "tcp"], default="etcd",
+    parser.add_argument("--rdzv-backend", "--rdzv_backend", choices=["etcd", "tcp", "c10d", "static"],
+                        default="etcd",
                         help="Rendezvous store: 'etcd' (default; no rank hosts a store the job depends on) or "
-                        "'tcp' (torch's TCPStore on rank 0, a single point of failure).")
+                        "'tcp' (torch's TCPStore on rank 0, a single point of failure; torchrun's 'c10d' and "
+                        "'static' mean the same here).")
     parser.add_argument("--run-dir", default=None,
                         help="Job directory for the embedded etcd's data and logs (default runs/<job>).")
     parser.add_argument("--metrics-port", type=int, default=0,
@@ -91,7 +116,58 @@ def job_token(args: argparse.Namespace) -> str:
     return new_token()
 
 
+def nproc_per_node(value: str) -> int:
+    """``--nproc-per-node``: a count, or torchrun's ``gpu``, ``cpu`` and ``auto``."""
+    import torch
+
+    text = str(value).strip().lower()
+    if text.isdigit():
+        return int(text)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if text == "gpu":
+        if not gpus:
+            raise ConfigError("--nproc-per-node gpu: no CUDA device is visible; give a number, or 'cpu'")
+        return gpus
+    if text == "cpu":
+        return os.cpu_count() or 1
+    if text == "auto":
+        return gpus or os.cpu_count() or 1
+    raise ConfigError(f"--nproc-per-node {value!r}: give a number, 'gpu', 'cpu' or 'auto'")
+
+
+def nnodes(value: str) -> int:
+    """``--nnodes``: N, or torchrun's MIN:MAX with MIN = MAX (elastic ranges are not supported)."""
+    text = str(value).strip()
+    low, _, high = text.partition(":")
+    if low.isdigit() and (not high or high == low):
+        return int(low)
+    raise ConfigError(f"--nnodes {value!r}: give a number of nodes (an elastic MIN:MAX range is not supported; "
+                      "TrainMover replaces failed nodes with standbys instead)")
+
+
+def torchrun_compat(args: argparse.Namespace) -> None:
+    """Fold torchrun's --standalone, --rdzv-endpoint, --rdzv-id and backend names into ours."""
+    args.nproc_per_node = nproc_per_node(args.nproc_per_node)
+    args.nnodes = nnodes(args.nnodes)
+    if args.rdzv_backend in ("c10d", "static"):
+        args.rdzv_backend = "tcp"
+    if args.standalone:
+        if args.nnodes != 1:
+            raise ConfigError("--standalone runs one node: drop --nnodes or --standalone")
+        args.master_addr, args.master_port = "127.0.0.1", 0
+    elif args.rdzv_endpoint:
+        host, _, port = args.rdzv_endpoint.rpartition(":") if ":" in args.rdzv_endpoint else (args.rdzv_endpoint, "", "")
+        args.master_addr = host or args.master_addr
+        if port:
+            if not port.isdigit():
+                raise ConfigError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: the port must be a number")
+            args.master_port = int(port)
+    if args.rdzv_id and not args.tm_job:
+        args.tm_job = args.rdzv_id
+
+
 def run(args: argparse.Namespace) -> int:
+    torchrun_compat(args)
     tm = peek_trainmover_flags(list(args.script_args))
     endpoints = [e for e in (args.tm_etcd_endpoints or "").split(",") if e.strip()]
     plan = RendezvousPlan(
@@ -120,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
         start_method=args.start_method,
         restart_start_method=args.restart_start_method,
         term_timeout_s=args.term_timeout,
+        logs=LogConfig(log_dir=args.log_dir, redirects=parse_std_spec(args.redirects, "--redirects"),
+                       tee=parse_std_spec(args.tee, "--tee")),
     )
     metrics = MetricsEndpoint(port=args.metrics_port, host=args.metrics_host, metrics_file=tm["tm_metrics_file"],
                               tokens_per_iteration=tm["seq_length"] * tm["global_batch_size"])

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from trainmover_ext.errors import ConfigError
+from trainmover_ext.launch.logs import LogConfig
 from trainmover_ext.launch.rendezvous import RendezvousPlan
 
 
@@ -38,6 +39,8 @@ class LaunchConfig:
     """``--term-timeout``: grace between SIGTERM and SIGKILL when tearing ranks down."""
     monitor_interval_s: float = 0.05
     """How often the agent polls its children."""
+    logs: LogConfig = field(default_factory=LogConfig)
+    """``--log-dir``/``--redirects``/``--tee``: where each started process writes."""
     rendezvous: RendezvousPlan = field(default_factory=RendezvousPlan)
     """Where ranks meet (etcd by default; an embedded etcd is started when no endpoints are given)."""
     trainmover: bool = False

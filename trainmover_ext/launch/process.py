@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from trainmover_ext.launch.logs import ProcessOutput
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -108,19 +110,25 @@ def wait_any_exit(procs: Iterable[RankProcess], timeout_s: float) -> None:
         time.sleep(timeout_s)
 
 
-def fork_rank(rank: int, env: dict[str, str], script: str, script_args: list[str]) -> RankProcess:
-    """Fork a child that runs ``script`` as ``__main__`` with ``env`` applied."""
+def fork_rank(rank: int, env: dict[str, str], script: str, script_args: list[str],
+              output: Optional[ProcessOutput] = None) -> RankProcess:
+    """Fork a child that runs ``script`` as ``__main__`` with ``env`` applied, writing to ``output``
+    (per-process log files, :mod:`.logs`) or to the agent's console."""
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid:
+        if output is not None:
+            output.started()
         return RankProcess(rank=rank, pid=pid)
     # child
     code = 1
     try:
         os.setpgid(0, 0)
         _die_with_parent(parent)
+        if output is not None:
+            output.in_child()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         os.environ.update(env)
@@ -151,7 +159,8 @@ def die_with_parent_from_env() -> None:
         _die_with_parent(int(parent))
 
 
-def spawn_rank(rank: int, env: dict[str, str], script: str, script_args: list[str]) -> RankProcess:
+def spawn_rank(rank: int, env: dict[str, str], script: str, script_args: list[str],
+               output: Optional[ProcessOutput] = None) -> RankProcess:
     """Start ``python script args`` as a fresh interpreter, as torchrun does.
 
     No Python runs between fork and exec (no ``preexec_fn``): the agent may hold
@@ -161,5 +170,9 @@ def spawn_rank(rank: int, env: dict[str, str], script: str, script_args: list[st
     full_env = dict(os.environ)
     full_env.update(env)
     full_env[ENV_PARENT_PID] = str(os.getpid())
-    popen = subprocess.Popen([sys.executable, "-u", script, *script_args], env=full_env, start_new_session=True)
+    fds = output.child_fds if output is not None else {}
+    popen = subprocess.Popen([sys.executable, "-u", script, *script_args], env=full_env, start_new_session=True,
+                             stdout=fds.get("stdout"), stderr=fds.get("stderr"))
+    if output is not None:
+        output.started()
     return RankProcess(rank=rank, pid=popen.pid, popen=popen)

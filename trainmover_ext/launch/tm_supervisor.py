@@ -60,7 +60,7 @@ class TrainMoverSupervisor:
         self.reported: dict[int, float] = {}
         self.plans: list = []
         self._lock = threading.Lock()
-        self.space = self.controller = self.member = self.watcher = None
+        self.space = self.controller = self.member = self.watcher = self.archive = None
         self.epoch = 0
         self.standbys_started = 0
         self.standby_failures = 0
@@ -79,7 +79,8 @@ class TrainMoverSupervisor:
         env.pop("RANK"), env.pop("LOCAL_RANK")
         env[ENV_MEMBER_ID] = member
         start = fork_rank if method == "fork" else spawn_rank
-        proc = start(-1, env, cfg.script, list(cfg.script_args) + ["--tm-role", "standby"])
+        proc = start(-1, env, cfg.script, list(cfg.script_args) + ["--tm-role", "standby"],
+                     cfg.logs.open(member, 0, self.agent.restarts))
         self.standbys[member] = proc
         self.agent.log(f"started standby {member} (pid {proc.pid}, {method})")
 
@@ -94,7 +95,8 @@ class TrainMoverSupervisor:
             rank = cfg.node_rank * cfg.nproc_per_node + i
             member = _member_id("worker", cfg.node_rank, i)
             env = self.agent._env(i, self.port) | {ENV_MEMBER_ID: member}
-            self.serving[rank] = (fork_rank(rank, env, cfg.script, cfg.script_args), member)
+            self.serving[rank] = (fork_rank(rank, env, cfg.script, cfg.script_args,
+                                            cfg.logs.open(str(rank), i, self.agent.restarts)), member)
         for _ in range(cfg.standbys):
             self._start_standby("fork")
         self.agent.procs = [p for p, _ in self.serving.values()] + list(self.standbys.values())
@@ -122,8 +124,13 @@ class TrainMoverSupervisor:
         self.controller = Controller(self.space, ControllerConfig(controller_id=ident.member_id, ttl_s=ttl),
                                      metrics=self.agent.metrics).start()
         if self.agent.metrics_feed is not None:
-            self.agent.metrics_feed.attach(self.space)
+            controller = self.controller
+            self.agent.metrics_feed.attach(self.space, is_leader=lambda: controller.is_leader)
         self.watcher = DecisionWatcher(self.space, self._on_plan)
+        from trainmover_ext.control.archive import RunArchive
+
+        controller = self.controller
+        self.archive = RunArchive(self.agent._run_dir()).start(self.space, lambda: controller.is_leader)
 
     def _on_plan(self, plan) -> None:
         with self._lock:
@@ -132,7 +139,7 @@ class TrainMoverSupervisor:
                 self.settled.add(plan.epoch)
 
     def close(self) -> None:
-        for obj in (self.watcher, self.controller, self.member):
+        for obj in (self.archive, self.watcher, self.controller, self.member):
             if obj is not None:
                 try:
                     obj.close()
