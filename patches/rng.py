@@ -9,6 +9,8 @@ generator's state, so forked regions are deterministic and checkpointable.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ._rewrite import rewrite
@@ -24,10 +26,19 @@ def _set_cpu_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bo
     torch.set_rng_state(new_state)
 
 
+class _SameGeneratorWarning(logging.Filter):
+    """Drops megatron's "CPU RNG state changed within GPU RNG context": with the tracker on the CPU
+    generator, the region's own draws (dropout) change that generator by design."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
 def install() -> list[str]:
     """Install the CPU RNG functions into ``megatron.core.tensor_parallel.random``."""
     from megatron.core.tensor_parallel import random as mp_random
 
+    logging.getLogger(mp_random.__name__).addFilter(_SameGeneratorWarning())
     mp_random._get_cuda_rng_state = _get_cpu_rng_state
     mp_random._set_cuda_rng_state = _set_cpu_rng_state
     rewrite(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from trainmover_ext.errors import TrainMoverError
@@ -29,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="trainmover",
         description="TrainMover: resilient Megatron-core training with warm standbys and live migration.",
     )
+    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default=None,
+                        help="Python logging level of this command and of the processes `launch` starts "
+                             "(env TRAINMOVER_LOG_LEVEL; default WARNING).")
+    parser.add_argument("--log-json", action="store_true", help="Log JSON lines (env TRAINMOVER_LOG_JSON=1).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBCOMMAND_MODULES:
         try:
@@ -56,7 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)} (see `trainmover {args.command} --help`)")
     if getattr(args, "accepts_rest", False):
         args.rest = rest
+    from trainmover_ext.logconfig import ENV_JSON, ENV_LEVEL, configure
+
+    if args.log_level:
+        os.environ[ENV_LEVEL] = args.log_level  # the processes `launch` starts inherit it
+    if args.log_json:
+        os.environ[ENV_JSON] = "1"
     try:
+        configure()
         return int(args.func(args) or 0)
     except TrainMoverError as exc:
         print(f"trainmover {args.command}: error: {exc}", file=sys.stderr)

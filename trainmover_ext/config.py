@@ -186,6 +186,11 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "(before the optimizer step's gradient-norm all-reduce: the replicas end one step apart), "
                         "step (inside the optimizer step), log (after the step, before the metrics record), or save "
                         "(during the checkpoint save after ITER steps).")
+    g.add_argument("--tm-log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default=None,
+                   help="Python logging level of this process (default: env TRAINMOVER_LOG_LEVEL, else WARNING); "
+                        "lines are prefixed with the process (rank R / standby ID).")
+    g.add_argument("--tm-log-json", action="store_true", default=None,
+                   help="Log JSON lines (t, level, process, logger, msg) instead of text (env TRAINMOVER_LOG_JSON=1).")
     g.add_argument("--tm-metrics-file", default=None,
                    help="Append one JSON line per iteration (iteration, loss, ms, consumed samples) to this file.")
     return parser

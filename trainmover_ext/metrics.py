@@ -11,8 +11,11 @@ Contract:
 - :class:`MetricsFeed` (one daemon thread per agent) feeds the rest:
   training progress by tailing the workers' ``--tm-metrics-file`` (only the
   node hosting the logging rank has one), and job-wide membership and
-  migrations by reading the job's etcd space. Job-wide series are the same on
-  every agent; aggregate them with ``max``, not ``sum``.
+  migrations by reading the job's etcd space. Job-wide series come from the
+  agent whose controller leads only (``is_leader``); the others drop them, so a
+  ``sum`` over every agent counts each once.
+- Every series carries the label ``tm_job`` (Prometheus sets ``job`` itself, to
+  the scrape job). ``trainmover_build_info`` says which versions run.
 - Nothing here ever raises into training: a failed read is retried next round.
 
 Example::
@@ -30,6 +33,7 @@ import logging
 import os
 import threading
 from collections import Counter as Tally
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
@@ -49,7 +53,10 @@ class ControlMetrics:
 
     def __init__(self, job: str) -> None:
         self.registry = CollectorRegistry()
-        labels = ["job"]
+        labels = ["tm_job"]
+        self.build_info = Gauge("trainmover_build_info", "Always 1; the labels name the versions this agent runs",
+                                labels + ["version", "torch", "megatron_core", "python"], registry=self.registry)
+        self.build_info.labels(job, *_versions()).set(1)
         self.members = Gauge("trainmover_members", "Live members by kind", labels + ["kind"], registry=self.registry)
         self.epoch = Gauge("trainmover_epoch", "Current membership epoch", labels, registry=self.registry)
         self.is_leader = Gauge("trainmover_controller_leader", "1 while this controller holds the leader key", labels, registry=self.registry)
@@ -57,10 +64,13 @@ class ControlMetrics:
         self.detection_latency = Histogram("trainmover_detection_latency_seconds",
                                            "From detection (report or observed lease loss) to committed plan",
                                            labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.plans = Counter("trainmover_migration_plans", "Migration plans committed, by reason", labels + ["reason"], registry=self.registry)
         self.alerts = Counter("trainmover_alerts", "Orphaned ranks with no standby", labels, registry=self.registry)
         self.job = job
         self._server = None
+        # Exported as 0 before the first occurrence, so that rate() and alert rules see the series.
+        self.alerts.labels(job)
+        for path in ("report", "lease"):
+            self.detections.labels(job, path)
 
     def observe_view(self, members_by_kind: dict[str, int], epoch: int | None) -> None:
         for kind in ("worker", "standby", "agent"):
@@ -95,7 +105,7 @@ class AgentMetrics(ControlMetrics):
 
     def __init__(self, job: str) -> None:
         super().__init__(job)
-        labels, reg = ["job"], self.registry
+        labels, reg = ["tm_job"], self.registry
         self.iteration = Gauge("trainmover_iteration", "Last completed training iteration", labels, registry=reg)
         self.iterations = Counter("trainmover_iterations", "Training iterations completed (a re-run after an abandon counts once)",
                                   labels, registry=reg)
@@ -103,8 +113,17 @@ class AgentMetrics(ControlMetrics):
                                     labels, registry=reg)
         self.iteration_hist = Histogram("trainmover_iteration_duration_seconds", "Wall time of each iteration",
                                         labels, buckets=_ITERATION_BUCKETS, registry=reg)
+        self.tokens = Counter("trainmover_tokens", "Training tokens processed (global batch x sequence length per "
+                              "completed iteration; a re-run after an abandon counts once)", labels, registry=reg)
+        self.loss = Gauge("trainmover_loss", "Loss of the last completed iteration", labels, registry=reg)
+        self.last_progress = Gauge("trainmover_last_progress_timestamp_seconds",
+                                   "Unix time at which the last iteration completed (alert when it stops moving)",
+                                   labels, registry=reg)
         self.tokens_per_s = Gauge("trainmover_tokens_per_second", "Tokens per second of the last iteration "
                                   "(global batch x sequence length / iteration time)", labels, registry=reg)
+        self.restarts = Counter("trainmover_restarts", "Stop-restarts of every rank from the checkpoint (under "
+                                "--trainmover: a failure no warm standby could take)", labels, registry=reg)
+        self.restarts.labels(job)
         self.standbys_ready = Gauge("trainmover_standbys_ready",
                                     "Live standbys that finished warm-up and serve no rank", labels, registry=reg)
         self.migrations = Counter("trainmover_migrations", "Migrations committed (migrations/<epoch> in etcd), by kind",
@@ -117,8 +136,26 @@ class AgentMetrics(ControlMetrics):
                                             "From the first recorded step (detection or request) to the last "
                                             "(end of the first iteration after resume) of a finished migration",
                                             labels + ["kind"], buckets=_PHASE_BUCKETS, registry=reg)
+        self.zero_migrations()
+
+    def zero_migrations(self) -> None:
+        """Export the migrations counter as 0 per kind before the first migration, so rate() works."""
         for kind in ("failure", "planned"):
-            self.migrations.labels(job, kind)  # exported as 0 before the first migration, so rate() works
+            self.migrations.labels(self.job, kind)
+
+
+def _versions() -> tuple[str, str, str, str]:
+    """(trainmover, torch, megatron-core, python) versions, "unknown" where one cannot be read."""
+    import importlib.metadata
+    import platform
+
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "unknown"
+
+    return version("trainmover"), version("torch"), version("megatron-core"), platform.python_version()
 
 
 def migration_phases(steps: dict[str, float]) -> list[tuple[str, float, float]]:
@@ -131,8 +168,10 @@ class MetricsFeed:
     """Feeds an :class:`AgentMetrics` from the workers' metrics file and the job's etcd space (see the module docstring)."""
 
     def __init__(self, metrics: AgentMetrics, *, metrics_file: str | None, tokens_per_iteration: int = 0,
-                 interval_s: float = 0.5) -> None:
+                 interval_s: float = 0.5, is_leader: Callable[[], bool] = lambda: True) -> None:
         self.metrics, self.metrics_file = metrics, metrics_file
+        self.is_leader = is_leader
+        """Whether this agent exports the job-wide series (its controller leads)."""
         self.tokens_per_iteration = tokens_per_iteration
         self.interval_s = interval_s
         self.space = None
@@ -150,9 +189,12 @@ class MetricsFeed:
         self._thread.start()
         return self
 
-    def attach(self, space) -> None:
-        """Also read membership and migrations from ``space`` (a :class:`~trainmover_ext.kv.job.JobSpace`)."""
+    def attach(self, space, is_leader: Callable[[], bool] | None = None) -> None:
+        """Also read membership and migrations from ``space`` (a :class:`~trainmover_ext.kv.job.JobSpace`),
+        exporting them while ``is_leader()`` (this agent's controller leads) says so."""
         self.space = space
+        if is_leader is not None:
+            self.is_leader = is_leader
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread after one last round, so a finished job's final numbers are exported."""
@@ -207,9 +249,15 @@ class MetricsFeed:
         m, job = self.metrics, self.metrics.job
         iteration, seconds = int(rec["iteration"]), float(rec.get("iteration_s") or 0.0)
         if iteration > self._last_iteration:
-            m.iterations.labels(job).inc(iteration - self._last_iteration if self._last_iteration else 1)
+            new = iteration - self._last_iteration if self._last_iteration else 1
+            m.iterations.labels(job).inc(new)
+            m.tokens.labels(job).inc(new * self.tokens_per_iteration)
             self._last_iteration = iteration
         m.iteration.labels(job).set(iteration)
+        if rec.get("loss") is not None:
+            m.loss.labels(job).set(float(rec["loss"]))
+        if rec.get("t_end") is not None:
+            m.last_progress.labels(job).set(float(rec["t_end"]))
         if seconds > 0:
             m.iteration_time.labels(job).set(seconds)
             m.iteration_hist.labels(job).observe(seconds)
@@ -223,6 +271,13 @@ class MetricsFeed:
         from trainmover_ext.errors import MalformedValue
 
         m, job, space = self.metrics, self.metrics.job, self.space
+        if not self.is_leader():
+            for series in (m.members, m.epoch, m.standbys_ready, m.migrations, m.migration_phase, m.migration_downtime):
+                series.clear()
+            self._seen_epochs.clear()  # counted again, from zero, if this agent leads later
+            self._finished_epochs.clear()
+            return
+        m.zero_migrations()
         view = read_view(space)
         m.observe_view(dict(Tally(mem.kind for mem in view.members.values())), view.epoch)
         serving = {rec.member_id for rec in view.ranks.values()}

@@ -301,7 +301,9 @@ def pretrain(
     tm_config = None
     if extra_args_provider is not None:
         from trainmover_ext.config import config_from_args
+        from trainmover_ext.logconfig import configure as configure_logging
 
+        configure_logging(getattr(args, "tm_log_level", None), getattr(args, "tm_log_json", None))
         tm_config = config_from_args(args)
     tokenizer = build_tokenizer(args)
     global_vars.set_global_variables(args, tokenizer)

@@ -133,9 +133,9 @@ def test_metrics_are_served(etcd, kv):
         metrics.detections.labels("m", "report").inc()
         metrics.detection_latency.labels("m").observe(0.01)
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert 'trainmover_members{job="m",kind="worker"} 3.0' in body
-        assert 'trainmover_epoch{job="m"} 7.0' in body
-        assert 'trainmover_detections_total{job="m",path="report"} 1.0' in body
+        assert 'trainmover_members{kind="worker",tm_job="m"} 3.0' in body
+        assert 'trainmover_epoch{tm_job="m"} 7.0' in body
+        assert 'trainmover_detections_total{path="report",tm_job="m"} 1.0' in body
         assert "trainmover_detection_latency_seconds_bucket" in body
     finally:
         metrics.close()

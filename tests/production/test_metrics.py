@@ -14,11 +14,11 @@ from trainmover_ext.metrics import AgentMetrics, MetricsFeed, migration_phases
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
-    """(sample name, sorted labels without ``job``) -> value."""
+    """(sample name, sorted labels without ``tm_job``) -> value."""
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "job"))
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "tm_job"))
             out[(s.name, labels)] = s.value
     return out
 
@@ -91,6 +91,39 @@ def test_feed_reads_membership_and_finished_migrations():
     assert abs(value(out, "trainmover_migration_downtime_seconds_sum", kind="failure") - 2.0) < 1e-9
 
 
+def test_tokens_loss_progress_and_build_info(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    m = AgentMetrics(job="j")
+    feed = MetricsFeed(m, metrics_file=str(path), tokens_per_iteration=1000)
+    recs = [{"event": "iteration", "iteration": i, "iteration_s": 0.5, "loss": 6.0 - i, "t_end": 100.0 + i}
+            for i in (1, 2, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    feed.poll()
+    out = m.render().decode()
+    assert value(out, "trainmover_tokens_total") == 3000, "a re-run iteration's tokens count once"
+    assert value(out, "trainmover_loss") == 3.0
+    assert value(out, "trainmover_last_progress_timestamp_seconds") == 103.0
+    info = [k for k in samples(out) if k[0] == "trainmover_build_info"]
+    assert len(info) == 1 and dict(info[0][1])["megatron_core"] == "0.16.1", info
+
+
+def test_job_wide_series_come_from_the_leader_only():
+    space = JobSpace.create(MemoryKV(), "j", "tok")
+    space.put(space.key("members", "w0"), MemberRecord(member_id="w0", kind="worker", host="a", pid=1).to_bytes())
+    leading = {"now": False}
+    m = AgentMetrics(job="j")
+    feed = MetricsFeed(m, metrics_file=None)
+    feed.attach(space, is_leader=lambda: leading["now"])
+    feed.poll()
+    out = m.render().decode()
+    assert not [k for k in samples(out) if k[0] in ("trainmover_members", "trainmover_migrations_total")], out
+    leading["now"] = True
+    feed.poll()
+    out = m.render().decode()
+    assert value(out, "trainmover_members", kind="worker") == 1
+    assert ("trainmover_migrations_total", (("kind", "failure"),)) in samples(out)
+
+
 # -- a real job ------------------------------------------------------------------------
 
 def test_scrape_during_a_failover(failover_run):
@@ -111,3 +144,5 @@ def test_scrape_during_a_failover(failover_run):
     assert value(last, "trainmover_detection_latency_seconds_count") == 1
     assert value(last, "trainmover_migration_phase_seconds_count", kind="failure", phase="first_iteration") == 1
     assert max(value(s, "trainmover_standbys_ready") for s in scrapes) >= 1
+    assert value(last, "trainmover_tokens_total") > 0 and value(last, "trainmover_loss") > 0
+    assert value(last, "trainmover_last_progress_timestamp_seconds") > 0

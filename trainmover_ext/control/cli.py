@@ -135,7 +135,24 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _archived_events(args: argparse.Namespace) -> int:
+    """``trainmover events --run-dir D``: the copy the leading agent kept (no etcd needed)."""
+    from trainmover_ext.control.archive import EVENTS_FILE, read_jsonl
+
+    path = os.path.join(args.run_dir, EVENTS_FILE)
+    if not os.path.exists(path):
+        raise ConfigError(f"{path} does not exist: give the job's --run-dir (the launcher prints it), or query the "
+                          "live job with --tm-etcd-endpoints/--tm-job/--tm-job-token")
+    records = list(read_jsonl(path))
+    rows = [[_ts(r.get("time", 0)), r.get("what", "?"), " ".join(f"{k}={v}" for k, v in sorted((r.get("detail") or {}).items()))]
+            for r in (records[-args.limit:] if args.limit else records)]
+    print(_table(["time", "event", "detail"], rows) if rows else "no events yet")
+    return 0
+
+
 def cmd_events(args: argparse.Namespace) -> int:
+    if args.run_dir:
+        return _archived_events(args)
     space = open_job(args)
     try:
         entries = space.kv.get_prefix(space.key("events/")).entries
@@ -228,6 +245,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     status = _sub(subparsers, "status", "show ranks -> members, standbys, epoch and the last migration of a job", cmd_status)
     events = _sub(subparsers, "events", "show the timeline of membership and migration events of a job", cmd_events)
     events.add_argument("--limit", type=int, default=0, help="show only the last N events (default: all)")
+    events.add_argument("--run-dir", default=None,
+                        help="read the events the leading agent copied to RUN_DIR/events.jsonl instead of etcd "
+                             "(they outlive the job's etcd)")
     migrate = _sub(subparsers, "migrate", "request a planned migration of one rank to a warm standby", cmd_migrate)
     migrate.add_argument("--rank", type=int, required=True, help="the logical rank to move (see `trainmover status`)")
     migrate.add_argument("--to", default=None, help="member id of the standby to move it to (default: the controller picks)")

@@ -162,7 +162,6 @@ class Controller:
             plan = action.plan
             logger.info("epoch %d: %s", plan.epoch, plan.replacements)
             if self.metrics is not None:
-                self.metrics.plans.labels(self.space.job, plan.reason).inc()
                 self.metrics.epoch.labels(self.space.job).set(plan.epoch)
                 if plan.reason == "failure":
                     for r in plan.replacement_list():

@@ -1,0 +1,58 @@
+"""The run directory's copy of a job's events and finished migrations (pure logic on the in-memory store)."""
+
+from __future__ import annotations
+
+import json
+
+from trainmover_ext.control.archive import RunArchive, read_jsonl
+from trainmover_ext.control.records import Event, MigrationPlan, event_key_suffix, migration_key_suffix
+from trainmover_ext.kv.job import JobSpace
+from trainmover_ext.kv.memory import MemoryKV
+
+
+def _space():
+    space = JobSpace.create(MemoryKV(), "j", "tok")
+    for t, what in ((10.0, "leader_elected"), (11.0, "migration_planned")):
+        space.put(space.key("events", event_key_suffix(t)), Event(time=t, what=what, detail={"n": 1}).to_bytes())
+    space.put(space.key("events", "garbage"), b"not json")
+    for epoch, status in ((1, "done"), (2, "preparing")):
+        plan = MigrationPlan(epoch=epoch, reason="failure", replacements=[], resume_iteration=4, status=status,
+                             steps={"detected": 10.0, "decided": 10.5})
+        space.put(space.key("migrations", migration_key_suffix(epoch)), plan.to_bytes())
+    return space
+
+
+def test_events_and_finished_migrations_are_copied_once(tmp_path):
+    space = _space()
+    archive = RunArchive(str(tmp_path))
+    assert archive.poll(space) == 3  # two events (the garbage one skipped) and the one finished plan
+    assert archive.poll(space) == 0
+    assert [r["what"] for r in read_jsonl(archive.events_path)] == ["leader_elected", "migration_planned"]
+    plans = list(read_jsonl(archive.migrations_path))
+    assert [(p["epoch"], p["steps"]["decided"]) for p in plans] == [(1, 10.5)]
+    # epoch 2 finishes later; a new archive of the same directory (another agent) writes only that
+    plan = MigrationPlan(epoch=2, reason="failure", replacements=[], resume_iteration=4, status="done")
+    space.put(space.key("migrations", migration_key_suffix(2)), plan.to_bytes())
+    assert RunArchive(str(tmp_path)).poll(space) == 1
+    assert [p["epoch"] for p in read_jsonl(archive.migrations_path)] == [1, 2]
+
+
+def test_a_torn_last_line_is_skipped(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_text(json.dumps({"key": "a", "what": "x"}) + "\n" + '{"key": "b", "wh')
+    assert [r["key"] for r in read_jsonl(str(path))] == ["a"]
+
+
+def test_the_thread_copies_only_while_leading(tmp_path):
+    space = _space()
+    leading = {"now": False}
+    archive = RunArchive(str(tmp_path)).start(space, lambda: leading["now"], interval_s=0.01)
+    try:
+        import time
+
+        time.sleep(0.1)
+        assert not list(read_jsonl(archive.events_path))
+    finally:
+        leading["now"] = True
+        archive.close()  # the final round copies (this agent leads now)
+    assert len(list(read_jsonl(archive.events_path))) == 2

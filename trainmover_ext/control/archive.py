@@ -1,0 +1,128 @@
+"""Copies of the job's events and migration timelines in the run directory, so they outlive etcd.
+
+Contract:
+- :meth:`RunArchive.start` runs :meth:`RunArchive.poll` on a daemon thread of
+  the agent every ``interval_s`` while ``is_leader()`` (its controller leads),
+  and once more at :meth:`RunArchive.close`. A poll appends each ``events/`` record not yet copied to ``RUN_DIR/events.jsonl``,
+  and each migration plan once it finished (status ``done`` or ``aborted``)
+  to ``RUN_DIR/migrations.jsonl``, with its per-step timestamps.
+- Lines are the records' own JSON (:class:`~trainmover_ext.control.records.Event`,
+  :class:`~trainmover_ext.control.records.MigrationPlan` as dicts), one per line;
+  a reader skips a line it cannot parse (a torn last line after a crash).
+- What was already in the files (an earlier agent of the same run directory,
+  or an earlier leader) is read back first and never written twice.
+- A malformed record is skipped; on the thread, a failed round (etcd away, disk
+  full) is logged and retried at the next one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+from typing import Callable, Iterator
+
+from trainmover_ext.control.records import Event, MigrationPlan
+from trainmover_ext.errors import MalformedValue
+
+logger = logging.getLogger(__name__)
+
+EVENTS_FILE = "events.jsonl"
+MIGRATIONS_FILE = "migrations.jsonl"
+FINISHED = ("done", "aborted")
+
+
+def read_jsonl(path: str) -> Iterator[dict]:
+    """The records of a JSON-lines file, skipping lines that do not parse; nothing if it is missing."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+class RunArchive:
+    """See the module docstring."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        self.events_path = os.path.join(run_dir, EVENTS_FILE)
+        self.migrations_path = os.path.join(run_dir, MIGRATIONS_FILE)
+        self._events = {r.get("key") for r in read_jsonl(self.events_path)}
+        self._epochs = {r.get("epoch") for r in read_jsonl(self.migrations_path)}
+
+    def start(self, space, is_leader: Callable[[], bool], interval_s: float = 1.0) -> "RunArchive":
+        """Poll ``space`` on a daemon thread while ``is_leader()``; see the module docstring."""
+        self._space, self._is_leader = space, is_leader
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), name="tm-run-archive", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self._round()
+
+    def _round(self) -> None:
+        from trainmover_ext.errors import TrainMoverError
+
+        if not self._is_leader():
+            return
+        try:
+            self.poll(self._space)
+        except (OSError, TrainMoverError) as exc:
+            logger.warning("run archive: could not copy events to %s (retrying): %s", self.run_dir, exc)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread and copy what is new one last time; safe to call twice or unstarted."""
+        thread = getattr(self, "_thread", None)
+        if thread is None:
+            return
+        self._stop.set()
+        thread.join(timeout_s)
+        self._thread = None
+        self._round()
+
+    def poll(self, space) -> int:
+        """Copy what is new in ``space`` (a JobSpace); returns how many records were written."""
+        written = 0
+        new_events = []
+        for entry in space.kv.get_prefix(space.key("events/")).entries:
+            if entry.key in self._events:
+                continue
+            try:
+                event = Event.from_bytes(entry.value, key=entry.key)
+            except MalformedValue:
+                continue
+            new_events.append({"key": entry.key, **dataclasses.asdict(event)})
+        written += self._append(self.events_path, new_events, self._events, "key")
+        finished = []
+        for entry in space.kv.get_prefix(space.key("migrations/")).entries:
+            try:
+                plan = MigrationPlan.from_bytes(entry.value, key=entry.key)
+            except MalformedValue:
+                continue
+            if plan.status in FINISHED and plan.epoch not in self._epochs:
+                finished.append(dataclasses.asdict(plan))
+        written += self._append(self.migrations_path, finished, self._epochs, "epoch")
+        return written
+
+    @staticmethod
+    def _append(path: str, records: list[dict], seen: set, key: str) -> int:
+        if not records:
+            return 0
+        with open(path, "a") as f:
+            for record in records:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+                seen.add(record[key])
+            f.flush()
+            os.fsync(f.fileno())
+        return len(records)
