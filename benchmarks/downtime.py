@@ -404,6 +404,7 @@ def main(argv=None) -> int:
                    **{f"sandbox_{c}": sandbox[c]["bit_identical"] for c in ("kept_rank", "other_rank") if sandbox}}
     downtimes = [t["downtime_s"] for t in unexpected_trials]
     result = {
+        "command": " ".join(["python", "benchmarks/downtime.py", *(sys.argv[1:] if argv is None else argv)]),
         "job": f"demo: 8 ranks TP2 x PP2 x DP2, 4 layers, hidden 128, seq 128, {args.precision}, dropout "
                f"{args.dropout} (CPU gloo, 2 cores)",
         "config": {"hidden_dropout": args.dropout, "attention_dropout": args.dropout, "precision": args.precision,
