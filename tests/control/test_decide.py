@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainmover_ext.control.decide import DropStaleReport, PlanMigration, RaiseAlert, RejectRequest, decide
+from trainmover_ext.control.decide import (
+    CommitConvergence, DropStaleReport, PlanMigration, RaiseAlert, RejectRequest, decide,
+)
 from trainmover_ext.control.executor import Executor, Outcome
 from trainmover_ext.control.records import FailureReport, MemberRecord, MigrationPlan, MigrationRequest, RankRecord
 from trainmover_ext.control.view import View, epoch_value, read_view
@@ -28,7 +30,6 @@ def base_view(**kw) -> View:
         v.ranks[r] = RankRecord(rank=r, member_id=f"w{r}", host=f"h{r // 2}", role="first" if r < 2 else "last", replicas=[r ^ 1])
     v.members["s1"] = member("s1", "standby", host="h0", roles=ALL, t=1)
     v.members["s2"] = member("s2", "standby", host="h9", roles=ALL, t=2)
-    v.progress = {0: 10, 1: 10, 2: 9, 3: 10}
     v.checkpoint_iteration = 5
     for k, val in kw.items():
         setattr(v, k, val)
@@ -59,8 +60,8 @@ def test_rank_orphaned_by_lease_expiry_is_planned_with_replica_source():
     (rep,) = plan.replacement_list()
     # w1 lived on h0; s2 on h9 is preferred over s1 on the same host.
     assert (rep.rank, rep.leaver, rep.joiner, rep.role) == (1, "w1", "s2", "first")
-    assert rep.state_source == {"kind": "replica", "rank": 0, "member": "w0"}
-    assert plan.resume_iteration == 9, "resume at the last iteration every shard completed"
+    assert rep.state_source == {"kind": "replica"}
+    assert plan.resume_iteration is None, "the convergence decision names it once the stayers reported"
     assert act.rank_updates[0].member_id == "s2" and act.rank_updates[0].since_epoch == 4
 
 
@@ -256,3 +257,74 @@ def test_decision_watcher_delivers_each_plan_write_once_even_when_its_watch_is_d
             assert got[-1] == (2, ["joined"])
         finally:
             watcher.close()
+
+
+# -- convergence: the controller alone decides where every rank resumes ---------------------
+
+def _after_failure(reported: dict[int, int]) -> View:
+    """Epoch 4 replaced rank 1 (first stage) with s2; ``reported`` are the stayers' reports so far."""
+    v = base_view(epoch=4, epoch_rev=50)
+    v.members["s2"] = member("s2", "worker", host="h9")
+    v.ranks[1] = RankRecord(rank=1, member_id="s2", host="h9", role="first", replicas=[0], since_epoch=4)
+    del v.members["w1"]
+    v.last_plan = MigrationPlan(epoch=4, reason="failure", resume_iteration=None, replacements=[
+        {"rank": 1, "leaver": "w1", "joiner": "s2", "role": "first", "state_source": {"kind": "replica"}}])
+    v.recovery = {4: dict(reported)}
+    v.recovery_keys = {4: [ROOT + f"recovery/0000000004/{r}" for r in reported]}
+    return v
+
+
+def test_convergence_waits_for_every_stayer_then_commits_once():
+    assert decide(_after_failure({0: 10, 2: 10}), 300.0) == [], "rank 3 has not reported yet"
+    act = only(decide(_after_failure({0: 10, 2: 9, 3: 10}), 300.0), CommitConvergence)
+    rec = act.record
+    assert (rec.epoch, rec.resume_iteration, rec.from_checkpoint) == (4, 10, False)
+    # the joiner takes its replica's state, and rank 2, one step behind its replica 3, is brought level
+    assert sorted(map(tuple, rec.copies)) == [(0, 1), (3, 2)]
+    assert act.expected_epoch_rev == 50 and len(act.consumed) == 3
+    v = _after_failure({0: 10, 2: 9, 3: 10})
+    v.converged = {4}
+    assert decide(v, 300.0) == [], "decided already"
+
+
+def test_no_planned_move_while_a_recovery_is_under_way():
+    v = _after_failure({0: 10})
+    v.requests = {ROOT + "requests/r1": MigrationRequest(request_id="r1", rank=2, requested_at=1.0)}
+    v.members["s3"] = member("s3", "standby", host="h8", roles=ALL)
+    assert not [a for a in decide(v, 300.0) if isinstance(a, (PlanMigration, RejectRequest))]
+
+
+def test_convergence_falls_back_to_the_checkpoint_without_a_replica():
+    v = _after_failure({0: 10, 2: 10, 3: 10})
+    for r in range(4):
+        v.ranks[r].replicas = []  # the distributed optimizer: every shard exists once
+    rec = only(decide(v, 300.0), CommitConvergence).record
+    assert rec.from_checkpoint and "no live replica" in rec.reason
+
+
+def test_a_newer_failure_voids_the_reports_of_the_old_epoch():
+    v = _after_failure({0: 10, 2: 10})
+    del v.members["w3"]  # rank 3 dies before it reported
+    act = only(decide(v, 300.0), PlanMigration)
+    assert act.plan.epoch == 5
+    assert set(v.recovery_keys[4]) <= set(act.consumed), "epoch 4's reports are deleted with the new plan"
+
+
+def test_executor_commits_convergence_only_in_its_epoch():
+    from trainmover_ext.kv.codec import encode
+
+    kv = MemoryKV()
+    space = JobSpace.create(kv, "j", "tok")
+    space.put(space.key("epoch"), epoch_value(4))
+    entry = kv.get(space.key("epoch"))
+    v = _after_failure({0: 10, 2: 9, 3: 10})
+    v.root = space.root
+    v.recovery_keys = {4: [space.key("recovery", "0000000004", r) for r in (0, 2, 3)]}
+    for key in v.recovery_keys[4]:
+        space.put(key, encode("recovery", {"iteration": 9}))
+    act = CommitConvergence(record=only(decide(v, 300.0), CommitConvergence).record,
+                            expected_epoch_rev=entry.mod_revision, consumed=tuple(v.recovery_keys[4]))
+    assert Executor(space).apply(act) is Outcome.APPLIED
+    assert kv.get(space.key("convergence", "0000000004")) is not None
+    assert not kv.get_prefix(space.key("recovery") + "/").entries
+    assert Executor(space).apply(act) is Outcome.CONFLICT, "written once"

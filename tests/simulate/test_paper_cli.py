@@ -100,3 +100,32 @@ def test_scale_check_is_o_neighbours_not_o_n():
         assert b.links_replaced < big.links_total / 100
         # every rank hears of the new epoch exactly once (it must pause)
         assert b.plan_notifications == big.ranks
+
+
+def test_recovery_work_per_rank_does_not_grow_with_the_job():
+    """One SIGKILL's recovery: each rank writes one report and waits on one key the controller writes;
+    per-rank reads, writes and watch events are the same at 100 and 1,000 ranks, the totals O(N)."""
+    from trainmover_ext.simulate.scale_check import run_recovery_check
+
+    small, big = run_recovery_check(100), run_recovery_check(1000)
+    for c in (small, big):
+        assert c.per_rank_max_writes == 1 and c.per_rank_max_reads <= 2 and c.per_rank_max_watch_events <= 3, c
+        assert c.resume_iteration == 7
+    assert (big.per_rank_max_reads, big.per_rank_max_watch_events) == (small.per_rank_max_reads,
+                                                                        small.per_rank_max_watch_events)
+    assert big.total_writes <= 10 * small.total_writes + 10 and big.total_watch_events <= 10 * small.total_watch_events + 10
+
+
+def test_recovery_check_catches_a_rank_that_gathers_every_report():
+    """The check can fail: ranks that each wait for all N reports (the protocol before the controller
+    decided the resume point) hear O(N) watch events each."""
+    from trainmover_ext.control.records import recovery_key
+    from trainmover_ext.kv.base import wait_prefix
+    from trainmover_ext.simulate.scale_check import run_recovery_check
+
+    def gather_all(space, epoch, timeout_s, ranks):
+        prefix = recovery_key(space, epoch, 0)[:-1]
+        return wait_prefix(space.kv, prefix, lambda v: len(v) >= ranks - 1, timeout_s, recheck_s=timeout_s)
+
+    small, big = run_recovery_check(100, wait=gather_all), run_recovery_check(400, wait=gather_all)
+    assert big.per_rank_max_watch_events > 3 * small.per_rank_max_watch_events > 3

@@ -92,8 +92,8 @@ def format_status(view: View, job: str) -> str:
         state = "alive" if rec.member_id in view.members else "LOST"
         if any(rep.rank == r and rep.member_id == rec.member_id for rep in view.reports.values()):
             state = "REPORTED"
-        rows.append([r, rec.member_id, rec.role, rec.host or "-", rec.since_epoch, state, view.progress.get(r, "-")])
-    out.append(_table(["rank", "member", "stage role", "host", "since epoch", "state", "iteration"], rows) if rows else "no ranks assigned yet")
+        rows.append([r, rec.member_id, rec.role, rec.host or "-", rec.since_epoch, state])
+    out.append(_table(["rank", "member", "stage role", "host", "since epoch", "state"], rows) if rows else "no ranks assigned yet")
     serving = {rec.member_id for rec in view.ranks.values()}
     standbys = [m for m in view.members.values() if m.kind == "standby" and m.member_id not in serving]
     out += ["", "standbys:"]

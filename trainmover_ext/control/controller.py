@@ -10,7 +10,7 @@ Contract:
   fenced by the leader key. A new leader therefore neither loses nor repeats a
   decision.
 - Rounds are triggered by a watch on the job's control keys (members, ranks,
-  reports, requests, epoch, leader), so a failure is acted on within
+  reports, requests, epoch, leader, the stayers' recovery reports), so a failure is acted on within
   milliseconds; a round also runs every ``ttl_s / 3`` as a backstop.
 - :meth:`Controller.close` stops the thread and resigns (revoking the leader
   lease so a successor is elected at once). It is safe to call twice, or on a
@@ -43,7 +43,7 @@ from trainmover_ext.metrics import ControlMetrics
 
 logger = logging.getLogger(__name__)
 
-_TRIGGERS = ("members", "ranks", "reports", "requests", "epoch", "leader", "checkpoint")
+_TRIGGERS = ("members", "ranks", "reports", "requests", "epoch", "leader", "checkpoint", "recovery")
 
 
 @dataclass(kw_only=True)

@@ -16,8 +16,14 @@ Cases:
 - **two failures at once**: one plan replaces every failed rank (one epoch step).
 - **no standby left**: the rank is listed in ``unserved`` and an alert is raised
   once per (rank, member); it is planned as soon as a standby registers.
-- **planned request**: handled only when nothing has failed; the leaver is the
-  state source. An unknown rank or an unusable ``--to`` standby is rejected.
+- **convergence**: once every stayer of the newest failure epoch reported what
+  it holds (``recovery/<e>/<r>``), the controller commits where every rank
+  resumes and which state copies bring it there (``convergence/<e>``,
+  :mod:`~trainmover_ext.control.convergence`). Ranks never decide this
+  themselves, and each waits on that one key.
+- **planned request**: handled only when nothing has failed and no recovery is
+  under way; the leaver is the state source. An unknown rank or an unusable
+  ``--to`` standby is rejected.
 - **epoch race / malformed epoch**: no action when the epoch is unreadable; a
   lost race is the executor's CAS returning False.
 """
@@ -27,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from trainmover_ext.control.records import Alert, MigrationPlan, RankRecord, Replacement
+from trainmover_ext.control.convergence import plan_convergence
+from trainmover_ext.control.records import Alert, ConvergenceRecord, MigrationPlan, RankRecord, Replacement
 from trainmover_ext.control.view import View
 
 
@@ -62,7 +69,16 @@ class RejectRequest:
     reason: str
 
 
-Action = PlanMigration | DropStaleReport | RaiseAlert | RejectRequest
+@dataclass(frozen=True, kw_only=True)
+class CommitConvergence:
+    """Write ``convergence/<e>`` while ``epoch`` is unchanged; delete the reports it settles."""
+
+    record: ConvergenceRecord
+    expected_epoch_rev: int
+    consumed: tuple[str, ...] = ()
+
+
+Action = PlanMigration | DropStaleReport | RaiseAlert | RejectRequest | CommitConvergence
 
 
 @dataclass(kw_only=True)
@@ -116,10 +132,10 @@ def _pick_standby(view: View, candidates: list[str], rec: RankRecord) -> str | N
 
 
 def _state_source(view: View, rec: RankRecord, failed: set[int]) -> dict:
-    for q in sorted(rec.replicas):
-        peer = view.ranks.get(q)
-        if q not in failed and peer is not None and peer.member_id in view.members:
-            return {"kind": "replica", "rank": q, "member": peer.member_id}
+    """Where the plan expects the lost state to come from (shown to operators); which replica sends
+    it, and whether the job must go back to the checkpoint after all, is the convergence decision."""
+    if any(q not in failed and q in view.ranks and view.ranks[q].member_id in view.members for q in rec.replicas):
+        return {"kind": "replica"}
     return {"kind": "checkpoint", "iteration": view.checkpoint_iteration}
 
 
@@ -154,11 +170,9 @@ def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by:
             )))
     if not replacements:
         return actions
-    if any(r.state_source["kind"] == "checkpoint" for r in replacements):
-        # Every shard must resume at one iteration: a lost shard without a replica pulls all back to the checkpoint.
-        resume = view.checkpoint_iteration
-    else:
-        resume = min(view.progress.values(), default=0)
+    # Known now only when the checkpoint pulls every rank back; otherwise the convergence decision
+    # names it once the stayers reported.
+    resume = view.checkpoint_iteration if any(r.state_source["kind"] == "checkpoint" for r in replacements) else None
     detected = [f.detected_at for f in failures if f.detected_at is not None and f.rank.rank in {r.rank for r in replacements}]
     detected_at = min(detected) if detected else now
     plan = MigrationPlan(
@@ -166,9 +180,36 @@ def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by:
         resume_iteration=resume, unserved=[f.rank.rank for f in unserved], detected_at=detected_at,
         decided_at=now, decided_by=decided_by, steps={"detected": detected_at, "decided": now},
     )
+    # Reports of an epoch this plan supersedes are moot: the stayers report again for the new one.
+    consumed += [k for e, keys in view.recovery_keys.items() if e <= view.epoch for k in keys]
     actions.append(PlanMigration(plan=plan, expected_epoch=view.epoch, expected_epoch_rev=view.epoch_rev,
                                  rank_updates=tuple(updates), consumed=tuple(consumed)))
     return actions
+
+
+def _recovery_under_way(view: View) -> bool:
+    plan = view.last_plan
+    return (plan is not None and plan.reason == "failure" and plan.epoch == view.epoch
+            and plan.epoch not in view.converged)
+
+
+def _decide_convergence(view: View, now: float, decided_by: str) -> list[Action]:
+    """The resume point of the newest failure epoch, once every stayer reported (see the module doc)."""
+    if not _recovery_under_way(view):
+        return []
+    plan = view.last_plan
+    joiners = {r.rank for r in plan.replacement_list()}
+    reported = view.recovery.get(plan.epoch, {})
+    stayers = set(view.ranks) - joiners
+    if not stayers <= set(reported):
+        return []  # still waiting; a stayer that dies meanwhile is a new failure (a newer plan)
+    rings = {r: sorted({r, *rec.replicas}) for r, rec in view.ranks.items()}
+    cplan = plan_convergence(rings, {r: reported[r] for r in stayers}, joiners)
+    record = ConvergenceRecord(epoch=plan.epoch, resume_iteration=cplan.resume_iteration,
+                               copies=[list(pair) for pair in cplan.copies], from_checkpoint=cplan.from_checkpoint,
+                               reason=cplan.reason, decided_at=now, decided_by=decided_by)
+    return [CommitConvergence(record=record, expected_epoch_rev=view.epoch_rev,
+                              consumed=tuple(view.recovery_keys.get(plan.epoch, [])))]
 
 
 def _alert_key(view: View, rank: int) -> str:
@@ -222,4 +263,6 @@ def decide(view: View, now: float, *, decided_by: str = "") -> list[Action]:
     failures, actions = _failures(view)
     if failures:
         return actions + _plan_failures(view, now, failures, decided_by)
+    if _recovery_under_way(view):
+        return actions + _decide_convergence(view, now, decided_by)
     return actions + _plan_request(view, now, decided_by)

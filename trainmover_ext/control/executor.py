@@ -7,7 +7,9 @@ revision the decision saw *and* this controller still holds the leader key
 ``epoch``, writes ``migrations/<e+1>``, repoints ``ranks/<r>`` at the joiners,
 deletes the reports/requests/alerts it settles and appends an event, all at one
 revision. Hence at most one migration commits per epoch, and a decision is
-either wholly visible or absent.
+either wholly visible or absent. A :class:`CommitConvergence` writes
+``convergence/<e>`` only while the epoch is unchanged (a newer failure voids it)
+and deletes the stayers' reports it settles.
 
 A lost race returns ``Outcome.CONFLICT`` (re-read and decide again); a lost
 leadership raises :class:`LeadershipLost`.
@@ -24,8 +26,10 @@ from __future__ import annotations
 import enum
 import logging
 
-from trainmover_ext.control.decide import Action, DropStaleReport, PlanMigration, RaiseAlert, RejectRequest
-from trainmover_ext.control.records import Event, event_key_suffix, migration_key_suffix
+from trainmover_ext.control.decide import (
+    Action, CommitConvergence, DropStaleReport, PlanMigration, RaiseAlert, RejectRequest,
+)
+from trainmover_ext.control.records import Event, convergence_key, event_key_suffix, migration_key_suffix
 from trainmover_ext.control.view import epoch_value
 from trainmover_ext.errors import LeadershipLost
 from trainmover_ext.kv.base import Delete, Guard, Put
@@ -80,6 +84,16 @@ class Executor:
                       Guard.absent(s.key("migrations", migration_key_suffix(plan.epoch)))]
             outcome = self._commit(guards, ops)
             logger.info("plan for epoch %d (%s): %s", plan.epoch, plan.reason, outcome.value)
+            return outcome
+        if isinstance(action, CommitConvergence):
+            rec = action.record
+            key = convergence_key(s, rec.epoch)
+            ops = [Put(key, rec.to_bytes()), *[Delete(k) for k in action.consumed],
+                   event_put(s, "convergence_decided", {"epoch": rec.epoch, "resume_iteration": rec.resume_iteration,
+                                                        "copies": rec.copies, "from_checkpoint": rec.from_checkpoint},
+                             rec.decided_at)]
+            outcome = self._commit([Guard.mod_revision(s.key("epoch"), action.expected_epoch_rev), Guard.absent(key)], ops)
+            logger.info("convergence of epoch %d: %s", rec.epoch, outcome.value)
             return outcome
         if isinstance(action, DropStaleReport):
             entry = s.kv.get(action.key)

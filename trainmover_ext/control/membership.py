@@ -37,10 +37,13 @@ import uuid
 from typing import Callable
 
 from trainmover_ext.control.executor import event_put
-from trainmover_ext.control.records import FailureReport, MemberRecord, MigrationPlan, MigrationRequest, RankRecord
+from trainmover_ext.control.records import (
+    ConvergenceRecord, FailureReport, MemberRecord, MigrationPlan, MigrationRequest, RankRecord, convergence_key,
+    recovery_key,
+)
 from trainmover_ext.control.view import epoch_value
 from trainmover_ext.errors import ConfigError, MalformedValue, MembershipLost, StoreError
-from trainmover_ext.kv.base import Guard, Put, WatchEvent
+from trainmover_ext.kv.base import Guard, Put, WatchEvent, wait_prefix
 from trainmover_ext.kv.codec import encode
 from trainmover_ext.kv.job import JobSpace
 
@@ -165,9 +168,24 @@ def report_failure(space: JobSpace, *, rank: int, member_id: str, reporter: str,
     space.put(space.key("reports", rank, reporter), rep.to_bytes())
 
 
-def report_progress(space: JobSpace, rank: int, iteration: int) -> None:
-    """Record that ``rank`` completed ``iteration`` (input of the resume iteration)."""
-    space.put(space.key("progress", rank), encode("progress", {"iteration": int(iteration)}))
+def report_recovery(space: JobSpace, *, epoch: int, rank: int, iteration: int) -> None:
+    """Stayer ``rank`` of failure epoch ``epoch``: say how many steps it completed (one write; the
+    controller decides the resume point from every stayer's report)."""
+    space.put(recovery_key(space, epoch, rank), encode("recovery", {"iteration": int(iteration)}))
+
+
+def wait_convergence(space: JobSpace, epoch: int, timeout_s: float,
+                     superseded: Callable[[], bool] = lambda: False,
+                     recheck_s: float | None = None) -> ConvergenceRecord | None:
+    """Block until the controller committed ``convergence/<epoch>`` and return it; None when
+    ``superseded()`` turns true first (a newer plan: this epoch will never converge) or after
+    ``timeout_s``. One key: a rank's etcd work does not grow with the job (one read, one watch
+    event, and one more read per ``recheck_s`` waited: the watch's safety net, ``kv.base.RECHECK_S``)."""
+    key = convergence_key(space, epoch)
+    values = wait_prefix(space.kv, key, lambda v: key in v or superseded(), timeout_s, recheck_s)
+    if values is None or key not in values:
+        return None
+    return ConvergenceRecord.from_bytes(values[key], key=key)
 
 
 def request_migration(space: JobSpace, *, rank: int, to: str | None = None, requested_by: str = "cli") -> str:

@@ -10,7 +10,8 @@ Keys, all under ``/trainmover/<job>/`` (see ARCHITECTURE.md):
 ``reports/<r>/<by>``   :class:`FailureReport`: member ``by`` says rank r's link broke
 ``requests/<id>``      :class:`MigrationRequest` from ``trainmover migrate``
 ``alerts/<r>``         :class:`Alert`: rank r is orphaned and nothing can serve it
-``progress/<r>``       ``{"iteration": k}``: the last iteration rank r completed
+``recovery/<e>/<r>``   ``{"iteration": k}``: stayer r of failure epoch e holds k completed steps
+``convergence/<e>``    :class:`ConvergenceRecord`: the controller's resume point and state copies for e
 ``checkpoint``         ``{"iteration": k}``: the newest complete checkpoint
 ``leader``             the controller leader's id, attached to its lease
 ``events/<ns>-<id>``   :class:`Event`, the timeline shown by ``trainmover events``
@@ -162,6 +163,34 @@ class MigrationPlan(Record):
 
     def replacement_list(self) -> list[Replacement]:
         return [Replacement(**r) for r in self.replacements]
+
+
+@dataclass(kw_only=True)
+class ConvergenceRecord(Record):
+    """Where every rank of failure epoch ``epoch`` resumes, decided by the controller once every
+    stayer reported what it holds (``recovery/<e>/<r>``); the ranks only carry it out."""
+
+    KIND: ClassVar[str] = "convergence"
+    epoch: int
+    resume_iteration: int
+    """Completed steps every rank holds after the copies (-1 with ``from_checkpoint``)."""
+    copies: list[list[int]] = field(default_factory=list)
+    """``[source, target]`` rank pairs: each target receives the source's whole training state."""
+    from_checkpoint: bool = False
+    """True: some state has no live replica; every rank loads the latest checkpoint instead."""
+    reason: str = ""
+    decided_at: float = 0.0
+    decided_by: str = ""
+
+
+def recovery_key(space, epoch: int, rank: int) -> str:
+    """``recovery/<e>/<r>``: what stayer ``rank`` holds after failure epoch ``epoch`` (it writes it once)."""
+    return space.key("recovery", migration_key_suffix(epoch), rank)
+
+
+def convergence_key(space, epoch: int) -> str:
+    """``convergence/<e>``: the controller's :class:`ConvergenceRecord` for failure epoch ``epoch``."""
+    return space.key("convergence", migration_key_suffix(epoch))
 
 
 @dataclass(kw_only=True)

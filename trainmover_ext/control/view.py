@@ -46,10 +46,14 @@ class View:
     requests: dict[str, MigrationRequest] = field(default_factory=dict)
     """Planned-migration requests by full key."""
     alerts: dict[int, Alert] = field(default_factory=dict)
-    progress: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     """Ranks whose worker completed training (``finished/<r>``); never replaced."""
-    """Last completed iteration per rank."""
+    recovery: dict[int, dict[int, int]] = field(default_factory=dict)
+    """Stayers' reports per failure epoch: epoch -> rank -> completed steps (``recovery/<e>/<r>``)."""
+    recovery_keys: dict[int, list[str]] = field(default_factory=dict)
+    """The full keys behind ``recovery``, per epoch (a decision deletes the ones it settles)."""
+    converged: set[int] = field(default_factory=set)
+    """Failure epochs whose ``convergence/<e>`` record exists."""
     checkpoint_iteration: int | None = None
     last_plan: MigrationPlan | None = None
     leader: str | None = None
@@ -87,8 +91,13 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
             elif head == "alerts" and rest:
                 a = Alert.from_bytes(entry.value, key=entry.key)
                 view.alerts[a.rank] = a
-            elif head == "progress" and rest:
-                view.progress[int(rest)] = int(decode(entry.value, kind="progress", key=entry.key)["iteration"])
+            elif head == "recovery" and rest:
+                epoch, _, rank = rest.partition("/")
+                it = int(decode(entry.value, kind="recovery", key=entry.key)["iteration"])
+                view.recovery.setdefault(int(epoch), {})[int(rank)] = it
+                view.recovery_keys.setdefault(int(epoch), []).append(entry.key)
+            elif head == "convergence" and rest:
+                view.converged.add(int(rest))
             elif head == "finished" and rest:
                 view.finished.add(int(rest))
             elif rel == "checkpoint":

@@ -211,12 +211,13 @@ waiter would never hear of its key (seen once: a 16-rank start, two ranks waitin
 timeout for a key their peer had written)."""
 
 
-def wait_prefix(kv: KV, prefix: str, ready: Callable[[dict[str, bytes]], bool], timeout_s: float) -> dict[str, bytes] | None:
+def wait_prefix(kv: KV, prefix: str, ready: Callable[[dict[str, bytes]], bool], timeout_s: float,
+                recheck_s: float | None = None) -> dict[str, bytes] | None:
     """Block until ``ready(values)`` holds for the keys under ``prefix``; returns ``{key: value}``.
 
     One read, then a watch from the revision after it (no change is missed), plus one read every
-    :data:`RECHECK_S` in case the watch never fires. Returns None when ``timeout_s`` passes first;
-    the caller says what was missing."""
+    :data:`RECHECK_S` (or ``recheck_s``) in case the watch never fires. Returns None when
+    ``timeout_s`` passes first; the caller says what was missing."""
     import threading
 
     snap = kv.get_prefix(prefix)
@@ -242,7 +243,8 @@ def wait_prefix(kv: KV, prefix: str, ready: Callable[[dict[str, bytes]], bool], 
     try:
         while True:
             with cond:
-                if cond.wait_for(lambda: ready(state["values"]), max(0.0, min(RECHECK_S, deadline - time.monotonic()))):
+                interval = RECHECK_S if recheck_s is None else recheck_s
+                if cond.wait_for(lambda: ready(state["values"]), max(0.0, min(interval, deadline - time.monotonic()))):
                     return state["values"]
             # The safety net under the watch (see RECHECK_S): read the prefix itself.
             values = {e.key: e.value for e in kv.get_prefix(prefix).entries}

@@ -57,7 +57,7 @@ class LinkChannel:
     """The transfer over the nccl_delta world's link to ``peer`` (point-to-point in WORLD, one tag).
 
     After a failure the joiner and its state source are usually ring neighbours (the source is the
-    replica nearest in the data-parallel ring, see ``converge.plan_convergence``), so that link is
+    replica nearest in the data-parallel ring, see ``control.convergence``), so that link is
     up already and the transfer sets nothing up; otherwise both ends build it on first use. Every
     message goes on one tag: sends and receives on a tag match in posting order."""
 

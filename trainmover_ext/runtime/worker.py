@@ -6,9 +6,10 @@ Contract (every rank, main thread unless noted):
 - On a *failure* plan (watch thread) the rank abandons its communicator at
   once: every op in flight or to come raises ``CommAbandoned``. The training
   loop then calls :meth:`WorkerRuntime.recover`, which keeps the idle links
-  both ends agree on and rebuilds the others in the plan's epoch, agrees with
-  the other ranks on the resume iteration (:mod:`.converge`) and copies state
-  from replicas, or loads the latest checkpoint when no replica holds it.
+  both ends agree on and rebuilds the others in the plan's epoch, reports the
+  iteration it holds (one etcd write) and carries out the controller's
+  convergence record (one etcd key): the resume iteration and the state copies
+  from replicas, or the latest checkpoint when no replica holds the lost state.
   Training continues at that iteration.
 - On a *planned* plan the stayers build the joiner's links in the background
   (phase 1) and keep training while the joiner builds its model. Once the
@@ -29,11 +30,11 @@ import time
 from megatron.training import checkpointing
 from megatron.training.training import Runtime, Session
 from trainmover_ext.config import TrainMoverConfig
-from trainmover_ext.control.membership import DecisionWatcher, Membership, init_job
+from trainmover_ext.control.convergence import GridShape
+from trainmover_ext.control.membership import DecisionWatcher, Membership, init_job, report_recovery, wait_convergence
 from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord
 from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted
 from trainmover_ext.kv.codec import decode, encode
-from trainmover_ext.runtime.converge import GridShape, plan_convergence
 from trainmover_ext.runtime.identity import Identity, identity_from_env, open_space
 from trainmover_ext.runtime.timeline import mark_step
 
@@ -220,18 +221,18 @@ class WorkerRuntime(Runtime):
         return True
 
 
-def _gather_iterations(rt: WorkerRuntime, epoch: int, expected: int) -> dict[int, int]:
-    """Every stayer's iteration at the failure (``recovery/<epoch>/<rank>``), once ``expected`` reported."""
-    from trainmover_ext.kv.base import wait_prefix
+def _await_convergence(rt: WorkerRuntime, epoch: int):
+    """The controller's convergence record of ``epoch`` (it decides once every stayer reported)."""
+    def superseded() -> bool:
+        with rt._cond:
+            return any(e > epoch and p.reason == "failure" for e, p in rt._plans.items())
 
-    prefix = rt.space.key("recovery", epoch) + "/"
-    values = wait_prefix(rt.space.kv, prefix, lambda v: len(v) >= expected, rt.timeout_s)
-    if values is None:
-        found = len(rt.space.kv.get_prefix(prefix).entries)
-        raise MigrationAborted(f"epoch {epoch}: only {found}/{expected} ranks reported their iteration within "
-                               f"{rt.timeout_s:.0f}s")
-    return {int(key.rsplit("/", 1)[1]): decode(value, kind="recovery", key=key)["iteration"]
-            for key, value in values.items()}
+    record = wait_convergence(rt.space, epoch, rt.timeout_s, superseded)
+    if record is None:
+        why = ("a newer failure superseded it" if superseded() else
+               f"the controller decided nothing within {rt.timeout_s:.0f}s (did every stayer report?)")
+        raise MigrationAborted(f"epoch {epoch} did not converge: {why}")
+    return record
 
 
 def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: bool) -> None:
@@ -249,13 +250,11 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: b
         # The abandoned iteration drew dropout masks before it failed: start it again from its
         # snapshot, as a run without the failure would (a copy below may overwrite it).
         session.rewind()
-        rt.space.put(rt.space.key("recovery", e, layout.rank), encode("recovery", {"iteration": args.iteration}))
+        report_recovery(rt.space, epoch=e, rank=layout.rank, iteration=args.iteration)
         report = world.recover(e, replaced=replaced)
         logger.info("rank %d: epoch %d kept %d links, rebuilt %d", layout.rank, e, report.kept, report.rebuilt)
     mark_step(rt.space, e, "links_rebuilt" if not joiner else "joined", only_if=joiner)
-    iterations = _gather_iterations(rt, e, layout.world_size - len(replaced))
-    cplan = plan_convergence(grid_of(layout), iterations, replaced,
-                             replicas_share_state=not args.use_distributed_optimizer)
+    cplan = _await_convergence(rt, e)
     if cplan.from_checkpoint:
         root = args.load or args.save
         if not root or checkpointing.read_latest_iteration(root) is None:
@@ -266,7 +265,7 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, joiner: b
         args.consumed_train_samples = args.iteration * args.global_batch_size
     else:
         # Over the communicator's own link: the source is a ring neighbour of its target when one
-        # qualifies (plan_convergence), so nothing is set up on the critical path.
+        # qualifies (the controller picks it), so nothing is set up on the critical path.
         for src, dst in cplan.copies:
             if layout.rank == src:
                 _send_and_report(LinkChannel(dst), session, dst, e)

@@ -10,8 +10,10 @@ prints it and exits 2). Defaults are the paper's inputs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import replace
 
+from trainmover_ext.errors import ConfigError
 from trainmover_ext.simulate.config import DowntimeModel, SimConfig
 
 # flag -> DowntimeModel field; defaults are None so that a flag given on the command
@@ -83,7 +85,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                            help="also print the paper's figures beside ours (8K/64K/128K, 10-min rebalance)")
     run_group.add_argument("--check", action="store_true", help="with --paper: exit 1 if a figure is off by > 5 pp")
     run_group.add_argument("--scale-check", type=int, default=None, metavar="RANKS",
-                           help="also run the membership-scale check with RANKS logical ranks (e.g. 1024)")
+                           help="also run the membership-scale check with RANKS logical ranks (e.g. 1024), and count "
+                                "one recovery's etcd work per rank at each --recovery-ranks size")
+    run_group.add_argument("--recovery-ranks", default="100,1000,4000", metavar="N,N,...",
+                           help="job sizes of the per-rank recovery count that --scale-check runs (multiples of 20: "
+                                "TP4 x PP5); JSON key recovery[]")
     p.set_defaults(func=run)
     return p
 
@@ -156,6 +162,14 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(scale_check.format_result(result))
         doc["scale_check"] = result.to_json()
+        try:
+            sizes = [int(n) for n in args.recovery_ranks.split(",") if n.strip()]
+        except ValueError as exc:
+            raise ConfigError(f"--recovery-ranks {args.recovery_ranks!r}: give job sizes such as 100,1000,4000") from exc
+        counts = [scale_check.run_recovery_check(n) for n in sizes]
+        print()
+        print(scale_check.format_recovery(counts))
+        doc["recovery"] = [dataclasses.asdict(c) for c in counts]
     if args.json:
         report.write_json(doc, args.json)
         print(f"wrote {args.json}")

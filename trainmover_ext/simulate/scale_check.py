@@ -14,6 +14,12 @@ second round, requests a planned move of another rank, and counts:
 - ranks that act and links replaced: only the leaver's ring neighbours in each of its
   TP, DP and PP groups (O(neighbours)), against every link of the job for a global rebuild.
 
+:func:`run_recovery_check` follows one unexpected failure's recovery through the same
+code a rank runs (``report_recovery`` and ``wait_convergence``, each rank on a client of
+its own that counts what it reads, writes and hears) and the controller's real
+convergence decision, and reports the etcd work per rank: reads, writes and watch events
+must not grow with the job (``recovery[]`` in the JSON).
+
 Links follow the delta communicator's rule (``nccl_delta.group.DeltaGroup.ring_peers``:
 two ring neighbours per group); they are derived from the logical layout here so the
 check needs no torch. Phase-1 link rendezvous keys (``links/<epoch>/<group>/<a>-<b>``)
@@ -27,7 +33,10 @@ from dataclasses import asdict, dataclass, field
 
 from trainmover_ext.control.decide import PlanMigration, decide
 from trainmover_ext.control.executor import Executor, Outcome
-from trainmover_ext.control.membership import DecisionWatcher, init_job, request_migration
+from trainmover_ext.control.decide import CommitConvergence
+from trainmover_ext.control.membership import (
+    DecisionWatcher, init_job, report_recovery, request_migration, wait_convergence,
+)
 from trainmover_ext.control.records import ROLES, MemberRecord, RankRecord
 from trainmover_ext.control.view import read_view
 from trainmover_ext.errors import ConfigError
@@ -220,4 +229,149 @@ def format_result(result: ScaleCheckResult) -> str:
             f"{m.plan_notifications:>13,} {m.ranks_acting:>13} {m.links_replaced:>15}"
             + ("" if m.decided else "  (NOT decided)")
         )
+    return "\n".join(lines)
+
+
+class RankClient:
+    """One simulated rank's connection to the shared store: counts what this rank reads (requests),
+    writes (keys) and hears (watch events); everything else is the shared store's."""
+
+    def __init__(self, kv: MemoryKV) -> None:
+        self._kv = kv
+        self.reads = self.writes = self.watch_events = 0
+        self.watches = 0
+        """Watches this rank opened (the check starts deciding once every rank waits)."""
+
+    def get(self, key: str):
+        self.reads += 1
+        return self._kv.get(key)
+
+    def get_prefix(self, prefix: str):
+        self.reads += 1
+        return self._kv.get_prefix(prefix)
+
+    def commit(self, guards, ops) -> bool:
+        self.writes += len(ops)
+        return self._kv.commit(guards, ops)
+
+    def watch_prefix(self, prefix: str, callback, *, start_revision: int = 0):
+        def counted(events):
+            self.watch_events += len(events)
+            callback(events)
+        handle = self._kv.watch_prefix(prefix, counted, start_revision=start_revision)
+        self.watches += 1
+        return handle
+
+    def __getattr__(self, name: str):
+        return getattr(self._kv, name)
+
+
+@dataclass
+class RecoveryCount:
+    """The etcd work of one recovery in a job of ``ranks`` ranks (``recovery[]`` in the JSON)."""
+
+    ranks: int
+    per_rank_max_reads: int
+    per_rank_max_writes: int
+    per_rank_max_watch_events: int
+    total_reads: int
+    total_writes: int
+    total_watch_events: int
+    controller_keys_read: int
+    """Keys the controller's final round read (it aggregates: O(N) once, not per rank)."""
+    resume_iteration: int
+
+
+def run_recovery_check(ranks: int, tp: int = 4, pp: int = 5, timeout_s: float = 600.0,
+                       wait=None) -> RecoveryCount:
+    """One unexpected failure's recovery on the real control plane, counted per rank (module doc).
+
+    ``wait(space, epoch, timeout_s, ranks)`` replaces what a rank does after reporting (default: the
+    runtime's ``wait_convergence``); the tests pass a rank that gathers every other rank's report
+    instead, to show that the count catches O(N) work per rank."""
+    import threading
+
+    if ranks % (tp * pp):
+        raise ConfigError(f"--scale-check: {ranks} ranks is not a multiple of TP {tp} x PP {pp}")
+    groups = layout_groups(ranks, tp, pp)
+    dp_peers = {r: g for g in groups["dp"] for r in g}
+    kv = CountingKV()
+    space = JobSpace.create(kv, "recovery-check", "token")
+    records = [RankRecord(rank=r, member_id=f"w{r}", host=f"node{r // 8}",
+                          role=_role(r // (ranks // pp), pp), replicas=[q for q in dp_peers[r] if q != r])
+               for r in range(ranks)]
+    init_job(space, records)
+    leases = {}
+    for rec in records:
+        leases[rec.member_id] = kv.grant_lease(10)
+        space.put(space.key("members", rec.member_id),
+                  MemberRecord(member_id=rec.member_id, kind="worker", host=rec.host, pid=rec.rank).to_bytes(),
+                  lease=leases[rec.member_id])
+    space.put(space.key("members", "s0"), MemberRecord(member_id="s0", kind="standby", host="spare", pid=0,
+                                                       warm_roles=list(ROLES)).to_bytes(), lease=kv.grant_lease(10))
+    clients = [RankClient(kv) for _ in range(ranks)]
+    spaces = [JobSpace(client, space.job, space.token, space._record) for client in clients]
+    watchers = [DecisionWatcher(sp, on_plan=lambda plan: None, resync_s=3600) for sp in spaces]
+    try:
+        for c in clients:  # count from the failure on
+            c.reads = c.writes = c.watch_events = 0
+        victim = ranks // 2 + 1
+        kv.revoke_lease(leases[f"w{victim}"])
+        committed, _ = _decide_and_apply(kv, space)
+        if not committed:
+            raise RuntimeError("the controller planned no migration")
+        epoch = read_view(space).epoch
+        results: dict[int, object] = {}
+
+        def rank_main(r: int) -> None:
+            if r != victim:  # every stayer reports once; the joiner (served by s0) only waits
+                report_recovery(spaces[r], epoch=epoch, rank=r, iteration=7)
+            # The watch's once-a-second safety re-read depends on how long this simulation of
+            # thousands of ranks on one core takes, not on the protocol: counted without it.
+            if wait is not None:
+                results[r] = wait(spaces[r], epoch, timeout_s, ranks)
+            else:
+                results[r] = wait_convergence(spaces[r], epoch, timeout_s, recheck_s=timeout_s)
+
+        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(ranks)]
+        for t in threads:
+            t.start()
+        # Decide once every rank waits (its watch is open), as the controller's decision comes after
+        # the last report in a real job; a rank that only got to wait after it would read it at once.
+        while any(t.is_alive() for t in threads) and not all(c.watches >= 2 for c in clients):
+            threading.Event().wait(0.1)
+        before = kv.keys_read
+        view = read_view(space)
+        controller_read = kv.keys_read - before
+        executor = Executor(space)
+        from trainmover_ext.control.decide import decide as _decide
+
+        for action in _decide(view, kv.now, decided_by="recovery-check"):
+            if isinstance(action, CommitConvergence):
+                executor.apply(action)
+        for t in threads:
+            t.join(timeout_s)
+        records_seen = [results.get(r) for r in range(ranks)]
+        if any(rec is None for rec in records_seen):
+            raise RuntimeError("some rank never saw the convergence record")
+    finally:
+        for w in watchers:
+            w.close()
+    return RecoveryCount(
+        ranks=ranks,
+        per_rank_max_reads=max(c.reads for c in clients), per_rank_max_writes=max(c.writes for c in clients),
+        per_rank_max_watch_events=max(c.watch_events for c in clients),
+        total_reads=sum(c.reads for c in clients), total_writes=sum(c.writes for c in clients),
+        total_watch_events=sum(c.watch_events for c in clients), controller_keys_read=controller_read,
+        resume_iteration=getattr(records_seen[0], "resume_iteration", -1))
+
+
+def format_recovery(counts: list[RecoveryCount]) -> str:
+    lines = ["Recovery after one SIGKILL, etcd work per rank (real report/wait code, real convergence decision):",
+             f"{'ranks':>6} {'max reads':>10} {'max writes':>11} {'max watch events':>17} {'total writes':>13} "
+             f"{'total watch events':>19} {'controller keys read':>21}"]
+    for c in counts:
+        lines.append(f"{c.ranks:>6} {c.per_rank_max_reads:>10} {c.per_rank_max_writes:>11} "
+                     f"{c.per_rank_max_watch_events:>17} {c.total_writes:>13} {c.total_watch_events:>19} "
+                     f"{c.controller_keys_read:>21}")
     return "\n".join(lines)

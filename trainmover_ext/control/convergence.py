@@ -1,5 +1,8 @@
 """After an abandoned iteration: pick the resume iteration and the state copies (pure logic).
 
+The controller alone decides this (:func:`~trainmover_ext.control.decide.decide` turns it into a
+``convergence/<e>`` record); ranks only report what they hold and carry the record out.
+
 Every live rank reports the number of optimizer steps it completed. Ranks in
 different data-parallel replicas of one parameter shard may differ by one step
 (a kill during the optimizer step lets some replicas finish). The job resumes
@@ -11,7 +14,12 @@ runs over a communicator link that exists already. When some shard has no such
 replica (data-parallel size 1, the distributed optimizer, or every replica
 lost), every rank falls back to the latest checkpoint.
 
-Unit-tested without I/O; see tests/runtime/test_converge.py.
+A shard is given by its *ring*: the ranks holding the same state, in data-parallel
+order (:meth:`GridShape.ring_of`, or a rank record's ``replicas`` plus the rank
+itself). With the distributed optimizer every rank's ring is just itself: its
+optimizer shard exists nowhere else.
+
+Unit-tested without I/O; see tests/control/test_convergence.py.
 """
 
 from __future__ import annotations
@@ -42,6 +50,11 @@ class GridShape:
         shard = self.shard_of(rank)
         return [r for r in range(self.world_size) if self.shard_of(r) == shard]
 
+    def rings(self, replicas_share_state: bool = True) -> dict[int, list[int]]:
+        """Every rank's shard ring (see the module docstring); with the distributed optimizer
+        (``replicas_share_state=False``) each rank's ring is itself."""
+        return {r: self.replicas_of(r) if replicas_share_state else [r] for r in range(self.world_size)}
+
 
 @dataclass(kw_only=True)
 class ConvergencePlan:
@@ -56,44 +69,36 @@ class ConvergencePlan:
     reason: str = ""
 
 
-def plan_convergence(grid: GridShape, iterations: dict[int, int], joiners: set[int],
-                     replicas_share_state: bool = True) -> ConvergencePlan:
+def plan_convergence(rings: dict[int, list[int]], iterations: dict[int, int],
+                     joiners: set[int]) -> ConvergencePlan:
     """Decide the resume point.
 
-    ``iterations`` maps each live stayer rank to its completed steps; ``joiners``
-    are ranks served by new processes (no state). ``replicas_share_state`` is
-    False with the distributed optimizer, whose optimizer shards differ per
-    data-parallel rank.
+    ``rings`` maps every rank of the job to its shard's ring (itself included, data-parallel
+    order); ``iterations`` maps each live stayer rank to its completed steps; ``joiners`` are
+    ranks served by new processes (no state).
     """
-    missing = set(range(grid.world_size)) - set(iterations) - joiners
+    missing = set(rings) - set(iterations) - joiners
     if missing:
         raise ValueError(f"ranks {sorted(missing)} are neither reporting stayers nor joiners")
-    if not replicas_share_state and joiners:
-        return ConvergencePlan(resume_iteration=-1, from_checkpoint=True,
-                               reason="the distributed optimizer keeps one copy of each optimizer shard")
-    best: dict[tuple[int, int], int] = {}
+    shard_of = {rank: tuple(ring) for rank, ring in rings.items()}
+    best: dict[tuple, int] = {}
     for rank, it in iterations.items():
-        shard = grid.shard_of(rank)
+        shard = shard_of[rank]
         best[shard] = max(best.get(shard, -1), it)
-    shards = {grid.shard_of(r) for r in range(grid.world_size)}
-    lost = sorted(shards - set(best))
+    lost = sorted(set(shard_of.values()) - set(best))
     if lost:
         return ConvergencePlan(resume_iteration=-1, from_checkpoint=True,
-                               reason=f"no live replica of shard(s) (tp, pp) {lost}")
+                               reason=f"no live replica of the state of rank(s) {sorted(r for s in lost for r in s)}")
     k = min(best.values())
     copies = []
-    for target in sorted(set(range(grid.world_size))):
+    for target in sorted(rings):
         if target not in joiners and iterations[target] == k:
             continue
-        sources = [r for r in grid.replicas_of(target) if r in iterations and iterations[r] == k]
+        sources = [r for r in rings[target] if r in iterations and iterations[r] == k]
         if not sources:
             return ConvergencePlan(resume_iteration=-1, from_checkpoint=True,
-                                   reason=f"no live replica of rank {target}'s shard is at iteration {k}")
-        if not replicas_share_state:
-            return ConvergencePlan(resume_iteration=-1, from_checkpoint=True,
-                                   reason=f"rank {target} is off by one step and distributed-optimizer "
-                                          "shards cannot be copied from a replica")
-        copies.append((nearest_in_ring(grid.replicas_of(target), target, sources), target))
+                                   reason=f"no live replica of rank {target}'s state is at iteration {k}")
+        copies.append((nearest_in_ring(rings[target], target, sources), target))
     return ConvergencePlan(resume_iteration=k, copies=copies)
 
 

@@ -1,6 +1,6 @@
 """Pure logic: the resume iteration and the state copies after an abandoned iteration."""
 
-from trainmover_ext.runtime.converge import GridShape, plan_convergence
+from trainmover_ext.control.convergence import GridShape, plan_convergence
 
 GRID = GridShape(tp=2, pp=2, dp=2)  # ranks: tp fastest, then dp, then pp
 
@@ -13,39 +13,39 @@ def test_grid_matches_megatron_order():
 
 def test_joiner_copies_from_its_replica():
     its = {r: 7 for r in range(8) if r != 5}
-    plan = plan_convergence(GRID, its, joiners={5})
+    plan = plan_convergence(GRID.rings(), its, joiners={5})
     assert plan.resume_iteration == 7 and plan.copies == [(7, 5)] and not plan.from_checkpoint
 
 
 def test_replicas_that_stepped_further_bring_the_others_forward():
     # victim 5 died during the optimizer step; its replica 7 and the other DP group finished step 8
     its = {0: 7, 1: 7, 2: 8, 3: 8, 4: 7, 6: 8, 7: 8}
-    plan = plan_convergence(GRID, its, joiners={5})
+    plan = plan_convergence(GRID.rings(), its, joiners={5})
     assert plan.resume_iteration == 8
     assert plan.copies == [(2, 0), (3, 1), (6, 4), (7, 5)]
 
 
 def test_shard_behind_everywhere_sets_k_and_ahead_ranks_copy_back():
     its = {0: 3, 2: 3, 1: 4, 3: 3, 4: 3, 6: 3, 7: 3}
-    plan = plan_convergence(GRID, its, joiners={5})
+    plan = plan_convergence(GRID.rings(), its, joiners={5})
     assert plan.resume_iteration == 3
     assert (3, 1) in plan.copies and (7, 5) in plan.copies
 
 
 def test_no_replica_falls_back_to_checkpoint():
     grid = GridShape(tp=2, pp=2, dp=1)
-    plan = plan_convergence(grid, {0: 5, 1: 5, 2: 5}, joiners={3})
+    plan = plan_convergence(grid.rings(), {0: 5, 1: 5, 2: 5}, joiners={3})
     assert plan.from_checkpoint and "no live replica" in plan.reason
 
 
 def test_distributed_optimizer_falls_back_to_checkpoint():
     its = {r: 7 for r in range(8) if r != 5}
-    plan = plan_convergence(GRID, its, joiners={5}, replicas_share_state=False)
+    plan = plan_convergence(GRID.rings(replicas_share_state=False), its, joiners={5})
     assert plan.from_checkpoint
 
 
 def test_everyone_equal_without_joiner_needs_no_copy():
-    plan = plan_convergence(GRID, {r: 4 for r in range(8)}, joiners=set())
+    plan = plan_convergence(GRID.rings(), {r: 4 for r in range(8)}, joiners=set())
     assert plan.resume_iteration == 4 and plan.copies == []
 
 
@@ -53,8 +53,8 @@ def test_the_source_is_the_replica_nearest_in_the_data_parallel_ring():
     """DP=4: a joiner at DP index 2 copies from DP index 1 or 3 (its ring neighbours), not from DP index 0."""
     grid = GridShape(tp=2, pp=2, dp=4)  # rank = tp + 2*dp + 8*pp
     stayers = {r: 5 for r in range(16) if r != 13}  # rank 13: tp1, dp2, pp1; replicas 9, 11, 13, 15
-    plan = plan_convergence(grid, stayers, {13})
+    plan = plan_convergence(grid.rings(), stayers, {13})
     assert plan.copies == [(11, 13)]
-    assert plan_convergence(grid, {r: 5 for r in range(16) if r != 15}, {15}).copies == [(9, 15)]  # wraps round
+    assert plan_convergence(grid.rings(), {r: 5 for r in range(16) if r != 15}, {15}).copies == [(9, 15)]  # wraps round
     late = {**stayers, 11: 4, 15: 4}  # only DP index 0 is at the resume iteration besides itself
-    assert (9, 13) in plan_convergence(grid, late, {13}).copies
+    assert (9, 13) in plan_convergence(grid.rings(), late, {13}).copies
