@@ -1,21 +1,30 @@
 """The records the control plane keeps in etcd, their keys, and their JSON form.
 
-Keys, all under ``/trainmover/<job>/`` (see ARCHITECTURE.md):
+Every key of a job, all under ``/trainmover/<job>/``, with who writes and who reads it
+(the rendezvous store's keys, written through ``trainmover_ext.kv.torch_store``, are the
+communicator's own: link rendezvous and ``nccl_delta/ledgers/e<e>/<rank>``):
 
-=====================  ==========================================================
-``members/<id>``       :class:`MemberRecord`, attached to the member's lease
-``ranks/<r>``          :class:`RankRecord`: the member serving logical rank r
-``epoch``              ``{"epoch": e}``; changes only by compare-and-swap
-``migrations/<e>``     :class:`MigrationPlan` that opened epoch e (zero-padded e)
-``reports/<r>/<by>``   :class:`FailureReport`: member ``by`` says rank r's link broke
-``requests/<id>``      :class:`MigrationRequest` from ``trainmover migrate``
-``alerts/<r>``         :class:`Alert`: rank r is orphaned and nothing can serve it
-``recovery/<e>/<r>``   ``{"iteration": k}``: stayer r of failure epoch e holds k completed steps
-``convergence/<e>``    :class:`ConvergenceRecord`: the controller's resume point and state copies for e
-``checkpoint``         ``{"iteration": k}``: the newest complete checkpoint
-``leader``             the controller leader's id, attached to its lease
-``events/<ns>-<id>``   :class:`Event`, the timeline shown by ``trainmover events``
-=====================  ==========================================================
+======================  =============================================  ==========================  ==============================
+key                     value                                          written by                  read by
+======================  =============================================  ==========================  ==============================
+``job``                 the job record (token digest)                  the first launcher          every client (token guard)
+``members/<id>``        :class:`MemberRecord` on the member's lease    each member                 controller, ``status``, metrics
+``ranks/<r>``           :class:`RankRecord`: who serves rank r         launcher; controller        controller, agents, ``status``
+``epoch``               ``{"epoch": e}``, compare-and-swap only         controller                  controller
+``migrations/<e>``      :class:`MigrationPlan` that opened epoch e     controller; steps: ranks    every rank and agent (watch)
+``reports/<r>/<by>``    :class:`FailureReport`: r's process died       agents                      controller
+``requests/<id>``       :class:`MigrationRequest`                      ``trainmover migrate``      controller
+``alerts/<r>``          :class:`Alert`: no standby can serve rank r    controller                  controller, ``status``
+``recovery/<e>/<r>``    ``{"iteration": k}``: stayer r holds k steps   that stayer (once)          controller only
+``convergence/<e>``     :class:`ConvergenceRecord`: resume and copies  controller                  every rank of epoch e (one key)
+``switch_at/<e>``       ``{"iteration": k}``: a planned move's switch  the first rank to pick it   every rank of a planned move
+``checkpoint``          ``{"iteration": k}``: newest full checkpoint   rank 0                      controller
+``finished/<r>``        ``{"iteration": k}``: rank r completed         that rank                   controller, ``trainmover controller``
+``recordings/<role>``   the sandbox's recording index                  the recording rank          standbys
+``links/<e>/...``       phase-1 link rendezvous (scale check only)     the scale check             the scale check
+``leader``              the controller leader's id, on its lease       the election                candidates, ``status``
+``events/<ns>-<id>``    :class:`Event`, the job's timeline             controller, CLI             ``events``, the run archive
+======================  =============================================  ==========================  ==============================
 
 Each record type converts to and from versioned JSON (:mod:`trainmover_ext.kv.codec`)
 with ``to_bytes`` / ``from_bytes``; unknown fields from newer writers are ignored.

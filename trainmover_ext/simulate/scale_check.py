@@ -209,6 +209,14 @@ def run_scale_check(ranks: int = 1024, tp: int = 8, pp: int = 8, standbys: int =
                 controller_keys_read=read, plan_notifications=len(heard) - heard0,
                 ranks_acting=len(neighbours), links_replaced=sum(by_group.values()), links_by_group=by_group,
             ))
+            if committed and kind == "unexpected":
+                # Let that recovery finish before the planned move (the controller holds requests
+                # while one is under way): every stayer reports, and the controller converges.
+                # Its per-rank cost is what run_recovery_check counts.
+                for r in range(ranks):
+                    if r != rank:
+                        report_recovery(space, epoch=epoch, rank=r, iteration=7)
+                _decide_and_apply(kv, space)
     finally:
         for w in watchers:
             w.close()
