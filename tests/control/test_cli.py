@@ -29,8 +29,11 @@ def test_status_events_and_migrate(etcd, kv, capsys):
         out = capsys.readouterr().out
         assert "epoch 0" in out and "w1" in out and "s0" in out and "first,middle,last" in out
 
+        assert main(["migrate", "--rank", "1", "--to", "no-such-standby", *flags(etcd, space.token)]) == 1
+        assert "rejected the move: no-such-standby is not an idle standby" in capsys.readouterr().err
         assert main(["migrate", "--rank", "1", "--to", "s0", *flags(etcd, space.token)]) == 0
-        assert "requested planned migration" in capsys.readouterr().out
+        out = capsys.readouterr().out
+        assert "requested planned migration" in out and "planned: epoch 1, rank 1 -> s0" in out
         deadline = time.monotonic() + 5
         while read_view(space).epoch != 1:
             assert time.monotonic() < deadline, "the controller did not act on the request"
@@ -71,3 +74,10 @@ def test_cli_errors_say_what_to_do(etcd, kv, capsys):
     assert "--tm-job-token" in capsys.readouterr().err
     assert main(["controller", *flags(etcd, "wrong")]) == 2
     assert "token" in capsys.readouterr().err
+
+
+def test_migrate_without_a_controller_says_so(etcd, kv, capsys):
+    space = JobSpace.create(kv, "cli")
+    init_job(space, [RankRecord(rank=0, member_id="w0", host="h0", role="first", replicas=[])])
+    assert main(["migrate", "--rank", "0", "--wait", "0.5", *flags(etcd, space.token)]) == 3
+    assert "no decision within" in capsys.readouterr().err

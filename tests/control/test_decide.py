@@ -170,6 +170,25 @@ def test_malformed_epoch_decides_nothing():
     assert decide(v, 1.0) == []
 
 
+def test_garbage_epoch_is_repaired_from_the_newest_plan_then_decisions_resume():
+    """One garbage value in ``epoch`` must not stop every decision for good."""
+    kv, space = seeded_space()
+    plan = MigrationPlan(epoch=3, reason="failure", replacements=[], resume_iteration=None)
+    space.put(space.key("migrations", "0000000003"), plan.to_bytes())
+    space.put(space.key("epoch"), b"garbage")
+    space.delete(space.key("members", "w0"))
+    view = read_view(space)
+    assert view.epoch is None
+    from trainmover_ext.control.decide import RepairEpoch
+
+    repair = only(decide(view, 1.0), RepairEpoch)
+    assert repair.epoch == 3
+    assert Executor(space).apply(repair) is Outcome.APPLIED
+    view = read_view(space)
+    assert view.epoch == 3
+    assert only(decide(view, 2.0), PlanMigration).plan.epoch == 4, "rank 0's failure is planned after the repair"
+
+
 # --- executor with the fake: CAS, fencing, epoch race ---
 
 

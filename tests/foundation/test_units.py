@@ -184,3 +184,19 @@ def test_fault_phases_parse():
     assert (spec.rank, spec.iteration, spec.phase) == (4, 6, "log")
     with pytest.raises(ConfigError, match="log"):
         FaultSpec.parse("4:6:logging")
+
+
+def test_a_fault_that_could_never_fire_is_refused():
+    """A drill naming a rank outside the world, or an iteration the job never runs, is an error on
+    every rank instead of a run in which nothing happens."""
+    from types import SimpleNamespace
+
+    from trainmover_ext.errors import ConfigError
+    from trainmover_ext.runtime.faults import FaultSpec, install
+
+    session = SimpleNamespace(layout=SimpleNamespace(world_size=8, rank=0), args=SimpleNamespace(train_iters=12))
+    with pytest.raises(ConfigError, match=r"rank 8, but the job has ranks 0..7"):
+        install(FaultSpec.parse("8:6:forward"), session)
+    with pytest.raises(ConfigError, match=r"iteration 13, but the job trains iterations 1..12"):
+        install(FaultSpec.parse("3:13:forward"), session)
+    install(FaultSpec.parse("3:6:forward"), session)  # another rank's drill: nothing to arm here

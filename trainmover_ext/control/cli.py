@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import sys
 import datetime as _dt
 import os
 import signal
@@ -176,12 +177,44 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     try:
         if space.kv.get(space.key("ranks", args.rank)) is None:
             raise ConfigError(f"job {space.job!r} has no rank {args.rank}: see `trainmover status` for the ranks")
+        epoch = read_view(space).epoch or 0
         rid = request_migration(space, rank=args.rank, to=args.to, requested_by=f"cli@{os.uname().nodename}")
-        print(f"requested planned migration {rid}: rank {args.rank} -> {args.to or 'a standby chosen by the controller'}; "
-              "follow it with `trainmover status` or `trainmover events`")
+        print(f"requested planned migration {rid}: rank {args.rank} -> {args.to or 'a standby chosen by the controller'}",
+              flush=True)
+        if args.wait <= 0:
+            print("not waiting for the decision (--wait 0): follow it with `trainmover status` or `trainmover events`")
+            return 0
+        return _await_decision(space, rid, args.rank, epoch, args.wait)
     finally:
         space.kv.close()
-    return 0
+
+
+def _await_decision(space, request_id: str, rank: int, epoch: int, wait_s: float) -> int:
+    """0 once the controller planned the move, 1 with its reason when it rejected it, 3 on no decision."""
+    deadline = time.monotonic() + wait_s
+    key = space.key("requests", request_id)
+    while time.monotonic() < deadline:
+        if space.kv.get(key) is None:  # the controller settled it: planned or rejected
+            for entry in reversed(space.kv.get_prefix(space.key("events/")).entries):
+                try:
+                    ev = Event.from_bytes(entry.value, key=entry.key)
+                except MalformedValue:
+                    continue
+                if ev.what == "request_rejected" and ev.detail.get("request") == request_id:
+                    print(f"trainmover migrate: the controller rejected the move: {ev.detail.get('reason')}",
+                          file=sys.stderr)
+                    return 1
+            view = read_view(space)
+            plan = view.last_plan
+            if plan is not None and plan.epoch > epoch and plan.reason == "planned":
+                rep = plan.replacement_list()[0]
+                print(f"planned: epoch {plan.epoch}, rank {rep.rank} -> {rep.joiner}; follow it with "
+                      "`trainmover status` or `trainmover events`")
+                return 0
+        time.sleep(0.1)
+    print(f"trainmover migrate: no decision within {wait_s:.0f}s: is a controller running (an agent, or "
+          "`trainmover controller`)? The request stays queued; see `trainmover status`", file=sys.stderr)
+    return 3
 
 
 def job_done(view: View) -> bool:
@@ -251,6 +284,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     migrate = _sub(subparsers, "migrate", "request a planned migration of one rank to a warm standby", cmd_migrate)
     migrate.add_argument("--rank", type=int, required=True, help="the logical rank to move (see `trainmover status`)")
     migrate.add_argument("--to", default=None, help="member id of the standby to move it to (default: the controller picks)")
+    migrate.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                         help="wait this long for the controller's decision: exit 0 once planned, 1 when rejected "
+                              "(with the reason), 3 when nothing was decided (default 60; 0: do not wait)")
     controller = _sub(subparsers, "controller", "run one more leader-elected controller candidate for a job (e.g. on a "
                       "node without ranks); it exits when the job has finished", cmd_controller)
     controller.add_argument("--id", default=None,

@@ -24,8 +24,9 @@ Cases:
 - **planned request**: handled only when nothing has failed and no recovery is
   under way; the leaver is the state source. An unknown rank or an unusable
   ``--to`` standby is rejected.
-- **epoch race / malformed epoch**: no action when the epoch is unreadable; a
-  lost race is the executor's CAS returning False.
+- **epoch race / malformed epoch**: an unreadable epoch is repaired from the
+  newest plan (each plan opened one epoch) and nothing else is decided in that
+  round; a lost race is the executor's CAS returning False.
 """
 
 from __future__ import annotations
@@ -78,7 +79,16 @@ class CommitConvergence:
     consumed: tuple[str, ...] = ()
 
 
-Action = PlanMigration | DropStaleReport | RaiseAlert | RejectRequest | CommitConvergence
+@dataclass(frozen=True, kw_only=True)
+class RepairEpoch:
+    """Rewrite an unreadable ``epoch`` with the epoch the newest plan opened (CAS on its revision)."""
+
+    epoch: int
+    expected_epoch_rev: int
+    garbage: str
+
+
+Action = PlanMigration | DropStaleReport | RaiseAlert | RejectRequest | CommitConvergence | RepairEpoch
 
 
 @dataclass(kw_only=True)
@@ -259,6 +269,11 @@ def _plan_request(view: View, now: float, decided_by: str) -> list[Action]:
 def decide(view: View, now: float, *, decided_by: str = "") -> list[Action]:
     """The actions that move the job toward a healthy membership (see the module docstring)."""
     if view.epoch is None:
+        key = f"{view.root}epoch"
+        if key in view.malformed and view.epoch_rev:
+            # Every epoch was opened by a plan: the newest plan's epoch is the true one.
+            epoch = view.last_plan.epoch if view.last_plan is not None else 0
+            return [RepairEpoch(epoch=epoch, expected_epoch_rev=view.epoch_rev, garbage=view.malformed[key][:200])]
         return []
     failures, actions = _failures(view)
     if failures:

@@ -27,7 +27,7 @@ import enum
 import logging
 
 from trainmover_ext.control.decide import (
-    Action, CommitConvergence, DropStaleReport, PlanMigration, RaiseAlert, RejectRequest,
+    Action, CommitConvergence, DropStaleReport, PlanMigration, RaiseAlert, RejectRequest, RepairEpoch,
 )
 from trainmover_ext.control.records import Event, convergence_key, event_key_suffix, migration_key_suffix
 from trainmover_ext.control.view import epoch_value
@@ -95,6 +95,11 @@ class Executor:
             outcome = self._commit([Guard.mod_revision(s.key("epoch"), action.expected_epoch_rev), Guard.absent(key)], ops)
             logger.info("convergence of epoch %d: %s", rec.epoch, outcome.value)
             return outcome
+        if isinstance(action, RepairEpoch):
+            return self._commit([Guard.mod_revision(s.key("epoch"), action.expected_epoch_rev)],
+                                [Put(s.key("epoch"), epoch_value(action.epoch)),
+                                 event_put(s, "epoch_repaired", {"epoch": action.epoch, "garbage": action.garbage},
+                                           _now())])
         if isinstance(action, DropStaleReport):
             entry = s.kv.get(action.key)
             if entry is None:

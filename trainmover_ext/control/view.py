@@ -4,8 +4,9 @@ Contract: :func:`read_view` reads the whole job prefix in one etcd range request
 so every record comes from one revision. A malformed or old-version value never
 aborts the read: it is listed in ``View.malformed`` (key -> message) and left in
 etcd untouched, and the record is treated as absent. A malformed ``epoch`` makes
-``View.epoch`` None, and :func:`~trainmover_ext.control.decide.decide` then
-decides nothing, because every decision is a compare-and-swap on the epoch.
+``View.epoch`` None: :func:`~trainmover_ext.control.decide.decide` then decides
+nothing but the epoch's repair (from the newest migration plan, which records
+every epoch), because every other decision is a compare-and-swap on the epoch.
 
 Example::
 
@@ -111,6 +112,7 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
             view.malformed[entry.key] = str(exc)
             if rel == "epoch":
                 view.epoch = None
+                view.epoch_rev = entry.mod_revision  # what a repair compares against
     return view
 
 

@@ -60,8 +60,19 @@ class FaultSpec:
 
 
 def install(spec: Optional[FaultSpec], session) -> None:
-    """Arm ``spec`` on this process if it serves the named rank (call once, on the original worker)."""
-    if spec is None or session.layout.rank != spec.rank:
+    """Arm ``spec`` on this process if it serves the named rank (call once, on the original worker).
+
+    A rank outside the world or an iteration beyond ``--train-iters`` would never fire: that is a
+    :class:`ConfigError` on every rank, not a drill that silently does nothing."""
+    if spec is None:
+        return
+    world, iters = session.layout.world_size, session.args.train_iters
+    if not 0 <= spec.rank < world:
+        raise ConfigError(f"--tm-inject-fault names rank {spec.rank}, but the job has ranks 0..{world - 1}")
+    if not 1 <= spec.iteration <= iters:
+        raise ConfigError(f"--tm-inject-fault names iteration {spec.iteration}, but the job trains iterations "
+                          f"1..{iters} (--train-iters)")
+    if session.layout.rank != spec.rank:
         return
     args = session.args
 
