@@ -67,7 +67,8 @@ for r in $RANKS; do [[ "$r" =~ ^[0-9]+$ ]] || die "rank '$r' is not a non-negati
 echo "[drain_node] node $NODE serves ranks: $RANKS"
 status=0
 for r in $RANKS; do
-  cmd=("$PY" -m trainmover_ext.cli migrate --rank "$r" "${TM_FLAGS[@]}")
+  # --wait 0: queue every rank's move at once; the controller carries them out one epoch at a time.
+  cmd=("$PY" -m trainmover_ext.cli migrate --rank "$r" --wait 0 "${TM_FLAGS[@]}")
   if ((DRY)); then
     echo "[drain_node] would run: ${cmd[*]}"
     continue

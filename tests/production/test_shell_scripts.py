@@ -41,7 +41,7 @@ def test_drain_node_dry_run_and_refusals():
     drain = os.path.join(SLURM_DIR, "drain_node.sh")
     dry = _bash(drain, "--node", "gpu3", "--ranks", "6 7", "--tm-job", "j", "--slurm-drain", "--dry-run")
     assert dry.returncode == 0, dry.stderr
-    assert "migrate --rank 6 --tm-job j" in dry.stdout and "migrate --rank 7 --tm-job j" in dry.stdout
+    assert "migrate --rank 6 --wait 0 --tm-job j" in dry.stdout and "migrate --rank 7 --wait 0 --tm-job j" in dry.stdout
     assert "scontrol update NodeName=gpu3 State=DRAIN" in dry.stdout
     no_node = _bash(drain, "--ranks", "1")
     assert no_node.returncode == 2 and "--node NODE is required" in no_node.stderr
