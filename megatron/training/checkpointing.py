@@ -92,13 +92,26 @@ def load_grad_scaler_states(optimizer, states: Optional[list]) -> None:
             scaler._scale = scale
 
 
+def _numpy_state() -> tuple:
+    """numpy's global RNG state with its key array as a tensor, so that a checkpoint holds only
+    tensors and plain values and loads with ``weights_only=True``."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
+
+
+def _numpy_state_from(state) -> tuple:
+    name, keys, pos, has_gauss, cached = state
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+    return (name, keys.astype(np.uint32), pos, has_gauss, cached)
+
+
 def rng_state() -> dict:
     """Every RNG state of this process."""
     from megatron.core import tensor_parallel
 
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": _numpy_state(),
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
@@ -112,7 +125,7 @@ def set_rng_state(state: dict) -> None:
     from megatron.core import tensor_parallel
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state(_numpy_state_from(state["numpy"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -231,7 +244,10 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args, layout) -> tup
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint of iteration {iteration} is incomplete")
     try:
-        state = torch.load(path, map_location=layout.device, weights_only=False)
-    except Exception as exc:  # torch raises many kinds for a truncated file
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from exc
+        # weights_only: a checkpoint is data (tensors, numbers, strings, containers); anything that
+        # would run code when unpickled is refused.
+        state = torch.load(path, map_location=layout.device, weights_only=True)
+    except Exception as exc:  # torch raises many kinds for a truncated or unsafe file
+        raise CheckpointError(f"cannot read checkpoint {path}: {str(exc).splitlines()[0][:300]} (a checkpoint "
+                              "holds tensors and plain values only; one that needs code to load is refused)") from exc
     return load_training_state(state, model, optimizer, scheduler, args, not args.no_load_optim, not args.no_load_rng)

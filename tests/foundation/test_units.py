@@ -200,3 +200,32 @@ def test_a_fault_that_could_never_fire_is_refused():
     with pytest.raises(ConfigError, match=r"iteration 13, but the job trains iterations 1..12"):
         install(FaultSpec.parse("3:13:forward"), session)
     install(FaultSpec.parse("3:6:forward"), session)  # another rank's drill: nothing to arm here
+
+
+def test_a_checkpoint_that_needs_code_to_load_is_refused(tmp_path):
+    """Checkpoints load with weights_only: a file whose unpickling would run code is a CheckpointError,
+    and the code never runs."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron.training import checkpointing
+    from trainmover_ext.errors import CheckpointError
+
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    layout = SimpleNamespace(tp_rank=0, pp_rank=0, dp_rank=0, device="cpu")
+    path = checkpointing._rank_file(str(tmp_path), 3, layout)
+    import os
+
+    os.makedirs(os.path.dirname(path))
+    torch.save({"version": checkpointing.FORMAT_VERSION, "payload": Exploit()}, path)
+    (tmp_path / checkpointing.LATEST).write_text("3")
+    args = SimpleNamespace(exit_on_missing_checkpoint=False)
+    with pytest.raises(CheckpointError, match="needs code to load is refused"):
+        checkpointing.load_checkpoint(str(tmp_path), None, None, None, args, layout)
+    assert not marker.exists()
