@@ -168,10 +168,10 @@ class MetricsFeed:
     """Feeds an :class:`AgentMetrics` from the workers' metrics file and the job's etcd space (see the module docstring)."""
 
     def __init__(self, metrics: AgentMetrics, *, metrics_file: str | None, tokens_per_iteration: int = 0,
-                 interval_s: float = 0.5, is_leader: Callable[[], bool] = lambda: True) -> None:
+                 interval_s: float = 0.5) -> None:
         self.metrics, self.metrics_file = metrics, metrics_file
-        self.is_leader = is_leader
-        """Whether this agent exports the job-wide series (its controller leads)."""
+        self.is_leader: Callable[[], bool] = lambda: True
+        """Whether this agent exports the job-wide series (its controller leads); set by :meth:`attach`."""
         self.tokens_per_iteration = tokens_per_iteration
         self.interval_s = interval_s
         self.space = None

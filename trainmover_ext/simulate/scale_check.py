@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass, field
 
 from trainmover_ext.control.decide import PlanMigration, decide
 from trainmover_ext.control.executor import Executor, Outcome
-from trainmover_ext.control.decide import CommitConvergence
 from trainmover_ext.control.membership import (
     DecisionWatcher, init_job, report_recovery, request_migration, wait_convergence,
 )
@@ -348,15 +347,7 @@ def run_recovery_check(ranks: int, tp: int = 4, pp: int = 5, timeout_s: float = 
         # the last report in a real job; a rank that only got to wait after it would read it at once.
         while any(t.is_alive() for t in threads) and not all(c.watches >= 2 for c in clients):
             threading.Event().wait(0.1)
-        before = kv.keys_read
-        view = read_view(space)
-        controller_read = kv.keys_read - before
-        executor = Executor(space)
-        from trainmover_ext.control.decide import decide as _decide
-
-        for action in _decide(view, kv.now, decided_by="recovery-check"):
-            if isinstance(action, CommitConvergence):
-                executor.apply(action)
+        _, controller_read = _decide_and_apply(kv, space)  # the convergence decision, real code
         for t in threads:
             t.join(timeout_s)
         records_seen = [results.get(r) for r in range(ranks)]
