@@ -16,7 +16,7 @@ swap (only that rank's links change; no other process rebuilds anything):
 
 The hand-over is the real one (``trainmover_ext.sandbox.promotion``): at the
 boundary the leaver streams its state (model, optimizer state, scheduler, RNG,
-data position) with ``runtime.transfer`` and the newcomer receives it as a
+data position) with ``migration.transfer`` and the newcomer receives it as a
 promoted standby does, so its first iteration does not pay what a real one
 does not (e.g. Adam's state, which a state-less newcomer would create lazily
 inside its first step). The transfer's duration is left out: stayers start the

@@ -40,14 +40,13 @@ failed to connect.
 
 from __future__ import annotations
 
-import datetime
 import json
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
-from trainmover_ext.errors import MigrationAborted
+from trainmover_ext.errors import CommAbandoned, CommTimeout, MigrationAborted
 
 from .links import Link
 
@@ -178,6 +177,7 @@ def abandon(world: "DeltaWorld", epoch: int, reason: str, *, dead: Iterable[int]
     with world._lock:
         if world.epoch >= epoch:
             return 0
+        world.newest_abandon = max(world.newest_abandon, epoch)
         world.abandoned = f"epoch {epoch} abandoned: {reason}"
         dead = set(dead)
         severed = 0
@@ -195,9 +195,19 @@ def recover(world: "DeltaWorld", epoch: int, *, replaced: Iterable[int] = ()) ->
         raise MigrationAborted(f"recover({epoch}) is not newer than generation {world.base_generation}")
     replaced = set(replaced)
     with world._lock:  # from here on, abandon(epoch) is a no-op (see abandon)
+        if world.superseded(epoch):
+            raise CommAbandoned(f"rank {world.rank}: recover({epoch}) superseded: {world.abandoned}")
         world.abandoned = None
         world.base_generation = epoch
         world.epoch = epoch
+        # A joiner whose join was cut short, and a stayer with a phase 1 in progress, take part
+        # like any stayer: the swaps of older epochs are void, and their links are closed.
+        world.joining = False
+        stale = [e for e in world.prepared if e <= epoch]
+        swaps = [world.prepared.pop(e) for e in stale]
+    for swap in swaps:  # a build still running gives up by itself: this epoch superseded its own
+        for _, link in swap.links:
+            link.close()
     for rank in replaced:
         world.incarnation[rank] = epoch
     keep = agree_on_kept_links(world, epoch, replaced)
@@ -225,11 +235,25 @@ def agree_on_kept_links(world: "DeltaWorld", epoch: int, replaced: set[int]) -> 
     peers = sorted({peer for (transport, peer) in entries if mine[f"{transport}/{peer}"] is not None})
     if not peers:
         return set()
-    world.store.wait([_ledger_key(epoch, p) for p in peers], datetime.timedelta(seconds=world.config.connect_timeout_s))
+    _wait_keys(world, [_ledger_key(epoch, p) for p in peers], epoch)
     theirs_by_peer = {p: json.loads(world.store.get(_ledger_key(epoch, p))) for p in peers}
     return {(transport, peer) for transport, peer in entries
             if ledgers_match(mine[f"{transport}/{peer}"],
                              theirs_by_peer.get(peer, {}).get(f"{transport}/{world.rank}"))}
+
+
+def _wait_keys(world: "DeltaWorld", keys: list[str], epoch: int) -> None:
+    """Block until every key is in the store; :class:`CommAbandoned` once a newer epoch supersedes
+    ``epoch`` (a peer that died before publishing never does), :class:`CommTimeout` after
+    ``connect_timeout_s``."""
+    deadline = time.monotonic() + world.config.connect_timeout_s
+    while not world.store.check(keys):
+        if world.superseded(epoch):
+            raise CommAbandoned(f"rank {world.rank}: ledgers of epoch {epoch} given up: {world.abandoned}")
+        if time.monotonic() > deadline:
+            raise CommTimeout(f"rank {world.rank}: the ledgers {keys} were not all published within "
+                              f"{world.config.connect_timeout_s:.0f}s; a peer of epoch {epoch} is hung or gone")
+        time.sleep(0.02)
 
 
 def ledgers_match(ours: dict | None, theirs: dict | None) -> bool:

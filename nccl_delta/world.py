@@ -21,14 +21,18 @@ Contract
   ``incarnation[r]`` is the epoch at which r's current process joined and
   ``base`` is the epoch of the last ``recover``. Both ends compute the same
   number without talking, and a rebuilt link never reuses an old prefix.
+- Superseded set-ups: a link set-up (``connect_links``: ``recover``, ``join``,
+  phase 1, a first use) waits for its links on the calling thread with a short
+  poll and gives up with :class:`CommAbandoned` as soon as ``abandon`` names an
+  epoch newer than the one it began in (:meth:`DeltaWorld.superseded`). So a
+  recovery restarted at a newer epoch never waits for a dead peer of an older one.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from torch.distributed import Store
 
@@ -36,6 +40,7 @@ from . import links as links_mod
 from .config import DeltaConfig
 from .group import DeltaGroup
 from .links import Link, LinkId
+from trainmover_ext.errors import CommAbandoned
 
 if TYPE_CHECKING:
     from .delta import PreparedSwap, RecoverReport, SwitchReport
@@ -63,6 +68,8 @@ class DeltaWorld:
         self.base_generation = 0
         self.epoch = 0
         self.abandoned: str | None = None
+        self.newest_abandon = 0
+        """The newest epoch ``abandon`` was called for (0: never); set-ups begun in older epochs give up."""
         self.joining = join_epoch is not None
         if join_epoch is not None:
             self.epoch = join_epoch
@@ -88,6 +95,10 @@ class DeltaWorld:
     def remove_group(self, name: str) -> None:
         """Forget a group; its links stay for the other groups (:meth:`close` closes them all)."""
         self.groups.pop(name, None)
+
+    def superseded(self, since: int) -> bool:
+        """Whether ``abandon`` named an epoch newer than ``since`` (work begun in ``since`` is void)."""
+        return self.newest_abandon > since
 
     def generation(self, peer: int) -> int:
         return max(self.base_generation, self.incarnation.get(self.rank, 0), self.incarnation.get(peer, 0))
@@ -154,19 +165,8 @@ class DeltaWorld:
             return links_mod.connect(lid, self.rank, client, self.config)
 
         clients = _clients(store, len(todo))
-        if len(todo) == 1:
-            built = {todo[0]: build(todo[0], clients[0])}
-        else:
-            with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix="nccl_delta_connect") as pool:
-                futures = {peer: pool.submit(build, peer, client) for peer, client in zip(todo, clients)}
-                errors = [f.exception() for f in futures.values()]
-                failed = [e for e in errors if e is not None]
-                if failed:
-                    for f in futures.values():
-                        if f.exception() is None:
-                            f.result().close()
-                    raise failed[0]
-                built = {peer: f.result() for peer, f in futures.items()}
+        built = _build_all(self, {peer: (lambda peer=peer, client=client: build(peer, client))
+                                  for peer, client in zip(todo, clients)})
         if install:
             for peer, link in built.items():
                 self.install(transport, peer, link)
@@ -203,6 +203,60 @@ class DeltaWorld:
         """Forget every group and close every link (idempotent)."""
         self.groups.clear()
         self.drop_links()
+
+
+POLL_S = 0.02
+"""How often a set-up waiting for its links checks whether a newer epoch superseded it."""
+
+
+def _build_all(world: DeltaWorld, builders: dict[int, Callable[[], Link]]) -> dict[int, Link]:
+    """Run every builder on a daemon thread at once and return their links (see the module docstring).
+
+    Raises the first builder's error (closing the links that did come up), or :class:`CommAbandoned`
+    as soon as ``abandon`` supersedes the epoch this call began in; a link finished after that is
+    closed by its own thread."""
+    since = world.epoch
+    lock = threading.Lock()
+    results: dict[int, Link] = {}
+    errors: list[BaseException] = []
+    gave_up = threading.Event()
+    finished = threading.Semaphore(0)
+
+    def run(peer: int, builder: Callable[[], Link]) -> None:
+        try:
+            link = builder()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            with lock:
+                errors.append(exc)
+        else:
+            with lock:
+                late = gave_up.is_set()
+                if not late:
+                    results[peer] = link
+            if late:
+                link.close()
+        finally:
+            finished.release()
+
+    for peer, builder in builders.items():
+        threading.Thread(target=run, args=(peer, builder), name=f"nccl_delta_connect_{peer}", daemon=True).start()
+    done = 0
+    while done < len(builders):
+        if finished.acquire(timeout=POLL_S):
+            done += 1
+            continue
+        if world.superseded(since):
+            with lock:
+                gave_up.set()
+                up = list(results.values())
+            for link in up:
+                link.close()
+            raise CommAbandoned(f"rank {world.rank}: link set-up of epoch {since} given up: {world.abandoned}")
+    if errors:
+        for link in results.values():
+            link.close()
+        raise errors[0]
+    return results
 
 
 def _clients(store: Store, count: int) -> list[Store]:

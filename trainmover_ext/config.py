@@ -85,7 +85,7 @@ class TrainMoverConfig:
         if self.inject_fault:
             from trainmover_ext.runtime.faults import FaultSpec
 
-            FaultSpec.parse(self.inject_fault)
+            FaultSpec.parse_all(self.inject_fault)
         if self.role not in ("worker", "standby"):
             raise ConfigError("--tm-role must be 'worker' or 'standby'")
         if self.lease_ttl_s <= 0:
@@ -185,7 +185,10 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "iteration ITER in PHASE: forward, backward, allreduce (the gradient reduction), clip "
                         "(before the optimizer step's gradient-norm all-reduce: the replicas end one step apart), "
                         "step (inside the optimizer step), log (after the step, before the metrics record), or save "
-                        "(during the checkpoint save after ITER steps).")
+                        "(during the checkpoint save after ITER steps). Migration drills name an epoch instead of "
+                        "ITER: join (the standby promoted into RANK dies while joining), recover (RANK dies in that "
+                        "epoch's recovery), send (RANK dies while sending its state), prepare / handover (the "
+                        "planned leaver dies in phase 1 / while handing over). Comma-separate several drills.")
     g.add_argument("--tm-log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default=None,
                    help="Python logging level of this process (default: env TRAINMOVER_LOG_LEVEL, else WARNING); "
                         "lines are prefixed with the process (rank R / standby ID).")

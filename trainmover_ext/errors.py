@@ -60,6 +60,10 @@ class MigrationAborted(TrainMoverError):
     """A migration could not complete; the job keeps its previous membership epoch."""
 
 
+class RecoverySuperseded(MigrationAborted):
+    """A newer plan superseded the migration step under way; the runtime restarts recovery at the newest epoch."""
+
+
 class ReplayMismatch(TrainMoverError):
     """A sandbox replay call differs from what was recorded (op, shape or dtype)."""
 

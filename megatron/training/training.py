@@ -341,13 +341,13 @@ def pretrain(
                 flush=True,
             )
         if tm_config is not None and tm_config.enabled:
-            from trainmover_ext.runtime.worker import WorkerRuntime
+            from trainmover_ext.migration.worker import WorkerRuntime
 
             runtime = worker = WorkerRuntime.for_session(session, tm_config)
         if tm_config is not None and tm_config.inject_fault:
             from trainmover_ext.runtime import faults
 
-            faults.install(faults.FaultSpec.parse(tm_config.inject_fault), session)
+            faults.install(faults.FaultSpec.parse_all(tm_config.inject_fault), session)
         if tm_config is not None and tm_config.record_dir:  # sandbox: record the first iterations
             from trainmover_ext.sandbox.hook import attach_recorder
 

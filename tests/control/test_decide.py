@@ -347,3 +347,46 @@ def test_executor_commits_convergence_only_in_its_epoch():
     assert kv.get(space.key("convergence", "0000000004")) is not None
     assert not kv.get_prefix(space.key("recovery") + "/").entries
     assert Executor(space).apply(act) is Outcome.CONFLICT, "written once"
+
+
+def test_a_stayer_whose_copy_was_cut_short_receives_one_like_a_joiner():
+    """Rank 2 reports no usable state (a copy into it was cut short by this epoch): it is a copy target."""
+    act = only(decide(_after_failure({0: 10, 2: None, 3: 10}), 300.0), CommitConvergence)
+    assert act.record.resume_iteration == 10
+    assert sorted(map(tuple, act.record.copies)) == [(0, 1), (3, 2)]
+
+
+def test_a_shard_whose_holders_are_all_unusable_falls_back_to_the_checkpoint():
+    rec = only(decide(_after_failure({0: None, 2: 10, 3: 10}), 300.0), CommitConvergence).record
+    assert rec.from_checkpoint, "rank 0 is the only other holder of rank 1's shard, and its state is unusable"
+
+
+def _moving(steps: dict) -> View:
+    """Epoch 4 is a planned move of rank 1 from w1 to s1; ranks/1 names s1 already."""
+    v = base_view(epoch=4, epoch_rev=50)
+    v.members["s1"].kind = "worker"
+    v.ranks[1] = RankRecord(rank=1, member_id="s1", host="h0", role="first", replicas=[0], since_epoch=4)
+    v.last_plan = MigrationPlan(epoch=4, reason="planned", resume_iteration=None, steps=dict(steps), replacements=[
+        {"rank": 1, "leaver": "w1", "joiner": "s1", "role": "first", "state_source": {"kind": "leaver", "member": "w1"}}])
+    return v
+
+
+@pytest.mark.parametrize("how", ["report", "lease"])
+def test_the_planned_leaver_lost_before_its_hand_over_is_a_failure_of_the_rank(how):
+    v = _moving({"ready": 1.0})
+    if how == "report":
+        v.reports = {ROOT + "reports/1/a0": report(1, "w1", t=150.0, epoch=4)}
+    else:
+        del v.members["w1"]
+    act = only(decide(v, 200.0), PlanMigration)
+    (rep,) = act.plan.replacement_list()
+    assert (act.plan.epoch, act.plan.reason, rep.rank, rep.leaver, rep.joiner) == (5, "failure", 1, "w1", "s1")
+    assert rep.state_source == {"kind": "replica"}, "the joiner stays and takes rank 0's copy"
+    assert act.rank_updates[0].member_id == "s1" and act.rank_updates[0].since_epoch == 5
+
+
+def test_the_planned_leaver_gone_after_its_hand_over_is_not_a_failure():
+    v = _moving({"ready": 1.0, "handed_over": 2.0})
+    v.reports = {ROOT + "reports/1/a0": report(1, "w1", t=150.0, epoch=4)}
+    del v.members["w1"]
+    assert [type(a) for a in decide(v, 200.0)] == [DropStaleReport]

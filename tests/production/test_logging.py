@@ -19,12 +19,12 @@ def restore_logging():
 
 def test_json_lines_carry_the_process_label(capsys, restore_logging):
     configure(level="INFO", json_lines=True, label="rank 3")
-    logging.getLogger("trainmover_ext.runtime.worker").info("recovering at epoch %d", 2)
+    logging.getLogger("trainmover_ext.migration.worker").info("recovering at epoch %d", 2)
     logging.getLogger("x").debug("below the level")
     lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     assert len(lines) == 1
     assert lines[0]["process"] == "rank 3" and lines[0]["level"] == "INFO"
-    assert lines[0]["msg"] == "recovering at epoch 2" and lines[0]["logger"] == "trainmover_ext.runtime.worker"
+    assert lines[0]["msg"] == "recovering at epoch 2" and lines[0]["logger"] == "trainmover_ext.migration.worker"
 
 
 def test_text_lines_and_the_environment(capsys, monkeypatch, restore_logging):

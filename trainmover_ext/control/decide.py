@@ -13,6 +13,13 @@ Cases:
 - **member dead**: a fresh report says r's link broke (SIGKILL, crash) -> migrate r
   without waiting for the lease.
 - **stale report**: the report names a member that no longer serves r -> drop it.
+- **leaver lost mid-move**: the leaver of the current planned move dies (report)
+  or loses its lease before it handed its state over -> a failure plan for r
+  whose joiner is the planned joiner (it already serves r in ``ranks/<r>``);
+  the state then comes from a data-parallel replica or the checkpoint.
+- **failure during a recovery**: a newer plan supersedes the recovery under
+  way; the ranks restart recovery at the newest epoch (a stayer whose state a
+  cut-short copy spoiled reports ``None`` and receives a copy like a joiner).
 - **two failures at once**: one plan replaces every failed rank (one epoch step).
 - **no standby left**: the rank is listed in ``unserved`` and an alert is raised
   once per (rank, member); it is planned as soon as a standby registers.
@@ -97,6 +104,18 @@ class _Failure:
     reason: str
     detected_at: float | None
     consumed: list[str] = field(default_factory=list)
+    keep_joiner: str | None = None
+    """The joiner of an unfinished planned move whose leaver failed: it stays the rank's joiner."""
+
+
+def _handover_pending(view: View) -> Replacement | None:
+    """The move of the current epoch's planned plan while its leaver has not handed its state over."""
+    plan = view.last_plan
+    if (plan is None or plan.reason != "planned" or plan.epoch != view.epoch
+            or "handed_over" in plan.steps or "transferred" in plan.steps):
+        return None
+    reps = plan.replacement_list()
+    return reps[0] if reps else None
 
 
 def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
@@ -107,8 +126,26 @@ def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
             continue  # its worker completed training and left: nothing to replace
         if rec.member_id not in view.members:
             failed[r] = _Failure(rank=rec, reason="lease expired", detected_at=view.gone_at.get(rec.member_id))
+    # The leaver of a planned move still holds the rank's only copy of its state until the hand-over:
+    # losing it then is a failure of the rank, whose joiner (named in ranks/<r> already) stays.
+    moving = _handover_pending(view)
+    leaver_lost = None
+    if moving is not None and moving.rank in view.ranks and moving.rank not in view.finished:
+        rec = view.ranks[moving.rank]
+        if rec.member_id == moving.joiner:
+            leaver_lost = _Failure(rank=dataclasses.replace(rec, member_id=moving.leaver),
+                                   reason="the leaver of a planned move was lost before its hand-over",
+                                   detected_at=view.gone_at.get(moving.leaver), keep_joiner=moving.joiner)
+            if moving.leaver not in view.members:
+                failed.setdefault(moving.rank, leaver_lost)
     for key, rep in sorted(view.reports.items()):
         rec = view.ranks.get(rep.rank)
+        if leaver_lost is not None and rep.rank == leaver_lost.rank.rank and rep.member_id == moving.leaver:
+            f = failed.setdefault(rep.rank, leaver_lost)
+            f.consumed.append(key)
+            if f.detected_at is None or rep.reported_at < f.detected_at:
+                f.detected_at = rep.reported_at
+            continue
         if rec is None or rec.member_id != rep.member_id or rep.rank in view.finished:
             actions.append(DropStaleReport(key=key, reason=f"rank {rep.rank} is no longer served by {rep.member_id}"))
             continue
@@ -158,14 +195,15 @@ def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by:
     consumed: list[str] = []
     unserved: list[_Failure] = []
     for f in failures:
-        joiner = _pick_standby(view, _available_standbys(view, taken), f.rank)
+        joiner = f.keep_joiner or _pick_standby(view, _available_standbys(view, taken), f.rank)
         if joiner is None:
             unserved.append(f)
             continue
         taken.add(joiner)
         replacements.append(Replacement(rank=f.rank.rank, leaver=f.rank.member_id, joiner=joiner, role=f.rank.role,
                                         state_source=_state_source(view, f.rank, failed_ranks)))
-        updates.append(dataclasses.replace(f.rank, member_id=joiner, host=view.members[joiner].host, since_epoch=view.epoch + 1))
+        host = view.members[joiner].host if joiner in view.members else view.ranks[f.rank.rank].host
+        updates.append(dataclasses.replace(f.rank, member_id=joiner, host=host, since_epoch=view.epoch + 1))
         consumed += f.consumed
         if f.rank.rank in view.alerts:
             consumed.append(_alert_key(view, f.rank.rank))
@@ -213,8 +251,11 @@ def _decide_convergence(view: View, now: float, decided_by: str) -> list[Action]
     stayers = set(view.ranks) - joiners
     if not stayers <= set(reported):
         return []  # still waiting; a stayer that dies meanwhile is a new failure (a newer plan)
+    # A stayer whose state is unusable (a copy into it was cut short by this epoch) needs a copy
+    # like a joiner.
+    holding = {r: reported[r] for r in stayers if reported[r] is not None}
     rings = {r: sorted({r, *rec.replicas}) for r, rec in view.ranks.items()}
-    cplan = plan_convergence(rings, {r: reported[r] for r in stayers}, joiners)
+    cplan = plan_convergence(rings, holding, set(view.ranks) - set(holding))
     record = ConvergenceRecord(epoch=plan.epoch, resume_iteration=cplan.resume_iteration,
                                copies=[list(pair) for pair in cplan.copies], from_checkpoint=cplan.from_checkpoint,
                                reason=cplan.reason, decided_at=now, decided_by=decided_by)

@@ -168,10 +168,12 @@ def report_failure(space: JobSpace, *, rank: int, member_id: str, reporter: str,
     space.put(space.key("reports", rank, reporter), rep.to_bytes())
 
 
-def report_recovery(space: JobSpace, *, epoch: int, rank: int, iteration: int) -> None:
-    """Stayer ``rank`` of failure epoch ``epoch``: say how many steps it completed (one write; the
-    controller decides the resume point from every stayer's report)."""
-    space.put(recovery_key(space, epoch, rank), encode("recovery", {"iteration": int(iteration)}))
+def report_recovery(space: JobSpace, *, epoch: int, rank: int, iteration: int | None) -> None:
+    """Stayer ``rank`` of failure epoch ``epoch``: say how many steps it completed, or ``None`` when
+    its state is unusable (a copy into it was cut short by this newer epoch): it then receives a copy
+    like a joiner. One write; the controller decides the resume point from every stayer's report."""
+    space.put(recovery_key(space, epoch, rank),
+              encode("recovery", {"iteration": None if iteration is None else int(iteration)}))
 
 
 def wait_convergence(space: JobSpace, epoch: int, timeout_s: float,

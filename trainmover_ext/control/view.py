@@ -49,8 +49,9 @@ class View:
     alerts: dict[int, Alert] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     """Ranks whose worker completed training (``finished/<r>``); never replaced."""
-    recovery: dict[int, dict[int, int]] = field(default_factory=dict)
-    """Stayers' reports per failure epoch: epoch -> rank -> completed steps (``recovery/<e>/<r>``)."""
+    recovery: dict[int, dict[int, int | None]] = field(default_factory=dict)
+    """Stayers' reports per failure epoch: epoch -> rank -> completed steps, or None for a rank
+    whose state is unusable (a copy into it was cut short) (``recovery/<e>/<r>``)."""
     recovery_keys: dict[int, list[str]] = field(default_factory=dict)
     """The full keys behind ``recovery``, per epoch (a decision deletes the ones it settles)."""
     converged: set[int] = field(default_factory=set)
@@ -94,7 +95,8 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
                 view.alerts[a.rank] = a
             elif head == "recovery" and rest:
                 epoch, _, rank = rest.partition("/")
-                it = int(decode(entry.value, kind="recovery", key=entry.key)["iteration"])
+                held = decode(entry.value, kind="recovery", key=entry.key)["iteration"]
+                it = None if held is None else int(held)
                 view.recovery.setdefault(int(epoch), {})[int(rank)] = it
                 view.recovery_keys.setdefault(int(epoch), []).append(entry.key)
             elif head == "convergence" and rest:

@@ -19,6 +19,10 @@ Contract (one agent per node; the single-node case is what runs today):
 - With ``--tm-leaver-becomes-standby`` a planned leaver of this agent stays
   alive as one of its standbys (``leaver_standby_id``), so the standby the move
   consumed here is not replaced: the leaver refills the pool.
+- A planned leaver stays watched until it exits: until its hand-over is done
+  it holds the rank's only up-to-date state, so its non-zero exit is reported
+  like a rank's (the controller then treats it as a failure of the rank whose
+  joiner stays), and a failure plan that names it fences it.
 - A rank may move to a standby of another node's agent: the leaver's agent
   retires (and fences) its process, the joiner's agent adopts the standby.
 - The job is done for an agent when every process it serves has exited 0, or,
@@ -57,6 +61,8 @@ class TrainMoverSupervisor:
         self.serving: dict[int, tuple[RankProcess, str]] = {}
         self.standbys: dict[str, RankProcess] = {}
         self.retired: list[RankProcess] = []
+        self.leaving: dict[int, tuple[RankProcess, str]] = {}
+        """Planned leavers still running, by rank (see the module docstring)."""
         self.reported: dict[int, float] = {}
         self.plans: list = []
         self._lock = threading.Lock()
@@ -155,6 +161,16 @@ class TrainMoverSupervisor:
             if plan.unserved:
                 return f"epoch {plan.epoch}: no warm standby left for rank(s) {plan.unserved}"
             for rep in plan.replacement_list():
+                gone = self.leaving.get(rep.rank)
+                if gone is not None and gone[1] == rep.leaver and plan.reason == "failure":
+                    # A planned leaver lost before its hand-over: fence it if it hangs.
+                    if gone[0].poll() is None:
+                        gone[0].signal(signal.SIGKILL)
+                    self.retired.append(gone[0])
+                    del self.leaving[rep.rank]
+                    self.agent.log(f"epoch {plan.epoch} (failure): rank {rep.rank}'s planned leaver {rep.leaver} was "
+                                   f"lost before its hand-over; {rep.joiner} keeps the rank, state from "
+                                   f"{rep.state_source.get('kind')}")
                 old = self.serving.get(rep.rank)
                 rejoined = False
                 if old is not None and old[1] == rep.leaver:
@@ -168,6 +184,8 @@ class TrainMoverSupervisor:
                         rejoined = True
                         self.agent.log(f"epoch {plan.epoch} (planned): the leaver of rank {rep.rank} (pid "
                                        f"{old[0].pid}) rejoins the pool as {standby}")
+                    elif plan.reason == "planned":
+                        self.leaving[rep.rank] = old
                     else:
                         self.retired.append(old[0])
                     del self.serving[rep.rank]
@@ -203,12 +221,15 @@ class TrainMoverSupervisor:
             return False
         return len(entries) >= self.cfg.nnodes * self.cfg.nproc_per_node
 
-    def _report(self, rank: int, member: str, code: int) -> None:
+    def _report(self, rank: int, member: str, code: int, *, track: bool = True) -> None:
+        """Report ``member``'s exit; ``track``: expect a plan for the rank within the deadline (a planned
+        leaver's report is moot once its hand-over is done, so it is not tracked)."""
         from trainmover_ext.control.membership import report_failure
 
         report_failure(self.space, rank=rank, member_id=member, reporter=self.agent_id,
                        reason=f"process exited with code {code}", epoch=self.epoch)
-        self.reported[rank] = time.time()
+        if track:
+            self.reported[rank] = time.time()
         self.agent.log(f"rank {rank} ({member}) exited with code {code}; reported to the controller")
 
     def supervise(self) -> tuple[bool, int]:
@@ -226,6 +247,13 @@ class TrainMoverSupervisor:
             for rank, (code, member) in codes.items():
                 if code not in (None, 0) and rank not in self.reported:
                     self._report(rank, member, code)
+            for rank, (proc, member) in list(self.leaving.items()):
+                code = proc.poll()
+                if code is not None:
+                    del self.leaving[rank]
+                    self.retired.append(proc)
+                    if code != 0:
+                        self._report(rank, member, code, track=False)
             for rank, t in self.reported.items():
                 if time.time() - t > deadline_s:
                     self.agent.log(f"no replacement for rank {rank} within {deadline_s:.0f}s; falling back")
@@ -242,11 +270,11 @@ class TrainMoverSupervisor:
                     self.agent.log(f"standby {member} exited ({proc.returncode}); starting another")
                     self._start_standby("spawn")
             self.agent.procs = ([p for p, _ in self.serving.values()] + list(self.standbys.values())
-                                + [p for p in self.retired if p.poll() is None])
+                                + [p for p, _ in self.leaving.values()] + [p for p in self.retired if p.poll() is None])
             # An agent whose ranks all moved to other nodes keeps its standbys (and its controller
             # candidacy) until the whole job is done.
             mine_done = all(code == 0 for code, _ in codes.values()) and (bool(codes) or self._job_finished())
-            if mine_done and all(p.poll() is not None for p in self.retired):
+            if mine_done and not self.leaving and all(p.poll() is not None for p in self.retired):
                 for proc in self.standbys.values():
                     proc.signal(signal.SIGTERM)
                 return True, 0

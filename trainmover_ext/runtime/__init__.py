@@ -1,8 +1,9 @@
-"""TrainMover's in-process runtime: the worker hooks, the standby, state transfer.
+"""TrainMover's in-process support: the standby's warm-up, identity, fault drills, memory probes.
 
-- :mod:`.worker`: :class:`WorkerRuntime`, the training loop's hooks under ``--trainmover``
-  (membership, abandon on a failure plan, convergence, planned hand-over).
-- :mod:`.standby`: a process that warms up and waits to be promoted into a rank.
-- :mod:`.converge`: the pure decision of the resume iteration and who copies state to whom.
-- :mod:`.transfer`: streaming one rank's training state to another over a temporary link.
+- :mod:`.standby`: a process that warms up and waits to be promoted into a rank (the promotion
+  itself is :mod:`trainmover_ext.migration.joiner`).
+- :mod:`.identity`: who this process is in the job (member id, job space).
+- :mod:`.faults`: ``--tm-inject-fault`` drills.
+- :mod:`.memwatch`: peak resident memory over a window (the state transfer's report).
+- :mod:`.quiet_build`: building a rank's model without collectives (a joiner's model build).
 """

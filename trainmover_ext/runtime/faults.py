@@ -18,7 +18,23 @@ iteration ITERATION (1-based), in PHASE:
   completed steps here), once this rank wrote its file and before the ranks
   agree the checkpoint is complete.
 
-Only the original worker injects: a standby that later serves the rank does not.
+Only the original worker injects these: a standby that later serves the rank does not.
+
+Migration phases: here ITERATION names the membership **epoch** whose migration
+the process is in, and any process serving RANK then (a promoted standby too) fires:
+
+- ``join``: the standby promoted into RANK at that epoch dies right after its
+  promotion, while the other ranks build their links to it;
+- ``recover``: RANK dies in that epoch's recovery after it reported what it
+  holds, while the others rebuild their links and wait for the convergence;
+- ``send``: RANK dies in that epoch's recovery while it sends its state to a
+  rank that needs a copy (after the metadata, before the tensors);
+- ``prepare``: the leaver of that planned epoch dies in phase 1 (the plan is
+  known, the hand-over has not begun);
+- ``handover``: the leaver of that planned epoch dies in phase 2, while it
+  sends its state to the joiner (after the metadata, before the tensors).
+
+Several drills are given comma-separated: ``1:6:backward,6:6:backward``.
 """
 
 from __future__ import annotations
@@ -26,11 +42,15 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
-from typing import Optional
 
 from trainmover_ext.errors import ConfigError
 
-PHASES = ("forward", "backward", "allreduce", "clip", "step", "log", "save")
+TRAINING_PHASES = ("forward", "backward", "allreduce", "clip", "step", "log", "save")
+MIGRATION_PHASES = ("join", "recover", "send", "prepare", "handover")
+PHASES = TRAINING_PHASES + MIGRATION_PHASES
+
+_armed: list["FaultSpec"] = []
+"""The migration-phase drills of this process (see :func:`arm` and :func:`at`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,14 +78,45 @@ class FaultSpec:
             raise ConfigError("--tm-inject-fault signal must be KILL or STOP")
         return spec
 
+    @classmethod
+    def parse_all(cls, text: str) -> list["FaultSpec"]:
+        """Every comma-separated drill of ``--tm-inject-fault``."""
+        return [cls.parse(part.strip()) for part in text.split(",") if part.strip()]
 
-def install(spec: Optional[FaultSpec], session) -> None:
-    """Arm ``spec`` on this process if it serves the named rank (call once, on the original worker).
+
+def arm(specs: list[FaultSpec], world_size: int) -> None:
+    """Arm the migration-phase drills of ``specs`` in this process (any role; call once)."""
+    for spec in specs:
+        if spec.phase in MIGRATION_PHASES:
+            if not 0 <= spec.rank < world_size:
+                raise ConfigError(f"--tm-inject-fault names rank {spec.rank}, but the job has ranks 0..{world_size - 1}")
+            if spec.iteration < 1:
+                raise ConfigError(f"--tm-inject-fault phase {spec.phase} names epoch {spec.iteration}; epochs start at 1")
+            _armed.append(spec)
+
+
+def at(phase: str, *, rank: int, epoch: int) -> None:
+    """A migration-phase point: the process dies here if a drill names it (see the module docstring)."""
+    for spec in _armed:
+        if spec.phase == phase and spec.rank == rank and spec.iteration == epoch:
+            print(f"[trainmover] fault drill: rank {rank} sends itself {spec.sig.name} ({phase}, epoch {epoch})",
+                  flush=True)
+            os.kill(os.getpid(), spec.sig)
+
+
+def install(specs: list[FaultSpec], session) -> None:
+    """Arm ``specs`` on this process (call once, on the original worker): the training-phase drills
+    that name its rank, and every migration-phase drill (:func:`arm`).
 
     A rank outside the world or an iteration beyond ``--train-iters`` would never fire: that is a
     :class:`ConfigError` on every rank, not a drill that silently does nothing."""
-    if spec is None:
-        return
+    arm(specs, session.layout.world_size)
+    for spec in specs:
+        if spec.phase in TRAINING_PHASES:
+            _install_one(spec, session)
+
+
+def _install_one(spec: FaultSpec, session) -> None:
     world, iters = session.layout.world_size, session.args.train_iters
     if not 0 <= spec.rank < world:
         raise ConfigError(f"--tm-inject-fault names rank {spec.rank}, but the job has ranks 0..{world - 1}")

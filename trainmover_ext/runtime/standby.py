@@ -28,7 +28,6 @@ from trainmover_ext.control.membership import DecisionWatcher, Membership
 from trainmover_ext.control.records import ROLES, MigrationPlan
 from trainmover_ext.errors import MembershipLost
 from trainmover_ext.runtime.identity import identity_from_env, open_space
-from trainmover_ext.runtime.timeline import mark_step
 
 if TYPE_CHECKING:
     from trainmover_ext.sandbox.adopt import KeptRole
@@ -72,8 +71,8 @@ def preload_rank_code(args) -> float:
     t0 = time.time()
     import trainmover_ext.patches as patches
     import trainmover_ext.runtime.quiet_build  # noqa: F401
-    import trainmover_ext.runtime.transfer  # noqa: F401
-    import trainmover_ext.runtime.worker  # noqa: F401
+    import trainmover_ext.migration.transfer  # noqa: F401
+    import trainmover_ext.migration.worker  # noqa: F401
     from megatron.training.model import gpt_layer_spec
 
     patches.install()
@@ -159,6 +158,8 @@ def run_standby(args, config, providers, t_process: float) -> dict:
             member.check()
     watcher.close()
     plan = promoted[0]
+    from trainmover_ext.migration.joiner import serve_rank
+
     return serve_rank(args, config, providers, plan, ident, space, member, kept=kept)
 
 
@@ -182,98 +183,3 @@ def rejoin_as_standby(args, config, providers, t_process: float, leaver: str, ep
     print(f"[trainmover] {leaver} left its rank at epoch {epoch}; rejoining the pool as standby "
           f"{os.environ[ENV_MEMBER_ID]} (pid {os.getpid()})", flush=True)
     return run_standby(args, config, providers, t_process)
-
-
-def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, member,
-               kept: Optional["KeptRole"] = None) -> dict:
-    """Join the communicator as the plan's rank, take the state, and train.
-
-    With ``kept`` (the sandbox role this standby kept) it adopts those parts when they were built
-    for this rank, and drops them otherwise, before it builds the rank's model."""
-    from megatron.training.initialize import initialize_distributed, shutdown
-    from megatron.training.training import MetricsLog, build_session, train_loop
-    from trainmover_ext.runtime.quiet_build import no_collectives
-    from trainmover_ext.runtime.worker import WorkerRuntime, converge, receive_from_leaver
-    from trainmover_ext.sandbox.adopt import adopt_or_build, keep_if_fits
-
-    rep = next(r for r in plan.replacement_list() if r.joiner == ident.member_id)
-    os.environ["RANK"] = str(rep.rank)
-    os.environ["LOCAL_RANK"] = "0"
-    t_promoted = time.time()
-    print(f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (epoch {plan.epoch}, "
-          f"{plan.reason})", flush=True)
-    member.update(kind="worker")
-    kept, not_adopted = keep_if_fits(kept, rep.rank)  # what does not fit is freed before anything is built
-    layout = initialize_distributed(args, use_delta_comm=True, join_epoch=plan.epoch, join=False)
-    t_groups = time.time()
-    # The links come up on a thread while this one builds the model: neither needs the other.
-    joining = _Joining(plan.epoch, timeout_s=max(60.0, 10 * config.lease_ttl_s))
-    metrics = MetricsLog(config.metrics_file, layout.is_logging_rank)
-    runtime = None
-    try:
-        def build(why: str):
-            print(f"[trainmover] standby {ident.member_id} builds rank {rep.rank}'s model ({why})", flush=True)
-            with no_collectives():  # everything they would set comes with the state transfer
-                return build_session(args, layout, *providers, metrics)
-
-        kept_role = kept.role if kept is not None else None
-        session, not_adopted, repointed = adopt_or_build(kept, layout, metrics, rep.rank, build, not_adopted)
-        if not_adopted is None:
-            print(f"[trainmover] standby {ident.member_id} adopted its kept {kept_role} model for rank "
-                  f"{rep.rank} ({repointed} group references re-pointed)", flush=True)
-        t_session = time.time()
-        joining.wait()
-        mark_step(space, plan.epoch, "joined", at=joining.done_at)
-        args.iteration, args.consumed_train_samples = 0, 0
-        runtime = WorkerRuntime(session, config, ident, space, member, epoch=plan.epoch - 1)
-        if plan.reason == "planned":
-            # Links up and model built: the job may now pick the hand-over boundary.
-            mark_step(space, plan.epoch, "ready")
-            receive_from_leaver(runtime, session, plan)
-        else:
-            converge(runtime, session, plan, joiner=True)
-        runtime.pending_first_iteration = plan.epoch
-        metrics.write(event="promoted", member=ident.member_id, rank=rep.rank, epoch=plan.epoch,
-                      promoted_at=t_promoted, groups_built=t_groups, session_built=t_session,
-                      links_up=joining.done_at, resumed_iteration=args.iteration, state_ready=time.time(),
-                      adopted_kept_model=not_adopted is None, not_adopted=not_adopted)
-        return train_loop(session, runtime)
-    finally:
-        if runtime is not None:
-            runtime.close()
-        else:
-            member.close()
-        metrics.close()
-        shutdown()
-
-
-class _Joining:
-    """``nccl_delta``'s ``join(epoch)`` on a thread; :meth:`wait` re-raises its error."""
-
-    def __init__(self, epoch: int, timeout_s: float):
-        import nccl_delta
-
-        self.timeout_s = timeout_s
-        self.error: BaseException | None = None
-        self.done_at: float | None = None
-        world = nccl_delta.current_world()
-
-        def run() -> None:
-            try:
-                world.join(epoch)
-            except BaseException as exc:  # re-raised by wait()
-                self.error = exc
-            finally:
-                self.done_at = time.time()
-
-        self._thread = threading.Thread(target=run, name=f"tm_join_e{epoch}", daemon=True)
-        self._thread.start()
-
-    def wait(self) -> None:
-        """Block until the links are up (at most ``timeout_s``)."""
-        self._thread.join(self.timeout_s)
-        if self._thread.is_alive():
-            raise MembershipLost(f"the joiner's links were not up within {self.timeout_s:.0f}s; "
-                                 "are the other ranks alive and in the same epoch?")
-        if self.error is not None:
-            raise self.error

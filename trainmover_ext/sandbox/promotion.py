@@ -19,7 +19,7 @@ A newcomer is *cold* (it builds its model and joins) or *warm* (it first runs
 the general standby's sandbox warm-up of every role, alone, then joins).
 
 The hand-over is the real planned one, minus its timing: at the boundary the
-leaver streams its state with ``runtime.transfer.send_state`` over a
+leaver streams its state with ``migration.transfer.send_state`` over a
 temporary link and the newcomer takes it with ``recv_state`` exactly as a
 promoted standby does (``runtime.standby.serve_rank``): its optimizer state
 is materialised before its first iteration (not lazily inside the first
@@ -134,17 +134,17 @@ def _transfer_name(epoch: int) -> str:
 
 
 def hand_state_over(session, store, epoch: int) -> int:
-    """The leaver's side of the planned hand-over (``runtime.worker.hand_over``): send every state tensor."""
-    from trainmover_ext.runtime.transfer import open_transfer_link, send_state
+    """The leaver's side of the planned hand-over (``migration.worker.hand_over``): send every state tensor."""
+    from trainmover_ext.migration.transfer import open_transfer_link, send_state
 
     pg = open_transfer_link(store, _transfer_name(epoch), 0, TIMEOUT_S)
     return send_state(pg, session)
 
 
 def take_state_over(session, store, epoch: int) -> int:
-    """The newcomer's side (``runtime.worker.receive_from_leaver``): model, optimizer state, fp32 masters,
+    """The newcomer's side (``migration.worker.receive_from_leaver``): model, optimizer state, fp32 masters,
     scheduler, RNG, iteration and consumed samples from the leaver; the data iterators are re-pointed."""
-    from trainmover_ext.runtime.transfer import open_transfer_link, recv_state
+    from trainmover_ext.migration.transfer import open_transfer_link, recv_state
 
     pg = open_transfer_link(store, _transfer_name(epoch), 1, TIMEOUT_S)
     received = recv_state(pg, session)

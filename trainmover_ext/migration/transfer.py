@@ -149,10 +149,11 @@ DRILL_EXTRA_COPY_ENV = "TRAINMOVER_DRILL_EXTRA_STATE_COPY"
 while it sends (what a careless staging would cost); the transfer's memory report must then show it."""
 
 
-def send_state(channel, session) -> int:
+def send_state(channel, session, after_meta=None) -> int:
     """Source side (``channel``: :class:`PairChannel` or :class:`LinkChannel`); returns the bytes sent.
 
-    Every tensor's send is posted before any is waited for: one round of waits, not one per tensor."""
+    Every tensor's send is posted before any is waited for: one round of waits, not one per tensor.
+    ``after_meta`` (fault drills) is called once the metadata is sent."""
     args = session.args
     meta = {
         "iteration": args.iteration,
@@ -169,6 +170,8 @@ def send_state(channel, session) -> int:
         ],
     }
     _send_blob(channel, meta)
+    if after_meta is not None:
+        after_meta()
     tensors = _tensor_list(session)
     hoard = [t.detach().clone() for t in tensors] if os.environ.get(DRILL_EXTRA_COPY_ENV) == "1" else None
     sent, works = 0, []

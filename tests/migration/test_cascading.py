@@ -1,0 +1,130 @@
+"""Failures during a migration: every participant can fail at every step, and recovery restarts at the
+newest epoch with no restart and a trajectory bit-identical to a fault-free run (real processes, real
+etcd, dropout 0.1). Drills: ``--tm-inject-fault`` (``trainmover_ext.runtime.faults``), several at once."""
+
+from __future__ import annotations
+
+import re
+import signal
+
+import pytest
+
+from helpers import (ITERS, control_flags, kill_quietly, read_metrics, run_job, start_job, tm_args, trainmover_cli,
+                     trajectory, transfer_pairs, wait_for, wait_iteration)
+
+PLAN_RE = re.compile(r"epoch (\d+) \((failure|planned)\): rank (\d+)(?: -> |'s planned leaver )")
+
+
+def _plans(err: str) -> list[tuple[int, str, int]]:
+    """(epoch, reason, rank) of every plan the launcher carried out, in its log's order."""
+    return [(int(e), why, int(r)) for e, why, r in PLAN_RE.findall(err)]
+
+
+def _cascade_args(corpus, drills: str, standbys: int = 2, extra=None) -> list[str]:
+    args = tm_args(corpus, extra=["--tm-inject-fault", drills] + (extra or []))
+    i = args.index("--tm-standbys")
+    args[i + 1] = str(standbys)
+    return args
+
+
+def assert_bit_identical_without_restart(job, ref) -> None:
+    """Every iteration once or re-run identically, equal to the fault-free run; no sample skipped or
+    repeated; no rank restarted and the launcher never fell back to stop-restart."""
+    got = trajectory(job.metrics_path)
+    assert sorted(got) == list(range(1, ITERS + 1)), f"iterations missing: {sorted(got)}"
+    diffs = {it: (got[it], ref[it]) for it in ref if got[it] != ref[it]}
+    assert not diffs, f"not bit-identical to the fault-free run: {diffs}"
+    consumed = [got[i][1] for i in sorted(got)]
+    assert all(b - a == consumed[0] for a, b in zip(consumed, consumed[1:]))
+    err = job.stderr()
+    assert "falling back" not in err, err[-4000:]
+    assert len(read_metrics(job.metrics_path, "startup")) == 1, "a rank restarted"
+
+
+def test_the_joiner_dies_during_its_promotion(tmp_path, corpus, reference):
+    """Rank 6 dies; the standby promoted into it (epoch 1) dies while the stayers build links to it. The
+    stayers give up epoch 1's links at once and recover again at epoch 2 with the second standby."""
+    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
+    job = run_job(tmp_path, 8, _cascade_args(corpus, "6:6:backward,6:1:join"), name="joiner_dies", timeout=400)
+    assert_bit_identical_without_restart(job, ref)
+    assert _plans(job.stderr())[:2] == [(1, "failure", 6), (2, "failure", 6)], job.stderr()[-3000:]
+    assert "could not connect" not in job.stdout() + job.stderr(), "a rank waited for the dead joiner's links"
+
+
+def test_another_rank_dies_during_a_recovery(tmp_path, corpus, reference):
+    """Rank 5 dies; during epoch 1's recovery, after it reported what it holds, rank 2 dies too. Every
+    rank, the joiner of epoch 1 included, restarts recovery at epoch 2."""
+    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
+    job = run_job(tmp_path, 8, _cascade_args(corpus, "5:6:backward,2:1:recover"), name="second_failure",
+                  timeout=400)
+    assert_bit_identical_without_restart(job, ref)
+    assert _plans(job.stderr())[:2] == [(1, "failure", 5), (2, "failure", 2)], job.stderr()[-3000:]
+    assert "cut short" in job.stdout(), "no recovery was restarted"
+
+
+def test_the_state_source_dies_mid_transfer(tmp_path, corpus, reference):
+    """Rank 6 dies; its replica rank 4 dies while sending rank 6's state to the joiner. No live replica
+    of that shard is left, so epoch 2 brings every rank back to the checkpoint (iteration 4) through
+    the warm path, with no restart, and the re-run iterations reproduce the fault-free values."""
+    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
+    ckpt = str(tmp_path / "ckpt")
+    job = run_job(tmp_path, 8, _cascade_args(corpus, "6:6:backward,4:1:send", extra=["--save", ckpt,
+                                                                                   "--save-interval", "4"]),
+                  name="source_dies", timeout=400)
+    assert_bit_identical_without_restart(job, ref)
+    assert _plans(job.stderr())[:2] == [(1, "failure", 6), (2, "failure", 4)], job.stderr()[-3000:]
+    recovered = read_metrics(job.metrics_path, "recovered")
+    assert [r["resumed_iteration"] for r in recovered][-1:] == [4], recovered
+
+
+def test_two_ranks_die_at_once(tmp_path, corpus, reference):
+    """Ranks 1 and 6 (different shards) die in the same backward pass; both are replaced (in one plan or
+    two) and their states come from their replicas."""
+    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
+    job = run_job(tmp_path, 8, _cascade_args(corpus, "1:6:backward,6:6:backward"), name="two_at_once",
+                  timeout=400)
+    assert_bit_identical_without_restart(job, ref)
+    assert {r for _, why, r in _plans(job.stderr()) if why == "failure"} == {1, 6}, job.stderr()[-3000:]
+    assert {(3, 1), (4, 6)} <= transfer_pairs(job), transfer_pairs(job)
+
+
+@pytest.mark.parametrize("phase", ["prepare", "handover"], ids=["phase-1", "phase-2"])
+def test_the_planned_leaver_dies_during_the_move(tmp_path, corpus, reference, phase):
+    """``trainmover migrate --rank 6``: the leaver dies in phase 1 (after the plan, before the hand-over)
+    or in phase 2 (while handing its state over). Its death is a failure of rank 6; the planned joiner
+    keeps the rank and takes the state from rank 6's replica."""
+    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
+    job = start_job(tmp_path, 8, _cascade_args(corpus, f"6:1:{phase}", standbys=1), name=f"leaver_dies_{phase}")
+    try:
+        wait_iteration(job, 3)
+        done = trainmover_cli("migrate", "--rank", "6", *control_flags(job))
+        assert done.returncode == 0, done.stderr[-2000:]
+        code = job.wait(400)
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+    assert code == 0, job.stderr()[-4000:]
+    assert_bit_identical_without_restart(job, ref)
+    plans = _plans(job.stderr())
+    assert plans[:2] == [(1, "planned", 6), (2, "failure", 6)], job.stderr()[-3000:]
+    assert "lost before its hand-over" in job.stderr()
+    assert (4, 6) in transfer_pairs(job), transfer_pairs(job)
+
+
+def test_a_standby_dies_while_warming(tmp_path, corpus, reference):
+    """The only standby is killed while it warms; the agent starts another, which later replaces rank 3."""
+    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
+    job = start_job(tmp_path, 8, _cascade_args(corpus, "3:8:forward", standbys=1), name="standby_dies")
+    try:
+        m = wait_for(lambda: re.search(r"started standby (\S+) \(pid (\d+), fork\)", job.stderr()), 120,
+                     what="the standby's start")
+        kill_quietly(int(m.group(2)), signal.SIGKILL)
+        code = job.wait(400)
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+    assert code == 0, job.stderr()[-4000:]
+    assert_bit_identical_without_restart(job, ref)
+    err = job.stderr()
+    assert f"standby {m.group(1)} exited (-9); starting another" in err, err[-3000:]
+    assert re.search(r"epoch 1 \(failure\): rank 3 -> standby", err), err[-3000:]

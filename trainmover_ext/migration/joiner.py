@@ -1,0 +1,137 @@
+"""The joiner: a promoted standby joins the communicator as the plan's rank, takes the state, and trains.
+
+Contract (the promoted standby's main thread):
+- It becomes the plan's rank (``RANK``, its slot's ``LOCAL_RANK``), creates
+  the same groups as the job (which builds no link), and opens its
+  :class:`~trainmover_ext.migration.worker.WorkerRuntime` at once, so a newer
+  plan reaches it from the first moment (the watch thread abandons what is
+  under way).
+- Its links come up on a thread (``nccl_delta``'s ``join``) while this thread
+  builds the rank's model (or adopts the model the sandbox kept for it).
+- After a failure it then carries out the convergence like any rank; after a
+  planned move it marks the plan ``ready`` and receives the leaver's state.
+- When a newer failure plan cuts any of this short (a stayer, the state
+  source or the leaver died), it takes part in the newer epoch's recovery as a
+  rank without usable state: it receives a copy like a joiner. Training then
+  goes on in :func:`~megatron.training.training.train_loop`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import TYPE_CHECKING, Optional
+
+from trainmover_ext.control.records import MigrationPlan
+from trainmover_ext.errors import CommLinkError, MembershipLost, RecoverySuperseded
+from trainmover_ext.migration.timeline import mark_step
+from trainmover_ext.runtime import faults
+
+if TYPE_CHECKING:
+    from trainmover_ext.sandbox.adopt import KeptRole
+
+
+def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, member,
+               kept: Optional["KeptRole"] = None) -> dict:
+    """Join the communicator as the plan's rank, take the state, and train (see the module docstring).
+
+    With ``kept`` (the sandbox role this standby kept) it adopts those parts when they were built
+    for this rank, and drops them otherwise, before it builds the rank's model."""
+    from megatron.training.initialize import initialize_distributed, shutdown
+    from megatron.training.training import MetricsLog, build_session, train_loop
+    from trainmover_ext.migration.planned import receive_from_leaver
+    from trainmover_ext.migration.recovery import converge
+    from trainmover_ext.migration.worker import WorkerRuntime
+    from trainmover_ext.runtime.quiet_build import no_collectives
+    from trainmover_ext.sandbox.adopt import adopt_or_build, keep_if_fits
+
+    rep = next(r for r in plan.replacement_list() if r.joiner == ident.member_id)
+    os.environ["RANK"] = str(rep.rank)
+    os.environ["LOCAL_RANK"] = "0"
+    t_promoted = time.time()
+    print(f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (epoch {plan.epoch}, "
+          f"{plan.reason})", flush=True)
+    member.update(kind="worker")
+    if config.inject_fault:
+        faults.arm(faults.FaultSpec.parse_all(config.inject_fault), int(os.environ["WORLD_SIZE"]))
+    faults.at("join", rank=rep.rank, epoch=plan.epoch)
+    kept, not_adopted = keep_if_fits(kept, rep.rank)  # what does not fit is freed before anything is built
+    layout = initialize_distributed(args, use_delta_comm=True, join_epoch=plan.epoch, join=False)
+    t_groups = time.time()
+    metrics = MetricsLog(config.metrics_file, layout.is_logging_rank)
+    # Watching from here on: a newer plan abandons the join, the convergence or the hand-over.
+    runtime = WorkerRuntime(None, config, ident, space, member, epoch=plan.epoch - 1, layout=layout,
+                            state_valid=False, catch_up=True)
+    try:
+        # The links come up on a thread while this one builds the model: neither needs the other.
+        joining = _Joining(plan.epoch, timeout_s=runtime.timeout_s)
+
+        def build(why: str):
+            print(f"[trainmover] standby {ident.member_id} builds rank {rep.rank}'s model ({why})", flush=True)
+            with no_collectives():  # everything they would set comes with the state transfer
+                return build_session(args, layout, *providers, metrics)
+
+        kept_role = kept.role if kept is not None else None
+        session, not_adopted, repointed = adopt_or_build(kept, layout, metrics, rep.rank, build, not_adopted)
+        if not_adopted is None:
+            print(f"[trainmover] standby {ident.member_id} adopted its kept {kept_role} model for rank "
+                  f"{rep.rank} ({repointed} group references re-pointed)", flush=True)
+        t_session = time.time()
+        runtime.session = session
+        args.iteration, args.consumed_train_samples = 0, 0
+        try:
+            joining.wait()
+            mark_step(space, plan.epoch, "joined", at=joining.done_at)
+            if plan.reason == "planned":
+                # Links up and model built: the job may now pick the hand-over boundary.
+                mark_step(space, plan.epoch, "ready")
+                receive_from_leaver(runtime, session, plan)
+            else:
+                converge(runtime, session, plan, fresh_joiner=True)
+        except (CommLinkError, RecoverySuperseded) as cut:
+            print(f"[trainmover] rank {rep.rank} (joiner of epoch {plan.epoch}): {cut}; recovering at the newest "
+                  "epoch", flush=True)
+            runtime.recover(session, cut)
+        runtime.pending_first_iteration = sorted({plan.epoch, runtime.epoch})
+        metrics.write(event="promoted", member=ident.member_id, rank=rep.rank, epoch=plan.epoch,
+                      promoted_at=t_promoted, groups_built=t_groups, session_built=t_session,
+                      links_up=joining.done_at, resumed_iteration=args.iteration, state_ready=time.time(),
+                      adopted_kept_model=not_adopted is None, not_adopted=not_adopted)
+        return train_loop(session, runtime)
+    finally:
+        runtime.close()
+        metrics.close()
+        shutdown()
+
+
+class _Joining:
+    """``nccl_delta``'s ``join(epoch)`` on a thread; :meth:`wait` re-raises its error."""
+
+    def __init__(self, epoch: int, timeout_s: float):
+        import nccl_delta
+
+        self.timeout_s = timeout_s
+        self.error: BaseException | None = None
+        self.done_at: float | None = None
+        world = nccl_delta.current_world()
+
+        def run() -> None:
+            try:
+                world.join(epoch)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by wait()
+                self.error = exc
+            finally:
+                self.done_at = time.time()
+
+        self._thread = threading.Thread(target=run, name=f"tm_join_e{epoch}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the links are up (at most ``timeout_s``); a superseded join raises ``CommAbandoned``."""
+        self._thread.join(self.timeout_s)
+        if self._thread.is_alive():
+            raise MembershipLost(f"the joiner's links were not up within {self.timeout_s:.0f}s; "
+                                 "are the other ranks alive and in the same epoch?")
+        if self.error is not None:
+            raise self.error

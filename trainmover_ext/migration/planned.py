@@ -1,0 +1,145 @@
+"""A planned move's hand-over: the leaver streams its state to the joiner at the agreed boundary.
+
+Contract:
+- Both ends open one 2-rank gloo pair of their own, ``transfer/<e>/leaver``
+  on the job's rendezvous store (the leaver and the joiner serve the same
+  logical rank, so no communicator link joins them). The pair is built on a
+  daemon thread while the caller polls: a newer failure plan (the leaver died,
+  or another rank did) makes the wait give up at once with
+  :class:`RecoverySuperseded`, and severs a pair already in use, so neither
+  end waits for a dead peer.
+- The leaver marks ``handed_over`` on the plan once its last tensor is sent;
+  until then the control plane treats the leaver's death as a failure of the
+  rank (:mod:`trainmover_ext.control.decide`), whose joiner stays.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from typing import Callable
+
+from trainmover_ext.control.records import MigrationPlan
+from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
+from trainmover_ext.migration.recovery import recv_and_report, send_and_report
+from trainmover_ext.migration.timeline import mark_step
+
+
+class HandoverChannel:
+    """The state transfer over the hand-over's gloo pair (``nccl_delta``'s :class:`GlooPair`): the
+    leaver is side 0 and sends, the joiner side 1 receives. :meth:`sever` (any thread) cuts it."""
+
+    def __init__(self, pair, timeout_s: float):
+        self.pair = pair
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+
+    def send(self, tensor, tag: int):
+        return self.pair.isend(tensor, tag)
+
+    def recv(self, tensor, tag: int):
+        return self.pair.irecv(tensor, tag)
+
+    def wait_sends(self, works: list) -> None:
+        self.pair.wait_sends(works, self.timeout)
+
+    def sever(self) -> None:
+        self.pair.sever()
+
+    def close(self) -> None:
+        self.pair.close()
+
+
+def open_handover(store, name: str, side: int, timeout_s: float, cancelled: Callable[[], bool]) -> HandoverChannel:
+    """Build the hand-over pair ``name`` (both ends call this); gives up when ``cancelled()`` turns true."""
+    from nccl_delta.transport_gloo import connect_gloo_pair
+
+    host = os.environ.get("NCCL_DELTA_LINK_HOST") or "127.0.0.1"
+    lock = threading.Lock()
+    out: dict = {}
+    done = threading.Event()
+
+    def build() -> None:
+        try:
+            pair = connect_gloo_pair(store, f"transfer/{name}/", side, datetime.timedelta(seconds=timeout_s), host)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            out["error"] = exc
+        else:
+            with lock:
+                if out.get("gave_up"):
+                    pair.sever()
+                    pair.close()
+                else:
+                    out["pair"] = pair
+        finally:
+            done.set()
+
+    threading.Thread(target=build, name=f"tm_handover_{name}", daemon=True).start()
+    while not done.wait(0.02):
+        if cancelled():
+            with lock:
+                out["gave_up"] = True
+            raise RecoverySuperseded(f"hand-over link {name!r}: a newer failure plan superseded the move")
+    if "error" in out:
+        raise MigrationAborted(f"hand-over link {name!r} could not be built: {out['error']}") from out["error"]
+    return HandoverChannel(out["pair"], timeout_s)
+
+
+def _use(rt, channel: HandoverChannel, epoch: int, transfer: Callable[[], int]) -> None:
+    """Run ``transfer`` over ``channel`` where the watch thread can sever it (a newer failure plan)."""
+    from nccl_delta.waiter import WaitCancelled
+
+    rt.handover = channel
+    try:
+        if rt.newest_failure_epoch() > epoch:
+            channel.sever()  # superseded before the watch thread could see the channel
+        transfer()
+    except (RuntimeError, WaitCancelled) as exc:  # gloo reports a severed or reset pair as RuntimeError
+        if rt.newest_failure_epoch() > epoch:
+            raise RecoverySuperseded(f"the hand-over of epoch {epoch} was cut short by a newer failure plan") from exc
+        raise CommLinkError(f"the hand-over of epoch {epoch} broke: {exc}") from exc
+    finally:
+        rt.handover = None
+        channel.close()
+
+
+def _handover_store(rt):
+    from trainmover_ext.launch.rendezvous import rank_store
+
+    return rank_store(datetime.timedelta(seconds=rt.timeout_s))
+
+
+def _superseded(rt, epoch: int) -> Callable[[], bool]:
+    return lambda: rt.newest_failure_epoch() > epoch
+
+
+def hand_over(rt, session, plan: MigrationPlan) -> None:
+    """The planned leaver, at the agreed boundary: stream state to the joiner, then leave."""
+    channel = open_handover(_handover_store(rt), f"{plan.epoch}/leaver", 0, rt.timeout_s,
+                            _superseded(rt, plan.epoch))
+    try:
+        _use(rt, channel, plan.epoch,
+             lambda: send_and_report(channel, session, plan.replacement_list()[0].rank, plan.epoch, drill="handover"))
+    except CommLinkError as exc:
+        # The joiner is gone: our state went nowhere, and the rank is not ours any more. Leave; the
+        # control plane replaces the rank from a replica (the joiner's loss is a failure of it).
+        raise MembershipLost(f"the planned hand-over of epoch {plan.epoch} failed: {exc}") from exc
+    mark_step(rt.space, plan.epoch, "handed_over")
+    rt.epoch = plan.epoch
+
+
+def receive_from_leaver(rt, session, plan: MigrationPlan) -> None:
+    """The planned joiner: receive the leaver's state (blocks until the leaver reaches the boundary).
+
+    Raises :class:`RecoverySuperseded` (or a link error) when a newer failure plan cuts the move
+    short; the state is then unusable (``rt.state_valid`` is False) until a recovery copies it."""
+    channel = open_handover(_handover_store(rt), f"{plan.epoch}/leaver", 1, rt.timeout_s,
+                            _superseded(rt, plan.epoch))
+    _use(rt, channel, plan.epoch, lambda: recv_and_report(channel, session, plan.replacement_list()[0].rank, plan.epoch))
+    rt.state_valid = True
+    from megatron.training import iteration_start
+
+    session.started = iteration_start.capture(session.args)
+    mark_step(rt.space, plan.epoch, "transferred", resume_iteration=session.args.iteration)
+    session.reset_data()
+    rt.epoch = plan.epoch

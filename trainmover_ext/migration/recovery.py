@@ -1,0 +1,127 @@
+"""One attempt at a failure epoch: rebuild links, carry out the controller's convergence, copy state.
+
+Contract (every rank of the epoch, main thread):
+- A stayer rewinds its abandoned iteration (when its state is usable), reports
+  what it holds (``recovery/<e>/<r>``: its completed steps, or ``None`` when a
+  copy into it was cut short), and rebuilds the links the failure touched
+  (``nccl_delta``'s ``recover``). A fresh joiner built its links with ``join``.
+- Every rank then waits for the controller's one ``convergence/<e>`` record and
+  carries it out: the listed state copies over the communicator's own links, or
+  the latest checkpoint when no replica holds some state.
+- Any step may be cut short by a newer failure plan (the watch thread abandons
+  the communicator, which cuts link set-ups and transfers at once): the step
+  raises :class:`CommLinkError` or :class:`RecoverySuperseded`, and the caller
+  (:meth:`~trainmover_ext.migration.worker.WorkerRuntime.recover`) starts again
+  at the newest epoch. A copy cut short leaves the target's state unusable
+  (``WorkerRuntime.state_valid``), which its next report says.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from megatron.training import checkpointing, iteration_start
+from trainmover_ext.control.membership import report_recovery, wait_convergence
+from trainmover_ext.control.records import ConvergenceRecord, MigrationPlan
+from trainmover_ext.errors import MigrationAborted, RecoverySuperseded
+from trainmover_ext.migration.timeline import mark_step
+from trainmover_ext.runtime import faults
+
+logger = logging.getLogger(__name__)
+
+
+def converge(rt, session, plan: MigrationPlan, *, fresh_joiner: bool) -> None:
+    """Bring this rank to ``plan.epoch``'s resume point (see the module docstring)."""
+    import nccl_delta
+
+    from trainmover_ext.migration.transfer import LinkChannel
+
+    layout, args = session.layout, session.args
+    replaced = {r.rank for r in plan.replacement_list()}
+    e = plan.epoch
+    world = nccl_delta.current_world()
+    if not fresh_joiner:
+        if rt.state_valid:
+            # The abandoned iteration drew dropout masks before it failed: start it again from its
+            # snapshot, as a run without the failure would (a copy below may overwrite it).
+            session.rewind()
+        report_recovery(rt.space, epoch=e, rank=layout.rank, iteration=args.iteration if rt.state_valid else None)
+        faults.at("recover", rank=layout.rank, epoch=e)
+        report = world.recover(e, replaced=replaced)
+        logger.info("rank %d: epoch %d kept %d links, rebuilt %d", layout.rank, e, report.kept, report.rebuilt)
+    mark_step(rt.space, e, "joined" if fresh_joiner else "links_rebuilt", only_if=layout.rank in replaced)
+    cplan = _await_convergence(rt, e)
+    if cplan.from_checkpoint:
+        _load_checkpoint(rt, session, cplan)
+    else:
+        # Over the communicator's own link: the source is a ring neighbour of its target when one
+        # qualifies (the controller picks it), so nothing is set up on the critical path.
+        for src, dst in cplan.copies:
+            if layout.rank == src:
+                send_and_report(LinkChannel(dst), session, dst, e, drill="send")
+            elif layout.rank == dst:
+                rt.state_valid = False  # until every tensor has landed
+                recv_and_report(LinkChannel(src), session, src, e)
+                rt.state_valid = True
+                session.started = iteration_start.capture(args)  # what a later rewind goes back to
+        if rt.state_valid is False or args.iteration != cplan.resume_iteration:
+            raise MigrationAborted(f"rank {layout.rank} holds iteration {args.iteration} after the copies of epoch "
+                                   f"{e}, not {cplan.resume_iteration}")
+    mark_step(rt.space, e, "transferred" if not cplan.from_checkpoint else "checkpoint_loaded",
+              only_if=layout.rank in replaced, resume_iteration=args.iteration)
+    session.reset_data()
+    rt.epoch = e
+
+
+def _await_convergence(rt, epoch: int) -> ConvergenceRecord:
+    """The controller's convergence record of ``epoch`` (it decides once every stayer reported)."""
+    record = wait_convergence(rt.space, epoch, rt.timeout_s, lambda: rt.newest_failure_epoch() > epoch)
+    if record is None:
+        if rt.newest_failure_epoch() > epoch:
+            raise RecoverySuperseded(f"epoch {epoch} will not converge: epoch {rt.newest_failure_epoch()} "
+                                     "superseded it")
+        raise MigrationAborted(f"epoch {epoch} did not converge: the controller decided nothing within "
+                               f"{rt.timeout_s:.0f}s (did every stayer report?)")
+    return record
+
+
+def _load_checkpoint(rt, session, cplan: ConvergenceRecord) -> None:
+    args = session.args
+    root = args.load or args.save
+    if not root or checkpointing.read_latest_iteration(root) is None:
+        raise MigrationAborted(f"epoch {cplan.epoch}: {cplan.reason} and there is no checkpoint to fall back to "
+                               "(give --save/--save-interval)")
+    rt.state_valid = False
+    checkpointing.load_checkpoint(root, session.model, session.optimizer, session.scheduler, args, session.layout)
+    args.iteration = checkpointing.read_latest_iteration(root)
+    args.consumed_train_samples = args.iteration * args.global_batch_size
+    rt.state_valid = True
+    session.started = iteration_start.capture(args)
+
+
+def send_and_report(channel, session, dst: int, epoch: int, drill: str) -> int:
+    """Send this rank's state and say how much, and what it cost in memory (must be ~nothing).
+    ``drill`` names the fault-drill phase that fires after the metadata (``send`` or ``handover``)."""
+    from trainmover_ext.migration.transfer import send_state
+    from trainmover_ext.runtime.memwatch import PeakWindow
+
+    with PeakWindow() as mem:
+        sent = send_state(channel, session, after_meta=lambda: faults.at(drill, rank=session.layout.rank,
+                                                                           epoch=epoch))
+    print(f"[trainmover] rank {session.layout.rank} sent {sent / 2**20:.2f} MiB of state to rank {dst} "
+          f"(epoch {epoch}); RSS {mem.start_rss / 2**20:.1f} MiB at the start, peak {mem.peak / 2**20:.1f} MiB "
+          "during", flush=True)
+    return sent
+
+
+def recv_and_report(channel, session, src: int, epoch: int) -> int:
+    """Receive a rank's state and say how much, and whether it allocated anything it does not keep."""
+    from trainmover_ext.migration.transfer import recv_state
+    from trainmover_ext.runtime.memwatch import PeakWindow
+
+    with PeakWindow() as mem:
+        received = recv_state(channel, session)
+    print(f"[trainmover] rank {session.layout.rank} received {received / 2**20:.2f} MiB of state from rank {src} "
+          f"(epoch {epoch}); RSS {mem.start_rss / 2**20:.1f} MiB at the start, peak {mem.peak / 2**20:.1f} MiB "
+          f"during, {mem.end_rss / 2**20:.1f} MiB after", flush=True)
+    return received
