@@ -13,6 +13,8 @@ Same shape as Megatron-LM's ``pretrain_gpt.py``: ``model_provider``,
 
 from __future__ import annotations
 
+import os
+import sys
 from functools import partial
 
 import torch
@@ -89,3 +91,9 @@ if __name__ == "__main__":
             forward_step,
             extra_args_provider=add_trainmover_args,
         )
+    # Everything is closed and flushed here. A process that abandoned gloo ops during a recovery
+    # (any rank that survived one, or a standby started as a fresh interpreter and promoted) would
+    # abort in the interpreter's teardown, where gloo's threads are destroyed: leave without it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

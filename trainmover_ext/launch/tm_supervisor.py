@@ -63,6 +63,10 @@ class TrainMoverSupervisor:
         self.retired: list[RankProcess] = []
         self.leaving: dict[int, tuple[RankProcess, str]] = {}
         """Planned leavers still running, by rank (see the module docstring)."""
+        self.planned_leavers: set[str] = set()
+        """Members that were the leaver of a planned move (of any node)."""
+        self.kept_joiner: set[int] = set()
+        """Failure epochs whose planned joiner kept its rank (logged once)."""
         self.reported: dict[int, float] = {}
         self.plans: list = []
         self._lock = threading.Lock()
@@ -168,10 +172,16 @@ class TrainMoverSupervisor:
                         gone[0].signal(signal.SIGKILL)
                     self.retired.append(gone[0])
                     del self.leaving[rep.rank]
+                old = self.serving.get(rep.rank)
+                if plan.reason == "planned":
+                    self.planned_leavers.add(rep.leaver)
+                if (plan.reason == "failure" and rep.leaver in self.planned_leavers and old is not None
+                        and old[1] == rep.joiner and plan.epoch not in self.kept_joiner):
+                    self.kept_joiner.add(plan.epoch)
                     self.agent.log(f"epoch {plan.epoch} (failure): rank {rep.rank}'s planned leaver {rep.leaver} was "
                                    f"lost before its hand-over; {rep.joiner} keeps the rank, state from "
                                    f"{rep.state_source.get('kind')}")
-                old = self.serving.get(rep.rank)
+                    continue
                 rejoined = False
                 if old is not None and old[1] == rep.leaver:
                     # The leaver is ours: retire it, whoever serves the rank from now on.
