@@ -26,6 +26,7 @@ from megatron.training.data import build_dataset
 from megatron.training.model import gpt_layer_spec, transformer_config_from_args
 from trainmover_ext.config import add_trainmover_args
 from trainmover_ext.errors import exit_on_error
+from trainmover_ext.hooks import TrainMoverHooks
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
@@ -90,6 +91,7 @@ if __name__ == "__main__":
             ModelType.encoder_or_decoder,
             forward_step,
             extra_args_provider=add_trainmover_args,
+            runtime_hooks=TrainMoverHooks(),
         )
     # Everything is closed and flushed here. A process that abandoned gloo ops during a recovery
     # (any rank that survived one, or a standby started as a fresh interpreter and promoted) would

@@ -428,6 +428,7 @@ def _worker(spec_path: str) -> int:
 
     import pretrain_gpt
     from trainmover_ext.config import add_trainmover_args
+    from trainmover_ext.hooks import TrainMoverHooks
 
     wrapper = inprocess.Wrapper(
         store_kwargs={"host_name": os.environ["MASTER_ADDR"], "port": int(os.environ["MASTER_PORT"]),
@@ -461,7 +462,8 @@ def _worker(spec_path: str) -> int:
             rank=active_rank, world_size=active_world, timeout=td(spec["pg_timeout_s"]))
         return pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
                         ModelType.encoder_or_decoder, pretrain_gpt.forward_step,
-                        extra_args_provider=add_trainmover_args, argv=spec["argv"])
+                        extra_args_provider=add_trainmover_args, argv=spec["argv"],
+                        runtime_hooks=TrainMoverHooks())
 
     wrapper(train)(pg_store)
     return 0

@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -277,6 +277,29 @@ def build_session(args, layout, model_provider, dataset_provider, forward_step_f
                    dataset=datasets[0], forward_step_func=forward_step_func, metrics=metrics)
 
 
+class RuntimeHooks(Protocol):
+    """What ``pretrain`` asks of a runtime such as TrainMover's (``trainmover_ext.hooks``); without
+    hooks it trains as plain Megatron. The training layer imports nothing of the runtime."""
+
+    metrics_file: Optional[str]
+    """Where the logging rank appends one JSON line per iteration (None: nowhere)."""
+    use_delta_comm: bool
+    """Whether the process groups use the swappable communicator."""
+
+    def start(self, args) -> None:
+        """Called once the flags are parsed, before anything is built."""
+
+    def serve_other_role(self, args, providers, t_process: float) -> Optional[dict]:
+        """Run this process's whole life when it is not a worker (e.g. a standby) and return its
+        summary; None for a worker."""
+
+    def runtime_for(self, session: Session) -> Runtime:
+        """The training loop's hooks for this worker."""
+
+    def after_exit(self, args, providers, t_process: float) -> Optional[Callable[[], dict]]:
+        """What to run once training ended and everything was torn down (None: nothing)."""
+
+
 def pretrain(
     train_valid_test_dataset_provider: Callable,
     model_provider: Callable,
@@ -285,12 +308,10 @@ def pretrain(
     extra_args_provider: Optional[Callable] = None,
     args_defaults: Optional[dict] = None,
     argv: Optional[Sequence[str]] = None,
+    runtime_hooks: Optional[RuntimeHooks] = None,
 ) -> dict:
     """Parse flags, initialise, build, train, and tear down; returns a summary dict."""
     t_process = process_start_time()
-    from trainmover_ext.launch.process import die_with_parent_from_env
-
-    die_with_parent_from_env()  # a rank spawned by `trainmover launch` never outlives its agent
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>` dumps every thread's stack
     faulthandler.enable(all_threads=True)  # a crash in C++ (SIGSEGV, SIGABRT) prints every thread's stack too
@@ -298,26 +319,21 @@ def pretrain(
     for key, value in (args_defaults or {}).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    tm_config = None
-    if extra_args_provider is not None:
-        from trainmover_ext.config import config_from_args
-        from trainmover_ext.logconfig import configure as configure_logging
-
-        configure_logging(getattr(args, "tm_log_level", None), getattr(args, "tm_log_json", None))
-        tm_config = config_from_args(args)
+    hooks = runtime_hooks
+    if hooks is not None:
+        hooks.start(args)
     tokenizer = build_tokenizer(args)
     global_vars.set_global_variables(args, tokenizer)
     providers = (model_provider, train_valid_test_dataset_provider, forward_step_func)
-    if tm_config is not None and tm_config.role == "standby":
-        from trainmover_ext.runtime.standby import run_standby
-
-        return run_standby(args, tm_config, providers, t_process)
+    if hooks is not None:
+        summary = hooks.serve_other_role(args, providers, t_process)
+        if summary is not None:
+            return summary
     t_args = time.time()
-    layout = initialize_distributed(args, use_delta_comm=bool(tm_config and tm_config.use_delta_comm))
+    layout = initialize_distributed(args, use_delta_comm=bool(hooks and hooks.use_delta_comm))
     t_rendezvous = time.time()
-    metrics = MetricsLog(tm_config.metrics_file if tm_config else None, layout.is_logging_rank)
+    metrics = MetricsLog(hooks.metrics_file if hooks else None, layout.is_logging_rank)
     runtime: Runtime = Runtime()
-    worker = None
     try:
         session = build_session(args, layout, *providers, metrics)
         t_model = time.time()
@@ -340,29 +356,17 @@ def pretrain(
                 f"consumed samples {consumed}",
                 flush=True,
             )
-        if tm_config is not None and tm_config.enabled:
-            from trainmover_ext.migration.worker import WorkerRuntime
-
-            runtime = worker = WorkerRuntime.for_session(session, tm_config)
-        if tm_config is not None and tm_config.inject_fault:
-            from trainmover_ext.runtime import faults
-
-            faults.install(faults.FaultSpec.parse_all(tm_config.inject_fault), session)
-        if tm_config is not None and tm_config.record_dir:  # sandbox: record the first iterations
-            from trainmover_ext.sandbox.hook import attach_recorder
-
-            runtime = attach_recorder(session, runtime, tm_config)
+        if hooks is not None:
+            runtime = hooks.runtime_for(session)
         summary = train_loop(session, runtime)
     finally:
         runtime.close()
         metrics.close()
         shutdown()
-    if worker is not None and worker.handed_over is not None and tm_config.leaver_becomes_standby:
-        from trainmover_ext.runtime.standby import rejoin_as_standby
-
-        leaver, epoch = worker.ident.member_id, worker.handed_over
-        del session, runtime, worker  # the model and optimizer go before the standby warms up
-        return rejoin_as_standby(args, tm_config, providers, t_process, leaver, epoch)
+    then = hooks.after_exit(args, providers, t_process) if hooks is not None else None
+    if then is not None:
+        del session, runtime  # the model and optimizer go before whatever comes next
+        return then()
     return summary
 
 

@@ -229,3 +229,20 @@ def test_a_checkpoint_that_needs_code_to_load_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="needs code to load is refused"):
         checkpointing.load_checkpoint(str(tmp_path), None, None, None, args, layout)
     assert not marker.exists()
+
+
+def test_the_training_layer_does_not_import_the_runtime():
+    """``pretrain()`` takes its runtime as hooks (``trainmover_ext.hooks``): nothing under
+    megatron/training imports the migration path, the standby or the hooks themselves."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "megatron" / "training"
+    banned = ("trainmover_ext.migration", "trainmover_ext.runtime", "trainmover_ext.hooks")
+    found = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{path.name}: {n}" for n in names if n.startswith(banned)]
+    assert not found, found

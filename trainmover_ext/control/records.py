@@ -11,11 +11,11 @@ key                     value                                          written b
 ``members/<id>``        :class:`MemberRecord` on the member's lease    each member                 controller, ``status``, metrics
 ``ranks/<r>``           :class:`RankRecord`: who serves rank r         launcher; controller        controller, agents, ``status``
 ``epoch``               ``{"epoch": e}``, compare-and-swap only         controller                  controller
-``migrations/<e>``      :class:`MigrationPlan` that opened epoch e     controller; steps: ranks    every rank and agent (watch)
+``migrations/<e>``      :class:`MigrationPlan` that opened epoch e     controller; steps: ranks    every rank, agent, controller
 ``reports/<r>/<by>``    :class:`FailureReport`: r's process died       agents                      controller
 ``requests/<id>``       :class:`MigrationRequest`                      ``trainmover migrate``      controller
 ``alerts/<r>``          :class:`Alert`: no standby can serve rank r    controller                  controller, ``status``
-``recovery/<e>/<r>``    ``{"iteration": k}``: stayer r holds k steps   that stayer (once)          controller only
+``recovery/<e>/<r>``    ``{"iteration": k|null}``: r holds k steps     that stayer (once)          controller only
 ``convergence/<e>``     :class:`ConvergenceRecord`: resume and copies  controller                  every rank of epoch e (one key)
 ``switch_at/<e>``       ``{"iteration": k}``: a planned move's switch  the first rank to pick it   every rank of a planned move
 ``checkpoint``          ``{"iteration": k}``: newest full checkpoint   rank 0                      controller

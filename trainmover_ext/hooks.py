@@ -1,0 +1,85 @@
+"""``pretrain()``'s runtime hooks for ``pretrain_gpt.py``: what the ``--tm-*`` flags ask for.
+
+Contract: :func:`megatron.training.training.pretrain` knows only the
+:class:`~megatron.training.training.RuntimeHooks` protocol; this module is where
+the choice between a worker and a standby is made, where the worker's runtime
+(membership and migrations), the fault drills and the sandbox recorder are
+attached, and where a planned leaver rejoins the standby pool. Without
+``--trainmover`` the hooks still serve the launcher (the rank dies with its
+agent), logging, ``--tm-metrics-file`` and the fault drills.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from megatron.training.training import Runtime, Session
+from trainmover_ext.config import TrainMoverConfig
+
+
+class TrainMoverHooks:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self.config: Optional[TrainMoverConfig] = None
+        self.worker = None
+
+    def start(self, args) -> None:
+        from trainmover_ext.config import config_from_args
+        from trainmover_ext.launch.process import die_with_parent_from_env
+        from trainmover_ext.logconfig import configure as configure_logging
+
+        die_with_parent_from_env()  # a rank spawned by `trainmover launch` never outlives its agent
+        configure_logging(getattr(args, "tm_log_level", None), getattr(args, "tm_log_json", None))
+        self.config = config_from_args(args)
+
+    @property
+    def metrics_file(self) -> Optional[str]:
+        return self.config.metrics_file if self.config else None
+
+    @property
+    def use_delta_comm(self) -> bool:
+        return bool(self.config and self.config.use_delta_comm)
+
+    def serve_other_role(self, args, providers, t_process: float) -> Optional[dict]:
+        """A standby's whole life (``--tm-role standby``); None for a worker."""
+        if self.config is None or self.config.role != "standby":
+            return None
+        from trainmover_ext.runtime.standby import run_standby
+
+        return run_standby(args, self.config, providers, t_process)
+
+    def runtime_for(self, session: Session) -> Runtime:
+        config = self.config
+        runtime: Runtime = Runtime()
+        if config is None:
+            return runtime
+        if config.enabled:
+            from trainmover_ext.migration.worker import WorkerRuntime
+
+            runtime = self.worker = WorkerRuntime.for_session(session, config)
+        if config.inject_fault:
+            from trainmover_ext.runtime import faults
+
+            faults.install(faults.FaultSpec.parse_all(config.inject_fault), session)
+        if config.record_dir:  # sandbox: record the first iterations
+            from trainmover_ext.sandbox.hook import attach_recorder
+
+            runtime = attach_recorder(session, runtime, config)
+        return runtime
+
+    def after_exit(self, args, providers, t_process: float) -> Optional[Callable[[], dict]]:
+        """What this process does next once its rank is given up: a planned leaver with
+        ``--tm-leaver-becomes-standby`` rejoins the pool (the caller drops its model first)."""
+        worker, config = self.worker, self.config
+        if worker is None or worker.handed_over is None or not config.leaver_becomes_standby:
+            return None
+        leaver, epoch = worker.ident.member_id, worker.handed_over
+        self.worker = None
+
+        def rejoin() -> dict:
+            from trainmover_ext.runtime.standby import rejoin_as_standby
+
+            return rejoin_as_standby(args, config, providers, t_process, leaver, epoch)
+
+        return rejoin
