@@ -103,7 +103,7 @@ class Pids:
 
     def of(self, rank: int) -> Optional[int]:
         text = self._text()
-        starts = [m.end() for m in re.finditer(r"started \d+ ranks, pids", text)]
+        starts = [m.end() for m in re.finditer(r"started \d+ ranks(?: \(\w+\))?, pids", text)]
         if not starts:
             return None
         pid = rank_pids(self.err_path)[-1][rank]

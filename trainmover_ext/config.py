@@ -65,6 +65,8 @@ class TrainMoverConfig:
     standby_duty: float = 1.0
     """``--tm-standby-duty``: the share of one core a warming standby may use (``1`` = unpaced); it pauses
     between shadow iterations to stay within it (``trainmover_ext.sandbox.pacing``)."""
+    standby_nice: int = 19
+    """``--tm-standby-nice``: how much lower a standby's CPU priority is until its promotion (0: not lowered)."""
     leaver_becomes_standby: bool = False
     """``--tm-leaver-becomes-standby``: a planned leaver rejoins the pool instead of exiting."""
     metrics_file: Optional[str] = None
@@ -100,6 +102,8 @@ class TrainMoverConfig:
             raise ConfigError("--tm-record-timeout must be positive (seconds a standby waits for recordings)")
         if self.keep_role not in KEEP_ROLES:
             raise ConfigError(f"--tm-keep-role must be one of {', '.join(KEEP_ROLES)}")
+        if not 0 <= self.standby_nice <= 19:
+            raise ConfigError(f"--tm-standby-nice {self.standby_nice} must be in 0..19 (a niceness)")
         if not 0 < self.standby_duty <= 1:
             raise ConfigError(f"--tm-standby-duty {self.standby_duty} must be in (0, 1]: the share of one core a "
                               "warming standby may use (e.g. 0.25)")
@@ -128,6 +132,7 @@ _FLAG_TO_FIELD = {
     "tm_compile": "compile",
     "tm_keep_role": "keep_role",
     "tm_standby_duty": "standby_duty",
+    "tm_standby_nice": "standby_nice",
     "tm_leaver_becomes_standby": "leaver_becomes_standby",
     "tm_metrics_file": "metrics_file",
     "tm_comm": "comm",
@@ -167,6 +172,12 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "warmed last, so memory stays one role's). Promoted into the rank that role was recorded "
                         "at (TP and DP rank 0 of its stage), the standby adopts that model instead of building "
                         "one; 'none' keeps no model.")
+    g.add_argument("--tm-standby-nice", type=int, default=None, metavar="N",
+                   help="How much lower (a niceness, 0..19; default 19) a standby's CPU priority is from its "
+                        "start until its promotion, so that starting and warming a standby (the pool is refilled "
+                        "after every promotion) does not take the ranks' cores. Applied only where a promoted "
+                        "standby can raise its priority back (root, CAP_SYS_NICE or RLIMIT_NICE >= 20); the "
+                        "launcher says when it cannot. 0 turns it off.")
     g.add_argument("--tm-standby-duty", type=float, default=None, metavar="FRACTION",
                    help="Share of one CPU core a warming standby may use, in (0, 1] (default 1: unpaced). Below 1 "
                         "it pauses between shadow iterations and roles so that its CPU time stays within that "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainmover_ext.control.decide import (
-    CommitConvergence, DropStaleReport, PlanMigration, RaiseAlert, RejectRequest, decide,
+    CommitConvergence, CommitSwitchPoint, DropStaleReport, PlanMigration, RaiseAlert, RejectRequest, decide,
 )
 from trainmover_ext.control.executor import Executor, Outcome
 from trainmover_ext.control.records import FailureReport, MemberRecord, MigrationPlan, MigrationRequest, RankRecord
@@ -390,3 +390,15 @@ def test_the_planned_leaver_gone_after_its_hand_over_is_not_a_failure():
     v.reports = {ROOT + "reports/1/a0": report(1, "w1", t=150.0, epoch=4)}
     del v.members["w1"]
     assert [type(a) for a in decide(v, 200.0)] == [DropStaleReport]
+
+
+def test_the_controller_commits_the_planned_switch_point_once_the_leaver_waits():
+    v = _moving({"ready": 1.0})
+    assert not [a for a in decide(v, 200.0) if isinstance(a, CommitSwitchPoint)], "the leaver has not said where"
+    v.last_plan.leaver_at, v.last_plan.last_boundary, v.last_plan_rev = 7, 11, 77
+    act = only(decide(v, 200.0), CommitSwitchPoint)
+    assert (act.epoch, act.switch_at, act.expected_plan_rev) == (4, 8, 77), "the boundary after the leaver's"
+    v.last_plan.leaver_at = 11
+    assert only(decide(v, 200.0), CommitSwitchPoint).switch_at == 11, "never beyond the last boundary"
+    v.last_plan.switch_at = 11
+    assert not [a for a in decide(v, 200.0) if isinstance(a, CommitSwitchPoint)], "committed already"

@@ -31,6 +31,9 @@ Cases:
 - **planned request**: handled only when nothing has failed and no recovery is
   under way; the leaver is the state source. An unknown rank or an unusable
   ``--to`` standby is rejected.
+- **switch point**: once a planned move's joiner is ready and its leaver waits
+  at a boundary (``leaver_at``), the controller commits the boundary where the
+  leaver hands over and the stayers switch (``switch_at`` in the plan).
 - **epoch race / malformed epoch**: an unreadable epoch is repaired from the
   newest plan (each plan opened one epoch) and nothing else is decided in that
   round; a lost race is the executor's CAS returning False.
@@ -87,6 +90,15 @@ class CommitConvergence:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CommitSwitchPoint:
+    """Write ``switch_at`` into the planned move's plan (CAS on the plan key's revision)."""
+
+    epoch: int
+    switch_at: int
+    expected_plan_rev: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class RepairEpoch:
     """Rewrite an unreadable ``epoch`` with the epoch the newest plan opened (CAS on its revision)."""
 
@@ -95,7 +107,8 @@ class RepairEpoch:
     garbage: str
 
 
-Action = PlanMigration | DropStaleReport | RaiseAlert | RejectRequest | CommitConvergence | RepairEpoch
+Action = (PlanMigration | DropStaleReport | RaiseAlert | RejectRequest | CommitConvergence | CommitSwitchPoint
+          | RepairEpoch)
 
 
 @dataclass(kw_only=True)
@@ -263,6 +276,19 @@ def _decide_convergence(view: View, now: float, decided_by: str) -> list[Action]
                               consumed=tuple(view.recovery_keys.get(plan.epoch, [])))]
 
 
+def _decide_switch_point(view: View) -> list[Action]:
+    """The planned move's switch point, once its joiner is ready and its leaver waits at a boundary: the
+    next boundary (no rank can complete the iteration after the leaver's boundary without it), or the
+    last one when the leaver waits there."""
+    plan = view.last_plan
+    if (plan is None or plan.reason != "planned" or plan.epoch != view.epoch or plan.switch_at is not None
+            or plan.leaver_at is None or "ready" not in plan.steps):
+        return []
+    last = plan.last_boundary if plan.last_boundary is not None else plan.leaver_at
+    return [CommitSwitchPoint(epoch=plan.epoch, switch_at=min(plan.leaver_at + 1, max(last, plan.leaver_at)),
+                              expected_plan_rev=view.last_plan_rev)]
+
+
 def _alert_key(view: View, rank: int) -> str:
     return f"{view.root}alerts/{rank}"
 
@@ -321,4 +347,7 @@ def decide(view: View, now: float, *, decided_by: str = "") -> list[Action]:
         return actions + _plan_failures(view, now, failures, decided_by)
     if _recovery_under_way(view):
         return actions + _decide_convergence(view, now, decided_by)
+    switch = _decide_switch_point(view)
+    if switch:
+        return actions + switch
     return actions + _plan_request(view, now, decided_by)

@@ -9,7 +9,8 @@ deletes the reports/requests/alerts it settles and appends an event, all at one
 revision. Hence at most one migration commits per epoch, and a decision is
 either wholly visible or absent. A :class:`CommitConvergence` writes
 ``convergence/<e>`` only while the epoch is unchanged (a newer failure voids it)
-and deletes the stayers' reports it settles.
+and deletes the stayers' reports it settles. A :class:`CommitSwitchPoint` rewrites the
+planned move's plan with its switch point, compare-and-swap on the plan key.
 
 A lost race returns ``Outcome.CONFLICT`` (re-read and decide again); a lost
 leadership raises :class:`LeadershipLost`.
@@ -27,9 +28,10 @@ import enum
 import logging
 
 from trainmover_ext.control.decide import (
-    Action, CommitConvergence, DropStaleReport, PlanMigration, RaiseAlert, RejectRequest, RepairEpoch,
+    Action, CommitConvergence, CommitSwitchPoint, DropStaleReport, PlanMigration, RaiseAlert, RejectRequest,
+    RepairEpoch,
 )
-from trainmover_ext.control.records import Event, convergence_key, event_key_suffix, migration_key_suffix
+from trainmover_ext.control.records import Event, MigrationPlan, convergence_key, event_key_suffix, migration_key_suffix
 from trainmover_ext.control.view import epoch_value
 from trainmover_ext.errors import LeadershipLost
 from trainmover_ext.kv.base import Delete, Guard, Put
@@ -94,6 +96,19 @@ class Executor:
                              rec.decided_at)]
             outcome = self._commit([Guard.mod_revision(s.key("epoch"), action.expected_epoch_rev), Guard.absent(key)], ops)
             logger.info("convergence of epoch %d: %s", rec.epoch, outcome.value)
+            return outcome
+        if isinstance(action, CommitSwitchPoint):
+            key = s.key("migrations", migration_key_suffix(action.epoch))
+            entry = s.kv.get(key)
+            if entry is None or entry.mod_revision != action.expected_plan_rev:
+                return Outcome.CONFLICT
+            plan = MigrationPlan.from_bytes(entry.value, key=key)
+            plan.switch_at = action.switch_at
+            outcome = self._commit([Guard.mod_revision(key, entry.mod_revision)],
+                                   [Put(key, plan.to_bytes()),
+                                    event_put(s, "switch_point", {"epoch": action.epoch, "switch_at": action.switch_at},
+                                              _now())])
+            logger.info("switch point of epoch %d at %d: %s", action.epoch, action.switch_at, outcome.value)
             return outcome
         if isinstance(action, RepairEpoch):
             return self._commit([Guard.mod_revision(s.key("epoch"), action.expected_epoch_rev)],

@@ -17,7 +17,6 @@ key                     value                                          written b
 ``alerts/<r>``          :class:`Alert`: no standby can serve rank r    controller                  controller, ``status``
 ``recovery/<e>/<r>``    ``{"iteration": k|null}``: r holds k steps     that stayer (once)          controller only
 ``convergence/<e>``     :class:`ConvergenceRecord`: resume and copies  controller                  every rank of epoch e (one key)
-``switch_at/<e>``       ``{"iteration": k}``: a planned move's switch  the first rank to pick it   every rank of a planned move
 ``checkpoint``          ``{"iteration": k}``: newest full checkpoint   rank 0                      controller
 ``finished/<r>``        ``{"iteration": k}``: rank r completed         that rank                   controller, ``trainmover controller``
 ``recordings/<role>``   the sandbox's recording index                  the recording rank          standbys
@@ -169,6 +168,14 @@ class MigrationPlan(Record):
     """``planned`` here; the migration layer moves it on (``preparing``, ``switched``, ``done``, ``aborted``)."""
     steps: dict[str, float] = field(default_factory=dict)
     """Per-step wall-clock timestamps (``detected``, ``decided``, and later steps by the migration layer)."""
+    leaver_at: int | None = None
+    """A planned move: the iteration boundary (completed steps) where the leaver, its joiner ready, waits
+    for the switch point; written by the leaver."""
+    last_boundary: int | None = None
+    """A planned move: the job's last iteration boundary (``--train-iters`` - 1), written with ``leaver_at``."""
+    switch_at: int | None = None
+    """A planned move: the boundary where the leaver hands over and the stayers switch; committed by the
+    controller from ``leaver_at`` (nobody can pass the boundary after the leaver's while it waits)."""
 
     def replacement_list(self) -> list[Replacement]:
         return [Replacement(**r) for r in self.replacements]

@@ -58,6 +58,8 @@ class View:
     """Failure epochs whose ``convergence/<e>`` record exists."""
     checkpoint_iteration: int | None = None
     last_plan: MigrationPlan | None = None
+    last_plan_rev: int = 0
+    """mod_revision of the newest plan's key (a decision that rewrites the plan compares against it)."""
     leader: str | None = None
     malformed: dict[str, str] = field(default_factory=dict)
     """Keys whose value could not be read, with the reason; never modified by the controller."""
@@ -108,6 +110,7 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
             elif head == "migrations" and rest:
                 # Entries are sorted by key and migration keys are zero-padded: the last one wins.
                 view.last_plan = MigrationPlan.from_bytes(entry.value, key=entry.key)
+                view.last_plan_rev = entry.mod_revision
             elif rel == "leader":
                 view.leader = decode(entry.value, kind="leader", key=entry.key).get("id")
         except (MalformedValue, KeyError, ValueError, TypeError) as exc:

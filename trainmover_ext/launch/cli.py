@@ -89,6 +89,7 @@ def peek_trainmover_flags(script_args: list[str]) -> dict:
     peek.add_argument("--tm-standbys", type=int, default=0)
     peek.add_argument("--tm-lease-ttl", type=float, default=2.0)
     peek.add_argument("--tm-leaver-becomes-standby", action="store_true")
+    peek.add_argument("--tm-standby-nice", type=int, default=19)
     peek.add_argument("--tm-job", default=None)
     peek.add_argument("--tm-metrics-file", default=None)
     peek.add_argument("--seq-length", type=int, default=0)
@@ -184,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
         standbys=tm["tm_standbys"],
         lease_ttl_s=tm["tm_lease_ttl"],
         leaver_becomes_standby=tm["tm_leaver_becomes_standby"],
+        standby_nice=tm["tm_standby_nice"],
         run_dir=args.run_dir,
         script=args.script,
         script_args=list(args.script_args),

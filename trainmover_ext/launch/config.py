@@ -51,6 +51,8 @@ class LaunchConfig:
     """``--tm-lease-ttl`` of the script: membership lease TTL (controller and agent use it too)."""
     leaver_becomes_standby: bool = False
     """``--tm-leaver-becomes-standby`` of the script: a planned leaver stays alive as one of this agent's standbys."""
+    standby_nice: int = 19
+    """``--tm-standby-nice`` of the script: niceness of standbys until promotion (see ``launch.priority``)."""
     run_dir: Optional[str] = None
     """``--run-dir``: the job's working directory (embedded etcd data, logs); default runs/<job>."""
 

@@ -111,9 +111,9 @@ def wait_any_exit(procs: Iterable[RankProcess], timeout_s: float) -> None:
 
 
 def fork_rank(rank: int, env: dict[str, str], script: str, script_args: list[str],
-              output: Optional[ProcessOutput] = None) -> RankProcess:
+              output: Optional[ProcessOutput] = None, *, niceness: int = 0) -> RankProcess:
     """Fork a child that runs ``script`` as ``__main__`` with ``env`` applied, writing to ``output``
-    (per-process log files, :mod:`.logs`) or to the agent's console."""
+    (per-process log files, :mod:`.logs`) or to the agent's console, ``niceness`` lower in priority."""
     parent = os.getpid()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -127,6 +127,8 @@ def fork_rank(rank: int, env: dict[str, str], script: str, script_args: list[str
     try:
         os.setpgid(0, 0)
         _die_with_parent(parent)
+        if niceness > 0:
+            os.nice(niceness)
         if output is not None:
             output.in_child()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
@@ -160,7 +162,7 @@ def die_with_parent_from_env() -> None:
 
 
 def spawn_rank(rank: int, env: dict[str, str], script: str, script_args: list[str],
-               output: Optional[ProcessOutput] = None) -> RankProcess:
+               output: Optional[ProcessOutput] = None, *, niceness: int = 0) -> RankProcess:
     """Start ``python script args`` as a fresh interpreter, as torchrun does.
 
     No Python runs between fork and exec (no ``preexec_fn``): the agent may hold
@@ -171,7 +173,8 @@ def spawn_rank(rank: int, env: dict[str, str], script: str, script_args: list[st
     full_env.update(env)
     full_env[ENV_PARENT_PID] = str(os.getpid())
     fds = output.child_fds if output is not None else {}
-    popen = subprocess.Popen([sys.executable, "-u", script, *script_args], env=full_env, start_new_session=True,
+    nice = ["nice", "-n", str(niceness)] if niceness > 0 else []  # before the interpreter runs any Python
+    popen = subprocess.Popen([*nice, sys.executable, "-u", script, *script_args], env=full_env, start_new_session=True,
                              stdout=fds.get("stdout"), stderr=fds.get("stderr"))
     if output is not None:
         output.started()

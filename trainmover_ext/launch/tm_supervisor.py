@@ -73,6 +73,8 @@ class TrainMoverSupervisor:
         self.space = self.controller = self.member = self.watcher = self.archive = None
         self.epoch = 0
         self.standbys_started = 0
+        self.standby_nice = 0
+        """Niceness of this agent's standbys until promotion (``--tm-standby-nice``, where restorable)."""
         self.standby_failures = 0
         """Standbys that exited non-zero in a row; replenishing stops at ``MAX_STANDBY_FAILURES``."""
         self.replenish: list[tuple[int, float]] = []
@@ -90,15 +92,20 @@ class TrainMoverSupervisor:
         env[ENV_MEMBER_ID] = member
         start = fork_rank if method == "fork" else spawn_rank
         proc = start(-1, env, cfg.script, list(cfg.script_args) + ["--tm-role", "standby"],
-                     cfg.logs.open(member, 0, self.agent.restarts))
+                     cfg.logs.open(member, 0, self.agent.restarts), niceness=self.standby_nice)
         self.standbys[member] = proc
         self.agent.log(f"started standby {member} (pid {proc.pid}, {method})")
 
     def start(self) -> None:
+        from trainmover_ext.launch import priority
         from trainmover_ext.launch.process import preimport_for_fork
         from trainmover_ext.netutil import free_port
 
         cfg = self.cfg
+        self.standby_nice = cfg.standby_nice if cfg.standby_nice > 0 and priority.can_restore() else 0
+        if cfg.standby_nice > 0 and not self.standby_nice:
+            self.agent.log("standbys keep normal CPU priority: a promoted one could not raise it back here (needs "
+                           "root, CAP_SYS_NICE or RLIMIT_NICE >= 20); see --tm-standby-nice")
         self.port = cfg.master_port or free_port(cfg.master_addr)
         preimport_for_fork()
         for i in range(cfg.nproc_per_node):

@@ -52,6 +52,11 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
     t_promoted = time.time()
     print(f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (epoch {plan.epoch}, "
           f"{plan.reason})", flush=True)
+    from trainmover_ext.launch import priority
+
+    if priority.restore():  # a rank at a standby's low priority would hold every other rank back
+        print(f"[trainmover] standby {ident.member_id}: could not restore normal CPU priority after promotion",
+              flush=True)
     member.update(kind="worker")
     if config.inject_fault:
         faults.arm(faults.FaultSpec.parse_all(config.inject_fault), int(os.environ["WORLD_SIZE"]))

@@ -20,9 +20,9 @@ logger = logging.getLogger(__name__)
 
 
 def mark_step(space, epoch: int, step: str, *, only_if: bool = True, status: str | None = None,
-              at: float | None = None, resume_iteration: int | None = None) -> bool:
+              at: float | None = None, resume_iteration: int | None = None, fields: dict | None = None) -> bool:
     """Record ``step`` at ``at`` (default now) in the plan of ``epoch``, optionally with the
-    resume iteration and a new status. Returns True when written."""
+    resume iteration, other plan ``fields`` and a new status. Returns True when written."""
     if not only_if:
         return False
     at = time.time() if at is None else at
@@ -36,6 +36,8 @@ def mark_step(space, epoch: int, step: str, *, only_if: bool = True, status: str
             plan.steps[step] = at
             if resume_iteration is not None:
                 plan.resume_iteration = int(resume_iteration)
+            for name, value in (fields or {}).items():
+                setattr(plan, name, value)
             if status:
                 plan.status = status
             if space.commit([Guard.mod_revision(key, entry.mod_revision)], [Put(key, plan.to_bytes())]):

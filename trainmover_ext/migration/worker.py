@@ -15,9 +15,9 @@ Contract (every rank, main thread unless noted):
   every role. Training continues at the resume iteration.
 - On a *planned* plan the stayers build the joiner's links in the background
   (phase 1) and keep training while the joiner builds its model. Once the
-  joiner marks the plan ``ready``, all ranks agree, through one
-  compare-and-swap key, on the iteration boundary where the hand-over
-  happens: there the leaver streams its state to the joiner and leaves, and
+  joiner marks the plan ``ready``, the leaver says at which boundary it waits
+  and the controller commits the boundary of the hand-over (``switch_at`` in
+  the plan): there the leaver streams its state to the joiner and leaves, and
   the stayers switch the leaver's links to the joiner (phase 2). So the
   training pauses only for the state transfer and the joiner's first step.
 - A rank that finds itself replaced (declared dead while hung) stops with
@@ -34,9 +34,9 @@ from megatron.training.training import Runtime, Session
 from trainmover_ext.config import TrainMoverConfig
 from trainmover_ext.control.convergence import GridShape
 from trainmover_ext.control.membership import DecisionWatcher, Membership, init_job
-from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord
+from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord, migration_key_suffix
 from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
-from trainmover_ext.kv.codec import decode, encode
+from trainmover_ext.kv.codec import encode
 from trainmover_ext.migration.planned import hand_over
 from trainmover_ext.migration.recovery import converge
 from trainmover_ext.migration.timeline import mark_step
@@ -205,10 +205,53 @@ class WorkerRuntime(Runtime):
             return
 
     # -- planned migration ----------------------------------------------------
-    def _wait_ready(self, epoch: int) -> bool:
-        """Block until the joiner of ``epoch`` marked its plan ``ready`` (at most ``timeout_s``)."""
+    def _wait_plan_field(self, epoch: int, ready, timeout_s: float) -> bool:
+        """Block until ``ready(plan)`` holds for the plan of ``epoch`` as the watch delivers it."""
         with self._cond:
-            return self._cond.wait_for(lambda: "ready" in self._plans[epoch].steps, self.timeout_s)
+            return self._cond.wait_for(lambda: ready(self._plans[epoch]), timeout_s)
+
+    def _switch_point(self, session: Session, plan: MigrationPlan, leaver: bool) -> int | None:
+        """The boundary of the planned move ``plan`` once the controller committed it; None: train on.
+
+        The leaver, once the joiner is ready, says at which boundary it waits (``leaver_at``) and waits
+        there for the controller's ``switch_at``: no rank can complete the next iteration without it, so
+        nobody passes the point the controller picks. A stayer reads the plan at each boundary until the
+        point is known (its watch may lag by an iteration)."""
+        e, args = plan.epoch, session.args
+        if e in self._switch_at:
+            return self._switch_at[e]
+        last = args.train_iters - 1
+        at_last = args.iteration >= last
+        if leaver:
+            if "ready" not in plan.steps and not at_last:
+                return None  # the joiner still builds its links and model: train on meanwhile
+            # The last boundary: the hand-over cannot come later, so wait for the joiner here.
+            if not self._wait_plan_field(e, lambda p: "ready" in p.steps, self.timeout_s):
+                logger.warning("rank %d: the joiner of epoch %d was not ready within %.0fs; finishing without the "
+                               "planned move", self.layout.rank, e, self.timeout_s)
+                return None
+            mark_step(self.space, e, "leaver_waits", fields={"leaver_at": args.iteration, "last_boundary": last})
+            if not self._wait_plan_field(e, lambda p: p.switch_at is not None, self.timeout_s):
+                raise MigrationAborted(f"rank {self.layout.rank}: the controller committed no switch point for the "
+                                       f"planned move of epoch {e} within {self.timeout_s:.0f}s")
+            switch_at = self._plans[e].switch_at
+        else:
+            key = self.space.key("migrations", migration_key_suffix(e))
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                entry = self.space.kv.get(key)
+                switch_at = None if entry is None else MigrationPlan.from_bytes(entry.value, key=key).switch_at
+                if switch_at is not None or not at_last:
+                    break
+                if time.monotonic() > deadline:  # the last boundary: the move cannot come later
+                    logger.warning("rank %d: no switch point for epoch %d within %.0fs; finishing without the "
+                                   "planned move", self.layout.rank, e, self.timeout_s)
+                    return None
+                time.sleep(0.05)
+            if switch_at is None:
+                return None
+        self._switch_at[e] = switch_at
+        return switch_at
 
     def before_iteration(self, session: Session) -> bool:
         if self._replaced:
@@ -218,41 +261,28 @@ class WorkerRuntime(Runtime):
         if not pending:
             return True
         plan = pending[0]
+        if self.newest_failure_epoch() > plan.epoch:
+            return True  # a failure superseded the move: this iteration's ops raise and recovery takes over
         rep = plan.replacement_list()[0]
         layout, args = session.layout, session.args
         leaver = rep.rank == layout.rank
         if leaver:
             faults.at("prepare", rank=layout.rank, epoch=plan.epoch)
-        if plan.epoch not in self._switch_at:
-            if not leaver:
-                import nccl_delta
+        else:
+            import nccl_delta
 
-                world = nccl_delta.current_world()
-                if plan.epoch not in world.prepared:
-                    world.prepare(rep.rank, plan.epoch, joiner=rep.joiner)
-            # Read every boundary until set: another rank may pick the boundary before our watch
-            # delivers the joiner's ``ready``, and we must not pass it.
-            key = self.space.key("switch_at", plan.epoch)
-            entry = self.space.kv.get(key)
-            if entry is None:
-                if "ready" not in plan.steps:
-                    if args.iteration < args.train_iters - 1:
-                        return True  # the joiner still builds its links and model: train on meanwhile
-                    # The last boundary: the hand-over cannot come later, so wait for the joiner here.
-                    if not self._wait_ready(plan.epoch):
-                        logger.warning("rank %d: the joiner of epoch %d was not ready within %.0fs; finishing "
-                                       "without the planned move", layout.rank, plan.epoch, self.timeout_s)
-                        return True
-                # Two iterations ahead (every rank is within one iteration of us, so none has passed
-                # it), but never beyond the last boundary: a rank waiting there holds everyone back.
-                switch_at = min(args.iteration + 2, args.train_iters - 1)
-                self.space.put_if_absent(key, encode("switch_at", {"iteration": switch_at}))
-                entry = self.space.kv.get(key)
-            self._switch_at[plan.epoch] = decode(entry.value, kind="switch_at", key=key)["iteration"]
-        if args.iteration < self._switch_at[plan.epoch]:
+            world = nccl_delta.current_world()
+            if plan.epoch not in world.prepared and plan.epoch not in self._switch_at:
+                world.prepare(rep.rank, plan.epoch, joiner=rep.joiner)
+        switch_at = self._switch_point(session, plan, leaver)
+        if switch_at is None or args.iteration < switch_at:
             return True
         if leaver:
-            hand_over(self, session, plan)
+            try:
+                hand_over(self, session, plan)
+            except RecoverySuperseded as exc:
+                raise MembershipLost(f"rank {layout.rank}: the planned move of epoch {plan.epoch} was superseded by a "
+                                     f"failure; the rank's joiner takes its state from a replica ({exc})") from exc
             self.handed_over = plan.epoch
             return False
         import nccl_delta

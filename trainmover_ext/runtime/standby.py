@@ -180,6 +180,10 @@ def rejoin_as_standby(args, config, providers, t_process: float, leaver: str, ep
     os.environ.pop("RANK", None)
     os.environ.pop("LOCAL_RANK", None)
     os.environ[ENV_MEMBER_ID] = leaver_standby_id(leaver, epoch)
+    from trainmover_ext.launch import priority
+
+    if priority.can_restore():
+        priority.lower(config.standby_nice)  # as the launcher starts any standby
     print(f"[trainmover] {leaver} left its rank at epoch {epoch}; rejoining the pool as standby "
           f"{os.environ[ENV_MEMBER_ID]} (pid {os.getpid()})", flush=True)
     return run_standby(args, config, providers, t_process)
