@@ -41,6 +41,17 @@ def assert_bit_identical_without_restart(job, ref) -> None:
     assert len(read_metrics(job.metrics_path, "startup")) == 1, "a rank restarted"
 
 
+def run_while(job, act) -> None:
+    """Call ``act()`` while ``job`` runs, then wait for it to end well (it is killed if anything fails)."""
+    try:
+        act()
+        code = job.wait(400)
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+    assert code == 0, job.stderr()[-4000:]
+
+
 def test_the_joiner_dies_during_its_promotion(tmp_path, corpus, reference):
     """Rank 6 dies; the standby promoted into it (epoch 1) dies while the stayers build links to it. The
     stayers give up epoch 1's links at once and recover again at epoch 2 with the second standby."""
@@ -96,16 +107,14 @@ def test_the_planned_leaver_dies_during_the_move(tmp_path, corpus, reference, ph
     keeps the rank and takes the state from rank 6's replica."""
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
     job = start_job(tmp_path, 8, _cascade_args(corpus, f"6:1:{phase}", standbys=1), name=f"leaver_dies_{phase}")
-    try:
+
+    def migrate() -> None:
         wait_iteration(job, 3)
         # --wait 0: the 12-iteration job may be over (its etcd gone) before the CLI reads the decision
         done = trainmover_cli("migrate", "--rank", "6", "--wait", "0", *control_flags(job))
         assert done.returncode == 0, done.stderr[-2000:]
-        code = job.wait(400)
-    finally:
-        if job.popen.poll() is None:
-            job.popen.kill()
-    assert code == 0, job.stderr()[-4000:]
+
+    run_while(job, migrate)
     assert_bit_identical_without_restart(job, ref)
     plans = _plans(job.stderr())
     assert plans[:2] == [(1, "planned", 6), (2, "failure", 6)], job.stderr()[-3000:]
@@ -117,15 +126,15 @@ def test_a_standby_dies_while_warming(tmp_path, corpus, reference):
     """The only standby is killed while it warms; the agent starts another, which later replaces rank 3."""
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
     job = start_job(tmp_path, 8, _cascade_args(corpus, "3:8:forward", standbys=1), name="standby_dies")
-    try:
-        m = wait_for(lambda: re.search(r"started standby (\S+) \(pid (\d+), fork\)", job.stderr()), 120,
-                     what="the standby's start")
-        kill_quietly(int(m.group(2)), signal.SIGKILL)
-        code = job.wait(400)
-    finally:
-        if job.popen.poll() is None:
-            job.popen.kill()
-    assert code == 0, job.stderr()[-4000:]
+    started: list[re.Match] = []
+
+    def kill_the_standby() -> None:
+        started.append(wait_for(lambda: re.search(r"started standby (\S+) \(pid (\d+), fork\)", job.stderr()),
+                                120, what="the standby's start"))
+        kill_quietly(int(started[0].group(2)), signal.SIGKILL)
+
+    run_while(job, kill_the_standby)
+    m = started[0]
     assert_bit_identical_without_restart(job, ref)
     err = job.stderr()
     assert f"standby {m.group(1)} exited (-9); starting another" in err, err[-3000:]

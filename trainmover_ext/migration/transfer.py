@@ -17,6 +17,13 @@ Contract:
 - The metadata also carries the source's last iteration record (last pipeline
   stage only); a target that is the logging rank writes it to the metrics file
   when the file lacks it (its predecessor died between the step and the write).
+- No code from a peer runs here: the metadata is a versioned record of
+  tensors and plain values (numbers, strings, lists, dicts) read with
+  ``torch.load(weights_only=True)``, never pickle; it lists the shape and dtype
+  of every tensor that follows, and the target checks them against its own
+  model and optimizer before it receives any: a mismatch (another model shape,
+  another optimizer, another precision) is a :class:`MigrationAborted` naming
+  what differs, and nothing of the target is touched.
 - Every call has a deadline (the link's timeout); a failure raises
   :class:`MigrationAborted`.
 """
@@ -26,7 +33,6 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import pickle
 from typing import Optional
 
 import torch
@@ -130,18 +136,59 @@ def _optimizer_layout(session) -> list:
     return layout
 
 
-def _send_blob(channel, obj) -> None:
-    data = pickle.dumps(obj)
+META_FORMAT = "trainmover.state_meta"
+META_VERSION = 1
+MAX_META_BYTES = 64 << 20
+"""A metadata record larger than this is refused before anything is allocated for it."""
+
+
+def _send_blob(channel, obj: dict) -> None:
+    buf = io.BytesIO()
+    torch.save({"format": META_FORMAT, "version": META_VERSION, **obj}, buf)
+    data = buf.getvalue()
     channel.wait_sends([channel.send(torch.tensor([len(data)], dtype=torch.int64), 0),
                         channel.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), 1)])
 
 
-def _recv_blob(channel):
+def _recv_blob(channel) -> dict:
+    """The peer's metadata record; a record that is not one (or would run code) is a MigrationAborted."""
     size = torch.zeros(1, dtype=torch.int64)
     channel.recv(size, 0).wait()
-    buf = torch.empty(int(size.item()), dtype=torch.uint8)
+    n = int(size.item())
+    if not 0 < n <= MAX_META_BYTES:
+        raise MigrationAborted(f"the state source announced {n} bytes of metadata (at most {MAX_META_BYTES}); "
+                               "refusing it")
+    buf = torch.empty(n, dtype=torch.uint8)
     channel.recv(buf, 1).wait()
-    return pickle.loads(buf.numpy().tobytes())
+    try:
+        # weights_only: tensors, numbers, strings and containers only; anything else is refused unrun.
+        meta = torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable record is refused the same way
+        raise MigrationAborted(f"the state source's metadata is not a TrainMover state record: {exc}") from exc
+    if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
+        raise MigrationAborted("the state source's metadata is not a TrainMover state record")
+    if meta.get("version") != META_VERSION:
+        raise MigrationAborted(f"the state source speaks state-record version {meta.get('version')}, this process "
+                               f"{META_VERSION}: run the same TrainMover version on every process")
+    return meta
+
+
+def _manifest(tensors: list[torch.Tensor]) -> list[list]:
+    """``[shape, dtype]`` of every tensor, in transfer order."""
+    return [[list(t.shape), str(t.dtype)] for t in tensors]
+
+
+def check_manifest(theirs: list, ours: list, rank: int) -> None:
+    """Raise :class:`MigrationAborted` naming what differs between the source's tensors and the target's."""
+    if len(theirs) != len(ours):
+        raise MigrationAborted(f"rank {rank}: the state source sends {len(theirs)} tensors, this process holds "
+                               f"{len(ours)} (a different model or optimizer); nothing was received")
+    diffs = [f"tensor {i}: {a[0]} {a[1]} sent, {b[0]} {b[1]} here" for i, (a, b) in enumerate(zip(theirs, ours))
+             if list(a) != list(b)]
+    if diffs:
+        more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+        raise MigrationAborted(f"rank {rank}: the state source's tensors differ from this process's: "
+                               f"{'; '.join(diffs[:3])}{more}; nothing was received")
 
 
 DRILL_EXTRA_COPY_ENV = "TRAINMOVER_DRILL_EXTRA_STATE_COPY"
@@ -169,10 +216,11 @@ def send_state(channel, session, after_meta=None) -> int:
             for opt in checkpointing._optimizers(session.optimizer)
         ],
     }
+    tensors = _tensor_list(session)
+    meta["manifest"] = _manifest(tensors)
     _send_blob(channel, meta)
     if after_meta is not None:
         after_meta()
-    tensors = _tensor_list(session)
     hoard = [t.detach().clone() for t in tensors] if os.environ.get(DRILL_EXTRA_COPY_ENV) == "1" else None
     sent, works = 0, []
     for i, t in enumerate(tensors):
@@ -184,9 +232,21 @@ def send_state(channel, session, after_meta=None) -> int:
     return sent
 
 
+def _check_optimizer_layout(meta: dict, session) -> None:
+    """The source's optimizer state must fit this process's parameters before it is materialised."""
+    ours = [[p for g in opt.optimizer.param_groups for p in g["params"]]
+            for opt in checkpointing._optimizers(session.optimizer)]
+    theirs = meta["optimizer_layout"]
+    if len(theirs) != len(ours) or any(len(a) != len(b) for a, b in zip(theirs, ours)):
+        raise MigrationAborted(f"rank {session.layout.rank}: the state source's optimizer holds "
+                               f"{[len(a) for a in theirs]} parameters per optimizer, this process "
+                               f"{[len(b) for b in ours]}; nothing was received")
+
+
 def recv_state(channel, session) -> int:
     """Target side: overwrite model, optimizer, scheduler, RNG and counters; returns bytes received."""
     meta = _recv_blob(channel)
+    _check_optimizer_layout(meta, session)
     # Materialise the optimizer state with the source's structure so that the
     # tensor order below matches; values are overwritten by the receives.
     for opt, per_param, groups in zip(checkpointing._optimizers(session.optimizer), meta["optimizer_layout"],
@@ -202,8 +262,10 @@ def recv_state(channel, session) -> int:
                     st[key] = spec[1]
         for group, saved in zip(opt.optimizer.param_groups, groups):
             group.update(saved)
+    tensors = _tensor_list(session)
+    check_manifest(meta["manifest"], _manifest(tensors), session.layout.rank)
     received, posted = 0, []
-    for i, t in enumerate(_tensor_list(session)):
+    for i, t in enumerate(tensors):
         buf = t.detach() if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
         posted.append((t, buf, channel.recv(buf, 100 + i)))
         received += buf.numel() * buf.element_size()
