@@ -221,6 +221,11 @@ def summarize(res: dict, ref_wall: float, ref_values: dict, iters: int, steady_s
         "survived_without_restart": max(0, failures - res["restarts"]),
         "bit_identical": bit_identical(res["events"], ref_values, iters),
         "kills": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in kill.items()} for kill in res["kills"]],
+        # (iteration, end time, seconds) of every iteration logged, re-runs included: where the time went
+        "iterations": [[e["iteration"], round(e["t_end"], 3), round(e["iteration_s"], 4)]
+                       for e in res["events"] if e.get("event") == "iteration"],
+        "recoveries": [{k: e.get(k) for k in ("event", "epoch", "t", "state_ready", "resumed_iteration")}
+                       for e in res["events"] if e.get("event") in ("recovered", "promoted")],
     }
 
 
@@ -239,6 +244,7 @@ def main(argv=None) -> int:
                         help="--tm-standby-duty of the TrainMover runs (pacing of a refilled standby's warm-up).")
     parser.add_argument("--save-interval", type=int, default=25, help="Checkpoint interval of every run.")
     parser.add_argument("--skip-restart", action="store_true", help="Skip the stop-restart run.")
+    parser.add_argument("--keep-logs", action="store_true", help="Keep every run's logs and metrics (printed path).")
     parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
     args = parser.parse_args(argv)
     if args.iters < 60:
@@ -280,8 +286,10 @@ def main(argv=None) -> int:
             stop_restart = summarize(sr, ref_wall, ref_values, args.iters, steady_s)
         ok = True
     finally:
-        if ok:
+        if ok and not args.keep_logs:
             shutil.rmtree(workdir, ignore_errors=True)
+        elif ok:
+            print(f"logs kept in {workdir}")
         else:
             print(f"a run failed: its logs are kept in {workdir}", file=sys.stderr)
     lost_ratio = (trainmover["lost_s_per_failure"] / stop_restart["lost_s_per_failure"]
