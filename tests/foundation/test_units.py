@@ -196,10 +196,14 @@ def test_a_fault_that_could_never_fire_is_refused():
 
     session = SimpleNamespace(layout=SimpleNamespace(world_size=8, rank=0), args=SimpleNamespace(train_iters=12))
     with pytest.raises(ConfigError, match=r"rank 8, but the job has ranks 0..7"):
-        install(FaultSpec.parse("8:6:forward"), session)
+        install(FaultSpec.parse_all("8:6:forward"), session)
     with pytest.raises(ConfigError, match=r"iteration 13, but the job trains iterations 1..12"):
-        install(FaultSpec.parse("3:13:forward"), session)
-    install(FaultSpec.parse("3:6:forward"), session)  # another rank's drill: nothing to arm here
+        install(FaultSpec.parse_all("3:6:forward, 3:13:forward"), session)
+    with pytest.raises(ConfigError, match=r"rank 9, but the job has ranks 0..7"):
+        install(FaultSpec.parse_all("9:1:join"), session)  # a migration phase: ITERATION is the epoch
+    with pytest.raises(ConfigError, match=r"epoch 0; epochs start at 1"):
+        install(FaultSpec.parse_all("2:0:send"), session)
+    install(FaultSpec.parse_all("3:6:forward"), session)  # another rank's drill: nothing to arm here
 
 
 def test_a_checkpoint_that_needs_code_to_load_is_refused(tmp_path):

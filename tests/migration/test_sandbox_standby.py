@@ -40,7 +40,10 @@ def _last_iteration(job) -> int:
 def test_sandbox_standby_replaces_a_killed_rank_bit_identically(tmp_path, corpus, reference, victim, adopts):
     args = tm_args(corpus, iters=ITERS)
     ref = reference("tp2pp2dp2-i40", 8, args)
-    job = start_job(tmp_path, 8, args + ["--tm-record-dir", str(tmp_path / "recordings"), "--tm-keep-role", "first"],
+    # The standby keeps its CPU priority (--tm-standby-nice 0): on two cores, at the lowest priority
+    # it would be warm only after the 40 iterations the job runs.
+    job = start_job(tmp_path, 8, args + ["--tm-record-dir", str(tmp_path / "recordings"), "--tm-keep-role", "first",
+                                         "--tm-standby-nice", "0"],
                     name=f"sandbox_{victim}")
     try:
         warm = wait_for(lambda: re.search(r"standby (\S+) warm in [\d.]+s \(sandbox, roles \[([^\]]*)\]\)", _log(job)),

@@ -22,7 +22,9 @@ TOKEN = "sandbox-test-token"
 
 
 def _launch(tmp_path, corpus, name, *extra):
-    args = pp3_argv(corpus, "--trainmover", "--tm-standbys", "1", *extra)
+    # On two cores the job's ranks keep every core busy: a standby at the lowest CPU priority (the
+    # default) would warm only once the job ends, so these standbys keep their priority.
+    args = pp3_argv(corpus, "--trainmover", "--tm-standbys", "1", "--tm-standby-nice", "0", *extra)
     args[args.index("--train-iters") + 1] = "100000"  # stopped by the test once it has seen enough
     return start_job(tmp_path, 3, args, "--tm-job", name, "--tm-job-token", TOKEN, name=name)
 
