@@ -263,9 +263,10 @@ class JobProbe:
 
     def _space(self):
         from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
-        from trainmover_ext.kv.job import JobSpace
+        from trainmover_ext.kv.job import JobSpace, job_login
 
-        return JobSpace.open(EtcdKV(EtcdClientConfig(endpoints=",".join(self.endpoints))), self.job, self.token)
+        config = job_login(EtcdClientConfig(endpoints=",".join(self.endpoints)), self.job, self.token)
+        return JobSpace.open(EtcdKV(config), self.job, self.token)
 
     def leader(self) -> Optional[str]:
         from trainmover_ext.kv.codec import decode

@@ -29,11 +29,13 @@ def _launch(tmp_path, corpus, name, *extra):
     return start_job(tmp_path, 3, args, "--tm-job", name, "--tm-job-token", TOKEN, name=name)
 
 
-def _etcd(job):
+def _etcd(job, name):
+    """A client of the job's etcd, logged in as the job's user."""
     from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
+    from trainmover_ext.kv.job import job_login
 
     match = wait_for(lambda: re.search(r"embedded etcd at (\S+) ", job.stderr()), 60, 0.1, "the embedded etcd")
-    return EtcdKV(EtcdClientConfig(endpoints=match.group(1).split(","))), match.group(1)
+    return EtcdKV(job_login(EtcdClientConfig(endpoints=match.group(1).split(",")), name, TOKEN)), match.group(1)
 
 
 def _records(kv, prefix: str, kind: str) -> dict:
@@ -80,7 +82,7 @@ def test_standby_warms_all_roles_from_recordings_without_touching_the_job(tmp_pa
     job = _launch(tmp_path, corpus, "sbwarm", "--tm-record-dir", record_dir, "--tm-record-iters", "2",
                   "--tm-standby-duty", "0.5")
     try:
-        kv, endpoint = _etcd(job)
+        kv, endpoint = _etcd(job, "sbwarm")
         standby = wait_for(lambda: (s := _standby(kv, "sbwarm")) and s["warmup"].get("mode") == "sandbox"
                            and len(s["warm_roles"]) == 3 and s, 240, 0.2, "the standby to warm three roles")
         assert standby["warm_roles"] == ["first", "middle", "last"]
@@ -111,7 +113,7 @@ def test_standby_falls_back_when_no_recording_appears(tmp_path, corpus):
     job = _launch(tmp_path, corpus, "sbfallback", "--tm-record-dir", str(tmp_path / "rec"),
                   "--tm-record-iters", "100000", "--tm-record-timeout", "3")
     try:
-        kv, _ = _etcd(job)
+        kv, _ = _etcd(job, "sbfallback")
         standby = wait_for(lambda: (s := _standby(kv, "sbfallback")) and s["warmup"].get("mode") == "basic" and s,
                            240, 0.2, "the standby to fall back")
         assert standby["warm_roles"] == ["first", "middle", "last"]  # colder, but it can still serve

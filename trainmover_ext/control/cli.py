@@ -29,7 +29,7 @@ from trainmover_ext.control.records import Event
 from trainmover_ext.control.view import View, read_view
 from trainmover_ext.errors import ConfigError, MalformedValue
 from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
-from trainmover_ext.kv.job import JobSpace
+from trainmover_ext.kv.job import JobSpace, job_login
 
 
 def add_connection_flags(p: argparse.ArgumentParser) -> None:
@@ -60,11 +60,14 @@ def client_config(args: argparse.Namespace) -> EtcdClientConfig:
     """An :class:`EtcdClientConfig` from the connection flags."""
     if not args.tm_etcd_endpoints:
         raise ConfigError("no etcd endpoints: pass --tm-etcd-endpoints host:port or set TRAINMOVER_ETCD_ENDPOINTS")
-    return EtcdClientConfig(
+    config = EtcdClientConfig(
         endpoints=args.tm_etcd_endpoints, ca_cert=args.tm_etcd_ca, client_cert=args.tm_etcd_cert, client_key=args.tm_etcd_key,
         user=args.tm_etcd_user, password=args.tm_etcd_password, timeout_s=args.tm_etcd_timeout,
         connect_timeout_s=args.tm_etcd_timeout,
     )
+    if getattr(args, "tm_job", None):  # the job's own etcd user (see kv.job.job_login)
+        return job_login(config, args.tm_job, getattr(args, "tm_job_token", None))
+    return config
 
 
 def open_job(args: argparse.Namespace) -> JobSpace:

@@ -83,7 +83,8 @@ class Controller:
     # -- lifecycle --
     def start(self) -> "Controller":
         start = self.space.kv.get_prefix(self.space.key("leader")).revision + 1
-        self._watch = self.space.kv.watch_prefix(self.space.root, self._on_events, start_revision=start)
+        self._watch = self.space.kv.watch_prefix(self.space.root, self._on_events, start_revision=start,
+                                                  end=self.space.control_end)
         self._thread = threading.Thread(target=self._run, name=f"tm-controller-{self.config.controller_id}", daemon=True)
         self._thread.start()
         return self

@@ -136,8 +136,10 @@ class KV(abc.ABC):
         """The entry at ``key``, or None when absent."""
 
     @abc.abstractmethod
-    def get_prefix(self, prefix: str) -> Snapshot:
-        """Every key that starts with ``prefix``, read at one revision."""
+    def get_prefix(self, prefix: str, *, end: str | None = None) -> Snapshot:
+        """Every key that starts with ``prefix``, read at one revision; with ``end``, only the keys
+        below ``end`` (a job's control plane reads its namespace without the rendezvous store,
+        which sorts last: see :attr:`~trainmover_ext.kv.job.JobSpace.control_end`)."""
 
     @abc.abstractmethod
     def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
@@ -168,8 +170,10 @@ class KV(abc.ABC):
         """End a lease now; its keys are deleted. Unknown ids are ignored."""
 
     @abc.abstractmethod
-    def watch_prefix(self, prefix: str, callback: WatchCallback, *, start_revision: int = 0) -> WatchHandle:
-        """Call ``callback`` with every change under ``prefix`` from ``start_revision`` (0: from now).
+    def watch_prefix(self, prefix: str, callback: WatchCallback, *, start_revision: int = 0,
+                     end: str | None = None) -> WatchHandle:
+        """Call ``callback`` with every change under ``prefix`` (and below ``end``, if given) from
+        ``start_revision`` (0: from now).
 
         Implementations re-establish the watch after a transient server loss,
         resuming after the last revision delivered, so no change is skipped.

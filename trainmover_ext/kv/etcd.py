@@ -13,6 +13,12 @@ Contract:
   torch store does this for you).
 - Watches survive a server restart: they re-subscribe from the revision after
   the last delivered event.
+- Password auth (``user``/``password``): the client logs in at construction and
+  again whenever etcd calls its token invalid (an etcd restart forgets tokens), so
+  a long-lived process never loses access. The token travels as gRPC metadata,
+  over TLS or, on a plain channel, in the clear (use TLS off loopback). With
+  ``login_if_enabled`` (a job's derived credentials) a server without auth is used
+  without logging in. A reply of "permission denied" still proves the server answers.
 
 Example::
 
@@ -54,6 +60,9 @@ class EtcdClientConfig:
     """etcd user for password auth (``--tm-etcd-user``)."""
     password: str | None = None
     """Password of ``user`` (``--tm-etcd-password``)."""
+    login_if_enabled: bool = False
+    """``user``/``password`` are a job's derived credentials (:func:`~trainmover_ext.kv.job.job_password`):
+    log in only when the server has auth enabled, else connect without."""
     timeout_s: float = 5.0
     """Deadline of each call, retries included (``--tm-etcd-timeout``)."""
     connect_timeout_s: float = 5.0
@@ -101,8 +110,10 @@ def _is_unavailable(exc: BaseException) -> bool:
 class _EtcdWatch(WatchHandle):
     """A prefix watch that re-subscribes after stream loss, from the last revision seen."""
 
-    def __init__(self, kv: "EtcdKV", prefix: str, callback: WatchCallback, start_revision: int) -> None:
+    def __init__(self, kv: "EtcdKV", prefix: str, callback: WatchCallback, start_revision: int,
+                 end: str | None = None) -> None:
         self.kv, self.prefix, self.callback = kv, prefix, callback
+        self.end = end or prefix_end(prefix)
         self.next_revision = start_revision
         self.watch_id: int | None = None
         self.cancelled = threading.Event()
@@ -131,7 +142,7 @@ class _EtcdWatch(WatchHandle):
 
     def subscribe(self) -> None:
         client = self.kv._client()
-        kwargs: dict[str, Any] = {"range_end": prefix_end(self.prefix)}
+        kwargs: dict[str, Any] = {"range_end": self.end}
         if self.next_revision:
             kwargs["start_revision"] = self.next_revision
         self.watch_id = client.add_watch_callback(self.prefix, self._on_response, **kwargs)
@@ -145,6 +156,11 @@ class _EtcdWatch(WatchHandle):
                 return
             except Exception as exc:  # keep trying until cancelled: watchers must outlive outages
                 logger.debug("re-watch of %s failed: %s", self.prefix, exc)
+                if self.kv.logged_in:  # a restarted etcd forgot the token the watch stream carried
+                    try:
+                        self.kv._relogin()
+                    except StoreError as login_exc:
+                        logger.debug("login again for the re-watch of %s failed: %s", self.prefix, login_exc)
                 self.kv._rotate()
                 self.cancelled.wait(delay)
                 delay = min(delay * 2, 1.0)
@@ -167,6 +183,10 @@ class EtcdKV(KV):
         self.config = config
         self._pid = os.getpid()
         self._closed = False
+        self._login_lock = threading.Lock()
+        self._last_login = 0.0
+        self.logged_in = False
+        """Whether this client logged in (the server has auth enabled and ``user`` is set)."""
         self._etcd = self._make_client()
         self._wait_ready()
 
@@ -186,17 +206,61 @@ class EtcdKV(KV):
         opts = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
                 ("grpc.max_reconnect_backoff_ms", 500)]
         eps = [pyetcd.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=0.2, opts=opts) for h, p in cfg.host_ports()]
-        try:
-            # Each RPC attempt gets a slice of the call deadline, so an attempt stuck on a dead or
-            # leaderless member leaves time to retry on another member before timeout_s runs out.
-            attempt_s = max(0.25, min(2.0, cfg.timeout_s / 3))
-            return pyetcd.MultiEndpointEtcd3Client(
-                endpoints=eps, timeout=attempt_s, user=cfg.user, password=cfg.password, failover=True
-            )
-        except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                raise AuthError(f"etcd refused user {cfg.user!r}: check --tm-etcd-user/--tm-etcd-password ({exc.details()})") from exc
-            raise EtcdUnavailable(f"etcd at {','.join(cfg.endpoints)} did not answer the login: {exc.details()}") from exc
+        # Each RPC attempt gets a slice of the call deadline, so an attempt stuck on a dead or
+        # leaderless member leaves time to retry on another member before timeout_s runs out.
+        attempt_s = max(0.25, min(2.0, cfg.timeout_s / 3))
+        client = pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=attempt_s, failover=True)
+        if cfg.user is not None:
+            self._login(client)
+        return client
+
+    def _login(self, client: Any) -> None:
+        """Log ``client`` in as ``config.user``; its token goes with every call as metadata.
+
+        (pyetcd would send it as call credentials, which gRPC refuses on a plain channel.)"""
+        from pyetcd import etcdrpc
+
+        cfg = self.config
+        deadline = time.monotonic() + cfg.connect_timeout_s
+        while True:
+            try:
+                resp = client.authstub.Authenticate(etcdrpc.AuthenticateRequest(name=cfg.user, password=cfg.password),
+                                                    client.timeout)
+                break
+            except grpc.RpcError as exc:
+                details = exc.details() or ""
+                if cfg.login_if_enabled and "not enabled" in details:
+                    return  # the server has no auth: nothing to log in to
+                if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
+                                  grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
+                    hint = ("the job token is wrong (its etcd password is derived from the token: pass the token "
+                            "`trainmover launch` printed)" if cfg.login_if_enabled
+                            else "check --tm-etcd-user/--tm-etcd-password")
+                    raise AuthError(f"etcd refused the login of user {cfg.user!r}: {details}; {hint}") from exc
+                if not _is_unavailable(exc):
+                    raise self._translate(exc, "login") from exc
+                if time.monotonic() >= deadline:
+                    raise self._unreachable() from exc
+                time.sleep(0.05)
+        client.metadata = (("token", resp.token),)
+        client.call_credentials = None
+        client._stubs.pop("watcher", None)  # watch streams opened from now on carry the new token
+        self.logged_in = True
+        self._last_login = time.monotonic()
+
+    @staticmethod
+    def _stale_login(exc: BaseException) -> bool:
+        """etcd no longer knows this client's token (it restarted, or the token's TTL passed)."""
+        return isinstance(exc, grpc.RpcError) and "invalid auth token" in (exc.details() or "")
+
+    def _relogin(self) -> None:
+        """Log in again after :meth:`_stale_login` (at most twice a second across threads)."""
+        if not self.logged_in:
+            return
+        with self._login_lock:
+            if time.monotonic() - self._last_login > 0.5:
+                logger.info("etcd forgot this client's login (restart?); logging in again as %s", self.config.user)
+                self._login(self._etcd)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.connect_timeout_s
@@ -207,17 +271,22 @@ class EtcdKV(KV):
                 return
             except Exception as exc:
                 last = exc
+                if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    return  # a user limited to its job's prefix: the server answered
                 if not _is_unavailable(exc):
                     raise self._translate(exc, "connect") from exc
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
         self._etcd.close()
+        raise self._unreachable() from last
+
+    def _unreachable(self) -> EtcdUnavailable:
         tls_hint = " (TLS: check --tm-etcd-ca/--tm-etcd-cert/--tm-etcd-key match the server)" if self.config.ca_cert else ""
-        raise EtcdUnavailable(
+        return EtcdUnavailable(
             f"no etcd answered at {','.join(self.config.endpoints)} within {self.config.connect_timeout_s:.1f}s{tls_hint}: "
             "start etcd, fix --tm-etcd-endpoints, or omit it to let `trainmover launch` start an embedded etcd"
-        ) from last
+        )
 
     def _client(self) -> Any:
         if self._closed:
@@ -247,6 +316,10 @@ class EtcdKV(KV):
             return exc
         if isinstance(exc, grpc.RpcError):
             code, details = exc.code(), exc.details()
+            if code == grpc.StatusCode.INVALID_ARGUMENT and "user name is empty" in (details or ""):
+                return AuthError(f"etcd refused {what}: its auth is on and this client did not log in; pass the "
+                                 "job's --tm-job and --tm-job-token (its etcd login is derived from the token), "
+                                 "or --tm-etcd-user with TRAINMOVER_ETCD_PASSWORD")
             if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                 return AuthError(f"etcd refused {what}: {details}; check --tm-etcd-user/--tm-etcd-password and certificates")
             if code == grpc.StatusCode.NOT_FOUND and "lease" in (details or ""):
@@ -268,6 +341,9 @@ class EtcdKV(KV):
             except StoreError:
                 raise
             except Exception as exc:
+                if self._stale_login(exc) and time.monotonic() + delay < deadline:
+                    self._relogin()
+                    continue
                 if not _is_unavailable(exc) or time.monotonic() + delay >= deadline:
                     raise self._translate(exc, what) from exc
                 self._rotate()
@@ -286,8 +362,13 @@ class EtcdKV(KV):
         return Entry(key=kv.key.decode(), value=bytes(kv.value), mod_revision=kv.mod_revision,
                      create_revision=kv.create_revision, lease=kv.lease)
 
-    def get_prefix(self, prefix: str) -> Snapshot:
-        resp = self._call(f"get prefix {prefix}", lambda c: c.get_prefix_response(prefix, sort_order="ascend", sort_target="key"))
+    def get_prefix(self, prefix: str, *, end: str | None = None) -> Snapshot:
+        if end is None:
+            resp = self._call(f"get prefix {prefix}",
+                              lambda c: c.get_prefix_response(prefix, sort_order="ascend", sort_target="key"))
+        else:
+            resp = self._call(f"get range {prefix}..{end}",
+                              lambda c: c.get_range_response(prefix, end, sort_order="ascend", sort_target="key"))
         return Snapshot(revision=resp.header.revision, entries=[self._entry(kv) for kv in resp.kvs])
 
     def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
@@ -334,8 +415,9 @@ class EtcdKV(KV):
             if "not found" not in str(exc):
                 raise
 
-    def watch_prefix(self, prefix: str, callback: WatchCallback, *, start_revision: int = 0) -> WatchHandle:
-        watch = _EtcdWatch(self, prefix, callback, start_revision)
+    def watch_prefix(self, prefix: str, callback: WatchCallback, *, start_revision: int = 0,
+                     end: str | None = None) -> WatchHandle:
+        watch = _EtcdWatch(self, prefix, callback, start_revision, end)
         try:
             self._call(f"watch {prefix}", lambda c: watch.subscribe())
         except BaseException:

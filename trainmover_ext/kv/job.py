@@ -13,9 +13,12 @@ Contract:
 - Keys of different jobs never mix: job names cannot contain ``/`` and the
   namespace ends with ``/``.
 
-The token protects a job from other TrainMover jobs and stale processes. It is
-not access control against a hostile etcd client: use etcd's TLS client
-certificates and RBAC for that (``--tm-etcd-ca/--tm-etcd-cert/--tm-etcd-key``).
+The token guard protects a job from other TrainMover jobs and stale processes. Against a
+hostile etcd client, the job's etcd has authentication on: the launcher creates the job's
+etcd user, :func:`job_user`, whose role may read and write ``/trainmover/<job>/`` and nothing
+else (:mod:`trainmover_ext.etcd.auth`). Its password, :func:`job_password`, is derived from
+the token, so a process that holds the token logs in and nobody else can; no second secret
+travels. See ``docs/security.md``.
 
 Example::
 
@@ -26,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import re
@@ -54,6 +58,40 @@ def _digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+STORE_DIR = "~store/"
+"""The ranks' rendezvous store inside a job's namespace. ``~`` sorts after every character a
+control key uses, so ``[root, root + "~")`` is the control plane and the store is outside it."""
+
+
+def store_prefix(job: str, generation: int) -> str:
+    """Where the ranks of start number ``generation`` keep their rendezvous store."""
+    return f"{job_root(job)}{STORE_DIR}{int(generation)}/"
+
+
+def job_user(job: str) -> str:
+    """The job's etcd user (and role): ``tm-<job>``."""
+    job_root(job)  # validates the name
+    return f"tm-{job}"
+
+
+def job_password(job: str, token: str) -> str:
+    """The job user's etcd password: HMAC-SHA256 of the job name under the token (64 hex digits).
+
+    Not the token itself, and not the digest stored in the job record: etcd keeps only a bcrypt
+    hash of it, and reading the job record does not reveal it."""
+    if not token:
+        raise AuthError(f"job {job!r} needs its token to log in to etcd: pass --tm-job-token or set TRAINMOVER_JOB_TOKEN")
+    return hmac.new(token.encode(), f"trainmover etcd password of job {job}".encode(), hashlib.sha256).hexdigest()
+
+
+def job_login(config, job: str, token: str | None):
+    """``config`` (an ``EtcdClientConfig``) logging in as the job's user, unless it names a user of
+    its own (``--tm-etcd-user``) or there is no token. A server without auth is used without login."""
+    if config.user is not None or not token:
+        return config
+    return dataclasses.replace(config, user=job_user(job), password=job_password(job, token), login_if_enabled=True)
+
+
 def job_root(job: str) -> str:
     """``/trainmover/<job>/`` after validating the job name."""
     if not _JOB_NAME.match(job or ""):
@@ -76,6 +114,12 @@ class JobSpace:
     @property
     def job_key(self) -> str:
         return self.root + "job"
+
+    @property
+    def control_end(self) -> str:
+        """End of the control plane's key range: ``[root, control_end)`` holds every control key and
+        none of the rendezvous store (:data:`STORE_DIR`)."""
+        return self.root + "~"
 
     @classmethod
     def create(cls, kv: KV, job: str, token: str | None = None) -> "JobSpace":

@@ -31,8 +31,11 @@ from trainmover_ext.kv.base import KV, Delete, Entry, Guard, Put, Snapshot, Watc
 
 
 class _MemoryWatch(WatchHandle):
-    def __init__(self, owner: "MemoryKV", prefix: str, callback: WatchCallback) -> None:
-        self.owner, self.prefix, self.callback = owner, prefix, callback
+    def __init__(self, owner: "MemoryKV", prefix: str, callback: WatchCallback, end: str | None = None) -> None:
+        self.owner, self.prefix, self.callback, self.end = owner, prefix, callback, end
+
+    def covers(self, key: str) -> bool:
+        return key.startswith(self.prefix) and (self.end is None or key < self.end)
 
     def cancel(self) -> None:
         with self.owner._lock:
@@ -58,9 +61,9 @@ class MemoryKV(KV):
         with self._lock:
             return self._data.get(key)
 
-    def get_prefix(self, prefix: str) -> Snapshot:
+    def get_prefix(self, prefix: str, *, end: str | None = None) -> Snapshot:
         with self._lock:
-            entries = [e for k, e in sorted(self._data.items()) if k.startswith(prefix)]
+            entries = [e for k, e in sorted(self._data.items()) if k.startswith(prefix) and (end is None or k < end)]
             return Snapshot(revision=self._revision, entries=entries)
 
     # -- writes --
@@ -128,7 +131,7 @@ class MemoryKV(KV):
 
     def _deliver(self, events: list[WatchEvent]) -> None:
         for watch in list(self._watches):
-            mine = [e for e in events if e.key.startswith(watch.prefix)]
+            mine = [e for e in events if watch.covers(e.key)]
             if mine:
                 watch.callback(mine)
 
@@ -165,11 +168,12 @@ class MemoryKV(KV):
             return expired
 
     # -- watches --
-    def watch_prefix(self, prefix: str, callback: WatchCallback, *, start_revision: int = 0) -> WatchHandle:
+    def watch_prefix(self, prefix: str, callback: WatchCallback, *, start_revision: int = 0,
+                     end: str | None = None) -> WatchHandle:
         with self._lock:
-            watch = _MemoryWatch(self, prefix, callback)
+            watch = _MemoryWatch(self, prefix, callback, end)
             if start_revision:
-                backlog = [e for e in self._history if e.mod_revision >= start_revision and e.key.startswith(prefix)]
+                backlog = [e for e in self._history if e.mod_revision >= start_revision and watch.covers(e.key)]
                 if backlog:
                     callback(backlog)
             self._watches.append(watch)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from trainmover_ext.errors import ConfigError, LaunchError
+from trainmover_ext.etcd.auth import ROOT_USER
 from trainmover_ext.launch.config import LaunchConfig
 from trainmover_ext.launch.process import RankProcess, fork_rank, preimport_for_fork, spawn_rank
 from trainmover_ext.netutil import free_port
@@ -185,6 +186,40 @@ class Agent:
         self.etcd = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=data_dir, die_with_parent=True)).start()
         plan.endpoints = list(self.etcd.endpoints)
         self.log(f"embedded etcd at {','.join(plan.endpoints)} (data {data_dir})")
+        self._lock_etcd(run_dir)
+
+    def _lock_etcd(self, run_dir: str) -> None:
+        """Turn the embedded etcd's auth on, with the job's own user (see ``etcd.auth``): from now on
+        only a process holding the job token reads or writes anything. The root password goes to
+        ``<run dir>/etcd-root-password`` (mode 600), for an operator to administer the server."""
+        from trainmover_ext.etcd.auth import provision_job
+        from trainmover_ext.kv.job import job_user
+
+        plan = self.config.rendezvous
+        root_password = provision_job(self.etcd.client_url, plan.job, plan.token, enable=True)
+        path = os.path.join(run_dir, "etcd-root-password")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{root_password}\n")
+        self.log(f"etcd auth on: the job's user {job_user(plan.job)} reads and writes only /trainmover/{plan.job}/ "
+                 f"(root password in {path})")
+
+    def _provision_external_etcd(self) -> None:
+        """``--tm-etcd-user root``: create the job's user on the external etcd (its auth must be on), then
+        drop the root login, so that no rank, standby or agent holds more than the job's own prefix."""
+        from trainmover_ext.etcd.auth import GatewayTLS, provision_job
+        from trainmover_ext.kv.job import job_user
+
+        plan = self.config.rendezvous
+        tls = plan.tls
+        scheme = "https" if tls.get("ca_cert") else "http"
+        gateway_tls = (GatewayTLS(ca_cert=tls["ca_cert"], client_cert=tls.get("client_cert"),
+                                  client_key=tls.get("client_key")) if tls.get("ca_cert") else None)
+        provision_job(f"{scheme}://{plan.endpoints[0].split('://')[-1]}", plan.job, plan.token,
+                      admin=(tls["user"], tls.get("password") or ""), tls=gateway_tls)
+        plan.tls = {k: v for k, v in tls.items() if k not in ("user", "password")}
+        self.log(f"etcd: the job's user {job_user(plan.job)} may read and write /trainmover/{plan.job}/ only; "
+                 "every process of the job logs in as it (the root login stays with this launcher)")
 
     def _run_dir(self) -> str:
         return self.config.run_dir or os.path.join("runs", self.config.rendezvous.job)
@@ -258,6 +293,8 @@ class Agent:
             plan = self.config.rendezvous
             if plan.backend == "etcd" and not plan.endpoints:
                 self._start_embedded_etcd()
+            elif plan.backend == "etcd" and plan.tls.get("user") == ROOT_USER:
+                self._provision_external_etcd()
             if plan.backend == "etcd" and plan.token and self.config.node_rank == 0:
                 self._announce_job()
             if self.endpoint.port >= 0:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from trainmover_ext.errors import ConfigError
+from trainmover_ext.kv.job import job_login, store_prefix
 
 ENV_ENDPOINTS = "TRAINMOVER_ETCD_ENDPOINTS"
 ENV_JOB = "TRAINMOVER_JOB"
@@ -58,8 +59,8 @@ class RendezvousPlan:
         env = {ENV_BACKEND: self.backend, ENV_JOB: self.job}
         if self.backend == "etcd":
             env[ENV_ENDPOINTS] = ",".join(self.endpoints)
-            # outside /trainmover/<job>/: the controller reads that whole prefix every round
-            env[ENV_PREFIX] = f"/trainmover-rdzv/{self.job}/{generation}/"
+            # inside the job's namespace, after its control keys (see kv.job.STORE_DIR)
+            env[ENV_PREFIX] = store_prefix(self.job, generation)
             if self.token:
                 env[ENV_TOKEN] = self.token
             for name, var in _TLS_ENV.items():
@@ -73,10 +74,11 @@ def etcd_config_from_env(environ=None):
     from trainmover_ext.kv.etcd import EtcdClientConfig
 
     environ = os.environ if environ is None else environ
-    return EtcdClientConfig(
+    config = EtcdClientConfig(
         endpoints=environ[ENV_ENDPOINTS],
         **{name: environ.get(var) or None for name, var in _TLS_ENV.items()},
     )
+    return job_login(config, environ.get(ENV_JOB, ""), environ.get(ENV_TOKEN))
 
 
 def rank_store(timeout: datetime.timedelta):

@@ -61,8 +61,8 @@ class CountingKV(MemoryKV):
             self.keys_written += len(ops)
         return applied
 
-    def get_prefix(self, prefix: str):
-        snap = super().get_prefix(prefix)
+    def get_prefix(self, prefix: str, *, end=None):
+        snap = super().get_prefix(prefix, end=end)
         self.keys_read += len(snap.entries)
         return snap
 
@@ -253,19 +253,19 @@ class RankClient:
         self.reads += 1
         return self._kv.get(key)
 
-    def get_prefix(self, prefix: str):
+    def get_prefix(self, prefix: str, *, end=None):
         self.reads += 1
-        return self._kv.get_prefix(prefix)
+        return self._kv.get_prefix(prefix, end=end)
 
     def commit(self, guards, ops) -> bool:
         self.writes += len(ops)
         return self._kv.commit(guards, ops)
 
-    def watch_prefix(self, prefix: str, callback, *, start_revision: int = 0):
+    def watch_prefix(self, prefix: str, callback, *, start_revision: int = 0, end=None):
         def counted(events):
             self.watch_events += len(events)
             callback(events)
-        handle = self._kv.watch_prefix(prefix, counted, start_revision=start_revision)
+        handle = self._kv.watch_prefix(prefix, counted, start_revision=start_revision, end=end)
         self.watches += 1
         return handle
 

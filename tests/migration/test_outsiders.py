@@ -1,0 +1,124 @@
+"""Nobody outside the job gets in: a running job's etcd refuses an outsider's writes.
+
+The outsider runs the three attacks that once steered a job (a migration request onto its own
+"standby", a fake warm standby, a forged failure report) twice: with no credentials (a raw etcd
+client, as any process that reaches the port has) and logged in as another job's etcd user.
+etcd refuses every read and write of the job's keys, the job never plans anything, and its
+trajectory is bit-identical to the fault-free run. A companion shows the same attacks land on an
+etcd without auth, so the check can fail.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import grpc
+import pytest
+
+from helpers import control_flags, read_metrics, start_job, tm_args, trajectory, wait_for
+
+ATTACKS = ("requests/evil-1", "members/evil-standby", "reports/1/evil")
+
+
+def _attack_values(job: str) -> dict[str, bytes]:
+    """The outsider's three writes, as the control plane would read them."""
+    from trainmover_ext.control.records import FailureReport, MemberRecord, MigrationRequest
+
+    now = time.time()
+    return {
+        f"/trainmover/{job}/requests/evil-1": MigrationRequest(request_id="evil-1", rank=1, to="evil-standby",
+                                                               requested_by="outsider", requested_at=now).to_bytes(),
+        f"/trainmover/{job}/members/evil-standby": MemberRecord(member_id="evil-standby", kind="standby", host="evil",
+                                                                pid=1, warm_roles=["first", "middle", "last"],
+                                                                registered_at=now).to_bytes(),
+        f"/trainmover/{job}/reports/1/evil": FailureReport(rank=1, member_id="w1", reporter="evil", reason="forged",
+                                                           epoch=0, reported_at=now).to_bytes(),
+    }
+
+
+def _raw_client(endpoint: str, **login):
+    """A plain pyetcd client: what an outsider's script uses."""
+    import pyetcd
+
+    host, port = endpoint.rsplit(":", 1)
+    client = pyetcd.MultiEndpointEtcd3Client(endpoints=[pyetcd.Endpoint(host, int(port), secure=False)], timeout=3,
+                                             **login)
+    client.call_credentials = None  # the login token as metadata, as on any plain channel
+    return client
+
+
+def _attempts(client, job: str) -> list[str]:
+    """Run every attack; returns what etcd let through (empty when every call was refused)."""
+    through = []
+    for key, value in _attack_values(job).items():
+        try:
+            client.put(key, value)
+            through.append(f"put {key}")
+        except grpc.RpcError:
+            pass
+    try:
+        if client.get_response(f"/trainmover/{job}/job").kvs:
+            through.append("read the job record")
+    except grpc.RpcError:
+        pass
+    return through
+
+
+def _login(job: str, token: str) -> dict:
+    from trainmover_ext.kv.job import job_password, job_user
+
+    return {"user": job_user(job), "password": job_password(job, token)}
+
+
+def test_outsiders_cannot_touch_a_running_job(tmp_path, corpus, reference):
+    from trainmover_ext.etcd.auth import provision_job
+
+    args = tm_args(corpus)
+    ref = reference("tp2pp2dp2", 8, args)
+    job = start_job(tmp_path, 8, args, "--tm-job", "guarded", name="guarded")
+    try:
+        flags = control_flags(job)
+        endpoint, token = flags[1], flags[5]
+        run_dir = str(tmp_path / "guarded.run")
+        # The operator (root password file, mode 600) gives another job its own user on this etcd.
+        root_file = os.path.join(run_dir, "etcd-root-password")
+        assert oct(os.stat(root_file).st_mode & 0o777) == "0o600"
+        provision_job(f"http://{endpoint}", "other", "other-token", admin=("root", open(root_file).read().strip()))
+        wait_for(lambda: any(r["iteration"] >= 3 for r in read_metrics(job.metrics_path)), 240, 0.2, "iteration 3")
+
+        anonymous = _raw_client(endpoint)
+        assert _attempts(anonymous, "guarded") == []
+        other = _raw_client(endpoint, **_login("other", "other-token"))
+        other.put("/trainmover/other/mine", b"1")  # that login works, on its own job's keys
+        assert _attempts(other, "guarded") == []
+        # a watch on the job's keys is refused too (etcd cancels it: id -1)
+        assert other.add_watch_callback("/trainmover/guarded/", lambda r: None,
+                                        range_end="/trainmover/guarded0") == -1
+        # the wrong token is no login at all
+        with pytest.raises(grpc.RpcError):
+            _raw_client(endpoint, **_login("guarded", "not-the-token"))
+        code = job.wait(300)
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+    log = job.stdout() + job.stderr()
+    assert code == 0, log[-3000:]
+    assert "evil" not in log
+    assert not re.search(r"rank \d+ -> ", log), "the controller planned a move"
+    assert trajectory(job.metrics_path) == ref, "the trajectory differs from the fault-free run"
+    assert len(job.rank_pids()) == 1, "the job restarted"
+
+
+def test_the_same_attacks_land_on_an_etcd_without_auth(etcd):
+    """Companion: without auth on the server, every attack goes through (the check above can fail)."""
+    from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
+    from trainmover_ext.kv.job import JobSpace
+
+    space = JobSpace.create(EtcdKV(EtcdClientConfig(endpoints=etcd.endpoints)), "open", "token")
+    try:
+        through = _attempts(_raw_client(etcd.endpoints[0]), "open")
+        assert through == [f"put /trainmover/open/{a}" for a in ATTACKS] + ["read the job record"]
+    finally:
+        space.kv.close()
