@@ -57,6 +57,9 @@ class TrainMoverConfig:
     record_timeout_s: float = 300.0
     """``--tm-record-timeout``: seconds a standby waits for the job's recordings before it falls back to
     the basic warm-up (and says so)."""
+    fingerprint_timeout_s: float = 600.0
+    """``--tm-fingerprint-timeout``: seconds a standby waits for the job's model fingerprint (published by
+    its first worker once the model is built) before it gives up; it advertises no warm role before."""
     compile: bool = False
     """``--tm-compile``: wrap the model in ``torch.compile``."""
     keep_role: str = "last"
@@ -100,6 +103,9 @@ class TrainMoverConfig:
             raise ConfigError("--tm-record-iters must be >= 1")
         if self.record_timeout_s <= 0:
             raise ConfigError("--tm-record-timeout must be positive (seconds a standby waits for recordings)")
+        if self.fingerprint_timeout_s <= 0:
+            raise ConfigError("--tm-fingerprint-timeout must be positive (seconds a standby waits for the job's "
+                              "model fingerprint)")
         if self.keep_role not in KEEP_ROLES:
             raise ConfigError(f"--tm-keep-role must be one of {', '.join(KEEP_ROLES)}")
         if not 0 <= self.standby_nice <= 19:
@@ -129,6 +135,7 @@ _FLAG_TO_FIELD = {
     "tm_record_iters": "record_iters",
     "tm_record_dir": "record_dir",
     "tm_record_timeout": "record_timeout_s",
+    "tm_fingerprint_timeout": "fingerprint_timeout_s",
     "tm_compile": "compile",
     "tm_keep_role": "keep_role",
     "tm_standby_duty": "standby_duty",
@@ -166,6 +173,10 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                    help="Shared directory for the recorded collective tensors; turns the sandbox warm-up on.")
     g.add_argument("--tm-record-timeout", type=float, default=None,
                    help="Seconds a standby waits for the job's recordings before the basic warm-up (default 300).")
+    g.add_argument("--tm-fingerprint-timeout", type=float, default=None,
+                   help="Seconds a standby waits for the job's model fingerprint before it gives up (default 600). "
+                        "It compares the fingerprint with its own before it advertises any warm role; a standby "
+                        "whose model, precision, layout, optimizer or batch flags differ is refused (exit 78).")
     g.add_argument("--tm-compile", action="store_true", default=None, help="Wrap the model in torch.compile.")
     g.add_argument("--tm-keep-role", choices=KEEP_ROLES, default=None,
                    help="Pipeline role whose model a sandbox standby keeps after its warm-up (default last; it is "

@@ -20,6 +20,24 @@ class ConfigMismatch(ConfigError):
     """A joining process's model, parallel layout or library version differs from the job's."""
 
 
+STANDBY_REFUSED_EXIT_CODE = 78
+"""Exit status of a standby refused by its job (:class:`StandbyRefused`); sysexits' ``EX_CONFIG``.
+The launcher does not restart a standby that exited with it: the same flags would be refused again."""
+
+
+class StandbyRefused(ConfigMismatch):
+    """A standby's model fingerprint differs from the one its job published: it must never serve a rank.
+
+    ``fields`` maps every differing field to ``(job value, standby value)``. The process exits with
+    :data:`STANDBY_REFUSED_EXIT_CODE`, and its launcher does not start it again."""
+
+    exit_code = STANDBY_REFUSED_EXIT_CODE
+
+    def __init__(self, message: str, fields: dict[str, tuple]) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
 class PatchError(TrainMoverError):
     """A runtime patch does not fit the installed megatron-core (unknown version or changed source)."""
 
@@ -92,7 +110,8 @@ class LeadershipLost(TrainMoverError):
 
 
 def exit_on_error(prog: str):
-    """Context manager for ``__main__`` blocks: print a TrainMoverError as one line and exit 2.
+    """Context manager for ``__main__`` blocks: print a TrainMoverError as one line and exit 2
+    (or the error's own ``exit_code``, e.g. :data:`STANDBY_REFUSED_EXIT_CODE`).
 
     Configuration errors are identical on every rank, so only rank 0 prints them.
     ``TRAINMOVER_DEBUG=1`` prints the traceback too.
@@ -112,7 +131,7 @@ def exit_on_error(prog: str):
                 traceback.print_exc()
             if not isinstance(exc, ConfigError) or os.environ.get("RANK", "0") == "0":
                 print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
+            raise SystemExit(getattr(exc, "exit_code", 2)) from None
 
     return _guard()
 

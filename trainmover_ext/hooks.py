@@ -4,7 +4,9 @@ Contract: :func:`megatron.training.training.pretrain` knows only the
 :class:`~megatron.training.training.RuntimeHooks` protocol; this module is where
 the choice between a worker and a standby is made, where the worker's runtime
 (membership and migrations), the fault drills and the sandbox recorder are
-attached, and where a planned leaver rejoins the standby pool. Without
+attached, and where a planned leaver rejoins the standby pool. A worker under
+``--trainmover`` publishes the job's model fingerprint before it registers
+(:mod:`trainmover_ext.runtime.fingerprint`): standbys compare theirs with it. Without
 ``--trainmover`` the hooks still serve the launcher (the rank dies with its
 agent), logging, ``--tm-metrics-file`` and the fault drills.
 """
@@ -57,6 +59,7 @@ class TrainMoverHooks:
         if config.enabled:
             from trainmover_ext.migration.worker import WorkerRuntime
 
+            publish_job_fingerprint(session.args)
             runtime = self.worker = WorkerRuntime.for_session(session, config)
         if config.inject_fault:
             from trainmover_ext.runtime import faults
@@ -83,3 +86,16 @@ class TrainMoverHooks:
             return rejoin_as_standby(args, config, providers, t_process, leaver, epoch)
 
         return rejoin
+
+
+def publish_job_fingerprint(args) -> None:
+    """Write the job's model fingerprint unless a worker did (:class:`ConfigMismatch` if it differs)."""
+    from trainmover_ext.runtime.fingerprint import fingerprint_record, publish_fingerprint
+    from trainmover_ext.runtime.identity import identity_from_env, open_space
+
+    ident = identity_from_env()
+    space = open_space(ident)
+    try:
+        publish_fingerprint(space, fingerprint_record(args, published_by=ident.member_id))
+    finally:
+        space.kv.close()

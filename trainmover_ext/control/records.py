@@ -8,6 +8,9 @@ communicator's own: link rendezvous and ``nccl_delta/ledgers/e<e>/<rank>``):
 key                     value                                          written by                  read by
 ======================  =============================================  ==========================  ==============================
 ``job``                 the job record (token digest)                  the first launcher          every client (token guard)
+``fingerprint``         :class:`FingerprintRecord`: the model config   the first worker (once)     every standby (before it
+                        standbys must match                                                        advertises a warm role),
+                                                                                                   every later worker
 ``members/<id>``        :class:`MemberRecord` on the member's lease    each member                 controller, ``status``, metrics
 ``ranks/<r>``           :class:`RankRecord`: who serves rank r         launcher; controller        controller, agents, ``status``
 ``epoch``               ``{"epoch": e}``, compare-and-swap only         controller                  controller
@@ -207,6 +210,21 @@ def recovery_key(space, epoch: int, rank: int) -> str:
 def convergence_key(space, epoch: int) -> str:
     """``convergence/<e>``: the controller's :class:`ConvergenceRecord` for failure epoch ``epoch``."""
     return space.key("convergence", migration_key_suffix(epoch))
+
+
+@dataclass(kw_only=True)
+class FingerprintRecord(Record):
+    """The job's model fingerprint (:mod:`trainmover_ext.runtime.fingerprint`): what a standby's
+    model and optimizer state must share with a rank's to take it over. Written once, never changed."""
+
+    KIND: ClassVar[str] = "fingerprint"
+    fields: dict[str, Any]
+    """Field name -> value (JSON scalars): model shape, precision, parallel layout, optimizer, batch, versions."""
+    digest: str
+    """SHA-256 of ``fields`` in canonical JSON; equal digests mean equal fields."""
+    published_by: str = ""
+    """The member id of the worker that wrote it."""
+    published_at: float = 0.0
 
 
 @dataclass(kw_only=True)

@@ -25,6 +25,10 @@ Contract (one agent per node; the single-node case is what runs today):
   joiner stays), and a failure plan that names it fences it.
 - A rank may move to a standby of another node's agent: the leaver's agent
   retires (and fences) its process, the joiner's agent adopts the standby.
+- A standby that exited with ``STANDBY_REFUSED_EXIT_CODE`` (78) was refused by
+  the job: its model fingerprint differs from the job's
+  (:mod:`trainmover_ext.runtime.fingerprint`). The agent says which fields
+  differ and does not start another: the same flags would be refused again.
 - The job is done for an agent when every process it serves has exited 0, or,
   when it serves none any more, when every rank of the job has finished;
   leftover standbys are then stopped.
@@ -39,7 +43,9 @@ import time
 import uuid
 from typing import Optional
 
+from trainmover_ext.errors import STANDBY_REFUSED_EXIT_CODE
 from trainmover_ext.launch.process import RankProcess, fork_rank, spawn_rank, wait_any_exit
+from trainmover_ext.runtime.fingerprint import describe_diff, read_refusal
 from trainmover_ext.runtime.identity import ENV_MEMBER_ID, leaver_standby_id
 
 
@@ -238,6 +244,16 @@ class TrainMoverSupervisor:
             return False
         return len(entries) >= self.cfg.nnodes * self.cfg.nproc_per_node
 
+    def _refusal(self, member: str) -> str:
+        """Why the job refused standby ``member``, from the job's timeline (the standby wrote it)."""
+        try:
+            fields = read_refusal(self.space, member)
+        except Exception as exc:  # noqa: BLE001 - etcd trouble: the standby's own log has the fields
+            return f"its model fingerprint differs from the job's (could not read which fields: {exc})"
+        if not fields:
+            return "its model fingerprint differs from the job's (see its log for the fields)"
+        return describe_diff(fields)
+
     def _report(self, rank: int, member: str, code: int, *, track: bool = True) -> None:
         """Report ``member``'s exit; ``track``: expect a plan for the rank within the deadline (a planned
         leaver's report is moot once its hand-over is done, so it is not tracked)."""
@@ -278,6 +294,11 @@ class TrainMoverSupervisor:
             for member, proc in list(self.standbys.items()):
                 if proc.poll() is not None:
                     del self.standbys[member]
+                    if proc.returncode == STANDBY_REFUSED_EXIT_CODE:
+                        self.agent.log(f"standby {member} was refused by the job (exit {proc.returncode}): "
+                                       f"{self._refusal(member)}; not restarting it (start standbys with the "
+                                       "job's flags)")
+                        continue
                     self.standby_failures = self.standby_failures + 1 if proc.returncode != 0 else 0
                     if self.standby_failures >= MAX_STANDBY_FAILURES:
                         self.agent.log(f"standby {member} exited ({proc.returncode}); {self.standby_failures} "

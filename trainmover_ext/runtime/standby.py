@@ -4,7 +4,13 @@ Contract:
 - Started by the agent as ``pretrain_gpt.py ... --tm-role standby`` with the
   job's environment (no ``RANK``). It opens no link to the job before it is
   promoted.
-- It registers as a ``standby`` member with no warm role, then warms up.
+- It registers as a ``standby`` member with no warm role. Before it
+  advertises any role it compares its model fingerprint with the one the
+  job's first worker published (:mod:`trainmover_ext.runtime.fingerprint`),
+  waiting for it at most ``--tm-fingerprint-timeout``; a difference refuses
+  it: :class:`StandbyRefused` names every differing field, goes to the job's
+  timeline, and the process exits with ``STANDBY_REFUSED_EXIT_CODE`` (78),
+  which its launcher does not restart. Then it warms up.
   With ``--tm-record-dir`` that is the sandbox (``trainmover_ext.sandbox``):
   shadow iterations of the first, middle and last roles replayed from the
   job's recordings, each role added to ``warm_roles`` once warm, timings in
@@ -26,7 +32,8 @@ from typing import TYPE_CHECKING, Optional
 
 from trainmover_ext.control.membership import DecisionWatcher, Membership
 from trainmover_ext.control.records import ROLES, MigrationPlan
-from trainmover_ext.errors import MembershipLost
+from trainmover_ext.errors import MembershipLost, StandbyRefused, StoreError
+from trainmover_ext.runtime.fingerprint import check_standby, model_fingerprint, refusal_event, wait_job_fingerprint
 from trainmover_ext.runtime.identity import identity_from_env, open_space
 
 if TYPE_CHECKING:
@@ -80,6 +87,22 @@ def preload_rank_code(args) -> float:
     return time.time() - t0
 
 
+def refuse_unless_fingerprint_matches(args, config, space, member) -> None:
+    """Compare this standby's model fingerprint with the job's (waiting for the job to publish it);
+    on a difference, record the refusal in the job's timeline, log it and raise :class:`StandbyRefused`."""
+    job = wait_job_fingerprint(space, config.fingerprint_timeout_s)
+    member_id = member.record.member_id
+    try:
+        check_standby(job.fields, model_fingerprint(args), member=member_id)
+    except StandbyRefused as exc:
+        logger.error("%s", exc)
+        try:
+            space.commit([], [refusal_event(space, member_id, exc.fields)])
+        except StoreError as err:  # the exit code alone still stops the launcher from restarting it
+            logger.warning("could not record standby %s's refusal in the timeline: %s", member_id, err)
+        raise
+
+
 def warm_up(args, config, providers, space, member, should_stop,
             pacer: "Pacer") -> tuple[dict, Optional["KeptRole"]]:
     """Warm this standby and report it on its member record; returns the warm-up report and the
@@ -89,13 +112,16 @@ def warm_up(args, config, providers, space, member, should_stop,
     middle and last roles (``trainmover_ext.sandbox.standby``); without it, or
     when the recordings do not appear in time or are corrupt, it says why and
     falls back to the basic warm-up (still able to serve any role, only colder).
-    A standby whose config differs from the job's is refused (ConfigMismatch).
+    Either way it first checks the job's model fingerprint: a standby whose model differs is refused
+    (:class:`StandbyRefused`) before it advertises any role; the sandbox refuses one whose recordings'
+    fingerprint differs (ConfigMismatch).
     ``pacer`` (``--tm-standby-duty``) keeps its CPU share within bounds; it pauses between steps.
     """
     from trainmover_ext.errors import RecordingCorrupt, RecordingNotFound
 
-    preload_s = preload_rank_code(args)
+    preload_s = preload_rank_code(args)  # job-independent: done while the workers build their model
     pacer.pace()
+    refuse_unless_fingerprint_matches(args, config, space, member)
     reason = "no --tm-record-dir: the sandbox is off"
     if config.record_dir:
         from trainmover_ext.sandbox.standby import warm_general_standby
