@@ -38,6 +38,7 @@ setup(
         "torch>=2.5",
         "megatron-core>=0.16.1",
         pin("etcd-sdk-python"),
+        pin("cryptography"),  # the job CA of --tm-etcd-tls
         "protobuf",
         "prometheus_client",
         "numpy",
@@ -45,7 +46,7 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
-        "test": [pin("pytest"), pin("pytest-timeout")],
+        "test": [pin("pytest"), pin("pytest-timeout"), pin("hypothesis")],
         "plot": [pin("matplotlib")],
         "bench": [pin("nvidia-resiliency-ext")],
     },

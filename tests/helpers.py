@@ -152,14 +152,15 @@ def trajectory(path: str) -> dict[int, tuple[float, int, Optional[float]]]:
 
 
 def control_flags(job: LaunchedJob, timeout: float = 60) -> list[str]:
-    """``--tm-etcd-endpoints/--tm-job/--tm-job-token`` of a running job, from the launcher's status hint."""
+    """``--tm-etcd-endpoints/--tm-job/--tm-job-token`` (and the TLS flags of a ``--tm-etcd-tls`` job) of a
+    running job, from the launcher's status hint."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         m = re.search(r"status: trainmover status --tm-etcd-endpoints (\S+) --tm-job (\S+) "
-                      r"--tm-job-token \$\(cat (\S+)\)", job.stderr())
+                      r"--tm-job-token \$\(cat (\S+)\)((?: --tm-etcd-\w+ \S+)*)", job.stderr())
         if m and os.path.exists(m.group(3)):
             return ["--tm-etcd-endpoints", m.group(1), "--tm-job", m.group(2),
-                    "--tm-job-token", open(m.group(3)).read().strip()]
+                    "--tm-job-token", open(m.group(3)).read().strip(), *m.group(4).split()]
         time.sleep(0.2)
     raise AssertionError(f"the launcher printed no status hint in {timeout}s:\n{job.stderr()[-2000:]}")
 

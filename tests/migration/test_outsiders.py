@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from helpers import control_flags, read_metrics, start_job, tm_args, trajectory, wait_for
+from helpers import assert_recovered, control_flags, read_metrics, start_job, tm_args, trajectory, wait_for
 
 ATTACKS = ("requests/evil-1", "members/evil-standby", "reports/1/evil")
 
@@ -122,3 +122,39 @@ def test_the_same_attacks_land_on_an_etcd_without_auth(etcd):
         assert through == [f"put /trainmover/open/{a}" for a in ATTACKS] + ["read the job record"]
     finally:
         space.kv.close()
+
+
+def test_a_tls_job_recovers_bit_identically_and_refuses_clients_without_a_certificate(tmp_path, corpus, reference):
+    """``--tm-etcd-tls``: the demo's failover (a SIGKILLed rank taken over by the standby) is
+    bit-identical over TLS, and a client without the member certificate cannot even connect."""
+    from trainmover_ext.errors import EtcdUnavailable, StoreError
+    from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
+    from trainmover_ext.kv.job import JobSpace, job_login
+
+    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
+    job = start_job(tmp_path, 8, tm_args(corpus, extra=["--tm-inject-fault", "3:6:forward"]),
+                    "--tm-job", "tls", "--tm-etcd-tls", name="tls")
+    try:
+        flags = control_flags(job)
+        endpoint, token = flags[1], flags[5]
+        tls = dict(zip(flags[6::2], flags[7::2]))
+        assert set(tls) == {"--tm-etcd-ca", "--tm-etcd-cert", "--tm-etcd-key"}, flags
+        assert oct(os.stat(tls["--tm-etcd-key"]).st_mode & 0o777) == "0o600"
+        wait_for(lambda: any(r["iteration"] >= 1 for r in read_metrics(job.metrics_path)), 240, 0.2, "iteration 1")
+        # the job's own login over TLS works (the status command's way in)
+        good = EtcdClientConfig(endpoints=[endpoint], ca_cert=tls["--tm-etcd-ca"], client_cert=tls["--tm-etcd-cert"],
+                                client_key=tls["--tm-etcd-key"], connect_timeout_s=10)
+        JobSpace.open(EtcdKV(job_login(good, "tls", token)), "tls", token).kv.close()
+        # no client certificate: the TLS handshake fails, whatever the login
+        no_cert = EtcdClientConfig(endpoints=[endpoint], ca_cert=tls["--tm-etcd-ca"], timeout_s=1, connect_timeout_s=1)
+        with pytest.raises(EtcdUnavailable):
+            EtcdKV(job_login(no_cert, "tls", token))
+        # plain text to a TLS port: no answer either
+        with pytest.raises(StoreError):
+            EtcdKV(EtcdClientConfig(endpoints=[endpoint], timeout_s=1, connect_timeout_s=1))
+        code = job.wait(300)
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+    assert code == 0, job.stderr()[-3000:]
+    assert_recovered(job, ref, 3)

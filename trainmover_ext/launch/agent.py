@@ -183,9 +183,19 @@ class Agent:
         run_dir = self.config.run_dir or os.path.join("runs", plan.job)
         os.makedirs(run_dir, exist_ok=True)
         data_dir = os.path.join(run_dir, f"etcd-{os.getpid()}")
-        self.etcd = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=data_dir, die_with_parent=True)).start()
+        tls: dict = {}
+        if self.config.etcd_tls:
+            from trainmover_ext.etcd.pki import make_job_certs
+
+            certs = make_job_certs(os.path.join(run_dir, "etcd-tls"), job=plan.job,
+                                   hosts=["127.0.0.1", "localhost", socket.gethostname()])
+            tls = {"cert_file": certs.server_cert, "key_file": certs.server_key, "trusted_ca_file": certs.ca_cert,
+                   "client_cert_auth": True}
+            plan.tls.update(ca_cert=certs.ca_cert, client_cert=certs.client_cert, client_key=certs.client_key)
+        self.etcd = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=data_dir, die_with_parent=True, **tls)).start()
         plan.endpoints = list(self.etcd.endpoints)
-        self.log(f"embedded etcd at {','.join(plan.endpoints)} (data {data_dir})")
+        self.log(f"embedded etcd at {','.join(plan.endpoints)} (data {data_dir}"
+                 + (f"; TLS with client certificates from {os.path.dirname(tls['trusted_ca_file'])})" if tls else ")"))
         self._lock_etcd(run_dir)
 
     def _lock_etcd(self, run_dir: str) -> None:
@@ -196,7 +206,7 @@ class Agent:
         from trainmover_ext.kv.job import job_user
 
         plan = self.config.rendezvous
-        root_password = provision_job(self.etcd.client_url, plan.job, plan.token, enable=True)
+        root_password = provision_job(self.etcd.client_url, plan.job, plan.token, enable=True, tls=self._gateway_tls())
         path = os.path.join(run_dir, "etcd-root-password")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -207,19 +217,26 @@ class Agent:
     def _provision_external_etcd(self) -> None:
         """``--tm-etcd-user root``: create the job's user on the external etcd (its auth must be on), then
         drop the root login, so that no rank, standby or agent holds more than the job's own prefix."""
-        from trainmover_ext.etcd.auth import GatewayTLS, provision_job
+        from trainmover_ext.etcd.auth import provision_job
         from trainmover_ext.kv.job import job_user
 
         plan = self.config.rendezvous
         tls = plan.tls
         scheme = "https" if tls.get("ca_cert") else "http"
-        gateway_tls = (GatewayTLS(ca_cert=tls["ca_cert"], client_cert=tls.get("client_cert"),
-                                  client_key=tls.get("client_key")) if tls.get("ca_cert") else None)
         provision_job(f"{scheme}://{plan.endpoints[0].split('://')[-1]}", plan.job, plan.token,
-                      admin=(tls["user"], tls.get("password") or ""), tls=gateway_tls)
+                      admin=(tls["user"], tls.get("password") or ""), tls=self._gateway_tls())
         plan.tls = {k: v for k, v in tls.items() if k not in ("user", "password")}
         self.log(f"etcd: the job's user {job_user(plan.job)} may read and write /trainmover/{plan.job}/ only; "
                  "every process of the job logs in as it (the root login stays with this launcher)")
+
+    def _gateway_tls(self):
+        """How the launcher's own admin calls (``etcd.auth``) reach an https etcd, or None."""
+        from trainmover_ext.etcd.auth import GatewayTLS
+
+        tls = self.config.rendezvous.tls
+        if not tls.get("ca_cert"):
+            return None
+        return GatewayTLS(ca_cert=tls["ca_cert"], client_cert=tls.get("client_cert"), client_key=tls.get("client_key"))
 
     def _run_dir(self) -> str:
         return self.config.run_dir or os.path.join("runs", self.config.rendezvous.job)
@@ -278,8 +295,10 @@ class Agent:
             with os.fdopen(fd, "w") as f:
                 f.write(plan.token + "\n")
             token_ref = f"$(cat {token_file})"
+        tls = "".join(f" --tm-etcd-{flag} {plan.tls[name]}" for flag, name in
+                      (("ca", "ca_cert"), ("cert", "client_cert"), ("key", "client_key")) if plan.tls.get(name))
         self.log(f"status: trainmover status --tm-etcd-endpoints {','.join(plan.endpoints)} --tm-job {plan.job} "
-                 f"--tm-job-token {token_ref}")
+                 f"--tm-job-token {token_ref}{tls}")
 
     def _stop_embedded_etcd(self) -> None:
         if self.etcd is not None:

@@ -64,6 +64,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="Rendezvous store: 'etcd' (default; no rank hosts a store the job depends on) or "
                         "'tcp' (torch's TCPStore on rank 0, a single point of failure; torchrun's 'c10d' and "
                         "'static' mean the same here).")
+    parser.add_argument("--tm-etcd-tls", action="store_true",
+                        help="Serve the embedded etcd over TLS with client certificates: a CA made for this job "
+                        "signs the server and member certificates (in <run dir>/etcd-tls, keys mode 600), and a "
+                        "client without the member certificate cannot connect. For an external etcd use "
+                        "--tm-etcd-ca/--tm-etcd-cert/--tm-etcd-key instead.")
     parser.add_argument("--run-dir", default=None,
                         help="Job directory for the embedded etcd's data and logs (default runs/<job>).")
     parser.add_argument("--metrics-port", type=int, default=0,
@@ -186,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         lease_ttl_s=tm["tm_lease_ttl"],
         leaver_becomes_standby=tm["tm_leaver_becomes_standby"],
         standby_nice=tm["tm_standby_nice"],
+        etcd_tls=args.tm_etcd_tls,
         run_dir=args.run_dir,
         script=args.script,
         script_args=list(args.script_args),

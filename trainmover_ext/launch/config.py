@@ -53,6 +53,8 @@ class LaunchConfig:
     """``--tm-leaver-becomes-standby`` of the script: a planned leaver stays alive as one of this agent's standbys."""
     standby_nice: int = 19
     """``--tm-standby-nice`` of the script: niceness of standbys until promotion (see ``launch.priority``)."""
+    etcd_tls: bool = False
+    """``--tm-etcd-tls``: the embedded etcd serves TLS with client certificates from a job CA (``etcd.pki``)."""
     run_dir: Optional[str] = None
     """``--run-dir``: the job's working directory (embedded etcd data, logs); default runs/<job>."""
 
@@ -71,6 +73,9 @@ class LaunchConfig:
             raise ConfigError("--restart-start-method must be 'fork' or 'spawn'")
         if self.nnodes > 1 and self.master_port == 0:
             raise ConfigError("--master-port is required with --nnodes > 1")
+        if self.etcd_tls and (self.rendezvous.endpoints or self.rendezvous.backend != "etcd"):
+            raise ConfigError("--tm-etcd-tls secures the embedded etcd; an external etcd brings its own certificates: "
+                              "pass --tm-etcd-ca/--tm-etcd-cert/--tm-etcd-key instead")
         if self.rendezvous.backend == "etcd" and not self.rendezvous.endpoints and self.nnodes > 1:
             raise ConfigError(
                 "a multi-node job needs a shared etcd: pass --tm-etcd-endpoints (e.g. started on the first node "
