@@ -158,3 +158,27 @@ def test_a_tls_job_recovers_bit_identically_and_refuses_clients_without_a_certif
             job.popen.kill()
     assert code == 0, job.stderr()[-3000:]
     assert_recovered(job, ref, 3)
+
+
+@pytest.mark.parametrize("kind,refusal", [
+    ("pickle", "not a TrainMover state record"),
+    ("shapes", "the state source's tensors differ from this process's: tensor 0"),
+    ("count", "tensors, this process holds"),
+])
+def test_a_crafted_state_record_is_refused_and_the_job_recovers_through_the_next_plan(tmp_path, corpus, reference,
+                                                                                      kind, refusal):
+    """A state source that sends a crafted metadata record (a pickle that would run code, a wrong
+    shape, a wrong count) is refused by the joiner, which names what was wrong; the joiner's rank
+    then fails again, the next plan brings the other standby, and the run stays bit-identical."""
+    marker = str(tmp_path / "forged-code-ran")
+    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
+    job = start_job(tmp_path, 8, tm_args(corpus, extra=["--tm-inject-fault", "3:6:forward", "--tm-standbys", "2"]),
+                    name=f"forged_{kind}", env={"TRAINMOVER_DRILL_FORGED_STATE": f"{kind}:1:{marker}"})
+    code = job.wait(360)
+    log = job.stdout() + job.stderr()
+    assert code == 0, log[-4000:]
+    assert f"sends rank 3 a crafted state record ({kind}, epoch 1)" in log, log[-3000:]
+    assert refusal in log, log[-3000:]
+    assert "epoch 2 (failure): rank 3 -> standby" in log, log[-3000:]
+    assert not os.path.exists(marker), "the crafted record's code ran"
+    assert_recovered(job, ref, 3)

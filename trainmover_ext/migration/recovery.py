@@ -102,12 +102,16 @@ def _load_checkpoint(rt, session, cplan: ConvergenceRecord) -> None:
 def send_and_report(channel, session, dst: int, epoch: int, drill: str) -> int:
     """Send this rank's state and say how much, and what it cost in memory (must be ~nothing).
     ``drill`` names the fault-drill phase that fires after the metadata (``send`` or ``handover``)."""
-    from trainmover_ext.migration.transfer import send_state
+    from trainmover_ext.migration.transfer import forged_kind, send_state
     from trainmover_ext.runtime.memwatch import PeakWindow
 
+    forge = forged_kind(epoch) if drill == "send" else None
+    if forge:
+        print(f"[trainmover] fault drill: rank {session.layout.rank} sends rank {dst} a crafted state record "
+              f"({forge}, epoch {epoch})", flush=True)
     with PeakWindow() as mem:
         sent = send_state(channel, session, after_meta=lambda: faults.at(drill, rank=session.layout.rank,
-                                                                           epoch=epoch))
+                                                                           epoch=epoch), forge=forge)
     print(f"[trainmover] rank {session.layout.rank} sent {sent / 2**20:.2f} MiB of state to rank {dst} "
           f"(epoch {epoch}); RSS {mem.start_rss / 2**20:.1f} MiB at the start, peak {mem.peak / 2**20:.1f} MiB "
           "during", flush=True)

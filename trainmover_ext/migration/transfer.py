@@ -33,6 +33,7 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import pickle
 from typing import Optional
 
 import torch
@@ -145,9 +146,7 @@ MAX_META_BYTES = 64 << 20
 def _send_blob(channel, obj: dict) -> None:
     buf = io.BytesIO()
     torch.save({"format": META_FORMAT, "version": META_VERSION, **obj}, buf)
-    data = buf.getvalue()
-    channel.wait_sends([channel.send(torch.tensor([len(data)], dtype=torch.int64), 0),
-                        channel.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), 1)])
+    _send_raw(channel, buf.getvalue())
 
 
 def _recv_blob(channel) -> dict:
@@ -196,11 +195,44 @@ DRILL_EXTRA_COPY_ENV = "TRAINMOVER_DRILL_EXTRA_STATE_COPY"
 while it sends (what a careless staging would cost); the transfer's memory report must then show it."""
 
 
-def send_state(channel, session, after_meta=None) -> int:
+DRILL_FORGED_STATE_ENV = "TRAINMOVER_DRILL_FORGED_STATE"
+"""Failure drill for a hostile peer: ``KIND:EPOCH[:MARKER]`` makes every state source of failure
+epoch ``EPOCH`` send a crafted metadata record. KIND ``pickle`` sends a pickle whose loading would
+run ``touch MARKER``; ``shapes`` announces a first tensor of another shape; ``count`` one tensor
+fewer. The target must refuse it, and the job recovers through the next plan."""
+FORGED_KINDS = ("pickle", "shapes", "count")
+
+
+def forged_kind(epoch: int) -> Optional[str]:
+    """The crafted record this process's state source must send at ``epoch``, if a drill says so."""
+    spec = os.environ.get(DRILL_FORGED_STATE_ENV, "")
+    parts = spec.split(":")
+    if len(parts) < 2 or parts[0] not in FORGED_KINDS or not parts[1].isdigit() or int(parts[1]) != epoch:
+        return None
+    return parts[0]
+
+
+class _RunsCode:
+    """What a hostile peer pickles: loading it would run a shell command."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _send_raw(channel, data: bytes) -> None:
+    channel.wait_sends([channel.send(torch.tensor([len(data)], dtype=torch.int64), 0),
+                        channel.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), 1)])
+
+
+def send_state(channel, session, after_meta=None, forge: Optional[str] = None) -> int:
     """Source side (``channel``: :class:`PairChannel` or :class:`LinkChannel`); returns the bytes sent.
 
     Every tensor's send is posted before any is waited for: one round of waits, not one per tensor.
-    ``after_meta`` (fault drills) is called once the metadata is sent."""
+    ``after_meta`` (fault drills) is called once the metadata is sent; ``forge`` (a drill, see
+    :data:`DRILL_FORGED_STATE_ENV`) sends a crafted record instead of the true one."""
     args = session.args
     meta = {
         "iteration": args.iteration,
@@ -218,7 +250,15 @@ def send_state(channel, session, after_meta=None) -> int:
     }
     tensors = _tensor_list(session)
     meta["manifest"] = _manifest(tensors)
-    _send_blob(channel, meta)
+    if forge == "pickle":
+        marker = os.environ.get(DRILL_FORGED_STATE_ENV, "").split(":", 2)[2:] or ["/tmp/trainmover_forged_ran"]
+        _send_raw(channel, pickle.dumps({"format": META_FORMAT, "version": META_VERSION, "x": _RunsCode(marker[0])}))
+    else:
+        if forge == "shapes":
+            meta["manifest"][0][0] = [d + 1 for d in meta["manifest"][0][0]]
+        elif forge == "count":
+            meta["manifest"] = meta["manifest"][:-1]
+        _send_blob(channel, meta)
     if after_meta is not None:
         after_meta()
     hoard = [t.detach().clone() for t in tensors] if os.environ.get(DRILL_EXTRA_COPY_ENV) == "1" else None
