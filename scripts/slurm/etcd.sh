@@ -7,6 +7,9 @@
 #   DIR/etcd-data, log in DIR/etcd.log. Returns 0 once /health answers true
 #   (within TM_ETCD_START_TIMEOUT seconds, default 30), else stops it and
 #   returns 1. Sets EMBEDDED_ETCD_PID and EMBEDDED_ETCD_ENDPOINT (ADDR:PORT).
+#   With ETCD_TLS_DIR set (ca.pem, server.pem/.key, member.pem/.key from
+#   `python -m trainmover_ext.etcd.pki`), it serves https and requires client
+#   certificates signed by that CA.
 # stop_embedded_etcd
 #   SIGTERM, then SIGKILL after 5 s, by pid. Safe to call twice.
 #
@@ -25,19 +28,33 @@ start_embedded_etcd() {
     addr=$(getent ahostsv4 "$addr" | awk 'NR == 1 {print $1}')
     [[ -n "$addr" ]] || { echo "etcd.sh: cannot resolve the first node's address to an IPv4 address" >&2; return 1; }
   fi
-  local client="http://$addr:$port" peer="http://$addr:$((port + 1))"
+  local scheme=http tls_args=() probe_tls=()
+  if [[ -n "${ETCD_TLS_DIR:-}" ]]; then
+    scheme=https
+    tls_args=(--cert-file "$ETCD_TLS_DIR/server.pem" --key-file "$ETCD_TLS_DIR/server.key"
+              --trusted-ca-file "$ETCD_TLS_DIR/ca.pem" --client-cert-auth)
+    probe_tls=("$ETCD_TLS_DIR/ca.pem" "$ETCD_TLS_DIR/member.pem" "$ETCD_TLS_DIR/member.key")
+  fi
+  local client="$scheme://$addr:$port" peer="http://$addr:$((port + 1))"
   mkdir -p "$dir"
+  # A login lasts a day (clients log in again after a restart); bcrypt is cheap for random passwords.
   "$bin" --name tm0 --data-dir "$dir/etcd-data" \
     --listen-client-urls "$client" --advertise-client-urls "$client" \
     --listen-peer-urls "$peer" --initial-advertise-peer-urls "$peer" \
     --initial-cluster "tm0=$peer" --initial-cluster-state new \
+    --auth-token-ttl 86400 --bcrypt-cost 4 "${tls_args[@]}" \
     > "$dir/etcd.log" 2>&1 &
   EMBEDDED_ETCD_PID=$!
   # shellcheck disable=SC2034  # read by trainmover.sbatch, which sources this file
   EMBEDDED_ETCD_ENDPOINT="$addr:$port"
-  if ! "${ETCD_PROBE_PYTHON:-python3}" - "$client/health" "${TM_ETCD_START_TIMEOUT:-30}" "$EMBEDDED_ETCD_PID" <<'PYEOF'
-import os, sys, time, urllib.request
+  if ! "${ETCD_PROBE_PYTHON:-python3}" - "$client/health" "${TM_ETCD_START_TIMEOUT:-30}" "$EMBEDDED_ETCD_PID" \
+       "${probe_tls[@]}" <<'PYEOF'
+import os, ssl, sys, time, urllib.request
 url, timeout, pid = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+ctx = None
+if len(sys.argv) > 4:  # https: the job CA, and the member certificate the server requires
+    ctx = ssl.create_default_context(cafile=sys.argv[4])
+    ctx.load_cert_chain(sys.argv[5], sys.argv[6])
 deadline = time.monotonic() + timeout
 while time.monotonic() < deadline:
     try:
@@ -45,7 +62,7 @@ while time.monotonic() < deadline:
     except ProcessLookupError:
         sys.exit("etcd.sh: etcd exited during start-up (port in use?)")
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with urllib.request.urlopen(url, timeout=2, context=ctx) as resp:
             if b'"true"' in resp.read():
                 sys.exit(0)
     except OSError:

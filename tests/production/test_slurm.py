@@ -69,8 +69,10 @@ def _read(path) -> str:
     return open(path).read() if os.path.exists(path) else f"(no file {path})"
 
 
-def test_sbatch_trains_on_two_nodes(slurm, tmp_path):
-    """2 nodes x 2 ranks (PP2 x DP2), embedded etcd on the first node: training completes on both nodes."""
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_sbatch_trains_on_two_nodes(slurm, tmp_path, tls):
+    """2 nodes x 2 ranks (PP2 x DP2), embedded etcd on the first node (its auth on; with
+    --tm-etcd-tls over TLS with the job's client certificates): training completes on both nodes."""
     (master_port,) = free_ports(1)
     etcd_port = _port_pair()
     logs, out = tmp_path / "logs", tmp_path / "batch.out"
@@ -79,7 +81,7 @@ def test_sbatch_trains_on_two_nodes(slurm, tmp_path):
     job = slurm.submit(
         SBATCH,
         ["--nproc-per-node", "2", "--master-port", str(master_port), "--etcd-port", str(etcd_port),
-         "--log-dir", str(logs), "--python", sys.executable, "--", *train],
+         "--log-dir", str(logs), "--python", sys.executable, *(["--tm-etcd-tls"] if tls else []), "--", *train],
         ["-N", "2", "--time", "5", "-o", str(out)],
         cwd=REPO_ROOT,
     )
@@ -104,6 +106,11 @@ def test_sbatch_trains_on_two_nodes(slurm, tmp_path):
     etcd_pid = int(re.search(r"embedded on n1, pid (\d+)", batch).group(1))
     assert not pid_alive(etcd_pid), f"embedded etcd (pid {etcd_pid}) outlived the job"
     assert oct(os.stat(logs / "job-token").st_mode & 0o777) == "0o600"
+    assert oct(os.stat(logs / "etcd-root-password").st_mode & 0o777) == "0o600"
+    if tls:
+        assert f"--tm-etcd-ca {logs}/etcd-tls/ca.pem" in batch, report
+        assert oct(os.stat(logs / "etcd-tls" / "member.key").st_mode & 0o777) == "0o600"
+        assert "https://" in _read(logs / "etcd.log"), report
 
 
 def _failover_under_slurm(slurm, tmp_path, nodes: int, nproc: int, metrics_port: int) -> tuple[list[str], str]:

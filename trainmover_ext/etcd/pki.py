@@ -111,3 +111,29 @@ def make_job_certs(directory: str | os.PathLike, *, job: str, hosts: list[str], 
         client_cert=_write(d / "member.pem", client_cert, 0o644),
         client_key=_write(d / "member.key", client_key, 0o600),
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainmover_ext.etcd.pki``: the Slurm script's job CA (``--tm-etcd-tls``)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m trainmover_ext.etcd.pki",
+                                     description="Write a job's CA, etcd server and member certificates.")
+    parser.add_argument("--dir", required=True, help="directory to create (mode 700) for the PEM files")
+    parser.add_argument("--job", required=True, help="the job name (--tm-job), named in the certificates")
+    parser.add_argument("--host", action="append", required=True,
+                        help="a name or address the etcd server is reached at (repeat for several)")
+    parser.add_argument("--days", type=int, default=30, help="validity in days (default 30)")
+    args = parser.parse_args(argv)
+    try:
+        certs = make_job_certs(args.dir, job=args.job, hosts=args.host, days=args.days)
+    except ConfigError as exc:
+        print(f"trainmover pki: {exc}", file=sys.stderr)
+        return 1
+    print(f"job CA {certs.ca_cert}; etcd server {certs.server_cert}; member {certs.client_cert}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
