@@ -34,9 +34,12 @@ Cases:
 - **switch point**: once a planned move's joiner is ready and its leaver waits
   at a boundary (``leaver_at``), the controller commits the boundary where the
   leaver hands over and the stayers switch (``switch_at`` in the plan).
-- **epoch race / malformed epoch**: an unreadable epoch is repaired from the
-  newest plan (each plan opened one epoch) and nothing else is decided in that
-  round; a lost race is the executor's CAS returning False.
+- **epoch race / malformed epoch**: an unreadable epoch, or one behind the newest
+  ``migrations/<e>`` key (rolled back by hand: a plan for it + 1 would reopen a
+  planned epoch), is repaired from the newest plan (each plan opened one epoch,
+  and its key says which even when its value is unreadable) and nothing else is
+  decided in that round; a lost race is the executor's CAS returning False. At
+  ``MAX_EPOCH`` (only a forged epoch gets there) no further plan is opened.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from trainmover_ext.control.convergence import plan_convergence
-from trainmover_ext.control.records import Alert, ConvergenceRecord, MigrationPlan, RankRecord, Replacement
+from trainmover_ext.control.records import MAX_EPOCH, Alert, ConvergenceRecord, MigrationPlan, RankRecord, Replacement
 from trainmover_ext.control.view import View
 
 
@@ -128,7 +131,9 @@ def _handover_pending(view: View) -> Replacement | None:
             or "handed_over" in plan.steps or "transferred" in plan.steps):
         return None
     reps = plan.replacement_list()
-    return reps[0] if reps else None
+    # A move whose joiner is its leaver moves nothing (only a forged plan says so): its leaver's failure
+    # is a plain failure of the rank.
+    return reps[0] if reps and reps[0].joiner != reps[0].leaver else None
 
 
 def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
@@ -178,6 +183,13 @@ def _available_standbys(view: View, excluded: set[str]) -> list[str]:
     )
 
 
+def warm_standbys(view: View, role: str | None = None) -> list[str]:
+    """The standbys a move may name as joiner: idle (serving no rank), healthy and warm for ``role`` (for
+    some role when None), oldest first. ``trainmover migrate --to`` checks its target against this list."""
+    return [c for c in _available_standbys(view, set())
+            if (role in view.members[c].warm_roles if role is not None else view.members[c].warm_roles)]
+
+
 def _pick_standby(view: View, candidates: list[str], rec: RankRecord) -> str | None:
     able = [c for c in candidates if rec.role in view.members[c].warm_roles]
     if not able:
@@ -201,6 +213,8 @@ def _state_source(view: View, rec: RankRecord, failed: set[int]) -> dict:
 
 def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by: str) -> list[Action]:
     assert view.epoch is not None
+    if view.epoch >= MAX_EPOCH:
+        return []  # no migrations/<e> key is left for the next epoch
     failed_ranks = {f.rank.rank for f in failures}
     taken: set[str] = set()
     replacements: list[Replacement] = []
@@ -256,8 +270,8 @@ def _recovery_under_way(view: View) -> bool:
 
 def _decide_convergence(view: View, now: float, decided_by: str) -> list[Action]:
     """The resume point of the newest failure epoch, once every stayer reported (see the module doc)."""
-    if not _recovery_under_way(view):
-        return []
+    if not _recovery_under_way(view) or not view.ranks:
+        return []  # no rank record is readable (garbage, reported in view.malformed): nothing to resume yet
     plan = view.last_plan
     joiners = {r.rank for r in plan.replacement_list()}
     reported = view.recovery.get(plan.epoch, {})
@@ -295,6 +309,8 @@ def _alert_key(view: View, rank: int) -> str:
 
 def _plan_request(view: View, now: float, decided_by: str) -> list[Action]:
     assert view.epoch is not None
+    if view.epoch >= MAX_EPOCH:
+        return []  # no migrations/<e> key is left for the next epoch
     actions: list[Action] = []
     for key, req in sorted(view.requests.items(), key=lambda kv: (kv[1].requested_at, kv[0])):
         rec = view.ranks.get(req.rank)
@@ -335,13 +351,16 @@ def _plan_request(view: View, now: float, decided_by: str) -> list[Action]:
 
 def decide(view: View, now: float, *, decided_by: str = "") -> list[Action]:
     """The actions that move the job toward a healthy membership (see the module docstring)."""
+    # Every epoch was opened by a plan: the newest plan's epoch is the true one.
+    newest = max(view.newest_plan_epoch, view.last_plan.epoch if view.last_plan is not None else 0)
     if view.epoch is None:
         key = f"{view.root}epoch"
         if key in view.malformed and view.epoch_rev:
-            # Every epoch was opened by a plan: the newest plan's epoch is the true one.
-            epoch = view.last_plan.epoch if view.last_plan is not None else 0
-            return [RepairEpoch(epoch=epoch, expected_epoch_rev=view.epoch_rev, garbage=view.malformed[key][:200])]
+            return [RepairEpoch(epoch=newest, expected_epoch_rev=view.epoch_rev, garbage=view.malformed[key][:200])]
         return []
+    if view.epoch < newest:
+        return [RepairEpoch(epoch=newest, expected_epoch_rev=view.epoch_rev,
+                            garbage=f"epoch {view.epoch}, behind the plan of epoch {newest}")]
     failures, actions = _failures(view)
     if failures:
         return actions + _plan_failures(view, now, failures, decided_by)

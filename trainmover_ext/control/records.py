@@ -35,11 +35,16 @@ with ``to_bytes`` / ``from_bytes``; unknown fields from newer writers are ignore
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
 import time
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
+from trainmover_ext.errors import MalformedValue
 from trainmover_ext.kv.codec import decode, encode
 
 ROLES = ("first", "middle", "last")
@@ -58,15 +63,67 @@ class Record:
         return encode(self.KIND, dataclasses.asdict(self))  # type: ignore[call-overload]
 
     @classmethod
-    def from_bytes(cls: type[T], raw: bytes, *, key: str) -> T:
+    def from_bytes(cls: type[T], raw: bytes, *, key: str, strict: bool = False) -> T:
+        """The record in ``raw``; :class:`MalformedValue` when it is not one. ``strict`` also rejects a
+        field whose JSON type is not its annotated one (:meth:`problems`): the controller reads this way,
+        because a ``null`` where a list belongs would otherwise surface as a TypeError in a decision."""
         data = decode(raw, kind=cls.KIND, key=key)
         names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         try:
-            return cls(**{k: v for k, v in data.items() if k in names})
+            record = cls(**{k: v for k, v in data.items() if k in names})
         except TypeError as exc:
-            from trainmover_ext.errors import MalformedValue
-
             raise MalformedValue(f"{key} is a {cls.KIND!r} record with missing fields ({exc}); the value is left untouched") from exc
+        problems = record.problems() if strict else []
+        if problems:
+            raise MalformedValue(f"{key} is a {cls.KIND!r} record with fields of the wrong type "
+                                 f"({'; '.join(problems)[:300]}); the value is left untouched")
+        return record
+
+    def problems(self) -> list[str]:
+        """The fields whose value does not have its annotated JSON type (empty: the record is sound)."""
+        return field_type_problems(self)
+
+
+def field_type_problems(obj: object) -> list[str]:
+    """The fields of dataclass ``obj`` whose value does not have the annotated type, in words.
+
+    JSON has one number type, so an integral value is a valid ``float``; a ``bool`` is never an
+    ``int``, and a ``float`` field must be finite (``Infinity``/``NaN`` parse, but no writer means them)."""
+    return [f"{name} is {getattr(obj, name)!r:.40}, not {_type_name(hint)}"
+            for name, hint in _field_types(type(obj)).items() if not _has_type(getattr(obj, name), hint)]
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _has_type(value: object, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin is types.UnionType or origin is typing.Union:
+        return any(_has_type(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and math.isfinite(value))
+    if hint is str:
+        return isinstance(value, str)
+    if origin is list:
+        return isinstance(value, list) and all(_has_type(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_has_type(k, args[0]) and _has_type(v, args[1]) for k, v in value.items())
+    raise TypeError(f"no JSON type check for the annotation {hint!r}")
 
 
 @dataclass(kw_only=True)
@@ -148,6 +205,12 @@ class Replacement:
     """``{"kind": "replica", "rank": q, "member": m}``, ``{"kind": "checkpoint", "iteration": k|None}``
     or, for a planned move, ``{"kind": "leaver", "member": m}``."""
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Replacement":
+        """One entry of :attr:`MigrationPlan.replacements`; unknown fields from newer writers are ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
 
 @dataclass(kw_only=True)
 class MigrationPlan(Record):
@@ -181,7 +244,17 @@ class MigrationPlan(Record):
     controller from ``leaver_at`` (nobody can pass the boundary after the leaver's while it waits)."""
 
     def replacement_list(self) -> list[Replacement]:
-        return [Replacement(**r) for r in self.replacements]
+        return [Replacement.from_dict(r) for r in self.replacements]
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if not out:  # replacements is a list of dicts: each must also be a sound Replacement
+            for i, r in enumerate(self.replacements):
+                try:
+                    out += [f"replacements[{i}].{p}" for p in field_type_problems(Replacement.from_dict(r))]
+                except TypeError as exc:
+                    out.append(f"replacements[{i}] is not a replacement ({exc})")
+        return out
 
 
 @dataclass(kw_only=True)
@@ -252,6 +325,11 @@ class Event(Record):
 def event_key_suffix(now: float | None = None) -> str:
     """A sortable, unique ``events/`` key suffix."""
     return f"{int((now if now is not None else time.time()) * 1e9):020d}-{os.urandom(3).hex()}"
+
+
+MAX_EPOCH = 10**10 - 1
+"""The newest epoch a ``migrations/<e>`` key can name: keys are zero-padded to 10 digits so that they sort by
+epoch (the newest plan is the last key). An ``epoch`` beyond it is malformed, and none is ever planned."""
 
 
 def migration_key_suffix(epoch: int) -> str:

@@ -3,8 +3,11 @@
 Contract: :func:`read_view` reads the whole job prefix in one etcd range request,
 so every record comes from one revision. A malformed or old-version value never
 aborts the read: it is listed in ``View.malformed`` (key -> message) and left in
-etcd untouched, and the record is treated as absent. A malformed ``epoch`` makes
-``View.epoch`` None: :func:`~trainmover_ext.control.decide.decide` then decides
+etcd untouched, and the record is treated as absent. Malformed means anything but
+the record as TrainMover writes it: bytes that are not its JSON, a field of the
+wrong JSON type (``null`` for a list, ``"3"`` for a rank, ``Infinity``), a record
+under another record's key, an epoch outside 0..``MAX_EPOCH``. A malformed ``epoch``
+makes ``View.epoch`` None: :func:`~trainmover_ext.control.decide.decide` then decides
 nothing but the epoch's repair (from the newest migration plan, which records
 every epoch), because every other decision is a compare-and-swap on the epoch.
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainmover_ext.control.records import (
-    Alert, FailureReport, MemberRecord, MigrationPlan, MigrationRequest, RankRecord,
+    MAX_EPOCH, Alert, FailureReport, MemberRecord, MigrationPlan, MigrationRequest, RankRecord, migration_key_suffix,
 )
 from trainmover_ext.errors import MalformedValue
 from trainmover_ext.kv.base import Snapshot
@@ -60,6 +63,8 @@ class View:
     last_plan: MigrationPlan | None = None
     last_plan_rev: int = 0
     """mod_revision of the newest plan's key (a decision that rewrites the plan compares against it)."""
+    newest_plan_epoch: int = 0
+    """The epoch of the newest ``migrations/<e>`` key, readable or not: the job's epoch reached it."""
     leader: str | None = None
     malformed: dict[str, str] = field(default_factory=dict)
     """Keys whose value could not be read, with the reason; never modified by the controller."""
@@ -72,53 +77,100 @@ def epoch_value(epoch: int) -> bytes:
 
 
 def parse_view(space: JobSpace, snap: Snapshot) -> View:
-    """Build a :class:`View` from a prefix snapshot of ``space.root``."""
+    """Build a :class:`View` from a prefix snapshot of ``space.root``.
+
+    A record is read strictly (every field of its annotated JSON type) and only under its own key
+    (``members/<id>`` holds member ``id``, ``ranks/<r>`` rank ``r``, ``migrations/<e>`` the plan of epoch ``e``):
+    a record under another record's key would shadow or outlive the real one."""
     view = View(root=space.root, revision=snap.revision)
     root = space.root
     for entry in snap.entries:
-        rel = entry.key[len(root):]
+        key = entry.key
+        rel = key[len(root):]
         head, _, rest = rel.partition("/")
         try:
             if rel == "epoch":
-                view.epoch = int(decode(entry.value, kind="epoch", key=entry.key)["epoch"])
-                view.epoch_rev = entry.mod_revision
+                view.epoch_rev = entry.mod_revision  # what a decision, or the repair of garbage, compares against
+                view.epoch = _epoch(decode(entry.value, kind="epoch", key=key).get("epoch"), key)
             elif head == "members" and rest:
-                m = MemberRecord.from_bytes(entry.value, key=entry.key)
+                m = MemberRecord.from_bytes(entry.value, key=key, strict=True)
+                _own_key(rest, m.member_id, key)
                 view.members[m.member_id] = m
             elif head == "ranks" and rest:
-                r = RankRecord.from_bytes(entry.value, key=entry.key)
+                r = RankRecord.from_bytes(entry.value, key=key, strict=True)
+                _own_key(rest, str(r.rank), key)
                 view.ranks[r.rank] = r
             elif head == "reports" and rest:
-                view.reports[entry.key] = FailureReport.from_bytes(entry.value, key=entry.key)
+                view.reports[key] = FailureReport.from_bytes(entry.value, key=key, strict=True)
             elif head == "requests" and rest:
-                view.requests[entry.key] = MigrationRequest.from_bytes(entry.value, key=entry.key)
+                view.requests[key] = MigrationRequest.from_bytes(entry.value, key=key, strict=True)
             elif head == "alerts" and rest:
-                a = Alert.from_bytes(entry.value, key=entry.key)
+                a = Alert.from_bytes(entry.value, key=key, strict=True)
+                _own_key(rest, str(a.rank), key)
                 view.alerts[a.rank] = a
             elif head == "recovery" and rest:
-                epoch, _, rank = rest.partition("/")
-                held = decode(entry.value, kind="recovery", key=entry.key)["iteration"]
-                it = None if held is None else int(held)
-                view.recovery.setdefault(int(epoch), {})[int(rank)] = it
-                view.recovery_keys.setdefault(int(epoch), []).append(entry.key)
+                epoch_part, _, rank_part = rest.partition("/")
+                epoch, rank = _number(epoch_part, key), _number(rank_part, key)
+                data = decode(entry.value, kind="recovery", key=key)
+                if "iteration" not in data:
+                    raise MalformedValue(f"{key} has no iteration; the value is left untouched")
+                held = data["iteration"]
+                view.recovery.setdefault(epoch, {})[rank] = None if held is None else _count(held, key)
+                view.recovery_keys.setdefault(epoch, []).append(key)
             elif head == "convergence" and rest:
-                view.converged.add(int(rest))
+                view.converged.add(_number(rest, key))
             elif head == "finished" and rest:
-                view.finished.add(int(rest))
+                view.finished.add(_number(rest, key))
             elif rel == "checkpoint":
-                view.checkpoint_iteration = int(decode(entry.value, kind="checkpoint", key=entry.key)["iteration"])
+                view.checkpoint_iteration = _count(decode(entry.value, kind="checkpoint", key=key).get("iteration"), key)
             elif head == "migrations" and rest:
+                if len(rest) == 10 and rest.isascii() and rest.isdigit():
+                    # The executor writes migrations/<e> in the transaction that moves epoch to e: the key
+                    # alone says the job reached e, even when its value is unreadable.
+                    view.newest_plan_epoch = max(view.newest_plan_epoch, int(rest))
+                plan = MigrationPlan.from_bytes(entry.value, key=key, strict=True)
+                _own_key(rest, migration_key_suffix(_epoch(plan.epoch, key)), key)
                 # Entries are sorted by key and migration keys are zero-padded: the last one wins.
-                view.last_plan = MigrationPlan.from_bytes(entry.value, key=entry.key)
+                view.last_plan = plan
                 view.last_plan_rev = entry.mod_revision
             elif rel == "leader":
-                view.leader = decode(entry.value, kind="leader", key=entry.key).get("id")
-        except (MalformedValue, KeyError, ValueError, TypeError) as exc:
-            view.malformed[entry.key] = str(exc)
+                leader = decode(entry.value, kind="leader", key=key).get("id")
+                if leader is not None and not isinstance(leader, str):
+                    raise MalformedValue(f"{key} names leader {leader!r:.40}, not a member id; the value is left untouched")
+                view.leader = leader
+        # RecursionError: json's answer to deeply nested garbage; ValueError: to a number of > 4300 digits.
+        except (MalformedValue, KeyError, ValueError, TypeError, RecursionError) as exc:
+            view.malformed[key] = str(exc)
             if rel == "epoch":
                 view.epoch = None
-                view.epoch_rev = entry.mod_revision  # what a repair compares against
     return view
+
+
+def _epoch(value: object, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_EPOCH:
+        raise MalformedValue(f"{key} holds epoch {value!r:.40}, not a whole number from 0 to {MAX_EPOCH}; "
+                             "the value is left untouched")
+    return value
+
+
+def _count(value: object, key: str) -> int:
+    """An iteration count: a whole number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedValue(f"{key} holds iteration {value!r:.40}, not a whole number >= 0; the value is left untouched")
+    return value
+
+
+def _number(text: str, key: str) -> int:
+    """A rank or epoch in a key: decimal digits only (``int`` would also take ``-1``, `` 7`` or ``1_0``)."""
+    if not (text.isascii() and text.isdigit()):
+        raise MalformedValue(f"{key} is not a key TrainMover writes ({text!r} is not a number); it is left untouched")
+    return int(text)
+
+
+def _own_key(rest: str, expected: str, key: str) -> None:
+    if rest != expected:
+        raise MalformedValue(f"{key} holds the record of {expected!r:.40}, which belongs under its own key; "
+                             "the value is left untouched")
 
 
 def read_view(space: JobSpace) -> View:
