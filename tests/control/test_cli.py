@@ -29,8 +29,8 @@ def test_status_events_and_migrate(etcd, kv, capsys):
         out = capsys.readouterr().out
         assert "epoch 0" in out and "w1" in out and "s0" in out and "first,middle,last" in out
 
-        assert main(["migrate", "--rank", "1", "--to", "no-such-standby", *flags(etcd, space.token)]) == 1
-        assert "rejected the move: no-such-standby is not an idle standby" in capsys.readouterr().err
+        assert main(["migrate", "--rank", "1", "--to", "no-such-standby", *flags(etcd, space.token)]) == 2
+        assert "the warm standbys for rank 1 (stage role 'last') are: s0" in capsys.readouterr().err
         assert main(["migrate", "--rank", "1", "--to", "s0", *flags(etcd, space.token)]) == 0
         out = capsys.readouterr().out
         assert "requested planned migration" in out and "planned: epoch 1, rank 1 -> s0" in out
@@ -67,7 +67,7 @@ def test_cli_errors_say_what_to_do(etcd, kv, capsys):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no etcd answered at 127.0.0.1:1" in proc.stderr
     help_text = subprocess.run([sys.executable, "-m", "trainmover_ext.cli", "migrate", "--help"], capture_output=True, text=True, timeout=60).stdout
-    for flag in ("--rank", "--to", "--tm-job-token", "--tm-etcd-ca", "--tm-etcd-cert", "--tm-etcd-key"):
+    for flag in ("--rank", "--to", "--wait", "--tm-job-token", "--tm-etcd-ca", "--tm-etcd-cert", "--tm-etcd-key"):
         assert flag in help_text
     # a stand-alone controller needs the job's token, and refuses a wrong one before standing
     assert main(["controller", "--tm-etcd-endpoints", ",".join(etcd.endpoints), "--tm-job", "cli"]) == 2
@@ -81,3 +81,28 @@ def test_migrate_without_a_controller_says_so(etcd, kv, capsys):
     init_job(space, [RankRecord(rank=0, member_id="w0", host="h0", role="first", replicas=[])])
     assert main(["migrate", "--rank", "0", "--wait", "0.5", *flags(etcd, space.token)]) == 3
     assert "no decision within" in capsys.readouterr().err
+
+
+def test_migrate_refuses_a_target_that_is_not_a_warm_standby(etcd, kv, capsys):
+    """`--to` is checked against the view before any request is written: no controller is needed to refuse it."""
+    space = JobSpace.create(kv, "cli")
+    init_job(space, [RankRecord(rank=0, member_id="w0", host="h0", role="last", replicas=[])])
+    registered = [MemberRecord(member_id="w0", kind="worker", host="h0", pid=1),
+                  MemberRecord(member_id="warming", kind="standby", host="h1", pid=2),
+                  MemberRecord(member_id="first-only", kind="standby", host="h1", pid=3, warm_roles=["first"])]
+    members = [Membership(space, rec, ttl_s=5).register() for rec in registered]
+    try:
+        for target in ("w0", "warming", "first-only", "no-such-standby"):
+            assert main(["migrate", "--rank", "0", "--to", target, "--wait", "0", *flags(etcd, space.token)]) == 2
+            err = capsys.readouterr().err
+            assert f"--to {target} is not an idle warm standby" in err and "has no warm standby for rank 0" in err, err
+        members.append(Membership(space, MemberRecord(member_id="s0", kind="standby", host="h1", pid=4,
+                                                      warm_roles=list(ROLES)), ttl_s=5).register())
+        assert main(["migrate", "--rank", "0", "--to", "warming", "--wait", "0", *flags(etcd, space.token)]) == 2
+        assert "the warm standbys for rank 0 (stage role 'last') are: s0." in capsys.readouterr().err
+        assert kv.get_prefix(space.key("requests/")).entries == [], "a refused target writes no request"
+        assert main(["migrate", "--rank", "0", "--to", "s0", "--wait", "0", *flags(etcd, space.token)]) == 0
+        assert len(kv.get_prefix(space.key("requests/")).entries) == 1
+    finally:
+        for m in members:
+            m.close()

@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Callable
 
+from trainmover_ext.control.decide import warm_standbys
 from trainmover_ext.control.membership import request_migration
 from trainmover_ext.control.records import Event
 from trainmover_ext.control.view import View, read_view
@@ -180,7 +181,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     try:
         if space.kv.get(space.key("ranks", args.rank)) is None:
             raise ConfigError(f"job {space.job!r} has no rank {args.rank}: see `trainmover status` for the ranks")
-        epoch = read_view(space).epoch or 0
+        view = read_view(space)
+        if args.to is not None:
+            _check_target(view, space.job, args.rank, args.to)
+        epoch = view.epoch or 0
         rid = request_migration(space, rank=args.rank, to=args.to, requested_by=f"cli@{os.uname().nodename}")
         print(f"requested planned migration {rid}: rank {args.rank} -> {args.to or 'a standby chosen by the controller'}",
               flush=True)
@@ -190,6 +194,21 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         return _await_decision(space, rid, args.rank, epoch, args.wait)
     finally:
         space.kv.close()
+
+
+def _check_target(view: View, job: str, rank: int, to: str) -> None:
+    """Refuse ``--to`` before any request is written unless it names a standby the controller would take
+    for ``rank``: idle, healthy and warm for the rank's stage role (:func:`warm_standbys`)."""
+    rec = view.ranks.get(rank)
+    role = rec.role if rec is not None else None
+    warm = warm_standbys(view, role)
+    if to in warm:
+        return
+    which = f"for rank {rank} (stage role {role!r})" if role is not None else "of any stage role"
+    listed = f"the warm standbys {which} are: {', '.join(warm)}" if warm else f"job {job!r} has no warm standby {which}"
+    raise ConfigError(f"--to {to} is not an idle warm standby of job {job!r}; {listed}. Pick one of them, leave --to out to "
+                      "let the controller choose, or start a standby (`trainmover launch --tm-role standby`) and wait "
+                      "until `trainmover status` shows it warm")
 
 
 def _await_decision(space, request_id: str, rank: int, epoch: int, wait_s: float) -> int:
@@ -286,10 +305,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "(they outlive the job's etcd)")
     migrate = _sub(subparsers, "migrate", "request a planned migration of one rank to a warm standby", cmd_migrate)
     migrate.add_argument("--rank", type=int, required=True, help="the logical rank to move (see `trainmover status`)")
-    migrate.add_argument("--to", default=None, help="member id of the standby to move it to (default: the controller picks)")
+    migrate.add_argument("--to", default=None, metavar="MEMBER_ID",
+                         help="the standby to move the rank to: the member id of an idle, healthy standby that has "
+                              "warmed the rank's stage role (`trainmover status` lists them under 'standbys'); any "
+                              "other id is refused before a request is written (default: the controller picks one)")
     migrate.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
-                         help="wait this long for the controller's decision: exit 0 once planned, 1 when rejected "
-                              "(with the reason), 3 when nothing was decided (default 60; 0: do not wait)")
+                         help="how long to wait for the controller's decision: exit 0 once the move is planned, 1 when "
+                              "the controller rejected it (the reason is printed), 3 when nothing was decided in time "
+                              "(the request stays queued). Default 60; 0 returns as soon as the request is written")
     controller = _sub(subparsers, "controller", "run one more leader-elected controller candidate for a job (e.g. on a "
                       "node without ranks); it exits when the job has finished", cmd_controller)
     controller.add_argument("--id", default=None,
