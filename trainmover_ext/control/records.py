@@ -1,8 +1,11 @@
 """The records the control plane keeps in etcd, their keys, and their JSON form.
 
-Every key of a job, all under ``/trainmover/<job>/``, with who writes and who reads it
-(the rendezvous store's keys, written through ``trainmover_ext.kv.torch_store``, are the
-communicator's own: link rendezvous and ``nccl_delta/ledgers/e<e>/<rank>``):
+Every key of a job, all under ``/trainmover/<job>/``, with who writes and who reads it. The
+job's etcd user may read and write that prefix and nothing else (:mod:`trainmover_ext.etcd.auth`).
+The rendezvous store, ``~store/<generation>/`` (written through
+``trainmover_ext.kv.torch_store``: torch's rendezvous, link rendezvous, ``nccl_delta/ledgers/e<e>/<rank>``,
+state-transfer pairs), sorts after every control key, so the controller reads and watches
+``[/trainmover/<job>/, /trainmover/<job>/~)`` and never sees it (``JobSpace.control_end``):
 
 ======================  =============================================  ==========================  ==============================
 key                     value                                          written by                  read by
@@ -26,6 +29,7 @@ key                     value                                          written b
 ``links/<e>/...``       phase-1 link rendezvous (scale check only)     the scale check             the scale check
 ``leader``              the controller leader's id, on its lease       the election                candidates, ``status``
 ``events/<ns>-<id>``    :class:`Event`, the job's timeline             controller, CLI             ``events``, the run archive
+``~store/<g>/...``      the ranks' rendezvous store, start number g    ranks (torch, nccl_delta)   ranks
 ======================  =============================================  ==========================  ==============================
 
 Each record type converts to and from versioned JSON (:mod:`trainmover_ext.kv.codec`)

@@ -175,4 +175,4 @@ def _own_key(rest: str, expected: str, key: str) -> None:
 
 def read_view(space: JobSpace) -> View:
     """One consistent read of the job's control state (see the module docstring)."""
-    return parse_view(space, space.kv.get_prefix(space.root))
+    return parse_view(space, space.kv.get_prefix(space.root, end=space.control_end))
