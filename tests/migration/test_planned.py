@@ -76,12 +76,13 @@ def test_planned_migration_of_a_middle_stage(tmp_path, corpus, reference):
     _migrate_and_check(tmp_path, corpus, reference, 6, args, "tp1pp3dp2", 2)
 
 
-def _warm_standbys(job) -> set[str]:
-    """Standby member ids that `trainmover status` lists with warm roles."""
+def _warm_standbys(job, role: str | None = None) -> set[str]:
+    """Standby member ids that `trainmover status` lists with warm roles (with ``role``: warm for it)."""
     status = trainmover_cli("status", *control_flags(job))
     assert status.returncode == 0, status.stderr[-2000:]
     section = status.stdout.split("standbys:", 1)[1].split("last migration:", 1)[0]
-    return {line.split()[0] for line in section.splitlines()[2:] if line.strip() and "(warming)" not in line}
+    rows = [line.split() for line in section.splitlines()[2:] if line.strip() and "(warming)" not in line]
+    return {row[0] for row in rows if role is None or role in row[2].split(",")}
 
 
 def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, reference):
@@ -100,7 +101,8 @@ def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, referen
                      120, interval=0.1, what="the leaver to rejoin the pool")
         assert int(m.group(1)) == rank1_pid
         rejoined = m.group(2)
-        wait_for(lambda: rejoined in _warm_standbys(job), 120, interval=0.2, what=f"{rejoined} to be warm")
+        # rank 6 is on the last stage: `migrate --to` accepts only a standby warm for its role
+        wait_for(lambda: rejoined in _warm_standbys(job, "last"), 120, interval=0.2, what=f"{rejoined} to be warm")
         _migrate(job, "--rank", "6", "--to", rejoined)
     except BaseException:
         job.popen.kill()
