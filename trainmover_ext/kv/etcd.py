@@ -253,6 +253,11 @@ class EtcdKV(KV):
         """etcd no longer knows this client's token (it restarted, or the token's TTL passed)."""
         return isinstance(exc, grpc.RpcError) and "invalid auth token" in (exc.details() or "")
 
+    def _auth_turned_on(self, exc: BaseException) -> bool:
+        """The server's auth came on after this client found it off (``login_if_enabled``)."""
+        return (self.config.login_if_enabled and not self.logged_in and isinstance(exc, grpc.RpcError)
+                and "user name is empty" in (exc.details() or ""))
+
     def _relogin(self) -> None:
         """Log in again after :meth:`_stale_login` (at most twice a second across threads)."""
         if not self.logged_in:
@@ -343,6 +348,9 @@ class EtcdKV(KV):
             except Exception as exc:
                 if self._stale_login(exc) and time.monotonic() + delay < deadline:
                     self._relogin()
+                    continue
+                if self._auth_turned_on(exc) and time.monotonic() + delay < deadline:
+                    self._login(self._etcd)  # a job's etcd whose auth came on after this client connected
                     continue
                 if not _is_unavailable(exc) or time.monotonic() + delay >= deadline:
                     raise self._translate(exc, what) from exc

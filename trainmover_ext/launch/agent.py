@@ -194,9 +194,9 @@ class Agent:
             plan.tls.update(ca_cert=certs.ca_cert, client_cert=certs.client_cert, client_key=certs.client_key)
         self.etcd = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=data_dir, die_with_parent=True, **tls)).start()
         plan.endpoints = list(self.etcd.endpoints)
+        self._lock_etcd(run_dir)  # before the address is printed: no client connects to it unlocked
         self.log(f"embedded etcd at {','.join(plan.endpoints)} (data {data_dir}"
                  + (f"; TLS with client certificates from {os.path.dirname(tls['trusted_ca_file'])})" if tls else ")"))
-        self._lock_etcd(run_dir)
 
     def _lock_etcd(self, run_dir: str) -> None:
         """Turn the embedded etcd's auth on, with the job's own user (see ``etcd.auth``): from now on

@@ -121,11 +121,11 @@ def warm_up(args, config, providers, space, member, should_stop,
 
     preload_s = preload_rank_code(args)  # job-independent: done while the workers build their model
     pacer.pace()
-    refuse_unless_fingerprint_matches(args, config, space, member)
     reason = "no --tm-record-dir: the sandbox is off"
     if config.record_dir:
         from trainmover_ext.sandbox.standby import warm_general_standby
 
+        refuse_unless_fingerprint_matches(args, config, space, member)
         try:
             return warm_general_standby(args, config, providers, space=space, member=member, pacer=pacer,
                                         should_stop=should_stop)
@@ -133,8 +133,10 @@ def warm_up(args, config, providers, space, member, should_stop,
             reason = str(exc)
             print(f"[trainmover] standby {member.record.member_id}: sandbox warm-up impossible, falling back to "
                   f"the basic warm-up: {reason}", flush=True)
-    timings = {"preload_s": preload_s, **basic_warm_up(args, providers)}
+    timings = {"preload_s": preload_s, **basic_warm_up(args, providers)}  # also while the workers start
     pacer.pace()
+    if not config.record_dir:
+        refuse_unless_fingerprint_matches(args, config, space, member)  # before any role is advertised
     report = {"mode": "basic", "reason": reason, **{k: round(v, 4) for k, v in timings.items()},
               "total_s": round(sum(timings.values()) + pacer.paused_s, 4), "paused_s": round(pacer.paused_s, 4)}
     member.update(warm_roles=list(ROLES), warmup=report)
