@@ -44,8 +44,13 @@ class TrainMoverHooks:
         return bool(self.config and self.config.use_delta_comm)
 
     def serve_other_role(self, args, providers, t_process: float) -> Optional[dict]:
-        """A standby's whole life (``--tm-role standby``); None for a worker."""
-        if self.config is None or self.config.role != "standby":
+        """A standby's whole life (``--tm-role standby``); None for a worker, which publishes the job's
+        model fingerprint here, as early as its arguments allow (standbys wait for it to advertise)."""
+        if self.config is None:
+            return None
+        if self.config.role != "standby":
+            if self.config.enabled:
+                publish_job_fingerprint(args)
             return None
         from trainmover_ext.runtime.standby import run_standby
 
@@ -59,7 +64,6 @@ class TrainMoverHooks:
         if config.enabled:
             from trainmover_ext.migration.worker import WorkerRuntime
 
-            publish_job_fingerprint(session.args)
             runtime = self.worker = WorkerRuntime.for_session(session, config)
         if config.inject_fault:
             from trainmover_ext.runtime import faults
