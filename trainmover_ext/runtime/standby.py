@@ -136,7 +136,9 @@ def warm_up(args, config, providers, space, member, should_stop,
     timings = {"preload_s": preload_s, **basic_warm_up(args, providers)}  # also while the workers start
     pacer.pace()
     if not config.record_dir:
+        t_check = time.time()
         refuse_unless_fingerprint_matches(args, config, space, member)  # before any role is advertised
+        timings["fingerprint_s"] = time.time() - t_check
     report = {"mode": "basic", "reason": reason, **{k: round(v, 4) for k, v in timings.items()},
               "total_s": round(sum(timings.values()) + pacer.paused_s, 4), "paused_s": round(pacer.paused_s, 4)}
     member.update(warm_roles=list(ROLES), warmup=report)
@@ -173,8 +175,11 @@ def run_standby(args, config, providers, t_process: float) -> dict:
         watcher.close()
         member.close()
         raise
+    parts = ", ".join(f"{k.removesuffix('_s')} {v:.2f}s" for k, v in report.items()
+                      if k.endswith("_s") and k != "total_s" and isinstance(v, (int, float)))
     print(f"[trainmover] standby {ident.member_id} warm in {report['total_s']:.2f}s ({report['mode']}, roles "
-          f"{member.record.warm_roles}); waiting to be promoted", flush=True)
+          f"{member.record.warm_roles}); waiting to be promoted [{parts}; {time.time() - t_process:.2f}s since "
+          "its process started]", flush=True)
     parent = os.getppid()
     with cond:
         while not promoted:
