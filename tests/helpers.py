@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from trainmover_ext.jobs import PRETRAIN, REPO_ROOT
 
@@ -86,14 +86,22 @@ def losses_by_iteration(path: str) -> dict[int, float]:
     return {rec["iteration"]: rec["loss"] for rec in read_metrics(path)}
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.01, what: str = "condition"):
+def wait_for(predicate, timeout: float, interval: float = 0.01, what: str = "condition",
+             detail: Optional[Callable[[], str]] = None, give_up: Optional[Callable[[], bool]] = None):
+    """The first truthy ``predicate()``, polled every ``interval`` s. AssertionError after ``timeout`` s, or
+    as soon as ``give_up()`` holds (e.g. the job ended); its message ends with ``detail()`` (e.g. a log tail)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
+        if give_up is not None and give_up():
+            value = predicate()  # what happened just before it gave up
+            if value:
+                return value
+            raise AssertionError(f"gave up waiting for {what}" + (f":\n{detail()}" if detail else ""))
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f":\n{detail()}" if detail else ""))
 
 
 def pid_alive(pid: int) -> bool:
@@ -132,10 +140,16 @@ def tiny_args(data_prefix: Optional[str], *, tp: int = 1, pp: int = 1, iters: in
 ITERS = 12
 
 
-def tm_args(corpus, *, tp=2, pp=2, gbs=8, iters=ITERS, extra=None):
-    """The tiny GPT under --trainmover with one standby."""
+def tm_args(corpus, *, tp=2, pp=2, gbs=8, iters=ITERS, extra=None, standby_nice: Optional[int] = 0):
+    """The tiny GPT under --trainmover with one standby.
+
+    Its standbys keep their CPU priority (``--tm-standby-nice 0``) unless ``standby_nice`` says
+    otherwise (None: the launcher's default, 19): the ranks keep both cores busy, so a standby at
+    the lowest priority warms at an iteration no test can foresee, and a drill that fires at a fixed
+    iteration would find none warm. Tests that wait until a standby is warm run the default."""
+    nice = [] if standby_nice is None else ["--tm-standby-nice", str(standby_nice)]
     return tiny_args(corpus, tp=tp, pp=pp, iters=iters, gbs=gbs,
-                     extra=["--trainmover", "--tm-standbys", "1"] + (extra or []))
+                     extra=["--trainmover", "--tm-standbys", "1", *nice] + (extra or []))
 
 
 def trajectory(path: str) -> dict[int, tuple[float, int, Optional[float]]]:

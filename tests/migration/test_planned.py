@@ -33,11 +33,22 @@ def _finish(job) -> str:
     return job.stderr()
 
 
+def _wait_warm(job, role: str | None = None, member: str | None = None) -> set[str]:
+    """Wait until a standby (``member``, or any) is warm (for ``role``); returns the warm ones."""
+    def ready() -> set[str] | None:
+        warm = _warm_standbys(job, role)
+        return warm if (member in warm if member else warm) else None
+
+    return wait_for(ready, 120, interval=0.2, what=f"{member or 'a standby'} to be warm for {role or 'any role'}",
+                    detail=lambda: job.stdout()[-3000:], give_up=lambda: job.popen.poll() is not None)
+
+
 def _migrate_and_check(tmp_path, corpus, reference, nproc, args, ref_key, rank):
     ref = reference(ref_key, nproc, args)
     job = start_job(tmp_path, nproc, args, name=f"planned_{rank}")
     try:
         wait_iteration(job, 3)
+        _wait_warm(job)
         _migrate(job, "--rank", str(rank))
     except BaseException:
         job.popen.kill()
@@ -88,21 +99,28 @@ def _warm_standbys(job, role: str | None = None) -> set[str]:
 def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, reference):
     """--tm-leaver-becomes-standby: rank 1's process hands its state over, stays alive as a standby
     (no new interpreter is started for the consumed one), warms up, and is then moved into rank 6
-    by a second planned migration. Both moves are bit-identical to a run without them."""
+    by a second planned migration. Both moves are bit-identical to a run without them.
+
+    Its standbys run at the launcher's default CPU priority (niceness 19, where a promoted standby
+    may raise it back): each is promoted at niceness 0, and the leaver waits in the pool at 19 again."""
+    from trainmover_ext.launch import priority
+
     iters = 40
     args = tm_args(corpus, iters=iters)
     ref = reference("tp2pp2dp2-i40", 8, args)
-    job = start_job(tmp_path, 8, args + ["--tm-leaver-becomes-standby"], name="rejoin")
+    job = start_job(tmp_path, 8, tm_args(corpus, iters=iters, standby_nice=None) + ["--tm-leaver-becomes-standby"],
+                    name="rejoin")
     try:
         wait_iteration(job, 3)
         rank1_pid = job.rank_pids()[0][1]
+        _wait_warm(job, "first")
         _migrate(job, "--rank", "1")
         m = wait_for(lambda: re.search(r"the leaver of rank 1 \(pid (\d+)\) rejoins the pool as (\S+)", job.stderr()),
                      120, interval=0.1, what="the leaver to rejoin the pool")
         assert int(m.group(1)) == rank1_pid
         rejoined = m.group(2)
         # rank 6 is on the last stage: `migrate --to` accepts only a standby warm for its role
-        wait_for(lambda: rejoined in _warm_standbys(job, "last"), 120, interval=0.2, what=f"{rejoined} to be warm")
+        _wait_warm(job, "last", rejoined)
         _migrate(job, "--rank", "6", "--to", rejoined)
     except BaseException:
         job.popen.kill()
@@ -111,6 +129,11 @@ def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, referen
     assert f"(planned): rank 6 -> {rejoined} (pid {rank1_pid})" in err, err[-3000:]
     assert "the leaver of rank 6" in err and "rejoins the pool" in err, err[-3000:]
     assert "spawn)" not in err, "a new standby was started although the leaver refilled the pool"
+    if priority.can_restore():  # as root, or with CAP_SYS_NICE: the launcher lowers its standbys' priority
+        out = job.stdout()
+        promotions = re.findall(r"promoted to rank (\d) \(epoch \d, planned\); CPU niceness (\d+) -> (\d+)", out)
+        assert promotions == [("1", "19", "0"), ("6", "19", "0")], out[-3000:]
+        assert f"rejoining the pool as standby {rejoined} (pid {rank1_pid}, CPU niceness 19)" in out, out[-3000:]
     assert "falling back" not in err and "exited with code" not in err, err[-3000:]
     got = trajectory(job.metrics_path)
     assert sorted(got) == list(range(1, iters + 1))

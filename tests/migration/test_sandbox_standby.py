@@ -47,7 +47,8 @@ def test_sandbox_standby_replaces_a_killed_rank_bit_identically(tmp_path, corpus
                     name=f"sandbox_{victim}")
     try:
         warm = wait_for(lambda: re.search(r"standby (\S+) warm in [\d.]+s \(sandbox, roles \[([^\]]*)\]\)", _log(job)),
-                        180, 0.2, "the standby's sandbox warm-up")
+                        180, 0.2, "the standby's sandbox warm-up", detail=lambda: _log(job)[-4000:],
+                        give_up=lambda: job.popen.poll() is not None)
         status = trainmover_cli("status", *control_flags(job))
         row = next(line for line in status.stdout.splitlines() if line.strip().startswith(warm.group(1)))
         assert row.rstrip().endswith("rank 0"), status.stdout  # the kept model, shown to the operator

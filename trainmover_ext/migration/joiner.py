@@ -50,13 +50,16 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
     os.environ["RANK"] = str(rep.rank)
     os.environ["LOCAL_RANK"] = "0"
     t_promoted = time.time()
-    print(f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (epoch {plan.epoch}, "
-          f"{plan.reason})", flush=True)
     from trainmover_ext.launch import priority
 
-    if priority.restore():  # a rank at a standby's low priority would hold every other rank back
-        print(f"[trainmover] standby {ident.member_id}: could not restore normal CPU priority after promotion",
-              flush=True)
+    niceness = os.getpriority(os.PRIO_PROCESS, 0)
+    failed = priority.restore()  # a rank at a standby's low priority would hold every other rank back
+    now = os.getpriority(os.PRIO_PROCESS, 0)
+    print(f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (epoch {plan.epoch}, "
+          f"{plan.reason}){f'; CPU niceness {niceness} -> {now}' if niceness else ''}", flush=True)
+    if failed:
+        print(f"[trainmover] standby {ident.member_id}: could not restore normal CPU priority of {failed} thread(s) "
+              "after promotion; this rank may hold the others back", flush=True)
     member.update(kind="worker")
     if config.inject_fault:
         faults.arm(faults.FaultSpec.parse_all(config.inject_fault), int(os.environ["WORLD_SIZE"]))

@@ -218,5 +218,6 @@ def rejoin_as_standby(args, config, providers, t_process: float, leaver: str, ep
     if priority.can_restore():
         priority.lower(config.standby_nice)  # as the launcher starts any standby
     print(f"[trainmover] {leaver} left its rank at epoch {epoch}; rejoining the pool as standby "
-          f"{os.environ[ENV_MEMBER_ID]} (pid {os.getpid()})", flush=True)
+          f"{os.environ[ENV_MEMBER_ID]} (pid {os.getpid()}, CPU niceness {os.getpriority(os.PRIO_PROCESS, 0)})",
+          flush=True)
     return run_standby(args, config, providers, t_process)
