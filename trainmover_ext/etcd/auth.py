@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from trainmover_ext.errors import AuthError, EtcdUnavailable
+from trainmover_ext.fsutil import write_private
 from trainmover_ext.kv.base import prefix_end
 from trainmover_ext.kv.job import job_password, job_root, job_user
 
@@ -164,9 +165,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (AuthError, EtcdUnavailable) as exc:
         print(f"trainmover etcd auth: {exc}", file=sys.stderr)
         return 1
-    fd = os.open(args.root_password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{root_password}\n")
+    write_private(args.root_password_file, f"{root_password}\n")
     print(f"etcd auth on: user {job_user(args.job)} may use /trainmover/{args.job}/ only; "
           f"root password in {args.root_password_file}")
     return 0

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainmover_ext.errors import ConfigError
+from trainmover_ext.fsutil import write_private
 
 MEMBER_SUBJECT = "trainmover-member"
 
@@ -41,13 +42,6 @@ class JobCerts:
     server_key: str
     client_cert: str
     client_key: str
-
-
-def _write(path: Path, data: bytes, mode: int) -> str:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return str(path)
 
 
 def make_job_certs(directory: str | os.PathLike, *, job: str, hosts: list[str], days: int = 30) -> JobCerts:
@@ -105,11 +99,11 @@ def make_job_certs(directory: str | os.PathLike, *, job: str, hosts: list[str], 
                                                                    ExtendedKeyUsageOID.CLIENT_AUTH], sans)
     client_cert, client_key = leaf(MEMBER_SUBJECT, [ExtendedKeyUsageOID.CLIENT_AUTH], None)
     return JobCerts(
-        ca_cert=_write(d / "ca.pem", ca.public_bytes(serialization.Encoding.PEM), 0o644),
-        server_cert=_write(d / "server.pem", server_cert, 0o644),
-        server_key=_write(d / "server.key", server_key, 0o600),
-        client_cert=_write(d / "member.pem", client_cert, 0o644),
-        client_key=_write(d / "member.key", client_key, 0o600),
+        ca_cert=write_private(d / "ca.pem", ca.public_bytes(serialization.Encoding.PEM), 0o644),
+        server_cert=write_private(d / "server.pem", server_cert, 0o644),
+        server_key=write_private(d / "server.key", server_key, 0o600),
+        client_cert=write_private(d / "member.pem", client_cert, 0o644),
+        client_key=write_private(d / "member.key", client_key, 0o600),
     )
 
 

@@ -25,6 +25,7 @@ from trainmover_ext.errors import ConfigError, LaunchError
 from trainmover_ext.etcd.auth import ROOT_USER
 from trainmover_ext.launch.config import LaunchConfig
 from trainmover_ext.launch.process import RankProcess, fork_rank, preimport_for_fork, spawn_rank
+from trainmover_ext.fsutil import write_private
 from trainmover_ext.netutil import free_port
 
 
@@ -208,9 +209,7 @@ class Agent:
         plan = self.config.rendezvous
         root_password = provision_job(self.etcd.client_url, plan.job, plan.token, enable=True, tls=self._gateway_tls())
         path = os.path.join(run_dir, "etcd-root-password")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{root_password}\n")
+        write_private(path, f"{root_password}\n")
         self.log(f"etcd auth on: the job's user {job_user(plan.job)} reads and writes only /trainmover/{plan.job}/ "
                  f"(root password in {path})")
 
@@ -291,9 +290,7 @@ class Agent:
             run_dir = self._run_dir()
             os.makedirs(run_dir, exist_ok=True)
             token_file = os.path.join(run_dir, "job-token")
-            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(plan.token + "\n")
+            write_private(token_file, plan.token + "\n")
             token_ref = f"$(cat {token_file})"
         tls = "".join(f" --tm-etcd-{flag} {plan.tls[name]}" for flag, name in
                       (("ca", "ca_cert"), ("cert", "client_cert"), ("key", "client_key")) if plan.tls.get(name))
