@@ -23,7 +23,7 @@ from trainmover_ext.migration.transfer import DRILL_EXTRA_COPY_ENV
 def _args(corpus) -> list[str]:
     return model_args(layers=2, hidden=768, heads=8, seq=64, mbs=1, gbs=2, iters=6, lr=1e-4) + [
         "--data-path", corpus + "_text_document", "--bf16",
-        "--trainmover", "--tm-standbys", "1", "--tm-inject-fault", "1:4:backward",
+        "--trainmover", "--tm-standbys", "1", "--tm-standby-nice", "0", "--tm-inject-fault", "1:4:backward",
     ]
 
 

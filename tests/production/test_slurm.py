@@ -123,7 +123,9 @@ def _failover_under_slurm(slurm, tmp_path, nodes: int, nproc: int, metrics_port:
     metrics = tmp_path / "metrics.jsonl"
     iters = 6
     train = tiny_args(None, pp=2, iters=iters, gbs=4,
-                      extra=["--trainmover", "--tm-standbys", "1", "--tm-inject-fault", "3:3:forward",
+                      # --tm-standby-nice 0: the drill fires at iteration 3, and at the lowest priority on
+                      # two busy cores the standbys may not be warm by then (see tests/helpers.tm_args)
+                      extra=["--trainmover", "--tm-standbys", "1", "--tm-standby-nice", "0", "--tm-inject-fault", "3:3:forward",
                              "--tm-metrics-file", str(metrics)])
     job = slurm.submit(
         SBATCH,
