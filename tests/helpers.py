@@ -265,8 +265,9 @@ def assert_recovered(job: LaunchedJob, ref: dict, victim: int) -> None:
     err = job.stderr()
     assert f"rank {victim} -> standby" in err, err[-3000:]
     assert "falling back" not in err, err[-3000:]
-    # pool upkeep: a fresh standby replaces the consumed one once the migration is over
-    assert re.search(r"started standby \S+ \(pid \d+, spawn\)", err), err[-3000:]
+    # pool upkeep: a fresh standby replaces the consumed one once the migration is over, woken from a
+    # child forked at the start (--tm-standby-reserves) rather than a new interpreter
+    assert re.search(r"started standby \S+ \(pid \d+, pre-forked\)", err), err[-3000:]
     assert_transfer_memory(job)
 
 

@@ -68,6 +68,8 @@ class TrainMoverConfig:
     standby_duty: float = 1.0
     """``--tm-standby-duty``: the share of one core a warming standby may use (``1`` = unpaced); it pauses
     between shadow iterations to stay within it (``trainmover_ext.sandbox.pacing``)."""
+    standby_reserves: int = 4
+    """``--tm-standby-reserves``: children the launcher forks at the start to refill the standby pool later."""
     standby_nice: int = 19
     """``--tm-standby-nice``: how much lower a standby's CPU priority is until its promotion (0: not lowered)."""
     leaver_becomes_standby: bool = False
@@ -108,6 +110,9 @@ class TrainMoverConfig:
                               "model fingerprint)")
         if self.keep_role not in KEEP_ROLES:
             raise ConfigError(f"--tm-keep-role must be one of {', '.join(KEEP_ROLES)}")
+        if self.standby_reserves < 0:
+            raise ConfigError(f"--tm-standby-reserves {self.standby_reserves} must be >= 0 (0: refills start a new "
+                              "interpreter)")
         if not 0 <= self.standby_nice <= 19:
             raise ConfigError(f"--tm-standby-nice {self.standby_nice} must be in 0..19 (a niceness)")
         if not 0 < self.standby_duty <= 1:
@@ -140,6 +145,7 @@ _FLAG_TO_FIELD = {
     "tm_keep_role": "keep_role",
     "tm_standby_duty": "standby_duty",
     "tm_standby_nice": "standby_nice",
+    "tm_standby_reserves": "standby_reserves",
     "tm_leaver_becomes_standby": "leaver_becomes_standby",
     "tm_metrics_file": "metrics_file",
     "tm_comm": "comm",
@@ -189,6 +195,12 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         "after every promotion) does not take the ranks' cores. Applied only where a promoted "
                         "standby can raise its priority back (root, CAP_SYS_NICE or RLIMIT_NICE >= 20); the "
                         "launcher says when it cannot. 0 turns it off.")
+    g.add_argument("--tm-standby-reserves", type=int, default=None, metavar="N",
+                   help="Children the launcher forks at the start, while forking is safe, to refill the standby "
+                        "pool later (default 4; 0: none). A refill then wakes one instead of starting a new "
+                        "interpreter, which would take seconds of CPU (importing torch and megatron-core) from "
+                        "the ranks right after a promotion. Each sleeps until used and shares the launcher's "
+                        "memory pages; once all are used, refills start new interpreters.")
     g.add_argument("--tm-standby-duty", type=float, default=None, metavar="FRACTION",
                    help="Share of one CPU core a warming standby may use, in (0, 1] (default 1: unpaced). Below 1 "
                         "it pauses between shadow iterations and roles so that its CPU time stays within that "

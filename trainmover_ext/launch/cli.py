@@ -95,6 +95,7 @@ def peek_trainmover_flags(script_args: list[str]) -> dict:
     peek.add_argument("--tm-lease-ttl", type=float, default=2.0)
     peek.add_argument("--tm-leaver-becomes-standby", action="store_true")
     peek.add_argument("--tm-standby-nice", type=int, default=19)
+    peek.add_argument("--tm-standby-reserves", type=int, default=4)
     peek.add_argument("--tm-job", default=None)
     peek.add_argument("--tm-metrics-file", default=None)
     peek.add_argument("--seq-length", type=int, default=0)
@@ -191,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         lease_ttl_s=tm["tm_lease_ttl"],
         leaver_becomes_standby=tm["tm_leaver_becomes_standby"],
         standby_nice=tm["tm_standby_nice"],
+        standby_reserves=tm["tm_standby_reserves"],
         etcd_tls=args.tm_etcd_tls,
         run_dir=args.run_dir,
         script=args.script,

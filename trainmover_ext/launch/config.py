@@ -51,6 +51,8 @@ class LaunchConfig:
     """``--tm-lease-ttl`` of the script: membership lease TTL (controller and agent use it too)."""
     leaver_becomes_standby: bool = False
     """``--tm-leaver-becomes-standby`` of the script: a planned leaver stays alive as one of this agent's standbys."""
+    standby_reserves: int = 4
+    """``--tm-standby-reserves`` of the script: children forked at the start that later refill the pool."""
     standby_nice: int = 19
     """``--tm-standby-nice`` of the script: niceness of standbys until promotion (see ``launch.priority``)."""
     etcd_tls: bool = False
@@ -63,6 +65,8 @@ class LaunchConfig:
             raise ConfigError("--nproc-per-node must be >= 1")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ConfigError("--node-rank must be in [0, --nnodes)")
+        if self.standby_reserves < 0:
+            raise ConfigError("--tm-standby-reserves must be >= 0")
         if self.standbys and not self.trainmover:
             raise ConfigError("--tm-standbys needs --trainmover in the script's arguments")
         if self.max_restarts < 0:

@@ -1,17 +1,28 @@
-"""Starting one rank: fork from the warm agent, or spawn a fresh interpreter.
+"""Starting one rank: fork from the warm agent, wake a pre-forked reserve, or spawn a fresh interpreter.
 
-Both start the child in its own process group (a terminal Ctrl-C reaches only
+All three start the child in its own process group (a terminal Ctrl-C reaches only
 the agent, which tears ranks down in order) and ask the kernel to SIGKILL the
 child if the agent dies, so no rank outlives its agent.
+
+A fork is possible only while the agent holds no gRPC channel (before it opens
+etcd). Processes the agent starts later (standbys that refill the pool) would
+have to pay a fresh interpreter's imports, seconds of CPU taken from the ranks
+while they train. A **reserve** avoids that: :func:`fork_reserve` forks a
+child while forking is still safe, and the child sleeps on a socket; at a
+refill :func:`activate` sends it the process's environment, arguments and
+output descriptors, and it runs the script exactly as a forked rank would.
+:func:`discard` ends an unused one.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import runpy
 import select
 import signal
+import socket
 import subprocess
 import sys
 import traceback
@@ -123,16 +134,29 @@ def fork_rank(rank: int, env: dict[str, str], script: str, script_args: list[str
             output.started()
         return RankProcess(rank=rank, pid=pid)
     # child
+    _run_child(parent, niceness, lambda: (env, script, list(script_args), output.in_child if output else None))
+
+
+def _run_child(parent: int, niceness: int, task) -> None:
+    """The body of a forked child; never returns. ``task()`` gives ``(env, script, args, redirect)``
+    (a reserve blocks in it until it is activated; None: exit 0 without running anything)."""
     code = 1
     try:
         os.setpgid(0, 0)
         _die_with_parent(parent)
+        for reserve_sock in _reserve_socks:  # another reserve's wake-up line is not ours to hold open
+            reserve_sock.close()
         if niceness > 0:
             os.nice(niceness)
-        if output is not None:
-            output.in_child()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
+        what = task()
+        if what is None:
+            code = 0
+            return
+        env, script, script_args, redirect = what
+        if redirect is not None:
+            redirect()
         os.environ.update(env)
         sys.argv = [script] + list(script_args)
         runpy.run_path(script, run_name="__main__")
@@ -149,6 +173,102 @@ def fork_rank(rank: int, env: dict[str, str], script: str, script_args: list[str
         sys.stderr.flush()
         # os._exit: a rank that abandoned pending gloo ops would abort in atexit handlers.
         os._exit(code)
+
+
+_reserve_socks: list[socket.socket] = []
+"""The agent's ends of its reserves' sockets (closed in every child it forks)."""
+_WAKE_MAX_BYTES = 1 << 20
+
+
+@dataclass
+class Reserve:
+    """A child forked while forking was safe, asleep until :func:`activate` or :func:`discard`."""
+
+    pid: int
+    sock: socket.socket = field(repr=False)
+
+
+def fork_reserve(*, niceness: int = 0) -> Reserve:
+    """Fork a reserve (see the module docstring), ``niceness`` lower in priority from now on. Call it only
+    while the agent holds no gRPC channel, like :func:`fork_rank`."""
+    parent = os.getpid()
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        theirs.close()
+        _reserve_socks.append(mine)
+        return Reserve(pid=pid, sock=mine)
+    mine.close()
+
+    def wait_for_work():
+        try:
+            data, fds, _, _ = socket.recv_fds(theirs, _WAKE_MAX_BYTES, 2)
+        except OSError:
+            return None
+        finally:
+            theirs.close()
+        if not data:  # the agent closed the line: discarded, or gone
+            return None
+        req = json.loads(data)
+
+        def redirect() -> None:
+            for stream, fd in zip(req["streams"], fds):
+                os.dup2(fd, 1 if stream == "stdout" else 2)
+                os.close(fd)
+
+        return req["env"], req["script"], req["args"], redirect
+
+    _run_child(parent, niceness, wait_for_work)
+
+
+def activate(reserve: Reserve, rank: int, env: dict[str, str], script: str, script_args: list[str],
+             output: Optional[ProcessOutput] = None) -> Optional[RankProcess]:
+    """Wake ``reserve`` to run ``script`` as :func:`fork_rank` would (with ``env`` applied, writing to
+    ``output``); the started process, or None when the reserve is gone (``output`` is then unused and
+    the caller may start the process another way)."""
+    fds = output.child_fds if output is not None else {}
+    streams = sorted(fds)
+    message = json.dumps({"env": env, "script": script, "args": list(script_args), "streams": streams}).encode()
+    if len(message) > _WAKE_MAX_BYTES:
+        discard(reserve)
+        return None
+    try:
+        socket.send_fds(reserve.sock, [message], [fds[s] for s in streams])
+    except OSError:
+        discard(reserve)
+        return None
+    _forget(reserve)
+    if output is not None:
+        output.started()
+    return RankProcess(rank=rank, pid=reserve.pid)
+
+
+def discard(reserve: Reserve, timeout_s: float = 2.0) -> None:
+    """End an unused reserve: close its line (it exits 0), SIGKILL it after ``timeout_s``, reap it."""
+    _forget(reserve)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            pid, _ = os.waitpid(reserve.pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid:
+            return
+        if time.monotonic() > deadline:
+            try:
+                os.kill(reserve.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = float("inf")
+        time.sleep(0.01)
+
+
+def _forget(reserve: Reserve) -> None:
+    if reserve.sock in _reserve_socks:
+        _reserve_socks.remove(reserve.sock)
+    reserve.sock.close()
 
 
 ENV_PARENT_PID = "TRAINMOVER_PARENT_PID"

@@ -9,10 +9,12 @@ Contract (one agent per node; the single-node case is what runs today):
   (``reports/<rank>/<agent>``): the fast detection path. The controller's plan
   names a standby; the agent maps the rank to that standby's process and,
   once that migration finished (its ``first_iteration`` step, or
-  ``REPLENISH_AFTER_S`` at the latest), starts a fresh standby (a new
-  interpreter) so the pool returns to its size. Waiting keeps the new
-  interpreter's imports and warm-up off the node's cores while the job is
-  still recovering.
+  ``REPLENISH_AFTER_S`` at the latest), starts a fresh standby so the pool
+  returns to its size: it wakes one of the ``--tm-standby-reserves`` children
+  it forked at the start (``process.fork_reserve``), which skips a new
+  interpreter's imports, and spawns a new interpreter once none is left.
+  Waiting keeps the new standby's start and warm-up off the node's cores
+  while the job is still recovering.
 - A plan that leaves a rank unserved (no standby), or no plan within the
   deadline, ends the job the classic way: every process is stopped and the
   agent's restart policy applies.
@@ -44,7 +46,8 @@ import uuid
 from typing import Optional
 
 from trainmover_ext.errors import STANDBY_REFUSED_EXIT_CODE
-from trainmover_ext.launch.process import RankProcess, fork_rank, spawn_rank, wait_any_exit
+from trainmover_ext.launch.process import (Reserve, RankProcess, activate, discard, fork_rank, fork_reserve, spawn_rank,
+                                           wait_any_exit)
 from trainmover_ext.runtime.fingerprint import describe_diff, read_refusal
 from trainmover_ext.runtime.identity import ENV_MEMBER_ID, leaver_standby_id
 
@@ -79,6 +82,8 @@ class TrainMoverSupervisor:
         self.space = self.controller = self.member = self.watcher = self.archive = None
         self.epoch = 0
         self.standbys_started = 0
+        self.reserves: list[Reserve] = []
+        """Pre-forked children that start refills without a new interpreter (``--tm-standby-reserves``)."""
         self.standby_nice = 0
         """Niceness of this agent's standbys until promotion (``--tm-standby-nice``, where restorable)."""
         self.standby_failures = 0
@@ -96,9 +101,15 @@ class TrainMoverSupervisor:
         env = self.agent._env(0, self.port)
         env.pop("RANK"), env.pop("LOCAL_RANK")
         env[ENV_MEMBER_ID] = member
-        start = fork_rank if method == "fork" else spawn_rank
-        proc = start(-1, env, cfg.script, list(cfg.script_args) + ["--tm-role", "standby"],
-                     cfg.logs.open(member, 0, self.agent.restarts), niceness=self.standby_nice)
+        args = list(cfg.script_args) + ["--tm-role", "standby"]
+        output = cfg.logs.open(member, 0, self.agent.restarts)
+        proc = None
+        while method == "spawn" and proc is None and self.reserves:
+            proc = activate(self.reserves.pop(0), -1, env, cfg.script, args, output)
+            method = "pre-forked" if proc is not None else method
+        if proc is None:
+            start = fork_rank if method == "fork" else spawn_rank
+            proc = start(-1, env, cfg.script, args, output, niceness=self.standby_nice)
         self.standbys[member] = proc
         self.agent.log(f"started standby {member} (pid {proc.pid}, {method})")
 
@@ -122,6 +133,8 @@ class TrainMoverSupervisor:
                                             cfg.logs.open(str(rank), i, self.agent.restarts)), member)
         for _ in range(cfg.standbys):
             self._start_standby("fork")
+        # Last, so that no rank or standby holds a reserve's wake-up line.
+        self.reserves = [fork_reserve(niceness=self.standby_nice) for _ in range(cfg.standby_reserves if cfg.standbys else 0)]
         self.agent.procs = [p for p, _ in self.serving.values()] + list(self.standbys.values())
         self.agent.log(f"started {len(self.serving)} ranks, pids {[p.pid for p, _ in self.serving.values()]}, "
                        f"and {len(self.standbys)} standby(s)")
@@ -162,6 +175,9 @@ class TrainMoverSupervisor:
                 self.settled.add(plan.epoch)
 
     def close(self) -> None:
+        reserves, self.reserves = self.reserves, []
+        for reserve in reserves:
+            discard(reserve)
         for obj in (self.archive, self.watcher, self.controller, self.member):
             if obj is not None:
                 try:
