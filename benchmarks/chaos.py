@@ -242,6 +242,9 @@ def main(argv=None) -> int:
     parser.add_argument("--standbys", type=int, default=3, help="--tm-standbys of the TrainMover runs.")
     parser.add_argument("--standby-duty", type=float, default=0.5,
                         help="--tm-standby-duty of the TrainMover runs (pacing of a refilled standby's warm-up).")
+    parser.add_argument("--standby-reserves", type=int, default=16,
+                        help="--tm-standby-reserves of the TrainMover runs: refills wake one of these pre-forked "
+                             "children instead of starting a new interpreter (enough for every failure by default).")
     parser.add_argument("--save-interval", type=int, default=25, help="Checkpoint interval of every run.")
     parser.add_argument("--skip-restart", action="store_true", help="Skip the stop-restart run.")
     parser.add_argument("--keep-logs", action="store_true", help="Keep every run's logs and metrics (printed path).")
@@ -255,7 +258,8 @@ def main(argv=None) -> int:
     print(f"schedule: {len(schedule)} failures over {args.iters} iterations "
           f"({sum(1 for e in schedule if e['cascade'])} cascading)", flush=True)
     workdir = tempfile.mkdtemp(prefix="tm_chaos_")
-    tm_flags = ["--trainmover", "--tm-standbys", str(args.standbys), "--tm-standby-duty", str(args.standby_duty)]
+    tm_flags = ["--trainmover", "--tm-standbys", str(args.standbys), "--tm-standby-duty", str(args.standby_duty),
+                "--tm-standby-reserves", str(args.standby_reserves)]
     ok = False
     try:
         def fresh(name: str) -> list[str]:
@@ -299,7 +303,7 @@ def main(argv=None) -> int:
         "command": " ".join(["python", "benchmarks/chaos.py", *(sys.argv[1:] if argv is None else argv)]),
         "job": "demo: 8 ranks TP2 x PP2 x DP2, 4 layers, hidden 128, seq 128, bf16, dropout 0.1 (CPU gloo, 2 cores)",
         "config": {k: getattr(args, k) for k in ("iters", "seed", "mean_gap", "stop_share", "cascade_share",
-                                                 "standbys", "standby_duty", "save_interval")},
+                                                 "standbys", "standby_duty", "standby_reserves", "save_interval")},
         "schedule": schedule,
         "steady_iteration_s": round(steady_s, 4),
         "fault_free": {"wall_s": round(ref_wall, 2)},
