@@ -11,7 +11,8 @@ samples every process of the job from ``/proc`` until the end. Reported per run:
 - ``refill``: how the new standby was started (``pre-forked`` or ``spawn``);
 - ``refill_cpu_s``: the CPU seconds (user + system) the new standby used from its start until the
   end of the run, its interpreter start and warm-up included;
-- ``refill_warm_s``: seconds from its start until it was warm (its own report);
+- ``refill_warm_s``: seconds from the launcher's "started standby" line until the standby's
+  "warm" line (both polled every 0.2 s);
 - ``after_over_before``: median iteration time of the ``--window`` iterations after the recovery's
   first one, over the median of the ``--window`` iterations before the kill.
 
@@ -74,10 +75,13 @@ def one_run(workdir: str, data_prefix: str, iters: int, kill_after: int, window:
         if not isinstance(refill, re.Match):
             raise RuntimeError(f"no standby was started after the kill: see {err}")
         member, pid, how = refill.group(1), int(refill.group(2)), refill.group(3)
+        t_started, t_warm = time.time(), None
         used = cpu_s(pid) or 0.0
         while proc.poll() is None:  # sample until the end: the standby lives as long as the job
             now = cpu_s(pid)
             used = now if now is not None else used
+            if t_warm is None and f"standby {member} warm in" in open(out).read():
+                t_warm = time.time()
             time.sleep(0.2)
         proc.wait(60)
     finally:
@@ -85,15 +89,13 @@ def one_run(workdir: str, data_prefix: str, iters: int, kill_after: int, window:
             proc.kill()
     if proc.returncode != 0:
         raise RuntimeError(f"the job exited {proc.returncode}: see {err}")
-    warm = re.search(rf"standby {re.escape(member)} warm in [\d.]+s .*; ([\d.]+)s since its process started",
-                     open(out).read())
     its = iterations()
     times = {e["iteration"]: e["iteration_s"] for e in its}
     first = min(e["iteration"] for e in its if e["t_end"] > t_kill)  # the recovery's first iteration
     pre = [times[i] for i in range(kill_after - window + 1, kill_after + 1) if i in times]
     post = [times[i] for i in range(first + 1, first + 1 + window) if i in times]
     return {"reserves": reserves, "refill": how, "refill_cpu_s": round(used, 2),
-            "refill_warm_s": float(warm.group(1)) if warm else None,
+            "refill_warm_s": round(t_warm - t_started, 1) if t_warm else None,
             "iteration_before_s": round(median(pre), 4), "iteration_after_s": round(median(post), 4),
             "after_over_before": round(median(post) / median(pre), 3), "post_iterations": len(post)}
 
