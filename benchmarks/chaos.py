@@ -50,7 +50,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import median, print_table, rank_pids, read_events, start_launcher, wait_until, write_json  # noqa: E402
 
-from trainmover_ext.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
+from harness.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
 
 WORLD = 8
 PLAN_RE = re.compile(r"epoch (\d+) \((failure|planned)\): rank (\d+) -> (\S+) \(pid (\d+)\)")

@@ -134,7 +134,7 @@ def _spawn(store, world_size, fn, args, queue, ranks=None, join_epoch=None):
 
 def _host_store():
     # The server runs in a process of its own: ranks fork from this one (see host_store_in_own_process).
-    from trainmover_ext.netutil import host_store_in_own_process
+    from harness.stores import host_store_in_own_process
 
     return host_store_in_own_process(timeout_s=300.0)
 
@@ -261,13 +261,13 @@ def section_switch(args) -> list[dict]:
 # --- training ---------------------------------------------------------------------------------
 def _train_once(comm: str, args, workdir: str, tag: str) -> list[float]:
     """Run the demo job once on ``comm``; returns the steady iterations' ``iteration_s``."""
-    from trainmover_ext.jobs import demo_args, ensure_corpus
+    from harness.jobs import demo_args, ensure_corpus
 
     corpus = ensure_corpus(os.path.join(workdir, "corpus"))
     metrics = os.path.join(workdir, f"{tag}.metrics.jsonl")
     job_args = demo_args(corpus, iters=args.training_iters)
     if args.training_layout == "tiny":  # a smaller model for --quick: same layout, 4 layers of 32
-        from trainmover_ext.jobs import model_args
+        from harness.jobs import model_args
 
         job_args = model_args(layers=4, hidden=32, heads=4, seq=32, mbs=1, gbs=8, iters=args.training_iters) + [
             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

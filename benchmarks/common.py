@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from trainmover_ext.jobs import PRETRAIN  # noqa: E402
+from harness.jobs import PRETRAIN  # noqa: E402
 
 
 def read_events(path: str) -> list[dict]:

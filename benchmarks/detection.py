@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainmover_ext.control.controller import Controller, ControllerConfig  # noqa: E402
-from trainmover_ext.control.member_main import reap, spawn_member  # noqa: E402
+from harness.member import reap, spawn_member  # noqa: E402
 from trainmover_ext.control.membership import init_job  # noqa: E402
 from trainmover_ext.control.records import RankRecord  # noqa: E402
 from trainmover_ext.control.supervise import ChildExitReporter  # noqa: E402

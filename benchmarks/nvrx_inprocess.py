@@ -79,7 +79,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import ROOT, print_table, read_events, wait_until, write_json  # noqa: E402
 
-from trainmover_ext.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
+from harness.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
 from nvrx_gloo_fixes import finish_torch_teardown, shutdown_tcp_connections  # noqa: E402
 from trainmover_ext.netutil import free_port  # noqa: E402
 

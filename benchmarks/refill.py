@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import chaos  # noqa: E402
 from common import median, print_table, rank_pids, read_events, start_launcher, wait_until, write_json  # noqa: E402
 
-from trainmover_ext.jobs import DEFAULT_CORPUS_PREFIX, ensure_corpus  # noqa: E402
+from harness.jobs import DEFAULT_CORPUS_PREFIX, ensure_corpus  # noqa: E402
 
 HZ = os.sysconf("SC_CLK_TCK")
 REFILL_RE = re.compile(r"started standby (\S+) \(pid (\d+), (pre-forked|spawn)\)")

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import median, print_table, rank_pids, read_events, start_launcher, wait_until, write_json  # noqa: E402
 
-from trainmover_ext.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
+from harness.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
 
 
 def one_trial(workdir: str, data_prefix: str, iters: int, save_interval: int, kill_after: int, *,

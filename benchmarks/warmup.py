@@ -14,7 +14,7 @@ swap (only that rank's links change; no other process rebuilds anything):
   into (``--tm-keep-role``), whose model it adopts instead of building one
   (``sandbox/adopt.py``). In this job every rank is its role's recorded rank.
 
-The hand-over is the real one (``trainmover_ext.sandbox.promotion``): at the
+The hand-over is the real one (``harness.promotion``): at the
 boundary the leaver streams its state (model, optimizer state, scheduler, RNG,
 data position) with ``migration.transfer`` and the newcomer receives it as a
 promoted standby does, so its first iteration does not pay what a real one
@@ -80,7 +80,7 @@ sessions-1-6 model, whose ~30 ms iteration puts a few milliseconds of scheduling
 
 
 def job_argv(corpus: str, compile_: bool, model: str) -> list[str]:
-    from trainmover_ext.jobs import model_args
+    from harness.jobs import model_args
 
     return model_args(**MODELS[model], iters=100000, lr=1e-3) + [
         "--pipeline-model-parallel-size", "3", "--data-path", corpus + "_text_document",
@@ -93,7 +93,7 @@ class Run:
     def __init__(self, port: int, deadline_s: float):
         from torch.distributed import PrefixStore, TCPStore
 
-        from trainmover_ext.sandbox.harness import CTX
+        from harness.sandbox import CTX
 
         self.ctl = PrefixStore("ctl", TCPStore("127.0.0.1", port, is_master=False,
                                                timeout=datetime.timedelta(seconds=deadline_s)))
@@ -103,7 +103,7 @@ class Run:
         self.deadline = time.monotonic() + deadline_s
 
     def fork(self, key, fn, *args) -> None:
-        from trainmover_ext.sandbox.harness import CTX, _child
+        from harness.sandbox import CTX, _child
 
         proc = CTX.Process(target=_child, args=(key, fn, args, self.queue, 0), daemon=True)
         proc.start()
@@ -151,7 +151,7 @@ class Run:
 def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: int, repeats: int,
                 deadline_s: float, roles: tuple = ROLES, nice: int = 0, probe_duties: tuple = (0.25,),
                 kinds: tuple = KINDS, probe_repeats: int = 1, *, model: str) -> dict:
-    from trainmover_ext.sandbox import harness, promotion
+    from harness import sandbox as harness, promotion
     from trainmover_ext.sandbox.recording import load_recordings
 
     workdir = tempfile.mkdtemp(prefix="tm-warmup-")
@@ -349,7 +349,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import megatron.training  # noqa: F401  (imported once here: every forked process starts warm)
-    from trainmover_ext.jobs import DEFAULT_CORPUS_PREFIX, ensure_corpus
+    from harness.jobs import DEFAULT_CORPUS_PREFIX, ensure_corpus
 
     corpus = ensure_corpus(args.data_prefix or DEFAULT_CORPUS_PREFIX)
     variants = [c for c in (False, True) if args.compile in ("both", "on" if c else "off")]

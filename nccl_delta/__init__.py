@@ -46,28 +46,49 @@ Planned replacement of logical rank ``r`` at membership epoch ``e``
 
 * the leaver stops and exits.
 
-Unexpected failure (a :class:`~trainmover_ext.errors.CommLinkError`, or a lease expiry)
+Unexpected failure (a :class:`~nccl_delta.errors.CommLinkError`, or a lease expiry)
 
 * every live process: ``world.abandon(e, reason, dead={r})`` (any thread; every op in
-  flight raises :class:`~trainmover_ext.errors.CommAbandoned` at once; idle links are
+  flight raises :class:`~nccl_delta.errors.CommAbandoned` at once; idle links are
   only quiesced);
 * stayers: ``world.recover(e, replaced={r})``; joiner: ``expect_join(e)``,
   init as above, then ``world.join(e)``. Idle links whose ledgers match at both
   ends are kept; every other ring link is rebuilt in generation e.
 
-Errors: link failures raise ``trainmover_ext.errors.CommLinkError`` naming the
+Errors (:mod:`nccl_delta.errors`): link failures raise ``CommLinkError`` naming the
 peer rank, the group and the op (within ~0.2 s of a peer SIGKILL); deadlines
-raise ``CommTimeout``; a failed swap raises ``MigrationAborted`` and keeps the
+raise ``CommTimeout``; a failed swap raises ``SwapAborted`` and keeps the
 old links.
 """
 
 from __future__ import annotations
 
-from .backend import BACKEND_NAME, DeltaProcessGroup, expect_join, register
-from .config import DeltaConfig
-from .delta import PreparedSwap, SwitchReport
-from .group import DeltaGroup
-from .world import DeltaWorld, current_world
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Imported on first use, so that ``nccl_delta.errors`` (which the runtime's error tree
+# re-exports) loads without torch.
+_EXPORTS = {
+    "BACKEND_NAME": ".backend", "DeltaProcessGroup": ".backend", "expect_join": ".backend", "register": ".backend",
+    "DeltaConfig": ".config", "PreparedSwap": ".delta", "SwitchReport": ".delta", "DeltaGroup": ".group",
+    "DeltaWorld": ".world", "current_world": ".world",
+}
+
+if TYPE_CHECKING:
+    from .backend import BACKEND_NAME, DeltaProcessGroup, expect_join, register
+    from .config import DeltaConfig
+    from .delta import PreparedSwap, SwitchReport
+    from .group import DeltaGroup
+    from .world import DeltaWorld, current_world
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'nccl_delta' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BACKEND_NAME",

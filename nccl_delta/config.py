@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from trainmover_ext.errors import ConfigError
+from nccl_delta.errors import DeltaConfigError as ConfigError
 
 TRANSPORTS = ("auto", "gloo", "nccl")
 

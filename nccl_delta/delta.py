@@ -33,7 +33,7 @@ lease of r expired):
    to a ring neighbour is rebuilt in generation e, all at once. So a failure
    rebuilds the links that were busy or touched r, not every link of the job.
 
-Failures: ``switch`` raises :class:`MigrationAborted` (links unchanged, the
+Failures: ``switch`` raises :class:`~nccl_delta.errors.SwapAborted` (links unchanged, the
 old epoch stays in force) if the new links are not up within its deadline or
 failed to connect.
 """
@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable
 
-from trainmover_ext.errors import CommAbandoned, CommTimeout, MigrationAborted
+from nccl_delta.errors import CommAbandoned, CommTimeout, SwapAborted
 
 from .links import Link
 
@@ -105,9 +105,9 @@ class RecoverReport:
 def prepare(world: "DeltaWorld", rank: int, epoch: int, *, joiner: str | None = None) -> PreparedSwap:
     """Phase 1 on a stayer: start building links to the joiner for ``rank`` in the background."""
     if rank == world.rank:
-        raise MigrationAborted(f"rank {rank} cannot prepare its own replacement; prepare runs on stayers")
+        raise SwapAborted(f"rank {rank} cannot prepare its own replacement; prepare runs on stayers")
     if epoch <= world.epoch or epoch in world.prepared:
-        raise MigrationAborted(f"epoch {epoch} is not newer than the current epoch {world.epoch} or was prepared already")
+        raise SwapAborted(f"epoch {epoch} is not newer than the current epoch {world.epoch} or was prepared already")
     swap = PreparedSwap(rank=rank, epoch=epoch, joiner=joiner)
     group = world.ring_neighbours().get(rank)
     swap.planned = 0 if group is None else 1
@@ -133,11 +133,11 @@ def switch(world: "DeltaWorld", epoch: int, *, timeout_s: float | None = None) -
     """Phase 2 on a stayer: re-point logical rank r to the joiner; touches only r's links."""
     swap = world.prepared.get(epoch)
     if swap is None:
-        raise MigrationAborted(f"switch({epoch}) without prepare(rank, {epoch}) on rank {world.rank}")
+        raise SwapAborted(f"switch({epoch}) without prepare(rank, {epoch}) on rank {world.rank}")
     timeout_s = world.config.connect_timeout_s if timeout_s is None else timeout_s
     t0 = time.perf_counter()
     if not swap.wait(timeout_s):
-        raise MigrationAborted(
+        raise SwapAborted(
             f"rank {world.rank}: links to the joiner for rank {swap.rank} (epoch {epoch}) not up after "
             f"{timeout_s:.1f}s; the old links stay in use. Check that the joiner called join({epoch}).")
     wait_s = time.perf_counter() - t0
@@ -145,7 +145,7 @@ def switch(world: "DeltaWorld", epoch: int, *, timeout_s: float | None = None) -
     if swap.error is not None:
         for _, link in swap.links:
             link.close()
-        raise MigrationAborted(f"rank {world.rank}: building links to the joiner for rank {swap.rank} failed: "
+        raise SwapAborted(f"rank {world.rank}: building links to the joiner for rank {swap.rank} failed: "
                                f"{swap.error}") from swap.error
     t1 = time.perf_counter()
     touched = 0
@@ -192,7 +192,7 @@ def recover(world: "DeltaWorld", epoch: int, *, replaced: Iterable[int] = ()) ->
     """After ``abandon``: keep the quiet links both ends agree on, rebuild the other ring links in
     generation ``epoch`` (all stayers and the joiner at once); see the module docstring."""
     if epoch <= world.base_generation and world.abandoned is None:
-        raise MigrationAborted(f"recover({epoch}) is not newer than generation {world.base_generation}")
+        raise SwapAborted(f"recover({epoch}) is not newer than generation {world.base_generation}")
     replaced = set(replaced)
     with world._lock:  # from here on, abandon(epoch) is a no-op (see abandon)
         if world.superseded(epoch):
@@ -267,10 +267,10 @@ def ledgers_match(ours: dict | None, theirs: dict | None) -> bool:
 def join(world: "DeltaWorld", epoch: int) -> None:
     """On the joiner: connect every ring link of every group, in creation order, in generation ``epoch``."""
     if not world.joining:
-        raise MigrationAborted(f"rank {world.rank} is not a joiner: call nccl_delta.expect_join(epoch) before "
+        raise SwapAborted(f"rank {world.rank} is not a joiner: call nccl_delta.expect_join(epoch) before "
                                "init_process_group")
     if epoch != world.epoch:
-        raise MigrationAborted(f"join({epoch}) but this joiner expected epoch {world.epoch}")
+        raise SwapAborted(f"join({epoch}) but this joiner expected epoch {world.epoch}")
     connect_all_rings(world, epoch)
     world.joining = False
 

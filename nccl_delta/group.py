@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Store
 
-from trainmover_ext.errors import CommAbandoned, CommLinkError
+from nccl_delta.errors import CommAbandoned, CommLinkError
 
 from .links import Link, LinkWork
 from .ring import Ring, finish_avg, op_name

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 from torch.distributed import Store
 
-from trainmover_ext.errors import CommAbandoned, CommLinkError, CommTimeout
+from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout
 
 from .config import DeltaConfig
 

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from trainmover_ext.errors import CommAbandoned, CommLinkError
+from nccl_delta.errors import CommAbandoned, CommLinkError
 
 from .links import Link, LinkWork, wait_sends
 

@@ -27,7 +27,7 @@ try:  # absent from CPU-only builds
 except ImportError:  # pragma: no cover - depends on the torch build
     ProcessGroupNCCL = None
 
-from trainmover_ext.errors import CommLinkError
+from nccl_delta.errors import CommLinkError
 
 
 def nccl_available() -> bool:

@@ -40,7 +40,7 @@ from . import links as links_mod
 from .config import DeltaConfig
 from .group import DeltaGroup
 from .links import Link, LinkId
-from trainmover_ext.errors import CommAbandoned
+from nccl_delta.errors import CommAbandoned
 
 if TYPE_CHECKING:
     from .delta import PreparedSwap, RecoverReport, SwitchReport

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from trainmover_ext.jobs import PRETRAIN, REPO_ROOT
+from harness.jobs import PRETRAIN, REPO_ROOT
 
 
 def launch_cmd(nproc: int, script_args: list[str], *launch_flags: str) -> list[str]:
@@ -124,7 +124,7 @@ def kill_quietly(pid: int, sig: int = signal.SIGKILL) -> None:
 def tiny_args(data_prefix: Optional[str], *, tp: int = 1, pp: int = 1, iters: int = 10, gbs: int = 8,
               dropout: float = 0.1, extra: Optional[list[str]] = None) -> list[str]:
     """A tiny GPT for tests: 4 layers, hidden 32, seq 32, Megatron's default dropout unless told."""
-    from trainmover_ext.jobs import model_args
+    from harness.jobs import model_args
 
     args = model_args(layers=4, hidden=32, heads=4, seq=32, mbs=1, gbs=gbs, iters=iters, lr=1e-3, dropout=dropout)
     args += ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]

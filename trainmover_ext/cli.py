@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-from trainmover_ext.errors import TrainMoverError
+from trainmover_ext.errors import USER_ERRORS
 
 # Subcommand modules, in the order --help lists them.
 SUBCOMMAND_MODULES = (
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configure()
         return int(args.func(args) or 0)
-    except TrainMoverError as exc:
+    except USER_ERRORS as exc:
         print(f"trainmover {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -6,7 +6,7 @@ the choice between a worker and a standby is made, where the worker's runtime
 (membership and migrations), the fault drills and the sandbox recorder are
 attached, and where a planned leaver rejoins the standby pool. A worker under
 ``--trainmover`` publishes the job's model fingerprint before it registers
-(:mod:`trainmover_ext.runtime.fingerprint`): standbys compare theirs with it. Without
+(:mod:`trainmover_ext.control.fingerprint`): standbys compare theirs with it. Without
 ``--trainmover`` the hooks still serve the launcher (the rank dies with its
 agent), logging, ``--tm-metrics-file`` and the fault drills.
 """
@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from megatron.training.training import Runtime, Session
 from trainmover_ext.config import TrainMoverConfig
+from trainmover_ext.launch.distributed import TrainMoverDistributed
 
 
 class TrainMoverHooks:
@@ -39,9 +40,14 @@ class TrainMoverHooks:
     def metrics_file(self) -> Optional[str]:
         return self.config.metrics_file if self.config else None
 
-    @property
-    def use_delta_comm(self) -> bool:
-        return bool(self.config and self.config.use_delta_comm)
+    def distributed_setup(self) -> TrainMoverDistributed:
+        return TrainMoverDistributed(delta=bool(self.config and self.config.use_delta_comm))
+
+    def prepare_chunk(self, chunk) -> None:
+        if self.config is not None and self.config.compile:
+            from trainmover_ext.sandbox.compile import compile_chunk
+
+            compile_chunk(chunk)  # in place; collectives stay eager (see that module)
 
     def serve_other_role(self, args, providers, t_process: float) -> Optional[dict]:
         """A standby's whole life (``--tm-role standby``); None for a worker, which publishes the job's
@@ -52,7 +58,7 @@ class TrainMoverHooks:
             if self.config.enabled:
                 publish_job_fingerprint(args)
             return None
-        from trainmover_ext.runtime.standby import run_standby
+        from trainmover_ext.migration.standby import run_standby
 
         return run_standby(args, self.config, providers, t_process)
 
@@ -85,7 +91,7 @@ class TrainMoverHooks:
         self.worker = None
 
         def rejoin() -> dict:
-            from trainmover_ext.runtime.standby import rejoin_as_standby
+            from trainmover_ext.migration.standby import rejoin_as_standby
 
             return rejoin_as_standby(args, config, providers, t_process, leaver, epoch)
 
@@ -94,8 +100,8 @@ class TrainMoverHooks:
 
 def publish_job_fingerprint(args) -> None:
     """Write the job's model fingerprint unless a worker did (:class:`ConfigMismatch` if it differs)."""
-    from trainmover_ext.runtime.fingerprint import fingerprint_record, publish_fingerprint
-    from trainmover_ext.runtime.identity import identity_from_env, open_space
+    from trainmover_ext.control.fingerprint import fingerprint_record, publish_fingerprint
+    from trainmover_ext.launch.identity import identity_from_env, open_space
 
     ident = identity_from_env()
     space = open_space(ident)

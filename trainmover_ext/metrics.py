@@ -49,7 +49,8 @@ FINISHED_STATUSES = ("done", "aborted")
 
 
 class ControlMetrics:
-    """Gauges and counters of one job's control plane; see the module docstring."""
+    """Gauges and counters of one job's control plane; see the module docstring. It is the
+    controller's :class:`~trainmover_ext.control.controller.ControlObserver`."""
 
     def __init__(self, job: str) -> None:
         self.registry = CollectorRegistry()
@@ -71,6 +72,19 @@ class ControlMetrics:
         self.alerts.labels(job)
         for path in ("report", "lease"):
             self.detections.labels(job, path)
+
+    def observe_leadership(self, is_leader: bool) -> None:
+        self.is_leader.labels(self.job).set(1 if is_leader else 0)
+
+    def observe_plan(self, epoch: int, detection_paths: list[str], latency_s: float | None) -> None:
+        self.epoch.labels(self.job).set(epoch)
+        for path in detection_paths:
+            self.detections.labels(self.job, path).inc()
+        if latency_s is not None:
+            self.detection_latency.labels(self.job).observe(latency_s)
+
+    def observe_alert(self) -> None:
+        self.alerts.labels(self.job).inc()
 
     def observe_view(self, members_by_kind: dict[str, int], epoch: int | None) -> None:
         for kind in ("worker", "standby", "agent"):

@@ -13,7 +13,7 @@ import argparse
 import os
 from typing import Callable, Optional, Sequence
 
-from trainmover_ext.errors import ConfigError
+from megatron.training.errors import ConfigError
 
 
 class _Parser(argparse.ArgumentParser):

@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from trainmover_ext.errors import CheckpointError
+from megatron.training.errors import CheckpointError
 
 FORMAT_VERSION = 1
 LATEST = "latest_checkpointed_iteration.txt"

@@ -19,7 +19,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from trainmover_ext.errors import DataError
+from megatron.training.errors import DataError
 
 
 class MockGPTDataset:

@@ -1,10 +1,12 @@
-"""Process start-up: patches, torch.distributed, model-parallel groups, seeds.
+"""Process start-up: torch.distributed, model-parallel groups, seeds.
 
 Called once per rank by ``pretrain``. Rank and world come from the launcher's
-environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``); rendezvous goes through
-etcd when the launcher says so (see ``trainmover_ext.launch.rendezvous``), else
-through torch's env:// TCPStore (``MASTER_ADDR``, ``MASTER_PORT``). The backend is NCCL with CUDA, gloo without; CPU
-compatibility patches are installed only when CUDA is absent.
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``). A runtime changes how the
+process joins torch.distributed through a :class:`DistributedSetup` (TrainMover's,
+``trainmover_ext.launch.distributed``, installs its megatron-core patches, meets through
+etcd and runs the groups on the swappable communicator); without one, rendezvous is
+torch's env:// TCPStore (``MASTER_ADDR``, ``MASTER_PORT``). The backend is NCCL with
+CUDA, gloo without.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass
+from typing import Optional, Protocol
 
 import numpy as np
 import torch
@@ -39,7 +42,8 @@ class ParallelLayout:
     device: torch.device
     backend: str
     comm: str = ""
-    """'nccl_delta' when every group runs on the delta communicator, else the backend name."""
+    """The process-group backend the groups run on ('nccl_delta' for TrainMover's swappable
+    communicator), else the device backend."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -65,7 +69,7 @@ def select_backend(requested: str) -> str:
     """``auto`` -> ``nccl`` with CUDA, ``gloo`` without."""
     if requested != "auto":
         if requested == "nccl" and not torch.cuda.is_available():
-            from trainmover_ext.errors import ConfigError
+            from megatron.training.errors import ConfigError
 
             raise ConfigError("--distributed-backend nccl needs CUDA; use gloo (or auto) on CPU")
         return requested
@@ -85,20 +89,28 @@ def initialize_model_parallel(args) -> None:
     )
 
 
-def initialize_distributed(args, use_delta_comm: bool = False, join_epoch=None, join: bool = True) -> ParallelLayout:
-    """Install patches, init torch.distributed and megatron's parallel state.
+class DistributedSetup(Protocol):
+    """How a runtime brings this process into torch.distributed (see the module docstring)."""
 
-    With ``use_delta_comm`` every group (WORLD included) runs on nccl_delta, whose
-    links can be swapped while training runs. ``join_epoch`` makes this process
-    a joiner that takes over its rank at that membership epoch (it builds its
-    links only in ``nccl_delta.current_world().join``, called here unless
-    ``join`` is false: then the caller must call it before any collective, e.g.
-    on a thread while it builds its model).
-    """
-    import trainmover_ext.patches as patches
+    def prepare(self) -> None:
+        """Called first, before torch.distributed or megatron's parallel state is touched."""
+
+    def store(self, timeout: datetime.timedelta) -> Optional[torch.distributed.Store]:
+        """The rendezvous store (None: torch's env:// TCPStore)."""
+
+    def process_group_backend(self, backend: str, timeout: datetime.timedelta) -> str:
+        """The backend name for ``init_process_group`` given the selected device backend."""
+
+    def after_groups(self) -> None:
+        """Called once megatron's parallel groups exist (a joiner may build its links here)."""
+
+
+def initialize_distributed(args, setup: Optional[DistributedSetup] = None) -> ParallelLayout:
+    """Init torch.distributed (through ``setup`` when given) and megatron's parallel state."""
     from megatron.core import parallel_state as mpu
 
-    patches.install()
+    if setup is not None:
+        setup.prepare()
     torch.set_num_threads(args.threads_per_rank)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -110,32 +122,23 @@ def initialize_distributed(args, use_delta_comm: bool = False, join_epoch=None, 
     else:
         device = torch.device("cpu")
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    comm = backend
     if not torch.distributed.is_initialized():
-        from trainmover_ext.launch.rendezvous import rank_store
-
-        store = rank_store(timeout)  # etcd under `trainmover launch`; None = env:// TCPStore
+        store = setup.store(timeout) if setup is not None else None
         # torch keeps only the C++ side of a Python store: if the Python object is collected,
         # later calls through it (links rebuilt after a failure) fail with "Not implemented".
         _LIVE_STORES.append(store)
         if store is None:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
-        pg_backend = backend
-        if use_delta_comm:
-            import nccl_delta
-
-            nccl_delta.register(nccl_delta.DeltaConfig.from_env(op_timeout_s=timeout.total_seconds()))
-            if join_epoch is not None:
-                nccl_delta.expect_join(join_epoch)
-            pg_backend = nccl_delta.BACKEND_NAME
+        pg_backend = setup.process_group_backend(backend, timeout) if setup is not None else backend
+        comm = pg_backend
         torch.distributed.init_process_group(
             backend=pg_backend, rank=rank, world_size=world_size, timeout=timeout, store=store
         )
     initialize_model_parallel(args)
-    if use_delta_comm and join_epoch is not None and join:
-        import nccl_delta
-
-        nccl_delta.current_world().join(join_epoch)  # blocks until this rank's links are up
+    if setup is not None:
+        setup.after_groups()
     return ParallelLayout(
         rank=rank,
         world_size=world_size,
@@ -148,7 +151,7 @@ def initialize_distributed(args, use_delta_comm: bool = False, join_epoch=None, 
         dp_rank=mpu.get_data_parallel_rank(),
         device=device,
         backend=backend,
-        comm="nccl_delta" if use_delta_comm else backend,
+        comm=comm,
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -69,7 +69,7 @@ def use_transformer_engine(args) -> bool:
     except ImportError:
         available = False
     if args.transformer_impl == "transformer_engine" and not available:
-        from trainmover_ext.errors import ConfigError
+        from megatron.training.errors import ConfigError
 
         raise ConfigError("--transformer-impl transformer_engine needs TransformerEngine and CUDA; use auto or local")
     return available
@@ -124,7 +124,8 @@ def layout_independent_init_(chunk, seed: int, init_std: float, num_layers: int,
             param.copy_(full.to(param.dtype))
 
 
-def get_model(model_provider: Callable, args, layout, transformer_config) -> list:
+def get_model(model_provider: Callable, args, layout, transformer_config,
+              prepare_chunk: Optional[Callable] = None) -> list:
     """Build, initialise and DDP-wrap this rank's model chunks."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -139,10 +140,8 @@ def get_model(model_provider: Callable, args, layout, transformer_config) -> lis
             chunk, args.seed, args.init_method_std, args.num_layers, layout.tp_rank, layout.tp_size
         )
         chunk.to(layout.device)
-        if getattr(args, "tm_compile", None):
-            from trainmover_ext.sandbox.compile import compile_chunk
-
-            compile_chunk(chunk)  # in place; collectives stay eager (see that module)
+        if prepare_chunk is not None:
+            prepare_chunk(chunk)  # e.g. TrainMover's --tm-compile, in place
         chunks.append(chunk)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

@@ -23,7 +23,7 @@ import torch
 from megatron.training import checkpointing, global_vars, iteration_start
 from megatron.training.arguments import parse_args
 from megatron.training.data import BatchPlan, GPTBatchIterator
-from megatron.training.initialize import initialize_distributed, set_random_seeds, shutdown
+from megatron.training.initialize import DistributedSetup, initialize_distributed, set_random_seeds, shutdown
 from megatron.training.model import get_model, transformer_config_from_args
 from megatron.training.tokenizer import build_tokenizer
 
@@ -265,11 +265,12 @@ def train_step(session: Session) -> Optional[float]:
     return loss
 
 
-def build_session(args, layout, model_provider, dataset_provider, forward_step_func, metrics) -> Session:
+def build_session(args, layout, model_provider, dataset_provider, forward_step_func, metrics,
+                  prepare_chunk: Optional[Callable] = None) -> Session:
     """Seeds, model, optimizer, scheduler and dataset for this rank (no checkpoint loaded)."""
     set_random_seeds(args.seed, layout)
     config = transformer_config_from_args(args, layout)
-    model = get_model(model_provider, args, layout, config)
+    model = get_model(model_provider, args, layout, config, prepare_chunk)
     optimizer, scheduler = setup_optimizer(model, args)
     _wire_config(config, model, optimizer)
     datasets = dataset_provider([args.train_iters * args.global_batch_size, 0, 0])
@@ -283,8 +284,14 @@ class RuntimeHooks(Protocol):
 
     metrics_file: Optional[str]
     """Where the logging rank appends one JSON line per iteration (None: nowhere)."""
-    use_delta_comm: bool
-    """Whether the process groups use the swappable communicator."""
+
+    def distributed_setup(self) -> Optional[DistributedSetup]:
+        """How this process joins torch.distributed (None: torch's env:// defaults); called after
+        :meth:`start`."""
+
+    def prepare_chunk(self, chunk) -> None:
+        """Called on each model chunk once it is on its device, before DDP wraps it (e.g. to compile
+        it in place)."""
 
     def start(self, args) -> None:
         """Called once the flags are parsed, before anything is built."""
@@ -330,12 +337,13 @@ def pretrain(
         if summary is not None:
             return summary
     t_args = time.time()
-    layout = initialize_distributed(args, use_delta_comm=bool(hooks and hooks.use_delta_comm))
+    layout = initialize_distributed(args, hooks.distributed_setup() if hooks is not None else None)
     t_rendezvous = time.time()
     metrics = MetricsLog(hooks.metrics_file if hooks else None, layout.is_logging_rank)
     runtime: Runtime = Runtime()
     try:
-        session = build_session(args, layout, *providers, metrics)
+        session = build_session(args, layout, *providers, metrics,
+                                hooks.prepare_chunk if hooks is not None else None)
         t_model = time.time()
         iteration, consumed = 0, 0
         if args.load:

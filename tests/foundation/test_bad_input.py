@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from trainmover_ext.jobs import PRETRAIN, REPO_ROOT
+from harness.jobs import PRETRAIN, REPO_ROOT
 from helpers import tiny_args
 
 

@@ -1,4 +1,4 @@
-"""The job's model fingerprint (trainmover_ext.runtime.fingerprint): pure comparison, plus the one key
+"""The job's model fingerprint (trainmover_ext.control.fingerprint): pure comparison, plus the one key
 and the refusal event against the in-memory store. No process is started."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from trainmover_ext.errors import (
 )
 from trainmover_ext.kv.job import JobSpace
 from trainmover_ext.kv.memory import MemoryKV
-from trainmover_ext.runtime.fingerprint import (
+from trainmover_ext.control.fingerprint import (
     FINGERPRINT_FIELDS, check_standby, fingerprint_digest, fingerprint_record, model_fingerprint,
     publish_fingerprint, read_refusal, refusal_event, wait_job_fingerprint,
 )

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from helpers import ITERS, JobProbe, start_job, tm_args, trajectory, wait_for, wait_iteration
-from trainmover_ext.jobs import REPO_ROOT
+from harness.jobs import REPO_ROOT
 
 
 def _start_controller(etcd, job: str, token: str, log) -> subprocess.Popen:

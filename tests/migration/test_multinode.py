@@ -14,7 +14,7 @@ import time
 import pytest
 
 from helpers import JobProbe, launch_cmd, read_metrics, tm_args, trajectory
-from trainmover_ext.jobs import REPO_ROOT
+from harness.jobs import REPO_ROOT
 
 
 class TwoNodeJob:

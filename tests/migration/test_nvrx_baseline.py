@@ -19,12 +19,10 @@ import textwrap
 
 import pytest
 
-from trainmover_ext.jobs import REPO_ROOT, model_args
+from harness.jobs import REPO_ROOT, model_args
 from trainmover_ext.netutil import free_port
 
-sys.path.insert(0, os.path.join(REPO_ROOT, "benchmarks"))
-
-import nvrx_inprocess  # noqa: E402
+import nvrx_inprocess  # benchmarks/ is on the test path (pytest.ini)
 
 REASON = nvrx_inprocess.unavailable_reason()
 ITERS = 10

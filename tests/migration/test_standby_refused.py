@@ -16,8 +16,8 @@ import time
 from helpers import JobProbe, LaunchedJob, control_flags, kill_quietly, launch_cmd, read_metrics, tiny_args, wait_for
 from trainmover_ext.control.records import Event, FingerprintRecord, MemberRecord
 from trainmover_ext.errors import STANDBY_REFUSED_EXIT_CODE
-from trainmover_ext.jobs import PRETRAIN, REPO_ROOT
-from trainmover_ext.runtime.fingerprint import REFUSAL_EVENT
+from harness.jobs import PRETRAIN, REPO_ROOT
+from trainmover_ext.control.fingerprint import REFUSAL_EVENT
 
 WRAPPER = os.path.join(REPO_ROOT, "tests", "support", "standby_with_other_flags.py")
 JOB = "refused"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import assert_transfer_memory, run_job, transfers
-from trainmover_ext.jobs import model_args
+from harness.jobs import model_args
 from trainmover_ext.migration.transfer import DRILL_EXTRA_COPY_ENV
 
 

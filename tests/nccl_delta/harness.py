@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 import nccl_delta
-from trainmover_ext.netutil import host_store_in_own_process
+from harness.stores import host_store_in_own_process
 
 CTX = mp.get_context("fork")
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import nccl_delta
-from trainmover_ext.errors import CommAbandoned, CommLinkError
+from nccl_delta.errors import CommAbandoned, CommLinkError
 
 from . import harness
 

@@ -10,15 +10,15 @@ import torch.distributed as dist
 
 import nccl_delta
 from nccl_delta import ring, transport_nccl
-from trainmover_ext.errors import CommLinkError, ConfigError
+from nccl_delta.errors import CommLinkError, DeltaConfigError
 
 
 def test_config_rejects_bad_values():
-    with pytest.raises(ConfigError, match="NCCL_DELTA_TRANSPORT"):
+    with pytest.raises(DeltaConfigError, match="NCCL_DELTA_TRANSPORT"):
         nccl_delta.DeltaConfig(transport="mpi")
-    with pytest.raises(ConfigError):
+    with pytest.raises(DeltaConfigError):
         nccl_delta.DeltaConfig(op_timeout_s=0)
-    with pytest.raises(ConfigError):
+    with pytest.raises(DeltaConfigError):
         nccl_delta.DeltaConfig(segment_bytes=10)
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from production.tools import venv_tool
-from trainmover_ext.jobs import REPO_ROOT
+from harness.jobs import REPO_ROOT
 
 DOCKERFILE = Path(REPO_ROOT) / "Dockerfile"
 TORCH = "torch==2.13.0"

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from trainmover_ext.jobs import REPO_ROOT
+from harness.jobs import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 

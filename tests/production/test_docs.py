@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from trainmover_ext.jobs import REPO_ROOT
+from harness.jobs import REPO_ROOT
 
 GEN = os.path.join(REPO_ROOT, "scripts", "gen_flag_reference.py")
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from trainmover_ext.errors import ConfigError
-from trainmover_ext.jobs import PRETRAIN, REPO_ROOT
+from harness.jobs import PRETRAIN, REPO_ROOT
 from trainmover_ext.launch.agent import Agent, node_name
 from trainmover_ext.launch.cli import job_token
 from trainmover_ext.launch.config import LaunchConfig

@@ -11,7 +11,7 @@ import subprocess
 from prometheus_client.parser import text_string_to_metric_families
 
 from trainmover_ext.control.archive import read_jsonl
-from trainmover_ext.jobs import REPO_ROOT
+from harness.jobs import REPO_ROOT
 
 MONITORING = os.path.join(REPO_ROOT, "scripts", "monitoring")
 RULES = os.path.join(MONITORING, "trainmover-alerts.yml")

@@ -6,7 +6,7 @@ import os
 import re
 
 from production.tools import REQUIREMENTS, pinned
-from trainmover_ext.jobs import REPO_ROOT
+from harness.jobs import REPO_ROOT
 
 
 def test_linters_are_pinned():

@@ -7,7 +7,7 @@ import os
 import subprocess
 
 from production.tools import venv_tool
-from trainmover_ext.jobs import REPO_ROOT
+from harness.jobs import REPO_ROOT
 
 SLURM_DIR = os.path.join(REPO_ROOT, "scripts", "slurm")
 SCRIPTS = sorted(glob.glob(os.path.join(SLURM_DIR, "*.sh")) + glob.glob(os.path.join(SLURM_DIR, "*.sbatch")))

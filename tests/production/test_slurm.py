@@ -17,7 +17,7 @@ import pytest
 
 from helpers import pid_alive, read_metrics, tiny_args
 from production.slurm_harness import SlurmCluster
-from trainmover_ext.jobs import REPO_ROOT
+from harness.jobs import REPO_ROOT
 from trainmover_ext.netutil import free_ports
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 
 from production.conftest import JOB, TOKEN
 from trainmover_ext.errors import ConfigError
-from trainmover_ext.jobs import REPO_ROOT
+from harness.jobs import REPO_ROOT
 from trainmover_ext.timeline_plot import plot_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

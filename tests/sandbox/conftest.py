@@ -1,17 +1,10 @@
-"""Fixtures for the sandbox tests (helpers in ``sandbox_jobs``)."""
+"""Fixtures for the sandbox tests (helpers in ``tests/support/sandbox_jobs.py``)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-
-from sandbox_jobs import RecordedJob, pp3_argv, record_job  # noqa: E402
+from support.sandbox_jobs import RecordedJob, pp3_argv, record_job
 
 
 @pytest.fixture(scope="session")

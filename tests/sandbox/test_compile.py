@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sandbox_jobs import RECORD_ITERS, pp3_argv, record_job
+from support.sandbox_jobs import RECORD_ITERS, pp3_argv, record_job
 
 
 def _compiled_collective_goes_through_the_group() -> list[str]:
@@ -86,13 +86,13 @@ def _compiled_on_nccl_delta_built_quietly() -> bool:
 
 
 def test_compiled_model_runs_on_nccl_delta_after_a_quiet_build():
-    from trainmover_ext.sandbox import harness
+    from harness import sandbox as harness
 
     assert harness.fork_children({"c": (_compiled_on_nccl_delta_built_quietly,)}).results(300)["c"] is True
 
 
 def test_compiled_collectives_stay_visible_to_the_recorder():
-    from trainmover_ext.sandbox import harness
+    from harness import sandbox as harness
 
     seen = harness.fork_children({"c": (_compiled_collective_goes_through_the_group,)}).results(300)["c"]
     assert seen == ["allreduce", "allreduce"]
@@ -100,7 +100,7 @@ def test_compiled_collectives_stay_visible_to_the_recorder():
 
 @pytest.mark.slow
 def test_compiled_standby_replays_compiled_job(tmp_path, corpus):
-    from trainmover_ext.sandbox import harness
+    from harness import sandbox as harness
 
     job = record_job(tmp_path, pp3_argv(corpus, "--tm-compile"), timeout=600)
     standby = harness.fork_children({"s": (harness.standby_process, job.argv, 3, job.record_dir)}).results(600)["s"]

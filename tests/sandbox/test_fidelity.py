@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sandbox_jobs import RECORD_ITERS
+from support.sandbox_jobs import RECORD_ITERS
 
 ROLES = ("first", "middle", "last")
 GROUP_CLASS = {"gloo": "ReplayProcessGroup", "nccl_delta": "DeltaProcessGroup"}
@@ -26,7 +26,7 @@ def pp3_job(request, comm):
 @pytest.fixture(scope="module")
 def standby(pp3_job):
     """One standby process warming all three roles in turn (forked, never told the job's store)."""
-    from trainmover_ext.sandbox import harness
+    from harness import sandbox as harness
 
     kids = harness.fork_children({"standby": (harness.standby_process, pp3_job.argv, 3, pp3_job.record_dir)})
     return kids.results(300)["standby"]

@@ -16,7 +16,7 @@ import signal
 
 
 from helpers import kill_quietly, read_metrics, start_job, wait_for
-from sandbox_jobs import pp3_argv
+from support.sandbox_jobs import pp3_argv
 
 TOKEN = "sandbox-test-token"
 

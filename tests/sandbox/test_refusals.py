@@ -7,13 +7,13 @@ import os
 
 import pytest
 
-from sandbox_jobs import copy_recording, edit_index, pp3_argv, warm_one_role
+from support.sandbox_jobs import copy_recording, edit_index, pp3_argv, warm_one_role
 from trainmover_ext.errors import ConfigMismatch, RecordingCorrupt, RecordingNotFound
 from trainmover_ext.sandbox.recording import Recording
 
 
 def _in_child(*args):
-    from trainmover_ext.sandbox import harness
+    from harness import sandbox as harness
 
     return harness.fork_children({"c": (warm_one_role, *args)}).results(300)["c"]
 

@@ -7,6 +7,8 @@ Entry points for the launcher/agent:
 - :class:`trainmover_ext.control.supervise.ChildExitReporter` - report a child's exit (fast path).
 - :func:`trainmover_ext.control.membership.report_failure` - a rank reports a broken link (fast path).
 - :class:`trainmover_ext.control.membership.DecisionWatcher` - learn of each migration plan.
+- :mod:`trainmover_ext.control.fingerprint` - standby admission: a standby's model fingerprint
+  against the one its job published.
 
 Imported lazily by the CLI; this package imports nothing at load time.
 """

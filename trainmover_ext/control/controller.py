@@ -31,6 +31,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Protocol
 
 from trainmover_ext.control.decide import PlanMigration, RaiseAlert, decide
 from trainmover_ext.control.election import LeaderElection
@@ -39,9 +40,25 @@ from trainmover_ext.control.view import read_view
 from trainmover_ext.errors import ConfigError, LeadershipLost, TrainMoverError
 from trainmover_ext.kv.base import WatchEvent
 from trainmover_ext.kv.job import JobSpace
-from trainmover_ext.metrics import ControlMetrics
 
 logger = logging.getLogger(__name__)
+
+
+class ControlObserver(Protocol):
+    """What the controller reports as it works (``trainmover_ext.metrics.ControlMetrics`` exports it)."""
+
+    def observe_leadership(self, is_leader: bool) -> None:
+        """After every campaign round."""
+
+    def observe_view(self, members_by_kind: dict[str, int], epoch: int | None) -> None:
+        """After every read of the job's view."""
+
+    def observe_plan(self, epoch: int, detection_paths: list[str], latency_s: float | None) -> None:
+        """A plan was committed; for a failure plan, how each leaver was detected ("lease" or
+        "report") and the time from detection to the commit."""
+
+    def observe_alert(self) -> None:
+        """An alert was raised (a rank left with no standby to take it)."""
 
 _TRIGGERS = ("members", "ranks", "reports", "requests", "epoch", "leader", "checkpoint", "recovery")
 
@@ -67,7 +84,7 @@ class ControllerConfig:
 class Controller:
     """See the module docstring."""
 
-    def __init__(self, space: JobSpace, config: ControllerConfig, *, metrics: ControlMetrics | None = None) -> None:
+    def __init__(self, space: JobSpace, config: ControllerConfig, *, metrics: ControlObserver | None = None) -> None:
         self.space, self.config = space, config
         self.metrics = metrics
         self.election = LeaderElection(space, candidate_id=config.controller_id, ttl_s=config.ttl_s)
@@ -126,7 +143,7 @@ class Controller:
                 if self.election.campaign():
                     self._reconcile()
                 if self.metrics is not None:
-                    self.metrics.is_leader.labels(self.space.job).set(1 if self.election.is_leader else 0)
+                    self.metrics.observe_leadership(self.election.is_leader)
             except LeadershipLost as exc:
                 logger.warning("%s", exc)
                 self.election.resign()
@@ -163,12 +180,10 @@ class Controller:
             plan = action.plan
             logger.info("epoch %d: %s", plan.epoch, plan.replacements)
             if self.metrics is not None:
-                self.metrics.epoch.labels(self.space.job).set(plan.epoch)
-                if plan.reason == "failure":
-                    for r in plan.replacement_list():
-                        path = "lease" if r.leaver in self._gone_at else "report"
-                        self.metrics.detections.labels(self.space.job, path).inc()
-                    if plan.detected_at is not None:
-                        self.metrics.detection_latency.labels(self.space.job).observe(max(0.0, plan.decided_at - plan.detected_at))
+                paths = ["lease" if r.leaver in self._gone_at else "report" for r in plan.replacement_list()]
+                latency = None
+                if plan.reason == "failure" and plan.detected_at is not None:
+                    latency = max(0.0, plan.decided_at - plan.detected_at)
+                self.metrics.observe_plan(plan.epoch, paths if plan.reason == "failure" else [], latency)
         elif isinstance(action, RaiseAlert) and self.metrics is not None:
-            self.metrics.alerts.labels(self.space.job).inc()
+            self.metrics.observe_alert()

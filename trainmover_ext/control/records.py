@@ -291,7 +291,7 @@ def convergence_key(space, epoch: int) -> str:
 
 @dataclass(kw_only=True)
 class FingerprintRecord(Record):
-    """The job's model fingerprint (:mod:`trainmover_ext.runtime.fingerprint`): what a standby's
+    """The job's model fingerprint (:mod:`trainmover_ext.control.fingerprint`): what a standby's
     model and optimizer state must share with a rank's to take it over. Written once, never changed."""
 
     KIND: ClassVar[str] = "fingerprint"

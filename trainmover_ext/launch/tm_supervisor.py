@@ -29,7 +29,7 @@ Contract (one agent per node; the single-node case is what runs today):
   retires (and fences) its process, the joiner's agent adopts the standby.
 - A standby that exited with ``STANDBY_REFUSED_EXIT_CODE`` (78) was refused by
   the job: its model fingerprint differs from the job's
-  (:mod:`trainmover_ext.runtime.fingerprint`). The agent says which fields
+  (:mod:`trainmover_ext.control.fingerprint`). The agent says which fields
   differ and does not start another: the same flags would be refused again.
 - The job is done for an agent when every process it serves has exited 0, or,
   when it serves none any more, when every rank of the job has finished;
@@ -48,8 +48,8 @@ from typing import Optional
 from trainmover_ext.errors import STANDBY_REFUSED_EXIT_CODE
 from trainmover_ext.launch.process import (Reserve, RankProcess, activate, discard, fork_rank, fork_reserve, spawn_rank,
                                            wait_any_exit)
-from trainmover_ext.runtime.fingerprint import describe_diff, read_refusal
-from trainmover_ext.runtime.identity import ENV_MEMBER_ID, leaver_standby_id
+from trainmover_ext.control.fingerprint import describe_diff, read_refusal
+from trainmover_ext.launch.identity import ENV_MEMBER_ID, leaver_standby_id
 
 
 MAX_STANDBY_FAILURES = 3
@@ -146,7 +146,7 @@ class TrainMoverSupervisor:
         from trainmover_ext.control.membership import DecisionWatcher, Membership
         from trainmover_ext.control.records import MemberRecord
         from trainmover_ext.launch.agent import node_name
-        from trainmover_ext.runtime.identity import Identity, open_space
+        from trainmover_ext.launch.identity import Identity, open_space
 
         plan = self.cfg.rendezvous
         os.environ.update(plan.env(0))

@@ -16,4 +16,6 @@ inside each process:
 4. :mod:`.planned`: a planned move's hand-over from the leaver to the joiner.
 5. :mod:`.transfer`: streaming one rank's training state to another.
 6. :mod:`.timeline`: per-step timestamps written into the plan.
+7. :mod:`.standby`: a standby's life: warm up (the sandbox), wait for a plan that names it,
+   then become the rank through :mod:`.joiner`.
 """

@@ -44,7 +44,9 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
     from trainmover_ext.migration.recovery import converge
     from trainmover_ext.migration.worker import WorkerRuntime
     from trainmover_ext.runtime.quiet_build import no_collectives
+    from trainmover_ext.launch.distributed import TrainMoverDistributed
     from trainmover_ext.sandbox.adopt import adopt_or_build, keep_if_fits
+    from trainmover_ext.sandbox.compile import chunk_preparer
 
     rep = next(r for r in plan.replacement_list() if r.joiner == ident.member_id)
     os.environ["RANK"] = str(rep.rank)
@@ -65,7 +67,7 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
         faults.arm(faults.FaultSpec.parse_all(config.inject_fault), int(os.environ["WORLD_SIZE"]))
     faults.at("join", rank=rep.rank, epoch=plan.epoch)
     kept, not_adopted = keep_if_fits(kept, rep.rank)  # what does not fit is freed before anything is built
-    layout = initialize_distributed(args, use_delta_comm=True, join_epoch=plan.epoch, join=False)
+    layout = initialize_distributed(args, TrainMoverDistributed(delta=True, join_epoch=plan.epoch, join=False))
     t_groups = time.time()
     metrics = MetricsLog(config.metrics_file, layout.is_logging_rank)
     # Watching from here on: a newer plan abandons the join, the convergence or the hand-over.
@@ -78,7 +80,7 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
         def build(why: str):
             print(f"[trainmover] standby {ident.member_id} builds rank {rep.rank}'s model ({why})", flush=True)
             with no_collectives():  # everything they would set comes with the state transfer
-                return build_session(args, layout, *providers, metrics)
+                return build_session(args, layout, *providers, metrics, chunk_preparer(args))
 
         kept_role = kept.role if kept is not None else None
         session, not_adopted, repointed = adopt_or_build(kept, layout, metrics, rep.rank, build, not_adopted)

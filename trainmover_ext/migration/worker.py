@@ -41,7 +41,7 @@ from trainmover_ext.migration.planned import hand_over
 from trainmover_ext.migration.recovery import converge
 from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults
-from trainmover_ext.runtime.identity import Identity, identity_from_env, open_space
+from trainmover_ext.launch.identity import Identity, identity_from_env, open_space
 
 logger = logging.getLogger(__name__)
 

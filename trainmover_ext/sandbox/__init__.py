@@ -5,7 +5,7 @@ Job side: ``pretrain`` wraps its runtime with :func:`hook.attach_recorder` when
 last) records ``--tm-record-iters`` iterations, seals them on disk, removes its
 hooks and publishes the index in etcd at ``recordings/<role>``.
 
-Standby side: ``runtime.standby.warm_up`` calls
+Standby side: ``migration.standby.warm_up`` calls
 :func:`standby.warm_general_standby`: wait for the recordings, check the
 config fingerprint, run shadow iterations of every role against a replay
 world, report warm roles and timings on the member record.

@@ -2,7 +2,7 @@
 
 Who calls it: :func:`~trainmover_ext.sandbox.shadow.warm_standby` keeps one
 role's session (``keep_role``, warmed last so that the standby's peak memory
-stays one role's), and a promoted standby (``runtime.standby.serve_rank``, the
+stays one role's), and a promoted standby (``migration.standby.serve_rank``, the
 warm-up benchmark's newcomer) adopts it instead of building the model again.
 
 Contract:

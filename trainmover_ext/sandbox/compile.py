@@ -22,6 +22,8 @@ Compiled regions are the compute between collectives.
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 _EAGER = False
@@ -72,3 +74,9 @@ def compile_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
     inductor_config.compile_threads = 1
     chunk.compile()
     return chunk
+
+
+def chunk_preparer(args) -> Optional[Callable[[torch.nn.Module], object]]:
+    """What ``build_session`` runs on each model chunk for these flags: :func:`compile_chunk` under
+    ``--tm-compile``, else nothing."""
+    return compile_chunk if getattr(args, "tm_compile", None) else None

@@ -3,7 +3,7 @@
 The recorder stores :func:`job_fingerprint` in every recording's index; a
 standby computes its own and :func:`check_compatible` refuses a difference
 with :class:`ConfigMismatch` naming every differing field. It is the job's
-model fingerprint (:mod:`trainmover_ext.runtime.fingerprint`: model shape,
+model fingerprint (:mod:`trainmover_ext.control.fingerprint`: model shape,
 precision, parallel layout, optimizer, batch, seed, megatron-core), which
 every standby has already matched before it gets here, plus what else changes
 the call sequence or the numerics of a shadow iteration: the layer
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from trainmover_ext.errors import ConfigMismatch
-from trainmover_ext.runtime.fingerprint import FINGERPRINT_FIELDS as MODEL_FIELDS
-from trainmover_ext.runtime.fingerprint import describe_diff, fingerprint_diff, model_fingerprint
+from trainmover_ext.control.fingerprint import FINGERPRINT_FIELDS as MODEL_FIELDS
+from trainmover_ext.control.fingerprint import describe_diff, fingerprint_diff, model_fingerprint
 
 REPLAY_FIELDS: tuple[str, ...] = (
     "transformer_impl", "num_microbatches", "overlap_grad_reduce",

@@ -23,8 +23,10 @@ def build_parts(args, layout, program, *, consumed_samples: int, iteration: int 
     """
     from megatron.training.training import MetricsLog, build_session
 
+    from .compile import chunk_preparer
+
     session = build_session(args, layout, program.model_provider, program.dataset_provider,
-                            program.forward_step_func, MetricsLog(None, False))
+                            program.forward_step_func, MetricsLog(None, False), chunk_preparer(args))
     args.iteration, args.consumed_train_samples = iteration, consumed_samples
     session.reset_data()
     for chunk in session.model:

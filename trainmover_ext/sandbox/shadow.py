@@ -65,10 +65,11 @@ def program_from_providers(providers: tuple) -> ShadowProgram:
 
 
 def default_program() -> ShadowProgram:
-    """The providers of the repository's ``pretrain_gpt.py`` (what a standby of this job runs)."""
-    from trainmover_ext.jobs import PRETRAIN
-
-    spec = importlib.util.spec_from_file_location("trainmover_pretrain_gpt", PRETRAIN)
+    """The providers of the installed ``pretrain_gpt.py`` (what a standby of this job runs)."""
+    found = importlib.util.find_spec("pretrain_gpt")
+    if found is None or found.origin is None:
+        raise ConfigError("pretrain_gpt.py is not installed: run `pip install -e .` from the TrainMover checkout")
+    spec = importlib.util.spec_from_file_location("trainmover_pretrain_gpt", found.origin)
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(module)

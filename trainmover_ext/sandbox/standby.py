@@ -1,4 +1,4 @@
-"""The general standby's sandbox warm-up, as ``trainmover_ext.runtime.standby`` runs it.
+"""The general standby's sandbox warm-up, as ``trainmover_ext.migration.standby`` runs it.
 
 Who calls it: a standby process (``pretrain_gpt.py ... --tm-role standby``)
 after it has registered with no warm roles. :func:`warm_general_standby`

@@ -7,7 +7,7 @@ SIGTERM (revoking its lease: a clean leave).
 
 Example::
 
-    python -m trainmover_ext.control.member_main --endpoints 127.0.0.1:2379 --job j --token T \\
+    PYTHONPATH=benchmarks python -m harness.member --endpoints 127.0.0.1:2379 --job j --token T \\
         --member-id w0 --kind worker --ttl 1
 """
 
@@ -63,11 +63,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def spawn_member(endpoints, job, token, member_id, *, kind="worker", ttl=2, controller=False, host="h0", timeout=30.0):
     """Start ``member_main`` and return the Popen once it printed READY (it holds a registered lease then)."""
-    cmd = [sys.executable, "-m", "trainmover_ext.control.member_main", "--endpoints", ",".join(endpoints), "--job", job,
+    cmd = [sys.executable, "-m", "harness.member", "--endpoints", ",".join(endpoints), "--job", job,
            "--token", token, "--member-id", member_id, "--kind", kind, "--ttl", str(ttl), "--host", host]
     if controller:
         cmd.append("--controller")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, where `harness` lives
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout

@@ -6,7 +6,7 @@ Contract:
   promoted.
 - It registers as a ``standby`` member with no warm role. Before it
   advertises any role it compares its model fingerprint with the one the
-  job's first worker published (:mod:`trainmover_ext.runtime.fingerprint`),
+  job's first worker published (:mod:`trainmover_ext.control.fingerprint`),
   waiting for it at most ``--tm-fingerprint-timeout``; a difference refuses
   it: :class:`StandbyRefused` names every differing field, goes to the job's
   timeline, and the process exits with ``STANDBY_REFUSED_EXIT_CODE`` (78),
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Optional
 from trainmover_ext.control.membership import DecisionWatcher, Membership
 from trainmover_ext.control.records import ROLES, MigrationPlan
 from trainmover_ext.errors import MembershipLost, StandbyRefused, StoreError
-from trainmover_ext.runtime.fingerprint import check_standby, model_fingerprint, refusal_event, wait_job_fingerprint
-from trainmover_ext.runtime.identity import identity_from_env, open_space
+from trainmover_ext.control.fingerprint import check_standby, model_fingerprint, refusal_event, wait_job_fingerprint
+from trainmover_ext.launch.identity import identity_from_env, open_space
 
 if TYPE_CHECKING:
     from trainmover_ext.sandbox.adopt import KeptRole
@@ -205,7 +205,7 @@ def rejoin_as_standby(args, config, providers, t_process: float, leaver: str, ep
     standby and may be promoted into any rank later; returns what :func:`run_standby` returns."""
     import gc
 
-    from trainmover_ext.runtime.identity import ENV_MEMBER_ID, leaver_standby_id
+    from trainmover_ext.launch.identity import ENV_MEMBER_ID, leaver_standby_id
     from trainmover_ext.sandbox.shadow import release_free_memory
 
     gc.collect()

@@ -15,7 +15,7 @@ RECORD_ITERS = 2
 
 def pp3_argv(corpus: str, *extra: str) -> list[str]:
     """3 layers, hidden 64, seq 32, PP=3 (one layer per stage), 4 micro-batches."""
-    from trainmover_ext.jobs import model_args
+    from harness.jobs import model_args
 
     return model_args(layers=3, hidden=64, heads=4, seq=32, mbs=1, gbs=4, iters=10, lr=1e-3) + [
         "--pipeline-model-parallel-size", "3", "--data-path", corpus + "_text_document", *extra]
@@ -33,7 +33,7 @@ class RecordedJob:
 
 
 def record_job(tmp_path, argv: list[str], timeout: float = 300, comm: str = "gloo") -> RecordedJob:
-    from trainmover_ext.sandbox import harness
+    from harness import sandbox as harness
 
     record_dir = str(tmp_path / "recordings")
     store = harness.host_store()
@@ -47,7 +47,7 @@ def record_job(tmp_path, argv: list[str], timeout: float = 300, comm: str = "glo
 def warm_one_role(argv: list[str], record_dir: str, role: str) -> dict:
     """Child: warm ``role`` from ``record_dir``; returns the error it raised (type and message), if any."""
     from trainmover_ext.errors import TrainMoverError
-    from trainmover_ext.sandbox import harness
+    from harness import sandbox as harness
     from trainmover_ext.sandbox.recording import Recording
     from trainmover_ext.sandbox.shadow import warm_up
 

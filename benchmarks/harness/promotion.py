@@ -21,7 +21,7 @@ the general standby's sandbox warm-up of every role, alone, then joins).
 The hand-over is the real planned one, minus its timing: at the boundary the
 leaver streams its state with ``migration.transfer.send_state`` over a
 temporary link and the newcomer takes it with ``recv_state`` exactly as a
-promoted standby does (``runtime.standby.serve_rank``): its optimizer state
+promoted standby does (``migration.standby.serve_rank``): its optimizer state
 is materialised before its first iteration (not lazily inside the first
 step), and it continues the leaver's training bit for bit. The transfer's
 duration is left out on purpose: stayers wait for ``received/<e>`` before

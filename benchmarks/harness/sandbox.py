@@ -104,7 +104,7 @@ def fork_children(calls: dict[Any, tuple], nice: Optional[dict] = None) -> Child
 def host_store():
     """The rank store of a forked job: a TCPStore server in a process of its own (never in the
     process the ranks are forked from), and a client of it for the caller."""
-    from trainmover_ext.netutil import host_store_in_own_process
+    from harness.stores import host_store_in_own_process
 
     return host_store_in_own_process(timeout_s=120.0)
 

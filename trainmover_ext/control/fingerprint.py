@@ -12,7 +12,7 @@ Contract:
   (:func:`publish_fingerprint`). The first one writes ``fingerprint`` with put-if-absent; a later
   worker whose fingerprint differs fails with :class:`ConfigMismatch` naming every differing field.
 - Who reads it: every standby, before it advertises any warm role, with recordings or without
-  (``runtime.standby``). It waits for the record at most ``--tm-fingerprint-timeout`` seconds
+  (``migration.standby``). It waits for the record at most ``--tm-fingerprint-timeout`` seconds
   (:func:`wait_job_fingerprint`, :class:`StoreTimeout` after that), and a difference refuses it
   (:func:`check_standby`): :class:`StandbyRefused` names each differing field with both values, the
   refusal goes to the job's timeline (:data:`REFUSAL_EVENT`), and the process exits with

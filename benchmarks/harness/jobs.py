@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(REPO_ROOT, "pretrain_gpt.py")
 DEFAULT_CORPUS_PREFIX = os.path.join(REPO_ROOT, "data", "corpus")
 
