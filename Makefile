@@ -5,14 +5,15 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv etcd promtool test test-fast demo data bench clean help
+.PHONY: venv etcd promtool lint test test-fast demo data bench clean help
 
 help:
 	@echo "make demo      - train the demo GPT (8 CPU ranks, TP2xPP2xDP2) on the bundled corpus"
 	@echo "make test      - install everything needed and run the whole test suite"
 	@echo "make test-fast - the suite without tests marked slow"
+	@echo "make lint      - ruff check, ruff format --check and mypy (strict on nccl_delta, kv, control, migration)"
 
-$(STAMP): constraints.txt requirements.txt setup.py
+$(STAMP): constraints.txt requirements.txt setup.py pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "$(PY) not found: install Python 3.11"; exit 1; }
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
@@ -37,6 +38,11 @@ promtool:
 
 data: venv
 	@test -f data/corpus_text_document.bin || $(VPY) scripts/prepare_data.py --stdlib-corpus --output-prefix data/corpus
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: venv etcd promtool
 	$(VPY) -m pytest -q --timeout 900

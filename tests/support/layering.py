@@ -15,7 +15,8 @@ from dataclasses import dataclass
 LAYERS: list[tuple[str, ...]] = [
     ("nccl_delta", "megatron.training"),  # the communicator; the training layer on megatron-core
     ("trainmover_ext.errors",),  # the one error tree (re-exports the two layers below)
-    ("trainmover_ext.fsutil", "trainmover_ext.netutil", "trainmover_ext.logconfig", "trainmover_ext.patches"),
+    ("trainmover_ext.fsutil", "trainmover_ext.netutil", "trainmover_ext.logconfig", "trainmover_ext.patches",
+     "trainmover_ext.deadline"),
     ("trainmover_ext.kv",),
     ("trainmover_ext.etcd",),
     ("trainmover_ext.control",),
