@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
@@ -30,9 +32,28 @@ from .config import DeltaConfig
 from .group import DeltaGroup
 from . import waiter, world as world_mod
 
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import (
+        AllgatherOptions,
+        AllreduceCoalescedOptions,
+        AllreduceOptions,
+        BarrierOptions,
+        BroadcastOptions,
+        GatherOptions,
+        ReduceOptions,
+        ReduceScatterOptions,
+        _DistributedBackendOptions,
+    )
+    from torch.distributed.distributed_c10d import GroupName
+
+    from .links import LinkWork
+
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "nccl_delta"
+
+_Tensors: TypeAlias = "torch.Tensor | list[torch.Tensor]"
+"""One tensor or a list of them (torch passes a list; :func:`_as_list` takes either)."""
 
 _config: DeltaConfig | None = None
 _join_epoch: int | None = None
@@ -51,8 +72,10 @@ class NamedGroup:
         return self._group_name
 
     @property
-    def group_name(self) -> str:
-        return self._group_name
+    def group_name(self) -> GroupName:
+        # GroupName is a NewType of str (torch's base property is typed with it); not imported at run time,
+        # as older torch versions lack it.
+        return cast("GroupName", self._group_name)
 
 
 class DoneWork(dist.Work):
@@ -71,14 +94,14 @@ class DoneWork(dist.Work):
     def is_success(self) -> bool:
         return True
 
-    def exception(self):
+    def exception(self) -> None:
         return None
 
     def result(self) -> list[torch.Tensor]:
         return self._result
 
-    def get_future(self) -> Future:
-        fut: Future = Future()
+    def get_future(self) -> Future[list[torch.Tensor]]:
+        fut: Future[list[torch.Tensor]] = Future()
         fut.set_result(self._result)
         return fut
 
@@ -89,7 +112,7 @@ class DoneWork(dist.Work):
 class LinkP2PWork(dist.Work):
     """Pending send or receive; ``wait`` raises :class:`CommLinkError` if the link fails."""
 
-    def __init__(self, link_work, tensor: torch.Tensor):
+    def __init__(self, link_work: LinkWork, tensor: torch.Tensor):
         super().__init__()
         self._work = link_work
         self._tensor = tensor
@@ -104,15 +127,15 @@ class LinkP2PWork(dist.Work):
     def is_success(self) -> bool:
         return self._work.done
 
-    def exception(self):
+    def exception(self) -> None:
         return None
 
     def result(self) -> list[torch.Tensor]:
         return [self._tensor]
 
-    def get_future(self) -> Future:
+    def get_future(self) -> Future[list[torch.Tensor]]:
         self.wait()
-        fut: Future = Future()
+        fut: Future[list[torch.Tensor]] = Future()
         fut.set_result([self._tensor])
         return fut
 
@@ -124,7 +147,7 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
     """What torch and megatron hold as a group handle; all work is done by its :class:`DeltaGroup`."""
 
     def __init__(self, group: DeltaGroup):
-        super().__init__(group.index, group.size)
+        super().__init__(group.index, group.size)  # type: ignore[call-arg]  # stub lacks the (rank, size) binding
         self.delta = group
         self._group_name = group.name
 
@@ -135,16 +158,19 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
         return f"DeltaProcessGroup({self.delta!r})"
 
     # --- collectives ---------------------------------------------------------------
-    def allreduce(self, tensors, opts=None):
+    # The ignore[override]s: torch's stub gives these methods the C++ ProcessGroup's convenience overloads too
+    # (a tensor, an op, a timeout); c10d calls a Python backend with (tensors, opts) only.
+    def allreduce(self, tensors: _Tensors, opts: AllreduceOptions | None = None) -> DoneWork:  # type: ignore[override]
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for t in _as_list(tensors):
             self.delta.allreduce(t, op)
         return DoneWork(_as_list(tensors))
 
-    def allreduce_coalesced(self, tensors, opts=None):
+    def allreduce_coalesced(self, tensors: list[torch.Tensor],
+                            opts: AllreduceCoalescedOptions | None = None) -> DoneWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         # One ring pass per dtype over a packed buffer: fewer hops than one ring per tensor.
-        by_dtype: dict[tuple, list[torch.Tensor]] = {}
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
             by_dtype.setdefault((t.dtype, t.device), []).append(t)
         for group in by_dtype.values():
@@ -159,7 +185,9 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
                 offset += t.numel()
         return DoneWork(list(tensors))
 
-    def allgather(self, output_lists, input_tensors, opts=None):
+    def allgather(  # type: ignore[override]
+            self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+            opts: AllgatherOptions | None = None) -> DoneWork:
         for outs, inp in zip(output_lists, input_tensors):
             flat = torch.empty(inp.numel() * self.delta.size, dtype=inp.dtype, device=inp.device)
             self.delta.allgather_into(flat, inp.contiguous())
@@ -167,58 +195,68 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
                 out.copy_(flat[k * inp.numel():(k + 1) * inp.numel()].view_as(out))
         return DoneWork([t for outs in output_lists for t in outs])
 
-    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                            opts: AllgatherOptions | None = None) -> DoneWork:
         return self.allgather(output_lists, input_tensors, opts)
 
-    def all_gather_single(self, output, input, opts=None):
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: AllgatherOptions | None = None) -> DoneWork:
         self.delta.allgather_into(output, input.contiguous())
         return DoneWork([output])
 
     _allgather_base = all_gather_single
 
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: AllgatherOptions | None = None) -> DoneWork:
         for out, inp in zip(outputs, inputs):
             self.delta.allgather_into(out, inp.contiguous())
         return DoneWork(list(outputs))
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    # c10d calls these aliases positionally; only their parameter names differ from the stub's.
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
-    def reduce_scatter_single(self, output, input, opts=None):
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
+                              opts: ReduceScatterOptions | None = None) -> DoneWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         self.delta.reduce_scatter(output, input, op)
         return DoneWork([output])
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # names differ, as above
 
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: ReduceScatterOptions | None = None) -> DoneWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for out, inp in zip(outputs, inputs):
             self.delta.reduce_scatter(out, inp, op)
         return DoneWork(list(outputs))
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # names, as above
 
-    def reduce_scatter(self, outputs, input_lists, opts=None):
+    def reduce_scatter(  # type: ignore[override]
+            self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
+            opts: ReduceScatterOptions | None = None) -> DoneWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for out, inputs in zip(outputs, input_lists):
             packed = torch.cat([t.reshape(-1) for t in inputs])
             self.delta.reduce_scatter(out, packed, op)
         return DoneWork(list(outputs))
 
-    def broadcast(self, tensors, opts=None):
+    def broadcast(self, tensors: _Tensors, opts: BroadcastOptions | None = None) -> DoneWork:  # type: ignore[override]
         root = opts.rootRank if opts is not None else 0
         for t in _as_list(tensors):
             self.delta.broadcast(t, root)
         return DoneWork(_as_list(tensors))
 
-    def reduce(self, tensors, opts=None):
+    def reduce(self, tensors: _Tensors, opts: ReduceOptions | None = None) -> DoneWork:  # type: ignore[override]
         # Rarely used (megatron never calls it): an all-reduce gives the root the right value.
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for t in _as_list(tensors):
             self.delta.allreduce(t, op)
         return DoneWork(_as_list(tensors))
 
-    def gather(self, output_lists, input_tensors, opts=None):
+    def gather(  # type: ignore[override]
+            self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+            opts: GatherOptions | None = None) -> DoneWork:
         root = opts.rootRank if opts is not None else 0
         for inp in input_tensors:
             flat = torch.empty(inp.numel() * self.delta.size, dtype=inp.dtype, device=inp.device)
@@ -228,26 +266,26 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
                     out.copy_(flat[k * inp.numel():(k + 1) * inp.numel()].view_as(out))
         return DoneWork()
 
-    def barrier(self, opts=None):
+    def barrier(self, opts: BarrierOptions | None = None) -> DoneWork:  # type: ignore[override]
         self.delta.barrier()
         return DoneWork()
 
     # --- point to point ----------------------------------------------------------------
-    def send(self, tensors, dstRank, tag=0):
+    def send(self, tensors: _Tensors, dstRank: int, tag: int = 0) -> LinkP2PWork:
         t = _as_list(tensors)[0]
         return LinkP2PWork(self.delta.isend(t, dstRank, tag), t)
 
-    def recv(self, tensors, srcRank, tag=0):
+    def recv(self, tensors: _Tensors, srcRank: int, tag: int = 0) -> LinkP2PWork:
         t = _as_list(tensors)[0]
         return LinkP2PWork(self.delta.irecv(t, srcRank, tag), t)
 
-    def recv_anysource(self, tensors, tag=0):
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> NoReturn:
         raise NotImplementedError("nccl_delta has no receive-from-any-source: name the source rank")
 
-    def alltoall(self, *args, **kwargs):
+    def alltoall(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError("nccl_delta does not implement alltoall (megatron's dense training never calls it)")
 
-    def scatter(self, *args, **kwargs):
+    def scatter(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError("nccl_delta does not implement scatter (megatron's dense training never calls it)")
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -263,15 +301,15 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
         self.shutdown()
 
 
-def _as_list(tensors) -> list[torch.Tensor]:
+def _as_list(tensors: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
-def _world_group_name(world) -> str | None:
+def _world_group_name(world: world_mod.DeltaWorld) -> str | None:
     return world.world_group_name
 
 
-def _create(dist_opts, backend_opts=None) -> DeltaProcessGroup:
+def _create(dist_opts: _DistributedBackendOptions, backend_opts: object = None) -> DeltaProcessGroup:
     """torch calls this for every group on the nccl_delta backend, on members only."""
     members = list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size))
     name = str(dist_opts.group_id)

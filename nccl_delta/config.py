@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from nccl_delta.errors import DeltaConfigError as ConfigError
 
@@ -52,9 +53,9 @@ class DeltaConfig:
             raise ConfigError("small_bytes must be >= 0")
 
     @classmethod
-    def from_env(cls, **overrides) -> "DeltaConfig":
+    def from_env(cls, **overrides: Any) -> "DeltaConfig":
         """Defaults, then ``NCCL_DELTA_*`` environment variables, then ``overrides``."""
-        values: dict = {}
+        values: dict[str, Any] = {}
         if "NCCL_DELTA_TRANSPORT" in os.environ:
             values["transport"] = os.environ["NCCL_DELTA_TRANSPORT"]
         if "NCCL_DELTA_LINK_HOST" in os.environ:

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from nccl_delta.errors import CommAbandoned, CommTimeout, SwapAborted
 
-from .links import Link
+from .links import Ledger, Link
 
 if TYPE_CHECKING:
     from .world import DeltaWorld
@@ -256,7 +256,7 @@ def _wait_keys(world: "DeltaWorld", keys: list[str], epoch: int) -> None:
         time.sleep(0.02)
 
 
-def ledgers_match(ours: dict | None, theirs: dict | None) -> bool:
+def ledgers_match(ours: Ledger | None, theirs: Ledger | None) -> bool:
     """Whether a link may be kept: both ends quiet, the same generation, the same number of pair
     collectives, and every message one end sent received by the other (per tag)."""
     return (ours is not None and theirs is not None and ours["generation"] == theirs["generation"]

@@ -24,11 +24,12 @@ Contract
 from __future__ import annotations
 
 import zlib
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from torch.distributed import Store
+from torch._C._distributed_c10d import Store
 
 from nccl_delta.errors import CommAbandoned, CommLinkError
 
@@ -36,6 +37,7 @@ from .links import Link, LinkWork
 from .ring import Ring, finish_avg, op_name
 
 if TYPE_CHECKING:
+    from .ring import ReduceOpLike
     from .world import DeltaWorld
 
 # A group's point-to-point tags; its collective tag is the one right above them.
@@ -116,7 +118,7 @@ class DeltaGroup:
         return Ring(index=self.index, size=self.size, prev=prev, next=nxt,
                     segment_bytes=self.world.config.segment_bytes, op=op, tag=self.coll_tag)
 
-    def allreduce(self, tensor: torch.Tensor, op) -> None:
+    def allreduce(self, tensor: torch.Tensor, op: ReduceOpLike) -> None:
         if self.size == 1:
             self._check_live("allreduce")
             return
@@ -148,7 +150,7 @@ class DeltaGroup:
                 flat_in = flat_in.clone()  # in place is fine only at this rank's own slot (megatron's form)
             self._ring(self.transport_for(out), "allgather").allgather(flat_out, flat_in)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op) -> None:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOpLike) -> None:
         if inp.numel() != out.numel() * self.size:
             raise ValueError(f"reduce_scatter input has {inp.numel()} elements, expected {out.numel()} x {self.size}")
         with _flat(out) as flat_out:
@@ -218,7 +220,8 @@ class _flat:
         self.flat = (self.tensor.contiguous() if self.copy else self.tensor).view(-1)
         return self.flat
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if self.copy and exc_type is None:
             self.tensor.copy_(self.flat.view_as(self.tensor))
 

@@ -27,14 +27,49 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypedDict, cast
 
 import torch
-from torch.distributed import Store
+from torch._C._distributed_c10d import Store
 
 from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout
 
 from .config import DeltaConfig
+
+if TYPE_CHECKING:
+    from .ring import ReduceOpLike
+
+
+class TransportHandle(Protocol):
+    """A link's transport (:class:`~nccl_delta.transport_gloo.GlooPair`, :class:`~nccl_delta.transport_nccl.NcclPair`).
+
+    Its works are opaque to the link, which only hands them back to :meth:`wait` (each transport takes its
+    own kind). Optional: ``allreduce`` (see :class:`PairAllreduce`), ``peer_closed``, ``wait_sends``."""
+
+    def isend(self, tensor: torch.Tensor, tag: int) -> object: ...
+
+    def irecv(self, tensor: torch.Tensor, tag: int) -> object: ...
+
+    def wait(self, work: Any, timeout: datetime.timedelta) -> None: ...
+
+    def sever(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class PairAllreduce(TransportHandle, Protocol):
+    """A transport with its own 2-rank all-reduce (gloo's pair)."""
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOpLike) -> object: ...
+
+
+class Ledger(TypedDict):
+    """What crossed a quiet link (:meth:`Link.ledger`), as published in the store (JSON)."""
+
+    generation: int
+    pair: int
+    sent: dict[str, int]
+    received: dict[str, int]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -70,7 +105,7 @@ def connect(link_id: LinkId, me: int, store: Store, config: DeltaConfig) -> "Lin
         if link_id.transport == "nccl":
             from .transport_nccl import connect_nccl_pair
 
-            handle = connect_nccl_pair(store, link_id.prefix(), link_id.side_of(me), timeout)
+            handle: TransportHandle = connect_nccl_pair(store, link_id.prefix(), link_id.side_of(me), timeout)
         else:
             from .transport_gloo import connect_gloo_pair
 
@@ -88,7 +123,7 @@ def connect(link_id: LinkId, me: int, store: Store, config: DeltaConfig) -> "Lin
 class Link:
     """One live connection to ``peer``; owned by a group's link table."""
 
-    def __init__(self, *, link_id: LinkId, me: int, peer: int, handle, op_timeout_s: float):
+    def __init__(self, *, link_id: LinkId, me: int, peer: int, handle: TransportHandle, op_timeout_s: float):
         self.link_id = link_id
         self.me = me
         self.peer = peer
@@ -116,7 +151,7 @@ class Link:
         if self.state != "open":
             raise self._error(op, f"link is {self.state} ({self.error}); it is never reused")
 
-    def _error(self, op: str, why: str, cls=CommLinkError) -> CommLinkError:
+    def _error(self, op: str, why: str, cls: type[CommLinkError] = CommLinkError) -> CommLinkError:
         if self._abandon_reason is not None:
             cls = CommAbandoned
             why = f"{self._abandon_reason}; {why}"
@@ -166,7 +201,7 @@ class Link:
             self._abandon_reason = reason
             return True
 
-    def ledger(self) -> dict | None:
+    def ledger(self) -> Ledger | None:
         """What crossed this link (JSON-able), or None if it cannot be kept (not quiet)."""
         with self._lock:
             if self.state != "quiet":
@@ -181,13 +216,14 @@ class Link:
             if self.state == "quiet":
                 self.state, self.error, self._abandon_reason = "open", None, None
 
-    def allreduce_pair(self, tensor: torch.Tensor, reduce_op, op: str) -> None:
+    def allreduce_pair(self, tensor: torch.Tensor, reduce_op: ReduceOpLike, op: str) -> None:
         """All-reduce ``tensor`` with the peer in one transport call (a 2-member group's whole
         collective); the transport must offer ``allreduce``. On failure the link is severed so the
         peer fails fast too, as a ring does."""
         self._start(op)
         try:
-            work = LinkWork(self, self.handle.allreduce(tensor, reduce_op), op)
+            # The caller checked that the transport has an all-reduce (DeltaGroup.allreduce).
+            work = LinkWork(self, cast(PairAllreduce, self.handle).allreduce(tensor, reduce_op), op)
         except Exception as exc:
             raise self._fail(op, exc) from exc
         try:
@@ -259,19 +295,19 @@ class Link:
             _reaper().put(self.handle)
 
 
-_reaper_queue: "queue.SimpleQueue | None" = None
+_reaper_queue: "queue.SimpleQueue[TransportHandle] | None" = None
 _reaper_pid: int | None = None
 _reaper_lock = threading.Lock()
 
 
-def _reaper() -> "queue.SimpleQueue":
+def _reaper() -> "queue.SimpleQueue[TransportHandle]":
     global _reaper_queue, _reaper_pid
     with _reaper_lock:
         # A forked child inherits the queue but not the thread: start its own.
         if _reaper_queue is None or _reaper_pid != os.getpid():
             _reaper_queue, _reaper_pid = queue.SimpleQueue(), os.getpid()
 
-            def drain(q=_reaper_queue) -> None:
+            def drain(q: queue.SimpleQueue[TransportHandle] = _reaper_queue) -> None:
                 while True:
                     handle = q.get()
                     try:
@@ -288,7 +324,7 @@ class LinkWork:
 
     __slots__ = ("link", "work", "op", "done", "recv_tag")
 
-    def __init__(self, link: Link, work, op: str, recv_tag: int | None = None):
+    def __init__(self, link: Link, work: object, op: str, recv_tag: int | None = None):
         self.link = link
         self.work = work
         self.op = op

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable
+from typing import Callable, TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -41,17 +41,20 @@ MIN_SPLIT_BYTES = 256 << 10
 reduction of one overlaps the transfer of the next even when the chunk is below ``segment_bytes``."""
 _local = threading.local()
 
+ReduceOpLike: TypeAlias = "dist.ReduceOp | dist.ReduceOp.RedOpType"
+"""A reduction as torch hands it over: ``ReduceOp.SUM`` etc., or an options object's ``ReduceOp`` wrapping one."""
+
 
 def _scratch(nbytes: int, device: torch.device) -> torch.Tensor:
     """This thread's receive scratch on ``device``, at least ``nbytes`` (kept and reused; grows, never shrinks)."""
-    cache = _local.__dict__.setdefault("scratch", {})
+    cache: dict[torch.device, torch.Tensor] = _local.__dict__.setdefault("scratch", {})
     buf = cache.get(device)
     if buf is None or buf.numel() < nbytes:
         buf = cache[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
     return buf[:nbytes]
 
 
-def reducer(op) -> Callable[[torch.Tensor, torch.Tensor], None]:
+def reducer(op: ReduceOpLike) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """In-place ``acc = acc (op) other`` for a torch ReduceOp (AVG reduces as SUM; the caller divides)."""
     if op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG:
         return lambda acc, other: acc.add_(other)
@@ -70,7 +73,7 @@ def reducer(op) -> Callable[[torch.Tensor, torch.Tensor], None]:
     raise NotImplementedError(f"nccl_delta does not support reduce op {op}")
 
 
-def op_name(op) -> str:
+def op_name(op: ReduceOpLike) -> str:
     """``SUM`` for ``ReduceOp.SUM`` or a ``ReduceOp`` wrapping it (torch's repr is an address)."""
     return getattr(getattr(op, "op", op), "name", str(op))
 
@@ -97,7 +100,7 @@ def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
 class Ring:
     """The ring of one op: member ``index`` of ``size``, with links to its neighbours."""
 
-    def __init__(self, *, index: int, size: int, prev: Link | None, next: Link | None, segment_bytes: int, op: str,
+    def __init__(self, *, index: int, size: int, prev: Link, next: Link, segment_bytes: int, op: str,
                  tag: int):
         self.i = index
         self.n = size
@@ -176,7 +179,7 @@ class Ring:
                 if s + 1 < n - 1:
                     self._send(flat[a:b])
 
-    def reduce_scatter_inplace(self, flat: torch.Tensor, bounds: list[tuple[int, int]], op) -> None:
+    def reduce_scatter_inplace(self, flat: torch.Tensor, bounds: list[tuple[int, int]], op: ReduceOpLike) -> None:
         """After this, chunk ``bounds[i]`` of ``flat`` holds the reduction of every member's chunk ``i``.
 
         Segments arrive in a fixed order (step by step, each chunk's segments in turn) into a ring of
@@ -190,7 +193,7 @@ class Ring:
         seg = self._max_segment(esize)
         depth = min(RECV_DEPTH, len(units))
         slots = _scratch(depth * seg * esize, flat.device).view(flat.dtype)
-        pending: deque = deque()
+        pending: deque[tuple[int, int, int, torch.Tensor, LinkWork]] = deque()
 
         def post(k: int) -> None:
             s, a, b = units[k]
@@ -212,10 +215,10 @@ class Ring:
                 post(done + depth)  # into the slot just reduced
             done += 1
 
-    def allreduce(self, flat: torch.Tensor, op) -> None:
+    def allreduce(self, flat: torch.Tensor, op: ReduceOpLike) -> None:
         bounds = chunk_bounds(flat.numel(), self.n)
 
-        def body():
+        def body() -> None:
             self.reduce_scatter_inplace(flat, bounds, op)
             # The reduce-scatter sends read chunks the all-gather overwrites: let them finish first.
             self._drain_sends()
@@ -225,7 +228,7 @@ class Ring:
         if op == dist.ReduceOp.AVG:
             finish_avg(flat, self.n)
 
-    def allreduce_small(self, flat: torch.Tensor, op) -> None:
+    def allreduce_small(self, flat: torch.Tensor, op: ReduceOpLike) -> None:
         """Gather every member's tensor, then reduce locally in member order (n-1 hops, deterministic)."""
         numel = flat.numel()
         gathered = torch.empty(self.n * numel, dtype=flat.dtype, device=flat.device)
@@ -246,12 +249,12 @@ class Ring:
         out[self.i * k:(self.i + 1) * k].copy_(inp)
         self.run(lambda: self.allgather_chunks(out, bounds))
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op) -> None:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOpLike) -> None:
         """``out`` = reduction over members of their ``inp`` chunk ``i``; ``inp`` is not modified."""
         n, i, k, esize = self.n, self.i, out.numel(), out.element_size()
         combine = reducer(op)
 
-        def body():
+        def body() -> None:
             dests = [torch.empty(k, dtype=out.dtype, device=out.device) for _ in range(n - 2)] + [out]
             steps = []
             for s in range(n - 1):
@@ -276,7 +279,7 @@ class Ring:
         n, esize = self.n, flat.element_size()
         rel = (self.i - root) % n
 
-        def body():
+        def body() -> None:
             segs = self._segments(0, flat.numel(), esize)
             if rel == 0:
                 for a, b in segs:

@@ -24,25 +24,51 @@ import os
 import select
 import socket
 import threading
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import torch
-from torch.distributed import AllreduceOptions, PrefixStore, Store
-from torch._C._distributed_c10d import ProcessGroupGloo
+from torch.distributed import AllreduceOptions, Work
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
-from .waiter import Pending, WaitCancelled, wait_completion
+from .waiter import Pending, WaitCancelled, Waitable, wait_completion
 from .waiter import wait as wait_interruptible
+
+if TYPE_CHECKING:
+    from .ring import ReduceOpLike
 
 logger = logging.getLogger(__name__)
 
+
+class PairGroup(Protocol):
+    """The calls a pair makes on its 2-rank c10d group (``ProcessGroupGloo``, ``ProcessGroupNCCL``).
+
+    c10d's ``Backend`` binds them all, but torch's stub omits most, so a constructed group is given this type."""
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work: ...
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions = ...) -> Work: ...
+
+    def eager_connect_single_device(self, device: torch.device | None) -> None: ...
+
+    def abort(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+Address: TypeAlias = "tuple[str | int, ...]"
+"""A socket's (host, port)."""
+
 # One gloo device (listener + event loop) per process and host: every pair of
 # the process shares it, so a link costs one socket, not a thread and a port.
-_devices: dict[str | None, object] = {}
+_devices: dict[str | None, ProcessGroupGloo.Device] = {}
 # Above every tag the groups use (all below 2**30, see nccl_delta.group): never matched by a send.
 PROBE_TAG = (1 << 30) + 1
 _devices_lock = threading.Lock()
 
 
-def _gloo_device(host: str | None):
+def _gloo_device(host: str | None) -> ProcessGroupGloo.Device:
     with _devices_lock:
         if host not in _devices:
             iface = os.environ.get("GLOO_SOCKET_IFNAME")
@@ -66,7 +92,7 @@ def _socket_fds() -> set[int]:
     return fds
 
 
-def _connected_endpoints(fds: set[int]) -> dict[int, tuple[list, list]]:
+def _connected_endpoints(fds: set[int]) -> dict[int, tuple[list[str | int], list[str | int]]]:
     """fd -> (local addr, peer addr) of the connected TCP sockets among ``fds``."""
     found = {}
     for fd in fds:
@@ -93,7 +119,7 @@ def _connected_endpoints(fds: set[int]) -> dict[int, tuple[list, list]]:
     return found
 
 
-def _endpoint(fd: int) -> tuple | None:
+def _endpoint(fd: int) -> tuple[Address, Address] | None:
     """(local, peer) of the TCP socket now at ``fd``, or ``None`` if there is none."""
     try:
         sock = socket.socket(fileno=os.dup(fd))
@@ -113,7 +139,7 @@ class _Send:
 
     __slots__ = ("work",)
 
-    def __init__(self, work):
+    def __init__(self, work: Waitable):
         self.work = work
 
 
@@ -122,7 +148,7 @@ class _Sends:
 
     __slots__ = ("works",)
 
-    def __init__(self, works: list):
+    def __init__(self, works: list[Waitable]):
         self.works = works
 
     def wait(self, timeout: datetime.timedelta) -> None:
@@ -140,7 +166,8 @@ class _Collective(_Send):
 class GlooPair:
     """The transport handle of one link: a 2-rank gloo group plus its socket."""
 
-    def __init__(self, pg: ProcessGroupGloo, side: int, sockets: dict[int, tuple], timeout: datetime.timedelta):
+    def __init__(self, pg: PairGroup | None, side: int, sockets: dict[int, tuple[Address, Address]],
+                 timeout: datetime.timedelta):
         self.pg = pg
         self.side = side
         self.peer_side = 1 - side
@@ -185,19 +212,23 @@ class GlooPair:
             return "imed out" not in str(exc)  # a timeout means the peer is still there
         return False
 
-    def isend(self, tensor: torch.Tensor, tag: int):
+    def isend(self, tensor: torch.Tensor, tag: int) -> _Send:
+        assert self.pg is not None, "the pair was closed"
         return _Send(self.pg.send([tensor], self.peer_side, tag))
 
-    def allreduce(self, tensor: torch.Tensor, reduce_op):
+    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOpLike) -> _Collective:
         """The pair's own gloo all-reduce: one call instead of a send and a receive per step."""
         opts = AllreduceOptions()
-        opts.reduceOp = reduce_op
+        # pybind converts a RedOpType (ReduceOp.SUM etc.) to a ReduceOp; the stub's field takes a ReduceOp only.
+        opts.reduceOp = reduce_op  # type: ignore[assignment]
+        assert self.pg is not None, "the pair was closed"
         return _Collective(self.pg.allreduce([tensor], opts))
 
-    def irecv(self, tensor: torch.Tensor, tag: int):
+    def irecv(self, tensor: torch.Tensor, tag: int) -> Work:
+        assert self.pg is not None, "the pair was closed"
         return self.pg.recv([tensor], self.peer_side, tag)
 
-    def wait(self, work, timeout: datetime.timedelta) -> None:
+    def wait(self, work: Work | _Send, timeout: datetime.timedelta) -> None:
         """Block until ``work`` is done; :meth:`sever` interrupts a pending send even if gloo never fails it.
 
         Only sends need the waiter thread (see :mod:`nccl_delta.waiter`): the op gloo was seen
@@ -223,7 +254,7 @@ class GlooPair:
             with self._lock:
                 self._pending.discard(pending)
 
-    def wait_sends(self, works: list, timeout: datetime.timedelta) -> None:
+    def wait_sends(self, works: list[_Send], timeout: datetime.timedelta) -> None:
         """Block until every send in ``works`` (from :meth:`isend`) is done, as one interruptible wait."""
         self.wait(_Send(_Sends([w.work for w in works])), timeout)
 
@@ -256,7 +287,7 @@ def connect_gloo_pair(
     store: Store, prefix: str, side: int, timeout: datetime.timedelta, host: str | None
 ) -> GlooPair:
     """Build the 2-rank gloo group of one link; both ends call this with the same ``prefix``."""
-    opts = ProcessGroupGloo._Options()
+    opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stub's Options lacks _devices/_threads
     opts._timeout = timeout
     opts._devices = [_gloo_device(host)]
     # Only send/recv run on a pair, inline on the caller's thread, so one worker thread is enough.
@@ -265,7 +296,7 @@ def connect_gloo_pair(
     # By connection, not by fd number: a link closed by another thread meanwhile frees its number,
     # and the new pair's socket may take it.
     before = _connected_endpoints(_socket_fds())
-    pg = ProcessGroupGloo(link_store, side, 2, opts)
+    pg: PairGroup = ProcessGroupGloo(link_store, side, 2, opts)  # type: ignore[assignment]  # see PairGroup
     # A round trip first: gloo may still replace the pair's first socket after the constructor
     # returns (seen as the recorded fd later holding another connection). Data that crossed
     # the pair proves the socket we record below is the one it keeps.

@@ -18,10 +18,18 @@ from __future__ import annotations
 
 import datetime
 import threading
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed import PrefixStore, Store
+from torch._C._distributed_c10d import PrefixStore, Store
+from torch.distributed import Work
 
+if TYPE_CHECKING:
+    from torch._C import _distributed_c10d as _c10d
+
+    from .transport_gloo import PairGroup
+
+ProcessGroupNCCL: type[_c10d.ProcessGroupNCCL] | None
 try:  # absent from CPU-only builds
     from torch._C._distributed_c10d import ProcessGroupNCCL
 except ImportError:  # pragma: no cover - depends on the torch build
@@ -37,8 +45,8 @@ def nccl_available() -> bool:
 class NcclPair:
     """The transport handle of one GPU link."""
 
-    def __init__(self, pg, side: int, device: torch.device):
-        self.pg = pg
+    def __init__(self, pg: PairGroup, side: int, device: torch.device):
+        self.pg: PairGroup | None = pg
         self.side = side
         self.peer_side = 1 - side
         self.device = device
@@ -47,13 +55,15 @@ class NcclPair:
 
     severable = True
 
-    def isend(self, tensor: torch.Tensor, tag: int):
+    def isend(self, tensor: torch.Tensor, tag: int) -> Work:
+        assert self.pg is not None, "the pair was closed"
         return self.pg.send([tensor], self.peer_side, 0)
 
-    def irecv(self, tensor: torch.Tensor, tag: int):
+    def irecv(self, tensor: torch.Tensor, tag: int) -> Work:
+        assert self.pg is not None, "the pair was closed"
         return self.pg.recv([tensor], self.peer_side, 0)
 
-    def wait(self, work, timeout: datetime.timedelta) -> None:
+    def wait(self, work: Work, timeout: datetime.timedelta) -> None:
         # NCCL's wait() orders the current stream after the op; the ring's reduction runs on
         # that stream and the next send is ordered after it by ProcessGroupNCCL, so the host
         # need not block.
@@ -69,7 +79,8 @@ class NcclPair:
                 return
             self._severed = True
         try:
-            self.pg.abort()
+            if self.pg is not None:  # None once closed
+                self.pg.abort()
         except Exception:
             pass  # already aborted or torn down by an error
 
@@ -87,11 +98,13 @@ def connect_nccl_pair(store: Store, prefix: str, side: int, timeout: datetime.ti
     if not nccl_available():
         raise CommLinkError("the nccl transport needs CUDA and a torch build with NCCL; "
                             "set NCCL_DELTA_TRANSPORT=gloo on CPU machines")
+    assert ProcessGroupNCCL is not None  # nccl_available() checked it
     device = torch.device("cuda", torch.cuda.current_device())
     opts = ProcessGroupNCCL.Options()
     opts._timeout = timeout
     opts.is_high_priority_stream = False
-    pg = ProcessGroupNCCL(PrefixStore(prefix, store), side, 2, opts)
+    # See PairGroup: the stub's ProcessGroupNCCL lacks the send/recv/allreduce bindings.
+    pg: PairGroup = ProcessGroupNCCL(PrefixStore(prefix, store), side, 2, opts)  # type: ignore[assignment]
     try:
         pg.eager_connect_single_device(device)
     except AttributeError:

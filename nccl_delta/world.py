@@ -30,11 +30,12 @@ Contract
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import TYPE_CHECKING, Callable, Iterable
 
-from torch.distributed import Store
+from torch._C._distributed_c10d import Store
 
 from . import links as links_mod
 from .config import DeltaConfig
@@ -165,8 +166,7 @@ class DeltaWorld:
             return links_mod.connect(lid, self.rank, client, self.config)
 
         clients = _clients(store, len(todo))
-        built = _build_all(self, {peer: (lambda peer=peer, client=client: build(peer, client))
-                                  for peer, client in zip(todo, clients)})
+        built = _build_all(self, {peer: functools.partial(build, peer, client) for peer, client in zip(todo, clients)})
         if install:
             for peer, link in built.items():
                 self.install(transport, peer, link)
@@ -264,7 +264,7 @@ def _clients(store: Store, count: int) -> list[Store]:
     if count <= 1:
         return [store]
     try:
-        return [store.clone() for _ in range(count)]
+        return [store.clone() for _ in range(count)]  # type: ignore[attr-defined]  # bound in c10d; not in the stub
     except Exception:  # e.g. a store implemented in Python without clone()
         return [store] * count
 
