@@ -8,6 +8,7 @@ normal or not, the process group and model-parallel state are torn down.
 
 from __future__ import annotations
 
+import argparse
 import faulthandler
 import json
 import logging
@@ -16,14 +17,15 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
 from megatron.training import checkpointing, global_vars, iteration_start
 from megatron.training.arguments import parse_args
 from megatron.training.data import BatchPlan, GPTBatchIterator
-from megatron.training.initialize import DistributedSetup, initialize_distributed, set_random_seeds, shutdown
+from megatron.training.initialize import (DistributedSetup, ParallelLayout, initialize_distributed, set_random_seeds,
+                                         shutdown)
 from megatron.training.model import get_model, transformer_config_from_args
 from megatron.training.tokenizer import build_tokenizer
 
@@ -140,12 +142,12 @@ def setup_optimizer(model, args):
 class Session:
     """Everything one rank trains with; the TrainMover runtime reads and resets it during migrations."""
 
-    args: object
-    layout: object
+    args: argparse.Namespace
+    layout: ParallelLayout
     model: list
-    optimizer: object
-    scheduler: object
-    dataset: object
+    optimizer: Any  # megatron-core's MegatronOptimizer (or a ChainedOptimizer); megatron-core has no type stubs
+    scheduler: Any  # megatron-core's OptimizerParamScheduler
+    dataset: Any  # the training dataset from the dataset provider (megatron-core's GPTDataset)
     forward_step_func: Callable
     metrics: "MetricsLog"
     iterators: list = field(default_factory=list)

@@ -22,10 +22,13 @@ import json
 import logging
 import os
 import threading
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from trainmover_ext.control.records import Event, MigrationPlan
 from trainmover_ext.errors import MalformedValue
+
+if TYPE_CHECKING:
+    from trainmover_ext.kv.job import JobSpace
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +37,7 @@ MIGRATIONS_FILE = "migrations.jsonl"
 FINISHED = ("done", "aborted")
 
 
-def read_jsonl(path: str) -> Iterator[dict]:
+def read_jsonl(path: str) -> Iterator[dict[str, Any]]:
     """The records of a JSON-lines file, skipping lines that do not parse; nothing if it is missing."""
     if not os.path.exists(path):
         return
@@ -51,7 +54,10 @@ def read_jsonl(path: str) -> Iterator[dict]:
 class RunArchive:
     """See the module docstring."""
 
-    def __init__(self, run_dir: str):
+    _thread: threading.Thread | None
+    """The polling thread, from :meth:`start` until :meth:`close` (unset before :meth:`start`)."""
+
+    def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
         self.events_path = os.path.join(run_dir, EVENTS_FILE)
@@ -59,7 +65,7 @@ class RunArchive:
         self._events = {r.get("key") for r in read_jsonl(self.events_path)}
         self._epochs = {r.get("epoch") for r in read_jsonl(self.migrations_path)}
 
-    def start(self, space, is_leader: Callable[[], bool], interval_s: float = 1.0) -> "RunArchive":
+    def start(self, space: JobSpace, is_leader: Callable[[], bool], interval_s: float = 1.0) -> "RunArchive":
         """Poll ``space`` on a daemon thread while ``is_leader()``; see the module docstring."""
         self._space, self._is_leader = space, is_leader
         self._stop = threading.Event()
@@ -91,10 +97,10 @@ class RunArchive:
         self._thread = None
         self._round()
 
-    def poll(self, space) -> int:
+    def poll(self, space: JobSpace) -> int:
         """Copy what is new in ``space`` (a JobSpace); returns how many records were written."""
         written = 0
-        new_events = []
+        new_events: list[dict[str, Any]] = []
         for entry in space.kv.get_prefix(space.key("events/")).entries:
             if entry.key in self._events:
                 continue
@@ -104,7 +110,7 @@ class RunArchive:
                 continue
             new_events.append({"key": entry.key, **dataclasses.asdict(event)})
         written += self._append(self.events_path, new_events, self._events, "key")
-        finished = []
+        finished: list[dict[str, Any]] = []
         for entry in space.kv.get_prefix(space.key("migrations/")).entries:
             try:
                 plan = MigrationPlan.from_bytes(entry.value, key=entry.key)
@@ -116,7 +122,7 @@ class RunArchive:
         return written
 
     @staticmethod
-    def _append(path: str, records: list[dict], seen: set, key: str) -> int:
+    def _append(path: str, records: list[dict[str, Any]], seen: set[Any], key: str) -> int:
         if not records:
             return 0
         with open(path, "a") as f:

@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 from trainmover_ext.control.decide import warm_standbys
 from trainmover_ext.control.membership import request_migration
@@ -83,7 +83,7 @@ def _ts(t: float | None) -> str:
     return "-" if t is None else _dt.datetime.fromtimestamp(t).strftime("%H:%M:%S.%f")[:-3]
 
 
-def _table(headers: list[str], rows: list[list[object]]) -> str:
+def _table(headers: list[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [headers] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
@@ -116,13 +116,16 @@ def format_status(view: View, job: str) -> str:
                    f"{plan.resume_iteration if plan.resume_iteration is not None else 'at next boundary'}")
         for rep in plan.replacement_list():
             src = rep.state_source
-            src_s = {"replica": f"replica rank {src.get('rank')}", "checkpoint": f"checkpoint (iteration {src.get('iteration')})",
-                     "leaver": "the leaver"}.get(src.get("kind"), str(src))
+            src_names: dict[str | None, str] = {"replica": f"replica rank {src.get('rank')}",
+                                                "checkpoint": f"checkpoint (iteration {src.get('iteration')})",
+                                                "leaver": "the leaver"}
+            src_s = src_names.get(src.get("kind"), str(src))
             out.append(f"  rank {rep.rank}: {rep.leaver} -> {rep.joiner} ({rep.role}), state from {src_s}")
         if plan.unserved:
             out.append(f"  unserved ranks (no standby): {plan.unserved}")
         t0 = min(plan.steps.values()) if plan.steps else None
         for step, t in sorted(plan.steps.items(), key=lambda kv: kv[1]):
+            assert t0 is not None  # steps is not empty here
             out.append(f"    {step:<12} {_ts(t)}  +{(t - t0) * 1000:.1f} ms")
     for a in view.alerts.values():
         out.append(f"ALERT rank {a.rank}: {a.reason}")
@@ -211,7 +214,7 @@ def _check_target(view: View, job: str, rank: int, to: str) -> None:
                       "until `trainmover status` shows it warm")
 
 
-def _await_decision(space, request_id: str, rank: int, epoch: int, wait_s: float) -> int:
+def _await_decision(space: JobSpace, request_id: str, rank: int, epoch: int, wait_s: float) -> int:
     """0 once the controller planned the move, 1 with its reason when it rejected it, 3 on no decision."""
     deadline = time.monotonic() + wait_s
     key = space.key("requests", request_id)
@@ -288,14 +291,15 @@ def cmd_controller(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sub(subparsers: argparse._SubParsersAction, name: str, help_: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+def _sub(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help_: str,
+         func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help=help_, description=help_)
     add_connection_flags(p)
     p.set_defaults(func=func)
     return p
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Register ``status``, ``events`` and ``migrate``; returns the ``status`` parser."""
     status = _sub(subparsers, "status", "show ranks -> members, standbys, epoch and the last migration of a job", cmd_status)
     events = _sub(subparsers, "events", "show the timeline of membership and migration events of a job", cmd_events)

@@ -38,7 +38,7 @@ from trainmover_ext.control.election import LeaderElection
 from trainmover_ext.control.executor import Executor, Outcome
 from trainmover_ext.control.view import read_view
 from trainmover_ext.errors import ConfigError, LeadershipLost, TrainMoverError
-from trainmover_ext.kv.base import WatchEvent
+from trainmover_ext.kv.base import WatchEvent, WatchHandle
 from trainmover_ext.kv.job import JobSpace
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class Controller:
         self._stop = threading.Event()
         self._gone_at: dict[str, float] = {}
         self._thread: threading.Thread | None = None
-        self._watch = None
+        self._watch: WatchHandle | None = None
 
     # -- lifecycle --
     def start(self) -> "Controller":

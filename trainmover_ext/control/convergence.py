@@ -81,7 +81,7 @@ def plan_convergence(rings: dict[int, list[int]], iterations: dict[int, int],
     if missing:
         raise ValueError(f"ranks {sorted(missing)} are neither reporting stayers nor joiners")
     shard_of = {rank: tuple(ring) for rank, ring in rings.items()}
-    best: dict[tuple, int] = {}
+    best: dict[tuple[int, ...], int] = {}
     for rank, it in iterations.items():
         shard = shard_of[rank]
         best[shard] = max(best.get(shard, -1), it)

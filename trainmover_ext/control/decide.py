@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainmover_ext.control.convergence import plan_convergence
 from trainmover_ext.control.records import MAX_EPOCH, Alert, ConvergenceRecord, MigrationPlan, RankRecord, Replacement
@@ -139,6 +140,7 @@ def _handover_pending(view: View) -> Replacement | None:
 def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
     failed: dict[int, _Failure] = {}
     actions: list[Action] = []
+    rec: RankRecord | None
     for r, rec in sorted(view.ranks.items()):
         if r in view.finished:
             continue  # its worker completed training and left: nothing to replace
@@ -158,7 +160,8 @@ def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
                 failed.setdefault(moving.rank, leaver_lost)
     for key, rep in sorted(view.reports.items()):
         rec = view.ranks.get(rep.rank)
-        if leaver_lost is not None and rep.rank == leaver_lost.rank.rank and rep.member_id == moving.leaver:
+        if (leaver_lost is not None and moving is not None  # leaver_lost is set only with moving
+                and rep.rank == leaver_lost.rank.rank and rep.member_id == moving.leaver):
             f = failed.setdefault(rep.rank, leaver_lost)
             f.consumed.append(key)
             if f.detected_at is None or rep.reported_at < f.detected_at:
@@ -203,7 +206,7 @@ def _pick_standby(view: View, candidates: list[str], rec: RankRecord) -> str | N
     return (kept_it or pool)[0]
 
 
-def _state_source(view: View, rec: RankRecord, failed: set[int]) -> dict:
+def _state_source(view: View, rec: RankRecord, failed: set[int]) -> dict[str, Any]:
     """Where the plan expects the lost state to come from (shown to operators); which replica sends
     it, and whether the job must go back to the checkpoint after all, is the convergence decision."""
     if any(q not in failed and q in view.ranks and view.ranks[q].member_id in view.members for q in rec.replicas):
@@ -273,6 +276,7 @@ def _decide_convergence(view: View, now: float, decided_by: str) -> list[Action]
     if not _recovery_under_way(view) or not view.ranks:
         return []  # no rank record is readable (garbage, reported in view.malformed): nothing to resume yet
     plan = view.last_plan
+    assert plan is not None  # _recovery_under_way checked it
     joiners = {r.rank for r in plan.replacement_list()}
     reported = view.recovery.get(plan.epoch, {})
     stayers = set(view.ranks) - joiners
@@ -280,7 +284,7 @@ def _decide_convergence(view: View, now: float, decided_by: str) -> list[Action]
         return []  # still waiting; a stayer that dies meanwhile is a new failure (a newer plan)
     # A stayer whose state is unusable (a copy into it was cut short by this epoch) needs a copy
     # like a joiner.
-    holding = {r: reported[r] for r in stayers if reported[r] is not None}
+    holding = {r: it for r in stayers if (it := reported[r]) is not None}
     rings = {r: sorted({r, *rec.replicas}) for r, rec in view.ranks.items()}
     cplan = plan_convergence(rings, holding, set(view.ranks) - set(holding))
     record = ConvergenceRecord(epoch=plan.epoch, resume_iteration=cplan.resume_iteration,

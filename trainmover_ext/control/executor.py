@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from typing import Any
 
 from trainmover_ext.control.decide import (
     Action, CommitConvergence, CommitSwitchPoint, DropStaleReport, PlanMigration, RaiseAlert, RejectRequest,
@@ -45,7 +46,7 @@ class Outcome(enum.Enum):
     CONFLICT = "conflict"
 
 
-def event_put(space: JobSpace, what: str, detail: dict, now: float) -> Put:
+def event_put(space: JobSpace, what: str, detail: dict[str, Any], now: float) -> Put:
     """A ``Put`` of one timeline event (append-only; keys sort by time)."""
     return Put(space.key("events", event_key_suffix(now)), Event(time=now, what=what, detail=detail).to_bytes())
 
@@ -61,7 +62,7 @@ class Executor:
     def _guards(self, *extra: Guard) -> list[Guard]:
         return ([self.leader_guard] if self.leader_guard else []) + list(extra)
 
-    def _commit(self, guards: list[Guard], ops: list) -> Outcome:
+    def _commit(self, guards: list[Guard], ops: list[Put | Delete]) -> Outcome:
         if self.space.commit(self._guards(*guards), ops):
             return Outcome.APPLIED
         if self.leader_guard is not None and not self.space.kv.commit([self.leader_guard], []):
@@ -72,7 +73,7 @@ class Executor:
         s = self.space
         if isinstance(action, PlanMigration):
             plan = action.plan
-            ops: list = [
+            ops: list[Put | Delete] = [
                 Put(s.key("epoch"), epoch_value(plan.epoch)),
                 Put(s.key("migrations", migration_key_suffix(plan.epoch)), plan.to_bytes()),
             ]

@@ -34,6 +34,7 @@ from trainmover_ext.control.executor import event_put
 from trainmover_ext.control.records import Event, FingerprintRecord
 from trainmover_ext.errors import ConfigMismatch, MalformedValue, StandbyRefused, StoreTimeout
 from trainmover_ext.kv.base import Put, wait_prefix
+from trainmover_ext.kv.job import JobSpace
 
 FINGERPRINT_KEY = "fingerprint"
 """The job's :class:`FingerprintRecord`, under the job's namespace."""
@@ -105,17 +106,17 @@ def fingerprint_record(args: Any, *, published_by: str, now: Optional[float] = N
                              published_at=time.time() if now is None else now)
 
 
-def fingerprint_diff(job: dict, mine: dict) -> dict[str, tuple]:
+def fingerprint_diff(job: dict[str, Any], mine: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """``field -> (job value, other value)`` for every field that differs (a field one side lacks reads None)."""
     return {k: (job.get(k), mine.get(k)) for k in sorted(set(job) | set(mine)) if job.get(k) != mine.get(k)}
 
 
-def describe_diff(diff: dict[str, tuple], *, other: str = "standby") -> str:
+def describe_diff(diff: dict[str, tuple[Any, Any]], *, other: str = "standby") -> str:
     """``"field: job 1, standby 2; ..."``: every differing field with both values."""
     return "; ".join(f"{name}: job {a!r}, {other} {b!r}" for name, (a, b) in diff.items())
 
 
-def check_standby(job: dict, mine: dict, *, member: str) -> None:
+def check_standby(job: dict[str, Any], mine: dict[str, Any], *, member: str) -> None:
     """Pure: raise :class:`StandbyRefused` when standby ``member``'s fingerprint ``mine`` differs from
     the job's; return None when every field is equal."""
     diff = fingerprint_diff(job, mine)
@@ -129,7 +130,7 @@ def check_standby(job: dict, mine: dict, *, member: str) -> None:
 # --- the one key, and the refusal in the timeline ---------------------------------------
 
 
-def publish_fingerprint(space, record: FingerprintRecord) -> FingerprintRecord:
+def publish_fingerprint(space: JobSpace, record: FingerprintRecord) -> FingerprintRecord:
     """Worker: write the job's fingerprint unless one exists; returns the job's. Raises
     :class:`ConfigMismatch` when the job's differs from ``record``."""
     key = space.key(FINGERPRINT_KEY)
@@ -150,7 +151,7 @@ def publish_fingerprint(space, record: FingerprintRecord) -> FingerprintRecord:
     return job
 
 
-def wait_job_fingerprint(space, timeout_s: float) -> FingerprintRecord:
+def wait_job_fingerprint(space: JobSpace, timeout_s: float) -> FingerprintRecord:
     """Standby: the job's fingerprint, waiting for its first worker to publish it; :class:`StoreTimeout`
     after ``timeout_s``."""
     key = space.key(FINGERPRINT_KEY)
@@ -163,16 +164,16 @@ def wait_job_fingerprint(space, timeout_s: float) -> FingerprintRecord:
     return FingerprintRecord.from_bytes(values[key], key=key)
 
 
-def refusal_event(space, member: str, diff: dict[str, tuple], now: Optional[float] = None) -> Put:
+def refusal_event(space: JobSpace, member: str, diff: dict[str, tuple[Any, Any]], now: Optional[float] = None) -> Put:
     """The timeline event (:data:`REFUSAL_EVENT`) of standby ``member`` refused for ``diff``."""
     detail = {"member": member, "fields": {k: list(v) for k, v in diff.items()}}
     return event_put(space, REFUSAL_EVENT, detail, time.time() if now is None else now)
 
 
-def read_refusal(space, member: str) -> Optional[dict[str, tuple]]:
+def read_refusal(space: JobSpace, member: str) -> Optional[dict[str, tuple[Any, Any]]]:
     """The differing fields of standby ``member``'s refusal, from the job's timeline; None if it has none."""
     prefix = space.key("events") + "/"
-    found = None
+    found: Optional[dict[str, tuple[Any, Any]]] = None
     for entry in space.kv.get_prefix(prefix).entries:
         try:
             event = Event.from_bytes(entry.value, key=entry.key)

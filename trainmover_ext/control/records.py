@@ -46,10 +46,13 @@ import time
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from trainmover_ext.errors import MalformedValue
 from trainmover_ext.kv.codec import decode, encode
+
+if TYPE_CHECKING:
+    from trainmover_ext.kv.job import JobSpace
 
 ROLES = ("first", "middle", "last")
 """Pipeline stage kinds a standby can warm: embedding stage, middle stages, output/loss stage."""
@@ -93,8 +96,9 @@ def field_type_problems(obj: object) -> list[str]:
 
     JSON has one number type, so an integral value is a valid ``float``; a ``bool`` is never an
     ``int``, and a ``float`` field must be finite (``Infinity``/``NaN`` parse, but no writer means them)."""
+    cls: type = type(obj)  # a plain `type`: mypy does not take type[object] as Hashable (functools.cache)
     return [f"{name} is {getattr(obj, name)!r:.40}, not {_type_name(hint)}"
-            for name, hint in _field_types(type(obj)).items() if not _has_type(getattr(obj, name), hint)]
+            for name, hint in _field_types(cls).items() if not _has_type(getattr(obj, name), hint)]
 
 
 def _type_name(hint: Any) -> str:
@@ -279,12 +283,12 @@ class ConvergenceRecord(Record):
     decided_by: str = ""
 
 
-def recovery_key(space, epoch: int, rank: int) -> str:
+def recovery_key(space: JobSpace, epoch: int, rank: int) -> str:
     """``recovery/<e>/<r>``: what stayer ``rank`` holds after failure epoch ``epoch`` (it writes it once)."""
     return space.key("recovery", migration_key_suffix(epoch), rank)
 
 
-def convergence_key(space, epoch: int) -> str:
+def convergence_key(space: JobSpace, epoch: int) -> str:
     """``convergence/<e>``: the controller's :class:`ConvergenceRecord` for failure epoch ``epoch``."""
     return space.key("convergence", migration_key_suffix(epoch))
 

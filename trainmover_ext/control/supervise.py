@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from trainmover_ext.control.membership import report_failure
 from trainmover_ext.errors import TrainMoverError
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 class ChildExitReporter:
     """See the module docstring."""
 
-    def __init__(self, space: JobSpace, proc: subprocess.Popen, *, rank: int, member_id: str, reporter: str,
+    def __init__(self, space: JobSpace, proc: subprocess.Popen[Any], *, rank: int, member_id: str, reporter: str,
                  epoch: Callable[[], int] = lambda: 0) -> None:
         self.space, self.proc, self.rank, self.member_id, self.reporter, self.epoch = space, proc, rank, member_id, reporter, epoch
         self._expected = threading.Event()

@@ -5,13 +5,18 @@ The etcd client (which needs ``grpc``) loads on first use of ``EtcdKV``/``EtcdCl
 the standard-library parts (keys, records, :mod:`trainmover_ext.etcd.auth`) run on a bare Python.
 """
 
+from typing import TYPE_CHECKING
+
 from trainmover_ext.kv.base import KV, Delete, Entry, Guard, Put, Snapshot, WatchEvent, WatchHandle
 from trainmover_ext.kv.memory import MemoryKV
+
+if TYPE_CHECKING:  # loaded lazily at run time by __getattr__ below (they need grpc)
+    from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
 
 __all__ = ["KV", "Delete", "Entry", "EtcdClientConfig", "EtcdKV", "Guard", "MemoryKV", "Put", "Snapshot", "WatchEvent", "WatchHandle"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     if name in ("EtcdClientConfig", "EtcdKV"):
         from trainmover_ext.kv import etcd
 

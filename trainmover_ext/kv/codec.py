@@ -50,4 +50,5 @@ def decode(raw: bytes, *, kind: str, key: str) -> dict[str, Any]:
             f"{key} holds a {kind!r} record of schema version {doc['v']}, but this TrainMover reads versions "
             f"{list(READABLE_VERSIONS)}: run the same TrainMover version as the job that wrote it. The value is left untouched"
         )
-    return doc["data"]
+    data: dict[str, Any] = doc["data"]
+    return data

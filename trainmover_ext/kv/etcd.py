@@ -34,7 +34,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import grpc
 
@@ -42,6 +42,8 @@ from trainmover_ext.errors import AuthError, ConfigError, EtcdUnavailable, Store
 from trainmover_ext.kv.base import KV, Delete, Entry, Guard, Put, Snapshot, WatchCallback, WatchEvent, WatchHandle, prefix_end
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclass(kw_only=True)
@@ -337,7 +339,7 @@ class EtcdKV(KV):
             )
         return StoreError(f"etcd {what} failed: {exc!r}")
 
-    def _call(self, what: str, fn: Callable[[Any], Any]) -> Any:
+    def _call(self, what: str, fn: Callable[[Any], _T]) -> _T:
         deadline = time.monotonic() + self.config.timeout_s
         delay = 0.02
         while True:
@@ -381,7 +383,8 @@ class EtcdKV(KV):
 
     def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         resp = self._call(f"put {key}", lambda c: c.put(key, value, lease=lease or None))
-        return resp.header.revision
+        revision: int = resp.header.revision
+        return revision
 
     def commit(self, guards: Sequence[Guard], ops: Sequence[Put | Delete]) -> bool:
         def run(c: Any) -> bool:

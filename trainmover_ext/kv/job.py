@@ -35,11 +35,14 @@ import hmac
 import re
 import secrets
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from trainmover_ext.errors import AuthError, ConfigError, StoreError
 from trainmover_ext.kv.base import KV, Delete, Guard, Put
 from trainmover_ext.kv.codec import decode, encode
+
+if TYPE_CHECKING:
+    from trainmover_ext.kv.etcd import EtcdClientConfig
 
 ROOT = "/trainmover/"
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -84,7 +87,7 @@ def job_password(job: str, token: str) -> str:
     return hmac.new(token.encode(), f"trainmover etcd password of job {job}".encode(), hashlib.sha256).hexdigest()
 
 
-def job_login(config, job: str, token: str | None):
+def job_login(config: EtcdClientConfig, job: str, token: str | None) -> EtcdClientConfig:
     """``config`` (an ``EtcdClientConfig``) logging in as the job's user, unless it names a user of
     its own (``--tm-etcd-user``) or there is no token. A server without auth is used without login."""
     if config.user is not None or not token:

@@ -32,7 +32,7 @@ import threading
 import time
 from datetime import timedelta
 
-import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from trainmover_ext.errors import ConfigError, StoreTimeout
 from trainmover_ext.kv.base import KV, Guard, Put, wait_prefix
@@ -51,8 +51,10 @@ def _as_bytes(value: object) -> bytes:
     raise TypeError(f"store values must be bytes or str, got {type(value).__name__}")
 
 
-class EtcdStore(dist.Store):
+class EtcdStore(c10d.Store):  # = torch.distributed.Store, which torch does not export explicitly
     """See the module docstring."""
+
+    timeout: timedelta  # the store timeout: a property of torch's Store that its stub omits
 
     def __init__(self, config: EtcdClientConfig | list[str], prefix: str, timeout: timedelta | float = 300.0,
                  *, kv: KV | None = None) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from trainmover_ext.control.records import MigrationPlan
 from trainmover_ext.errors import CommLinkError, MembershipLost, RecoverySuperseded
@@ -29,11 +29,20 @@ from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults
 
 if TYPE_CHECKING:
+    import argparse
+
+    from megatron.training.training import Session
+    from trainmover_ext.config import TrainMoverConfig
+    from trainmover_ext.control.membership import Membership
+    from trainmover_ext.kv.job import JobSpace
+    from trainmover_ext.launch.identity import Identity
+    from trainmover_ext.migration.standby import Providers
     from trainmover_ext.sandbox.adopt import KeptRole
 
 
-def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, member,
-               kept: Optional["KeptRole"] = None) -> dict:
+def serve_rank(args: argparse.Namespace, config: TrainMoverConfig, providers: Providers, plan: MigrationPlan,
+               ident: Identity, space: JobSpace, member: Membership,
+               kept: Optional["KeptRole"] = None) -> dict[str, Any]:
     """Join the communicator as the plan's rank, take the state, and train (see the module docstring).
 
     With ``kept`` (the sandbox role this standby kept) it adopts those parts when they were built
@@ -77,13 +86,14 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
         # The links come up on a thread while this one builds the model: neither needs the other.
         joining = _Joining(plan.epoch, timeout_s=runtime.timeout_s)
 
-        def build(why: str):
+        def build(why: str) -> Session:
             print(f"[trainmover] standby {ident.member_id} builds rank {rep.rank}'s model ({why})", flush=True)
             with no_collectives():  # everything they would set comes with the state transfer
                 return build_session(args, layout, *providers, metrics, chunk_preparer(args))
 
         kept_role = kept.role if kept is not None else None
-        session, not_adopted, repointed = adopt_or_build(kept, layout, metrics, rep.rank, build, not_adopted)
+        # not_adopted is None only with parts kept, and adopt_or_build reads it only without any
+        session, not_adopted, repointed = adopt_or_build(kept, layout, metrics, rep.rank, build, cast(str, not_adopted))
         if not_adopted is None:
             print(f"[trainmover] standby {ident.member_id} adopted its kept {kept_role} model for rank "
                   f"{rep.rank} ({repointed} group references re-pointed)", flush=True)
@@ -118,7 +128,7 @@ def serve_rank(args, config, providers, plan: MigrationPlan, ident, space, membe
 class _Joining:
     """``nccl_delta``'s ``join(epoch)`` on a thread; :meth:`wait` re-raises its error."""
 
-    def __init__(self, epoch: int, timeout_s: float):
+    def __init__(self, epoch: int, timeout_s: float) -> None:
         import nccl_delta
 
         self.timeout_s = timeout_s

@@ -18,29 +18,39 @@ from __future__ import annotations
 import datetime
 import os
 import threading
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from trainmover_ext.control.records import MigrationPlan
 from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
 from trainmover_ext.migration.recovery import recv_and_report, send_and_report
 from trainmover_ext.migration.timeline import mark_step
 
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.distributed_c10d import Store, Work
+
+    from megatron.training.training import Session
+    from nccl_delta.transport_gloo import GlooPair, _Send
+    from trainmover_ext.migration.worker import WorkerRuntime
+
 
 class HandoverChannel:
     """The state transfer over the hand-over's gloo pair (``nccl_delta``'s :class:`GlooPair`): the
     leaver is side 0 and sends, the joiner side 1 receives. :meth:`sever` (any thread) cuts it."""
 
-    def __init__(self, pair, timeout_s: float):
+    def __init__(self, pair: GlooPair, timeout_s: float) -> None:
         self.pair = pair
         self.timeout = datetime.timedelta(seconds=timeout_s)
 
-    def send(self, tensor, tag: int):
-        return self.pair.isend(tensor, tag)
+    def send(self, tensor: torch.Tensor, tag: int) -> _Send:
+        work: _Send = self.pair.isend(tensor, tag)
+        return work
 
-    def recv(self, tensor, tag: int):
-        return self.pair.irecv(tensor, tag)
+    def recv(self, tensor: torch.Tensor, tag: int) -> Work:
+        work: Work = self.pair.irecv(tensor, tag)
+        return work
 
-    def wait_sends(self, works: list) -> None:
+    def wait_sends(self, works: list[_Send]) -> None:
         self.pair.wait_sends(works, self.timeout)
 
     def sever(self) -> None:
@@ -50,13 +60,14 @@ class HandoverChannel:
         self.pair.close()
 
 
-def open_handover(store, name: str, side: int, timeout_s: float, cancelled: Callable[[], bool]) -> HandoverChannel:
+def open_handover(store: Store, name: str, side: int, timeout_s: float,
+                  cancelled: Callable[[], bool]) -> HandoverChannel:
     """Build the hand-over pair ``name`` (both ends call this); gives up when ``cancelled()`` turns true."""
     from nccl_delta.transport_gloo import connect_gloo_pair
 
     host = os.environ.get("NCCL_DELTA_LINK_HOST") or "127.0.0.1"
     lock = threading.Lock()
-    out: dict = {}
+    out: dict[str, Any] = {}
     done = threading.Event()
 
     def build() -> None:
@@ -85,7 +96,7 @@ def open_handover(store, name: str, side: int, timeout_s: float, cancelled: Call
     return HandoverChannel(out["pair"], timeout_s)
 
 
-def _use(rt, channel: HandoverChannel, epoch: int, transfer: Callable[[], int]) -> None:
+def _use(rt: WorkerRuntime, channel: HandoverChannel, epoch: int, transfer: Callable[[], int]) -> None:
     """Run ``transfer`` over ``channel`` where the watch thread can sever it (a newer failure plan)."""
     from nccl_delta.waiter import WaitCancelled
 
@@ -103,17 +114,19 @@ def _use(rt, channel: HandoverChannel, epoch: int, transfer: Callable[[], int]) 
         channel.close()
 
 
-def _handover_store(rt):
+def _handover_store(rt: WorkerRuntime) -> Store:
     from trainmover_ext.launch.rendezvous import rank_store
 
-    return rank_store(datetime.timedelta(seconds=rt.timeout_s))
+    # Not None: a WorkerRuntime exists only under etcd rendezvous (identity_from_env refuses anything else).
+    store: Store = rank_store(datetime.timedelta(seconds=rt.timeout_s))
+    return store
 
 
-def _superseded(rt, epoch: int) -> Callable[[], bool]:
+def _superseded(rt: WorkerRuntime, epoch: int) -> Callable[[], bool]:
     return lambda: rt.newest_failure_epoch() > epoch
 
 
-def hand_over(rt, session, plan: MigrationPlan) -> None:
+def hand_over(rt: WorkerRuntime, session: Session, plan: MigrationPlan) -> None:
     """The planned leaver, at the agreed boundary: stream state to the joiner, then leave."""
     channel = open_handover(_handover_store(rt), f"{plan.epoch}/leaver", 0, rt.timeout_s,
                             _superseded(rt, plan.epoch))
@@ -128,7 +141,7 @@ def hand_over(rt, session, plan: MigrationPlan) -> None:
     rt.epoch = plan.epoch
 
 
-def receive_from_leaver(rt, session, plan: MigrationPlan) -> None:
+def receive_from_leaver(rt: WorkerRuntime, session: Session, plan: MigrationPlan) -> None:
     """The planned joiner: receive the leaver's state (blocks until the leaver reaches the boundary).
 
     Raises :class:`RecoverySuperseded` (or a link error) when a newer failure plan cuts the move

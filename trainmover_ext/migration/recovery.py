@@ -19,6 +19,7 @@ Contract (every rank of the epoch, main thread):
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 from megatron.training import checkpointing, iteration_start
 from trainmover_ext.control.membership import report_recovery, wait_convergence
@@ -27,10 +28,15 @@ from trainmover_ext.errors import MigrationAborted, RecoverySuperseded
 from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults
 
+if TYPE_CHECKING:
+    from megatron.training.training import Session
+    from trainmover_ext.migration.transfer import Channel
+    from trainmover_ext.migration.worker import WorkerRuntime
+
 logger = logging.getLogger(__name__)
 
 
-def converge(rt, session, plan: MigrationPlan, *, fresh_joiner: bool) -> None:
+def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, *, fresh_joiner: bool) -> None:
     """Bring this rank to ``plan.epoch``'s resume point (see the module docstring)."""
     import nccl_delta
 
@@ -73,7 +79,7 @@ def converge(rt, session, plan: MigrationPlan, *, fresh_joiner: bool) -> None:
     rt.epoch = e
 
 
-def _await_convergence(rt, epoch: int) -> ConvergenceRecord:
+def _await_convergence(rt: WorkerRuntime, epoch: int) -> ConvergenceRecord:
     """The controller's convergence record of ``epoch`` (it decides once every stayer reported)."""
     record = wait_convergence(rt.space, epoch, rt.timeout_s, lambda: rt.newest_failure_epoch() > epoch)
     if record is None:
@@ -85,7 +91,7 @@ def _await_convergence(rt, epoch: int) -> ConvergenceRecord:
     return record
 
 
-def _load_checkpoint(rt, session, cplan: ConvergenceRecord) -> None:
+def _load_checkpoint(rt: WorkerRuntime, session: Session, cplan: ConvergenceRecord) -> None:
     args = session.args
     root = args.load or args.save
     if not root or checkpointing.read_latest_iteration(root) is None:
@@ -99,7 +105,7 @@ def _load_checkpoint(rt, session, cplan: ConvergenceRecord) -> None:
     session.started = iteration_start.capture(args)
 
 
-def send_and_report(channel, session, dst: int, epoch: int, drill: str) -> int:
+def send_and_report(channel: Channel[Any], session: Session, dst: int, epoch: int, drill: str) -> int:
     """Send this rank's state and say how much, and what it cost in memory (must be ~nothing).
     ``drill`` names the fault-drill phase that fires after the metadata (``send`` or ``handover``)."""
     from trainmover_ext.migration.transfer import forged_kind, send_state
@@ -118,7 +124,7 @@ def send_and_report(channel, session, dst: int, epoch: int, drill: str) -> int:
     return sent
 
 
-def recv_and_report(channel, session, src: int, epoch: int) -> int:
+def recv_and_report(channel: Channel[Any], session: Session, src: int, epoch: int) -> int:
     """Receive a rank's state and say how much, and whether it allocated anything it does not keep."""
     from trainmover_ext.migration.transfer import recv_state
     from trainmover_ext.runtime.memwatch import PeakWindow

@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from trainmover_ext.control.membership import DecisionWatcher, Membership
 from trainmover_ext.control.records import ROLES, MigrationPlan
@@ -37,13 +37,20 @@ from trainmover_ext.control.fingerprint import check_standby, model_fingerprint,
 from trainmover_ext.launch.identity import identity_from_env, open_space
 
 if TYPE_CHECKING:
+    import argparse
+
+    from trainmover_ext.config import TrainMoverConfig
+    from trainmover_ext.kv.job import JobSpace
     from trainmover_ext.sandbox.adopt import KeptRole
     from trainmover_ext.sandbox.pacing import Pacer
+
+    Providers = tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]
+    """``pretrain``'s (model_provider, train_valid_test_dataset_provider, forward_step_func)."""
 
 logger = logging.getLogger(__name__)
 
 
-def basic_warm_up(args, providers) -> dict:
+def basic_warm_up(args: argparse.Namespace, providers: Providers) -> dict[str, float]:
     """Warm what needs no job: data index, kernels, optimizer. Returns timings in seconds."""
     t0 = time.time()
     import torch
@@ -51,7 +58,7 @@ def basic_warm_up(args, providers) -> dict:
     from megatron.training.tokenizer import build_tokenizer
 
     torch.set_num_threads(args.threads_per_rank)
-    build_tokenizer(args)
+    build_tokenizer(args)  # type: ignore[no-untyped-call]  # megatron/training/tokenizer.py is not annotated
     _, dataset_provider, _ = providers
     dataset_provider([args.global_batch_size, 0, 0])  # builds the dataset's index (mmap, permutation)
     t_data = time.time()
@@ -68,7 +75,7 @@ def basic_warm_up(args, providers) -> dict:
     return {"data_s": t_data - t0, "kernels_s": time.time() - t_data}
 
 
-def preload_rank_code(args) -> float:
+def preload_rank_code(args: argparse.Namespace) -> float:
     """Do now the job-independent part of a promotion; returns the seconds it took.
 
     That is installing the megatron patches (source rewrites: about 0.4 s of CPU) and importing
@@ -83,11 +90,12 @@ def preload_rank_code(args) -> float:
     from megatron.training.model import gpt_layer_spec
 
     patches.install()
-    gpt_layer_spec(args)
+    gpt_layer_spec(args)  # type: ignore[no-untyped-call]  # megatron/training/model.py is not annotated
     return time.time() - t0
 
 
-def refuse_unless_fingerprint_matches(args, config, space, member) -> None:
+def refuse_unless_fingerprint_matches(args: argparse.Namespace, config: TrainMoverConfig, space: JobSpace,
+                                      member: Membership) -> None:
     """Compare this standby's model fingerprint with the job's (waiting for the job to publish it);
     on a difference, record the refusal in the job's timeline, log it and raise :class:`StandbyRefused`."""
     job = wait_job_fingerprint(space, config.fingerprint_timeout_s)
@@ -103,8 +111,9 @@ def refuse_unless_fingerprint_matches(args, config, space, member) -> None:
         raise
 
 
-def warm_up(args, config, providers, space, member, should_stop,
-            pacer: "Pacer") -> tuple[dict, Optional["KeptRole"]]:
+def warm_up(args: argparse.Namespace, config: TrainMoverConfig, providers: Providers, space: JobSpace,
+            member: Membership, should_stop: Callable[[], bool],
+            pacer: "Pacer") -> tuple[dict[str, Any], Optional["KeptRole"]]:
     """Warm this standby and report it on its member record; returns the warm-up report and the
     parts of the role it keeps (``--tm-keep-role``; None without the sandbox).
 
@@ -145,7 +154,8 @@ def warm_up(args, config, providers, space, member, should_stop,
     return report, None
 
 
-def run_standby(args, config, providers, t_process: float) -> dict:
+def run_standby(args: argparse.Namespace, config: TrainMoverConfig, providers: Providers,
+                t_process: float) -> dict[str, Any]:
     """The standby's whole life; returns the training summary once it served a rank."""
     from trainmover_ext.sandbox.pacing import Pacer
     from trainmover_ext.sandbox.standby import StandbyMemberRecord
@@ -196,7 +206,8 @@ def run_standby(args, config, providers, t_process: float) -> dict:
     return serve_rank(args, config, providers, plan, ident, space, member, kept=kept)
 
 
-def rejoin_as_standby(args, config, providers, t_process: float, leaver: str, epoch: int) -> dict:
+def rejoin_as_standby(args: argparse.Namespace, config: TrainMoverConfig, providers: Providers, t_process: float,
+                      leaver: str, epoch: int) -> dict[str, Any]:
     """A planned leaver of ``epoch`` (``--tm-leaver-becomes-standby``) serves the pool again.
 
     Called by the worker's process after its state went to the joiner and its groups, links,

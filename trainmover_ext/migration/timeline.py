@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Any
 
 from trainmover_ext.control.records import MigrationPlan, migration_key_suffix
 from trainmover_ext.errors import StoreError
 from trainmover_ext.kv.base import Guard, Put
 
+if TYPE_CHECKING:
+    from trainmover_ext.kv.job import JobSpace
+
 logger = logging.getLogger(__name__)
 
 
-def mark_step(space, epoch: int, step: str, *, only_if: bool = True, status: str | None = None,
-              at: float | None = None, resume_iteration: int | None = None, fields: dict | None = None) -> bool:
+def mark_step(space: JobSpace, epoch: int, step: str, *, only_if: bool = True, status: str | None = None,
+              at: float | None = None, resume_iteration: int | None = None,
+              fields: dict[str, Any] | None = None) -> bool:
     """Record ``step`` at ``at`` (default now) in the plan of ``epoch``, optionally with the
     resume iteration, other plan ``fields`` and a new status. Returns True when written."""
     if not only_if:

@@ -34,28 +34,62 @@ import datetime
 import io
 import os
 import pickle
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar
 
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo
+from torch.distributed import ProcessGroupGloo
+from torch.distributed.distributed_c10d import PrefixStore, Store, Work
 
 from megatron.training import checkpointing
 from trainmover_ext.errors import MigrationAborted
+
+if TYPE_CHECKING:
+    from megatron.training.training import Session
+    from nccl_delta.links import LinkWork
+
+
+class Waitable(Protocol):
+    """A posted receive: ``wait()`` blocks until its tensor has landed."""
+
+    def wait(self) -> object: ...
+
+
+_S = TypeVar("_S")
+"""What a channel's ``send`` returns and its ``wait_sends`` takes."""
+
+
+class Channel(Protocol[_S]):
+    """What :func:`send_state` and :func:`recv_state` need of a channel: :class:`PairChannel`,
+    :class:`LinkChannel` or the planned hand-over's ``HandoverChannel``."""
+
+    def send(self, tensor: torch.Tensor, tag: int) -> _S: ...
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> Waitable: ...
+
+    def wait_sends(self, works: list[_S]) -> None: ...
+
+
+class _PairGroup(Protocol):
+    """The calls :class:`PairChannel` makes on its ``ProcessGroupGloo`` (c10d binds them; torch's stub omits them)."""
+
+    def send(self, tensors: list[torch.Tensor], dstRank: int, tag: int) -> Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], srcRank: int, tag: int) -> Work: ...
 
 
 class PairChannel:
     """The transfer over a 2-rank gloo group of its own (:func:`open_transfer_link`): source side 0."""
 
-    def __init__(self, pg):
+    def __init__(self, pg: _PairGroup) -> None:
         self.pg = pg
 
-    def send(self, tensor: torch.Tensor, tag: int):
+    def send(self, tensor: torch.Tensor, tag: int) -> Work:
         return self.pg.send([tensor], 1, tag)
 
-    def recv(self, tensor: torch.Tensor, tag: int):
+    def recv(self, tensor: torch.Tensor, tag: int) -> Work:
         return self.pg.recv([tensor], 0, tag)
 
-    def wait_sends(self, works: list) -> None:
+    def wait_sends(self, works: list[Work]) -> None:
         for work in works:
             work.wait()
 
@@ -71,41 +105,45 @@ class LinkChannel:
     TAG = 1000
     """WORLD's point-to-point tag for state transfers (megatron's pipeline p2p over WORLD uses tag 0)."""
 
-    def __init__(self, peer: int):
+    def __init__(self, peer: int) -> None:
         import nccl_delta
 
         world = nccl_delta.current_world()
+        assert world.world_group_name is not None  # set when WORLD was created, before any transfer
         self.group = world.groups[world.world_group_name]
         self.peer = peer
 
-    def send(self, tensor: torch.Tensor, tag: int):
+    def send(self, tensor: torch.Tensor, tag: int) -> LinkWork:
         return self.group.isend(tensor, self.peer, self.TAG)
 
-    def recv(self, tensor: torch.Tensor, tag: int):
+    def recv(self, tensor: torch.Tensor, tag: int) -> LinkWork:
         return self.group.irecv(tensor, self.peer, self.TAG)
 
-    def wait_sends(self, works: list) -> None:
+    def wait_sends(self, works: list[LinkWork]) -> None:
         from nccl_delta.links import wait_sends
 
         wait_sends(works)  # one link: one wait
 
 
-def open_transfer_link(store, name: str, side: int, timeout_s: float, host: Optional[str] = None) -> PairChannel:
+def open_transfer_link(store: Store, name: str, side: int, timeout_s: float, host: Optional[str] = None) -> PairChannel:
     """A channel over a 2-rank gloo group named ``name`` on ``store``; side 0 sends, side 1 receives."""
-    opts = ProcessGroupGloo._Options()
+    opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # c10d binds _Options; torch's stub omits it
     opts._timeout = datetime.timedelta(seconds=timeout_s)
     host = host or os.environ.get("NCCL_DELTA_LINK_HOST") or "127.0.0.1"
     opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
     opts._threads = 1
     try:
-        return PairChannel(ProcessGroupGloo(PrefixStore(f"transfer/{name}/", store), side, 2, opts))
+        # c10d binds send/recv on ProcessGroupGloo; torch's stub omits them, hence the ignore
+        pg: _PairGroup = ProcessGroupGloo(PrefixStore(f"transfer/{name}/", store), side, 2,  # type: ignore[assignment]
+                                          opts)
+        return PairChannel(pg)
     except RuntimeError as exc:
         raise MigrationAborted(f"state-transfer link {name!r} could not be built: {exc}") from exc
 
 
-def _tensor_list(session) -> list[torch.Tensor]:
+def _tensor_list(session: Session) -> list[torch.Tensor]:
     """Every tensor of the training state, in an order both ends derive identically."""
-    tensors = []
+    tensors: list[torch.Tensor] = []
     for chunk in session.model:
         tensors += [t for t in chunk.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
     for opt in checkpointing._optimizers(session.optimizer):
@@ -120,7 +158,7 @@ def _tensor_list(session) -> list[torch.Tensor]:
     return tensors
 
 
-def _optimizer_layout(session) -> list:
+def _optimizer_layout(session: Session) -> list[list[dict[str, tuple[Any, ...]]]]:
     """Per optimizer, per param: the sorted state keys with shapes/dtypes (non-tensors by value)."""
     layout = []
     for opt in checkpointing._optimizers(session.optimizer):
@@ -128,7 +166,7 @@ def _optimizer_layout(session) -> list:
         per_param = []
         for group in opt.optimizer.param_groups:
             for p in group["params"]:
-                entry = {}
+                entry: dict[str, tuple[Any, ...]] = {}
                 for key in sorted(state.get(p, {})):
                     v = state[p][key]
                     entry[key] = ("tensor", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("value", v)
@@ -143,13 +181,13 @@ MAX_META_BYTES = 64 << 20
 """A metadata record larger than this is refused before anything is allocated for it."""
 
 
-def _send_blob(channel, obj: dict) -> None:
+def _send_blob(channel: Channel[Any], obj: dict[str, Any]) -> None:
     buf = io.BytesIO()
     torch.save({"format": META_FORMAT, "version": META_VERSION, **obj}, buf)
     _send_raw(channel, buf.getvalue())
 
 
-def _recv_blob(channel) -> dict:
+def _recv_blob(channel: Channel[Any]) -> dict[str, Any]:
     """The peer's metadata record; a record that is not one (or would run code) is a MigrationAborted."""
     size = torch.zeros(1, dtype=torch.int64)
     channel.recv(size, 0).wait()
@@ -172,12 +210,12 @@ def _recv_blob(channel) -> dict:
     return meta
 
 
-def _manifest(tensors: list[torch.Tensor]) -> list[list]:
+def _manifest(tensors: list[torch.Tensor]) -> list[list[Any]]:
     """``[shape, dtype]`` of every tensor, in transfer order."""
     return [[list(t.shape), str(t.dtype)] for t in tensors]
 
 
-def check_manifest(theirs: list, ours: list, rank: int) -> None:
+def check_manifest(theirs: list[list[Any]], ours: list[list[Any]], rank: int) -> None:
     """Raise :class:`MigrationAborted` naming what differs between the source's tensors and the target's."""
     if len(theirs) != len(ours):
         raise MigrationAborted(f"rank {rank}: the state source sends {len(theirs)} tensors, this process holds "
@@ -218,16 +256,17 @@ class _RunsCode:
     def __init__(self, marker: str) -> None:
         self.marker = marker
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[str], int], tuple[str]]:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _send_raw(channel, data: bytes) -> None:
+def _send_raw(channel: Channel[_S], data: bytes) -> None:
     channel.wait_sends([channel.send(torch.tensor([len(data)], dtype=torch.int64), 0),
                         channel.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), 1)])
 
 
-def send_state(channel, session, after_meta=None, forge: Optional[str] = None) -> int:
+def send_state(channel: Channel[_S], session: Session, after_meta: Optional[Callable[[], object]] = None,
+               forge: Optional[str] = None) -> int:
     """Source side (``channel``: :class:`PairChannel` or :class:`LinkChannel`); returns the bytes sent.
 
     Every tensor's send is posted before any is waited for: one round of waits, not one per tensor.
@@ -262,6 +301,7 @@ def send_state(channel, session, after_meta=None, forge: Optional[str] = None) -
     if after_meta is not None:
         after_meta()
     hoard = [t.detach().clone() for t in tensors] if os.environ.get(DRILL_EXTRA_COPY_ENV) == "1" else None
+    works: list[_S]
     sent, works = 0, []
     for i, t in enumerate(tensors):
         data = t.detach().contiguous()  # a no-op (same storage) for every tensor megatron keeps
@@ -272,7 +312,7 @@ def send_state(channel, session, after_meta=None, forge: Optional[str] = None) -
     return sent
 
 
-def _check_optimizer_layout(meta: dict, session) -> None:
+def _check_optimizer_layout(meta: dict[str, Any], session: Session) -> None:
     """The source's optimizer state must fit this process's parameters before it is materialised."""
     ours = [[p for g in opt.optimizer.param_groups for p in g["params"]]
             for opt in checkpointing._optimizers(session.optimizer)]
@@ -283,7 +323,7 @@ def _check_optimizer_layout(meta: dict, session) -> None:
                                f"{[len(b) for b in ours]}; nothing was received")
 
 
-def recv_state(channel, session) -> int:
+def recv_state(channel: Channel[Any], session: Session) -> int:
     """Target side: overwrite model, optimizer, scheduler, RNG and counters; returns bytes received."""
     meta = _recv_blob(channel)
     _check_optimizer_layout(meta, session)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING, Callable, Optional, cast
 
 from megatron.training.training import Runtime, Session
 from trainmover_ext.config import TrainMoverConfig
@@ -37,21 +38,25 @@ from trainmover_ext.control.membership import DecisionWatcher, Membership, init_
 from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord, migration_key_suffix
 from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
 from trainmover_ext.kv.codec import encode
-from trainmover_ext.migration.planned import hand_over
+from trainmover_ext.migration.planned import HandoverChannel, hand_over
 from trainmover_ext.migration.recovery import converge
 from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults
 from trainmover_ext.launch.identity import Identity, identity_from_env, open_space
 
+if TYPE_CHECKING:
+    from megatron.training.initialize import ParallelLayout
+    from trainmover_ext.kv.job import JobSpace
+
 logger = logging.getLogger(__name__)
 
 
-def stage_role(layout) -> str:
+def stage_role(layout: ParallelLayout) -> str:
     """The control plane's role name of this rank's pipeline stage."""
     return "first" if layout.role in ("first", "only") else layout.role
 
 
-def grid_of(layout) -> GridShape:
+def grid_of(layout: ParallelLayout) -> GridShape:
     return GridShape(tp=layout.tp_size, pp=layout.pp_size, dp=layout.dp_size)
 
 
@@ -60,16 +65,18 @@ class WorkerRuntime(Runtime):
 
     recoverable = (CommLinkError,)
 
-    def __init__(self, session: Session | None, config: TrainMoverConfig, ident: Identity, space, member: Membership,
-                 epoch: int = 0, *, layout=None, state_valid: bool = True, catch_up: bool = False):
+    def __init__(self, session: Session | None, config: TrainMoverConfig, ident: Identity, space: JobSpace,
+                 member: Membership, epoch: int = 0, *, layout: ParallelLayout | None = None, state_valid: bool = True,
+                 catch_up: bool = False) -> None:
         self.session, self.config, self.ident, self.space, self.member = session, config, ident, space, member
-        self.layout = layout if layout is not None else session.layout
+        # Without a layout the caller passes the session it comes from.
+        self.layout = layout if layout is not None else cast(Session, session).layout
         self.epoch = epoch
         """The newest epoch this rank has carried out."""
         self.state_valid = state_valid
         """Whether this rank's training state is usable (False for a joiner, and while a copy into it is
         under way: one cut short leaves it unusable until a later recovery copies it again)."""
-        self.handover: object | None = None
+        self.handover: HandoverChannel | None = None
         """The planned hand-over's channel while in use (a newer failure plan severs it)."""
         self.timeout_s = max(30.0, 10 * config.lease_ttl_s)
         self._plans: dict[int, MigrationPlan] = {}
@@ -127,7 +134,7 @@ class WorkerRuntime(Runtime):
             # The controller names this iteration in a plan whose lost state has no replica.
             self.space.put(self.space.key("checkpoint"), encode("checkpoint", {"iteration": session.args.iteration}))
 
-    def after_iteration(self, session: Session, loss) -> None:
+    def after_iteration(self, session: Session, loss: Optional[float]) -> None:
         for epoch in self.pending_first_iteration:
             mark_step(self.space, epoch, "first_iteration", status="done")
         self.pending_first_iteration = []
@@ -205,7 +212,7 @@ class WorkerRuntime(Runtime):
             return
 
     # -- planned migration ----------------------------------------------------
-    def _wait_plan_field(self, epoch: int, ready, timeout_s: float) -> bool:
+    def _wait_plan_field(self, epoch: int, ready: Callable[[MigrationPlan], bool], timeout_s: float) -> bool:
         """Block until ``ready(plan)`` holds for the plan of ``epoch`` as the watch delivers it."""
         with self._cond:
             return self._cond.wait_for(lambda: ready(self._plans[epoch]), timeout_s)
@@ -235,6 +242,7 @@ class WorkerRuntime(Runtime):
                 raise MigrationAborted(f"rank {self.layout.rank}: the controller committed no switch point for the "
                                        f"planned move of epoch {e} within {self.timeout_s:.0f}s")
             switch_at = self._plans[e].switch_at
+            assert switch_at is not None  # the wait above saw it set, and a plan's switch_at is never unset
         else:
             key = self.space.key("migrations", migration_key_suffix(e))
             deadline = time.monotonic() + self.timeout_s
