@@ -112,6 +112,24 @@ class TrainMoverSupervisor:
             proc = start(-1, env, cfg.script, args, output, niceness=self.standby_nice)
         self.standbys[member] = proc
         self.agent.log(f"started standby {member} (pid {proc.pid}, {method})")
+        if self.space is not None:  # a refill (the first standbys start before etcd is opened)
+            self._event("standby_started", {"member": member, "pid": proc.pid, "how": method,
+                                            "node": cfg.node_rank})
+
+    def _event(self, what: str, detail: dict) -> None:
+        """One line of the job's events timeline (``trainmover events``); etcd trouble is logged only."""
+        from trainmover_ext.control.executor import event_put
+
+        try:
+            self.space.kv.commit([], [event_put(self.space, what, detail, time.time())])
+        except Exception as exc:  # noqa: BLE001 - the timeline is a record, not a step of supervision
+            self.agent.log(f"could not record event {what}: {exc}")
+
+    def _fall_back(self, why: str) -> tuple[bool, int]:
+        """Give up on live recovery: (False, 1) asks the agent for the classic stop-restart."""
+        self.agent.log(why + "; falling back to stop-restart")
+        self._event("stop_restart", {"node": self.cfg.node_rank, "reason": why})
+        return False, 1
 
     def start(self) -> None:
         from trainmover_ext.launch import priority
@@ -290,8 +308,7 @@ class TrainMoverSupervisor:
             why = self._apply_plans()
             self._replenish()
             if why:
-                self.agent.log(why + "; falling back to stop-restart")
-                return False, 1
+                return self._fall_back(why)
             codes = {rank: (p.poll(), member) for rank, (p, member) in self.serving.items()}
             for rank, (code, member) in codes.items():
                 if code not in (None, 0) and rank not in self.reported:
@@ -305,8 +322,7 @@ class TrainMoverSupervisor:
                         self._report(rank, member, code, track=False)
             for rank, t in self.reported.items():
                 if time.time() - t > deadline_s:
-                    self.agent.log(f"no replacement for rank {rank} within {deadline_s:.0f}s; falling back")
-                    return False, 1
+                    return self._fall_back(f"no replacement for rank {rank} within {deadline_s:.0f}s")
             for member, proc in list(self.standbys.items()):
                 if proc.poll() is not None:
                     del self.standbys[member]
