@@ -44,7 +44,6 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,13 +58,23 @@ GOALS = {"ettr": 0.9, "lost_over_restart": 0.05, "post_promotion_ratio": 1.1}
 
 def job_args(data_prefix: str, iters: int, save_dir: str, save_interval: int) -> list[str]:
     return demo_args(data_prefix, iters) + [
-        "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--bf16",
-        "--save", save_dir, "--load", save_dir, "--save-interval", str(save_interval),
+        "--hidden-dropout",
+        "0.1",
+        "--attention-dropout",
+        "0.1",
+        "--bf16",
+        "--save",
+        save_dir,
+        "--load",
+        save_dir,
+        "--save-interval",
+        str(save_interval),
     ]
 
 
-def make_schedule(seed: int, iters: int, mean_gap: float, first: int, stop_share: float,
-                  cascade_share: float) -> list[dict]:
+def make_schedule(
+    seed: int, iters: int, mean_gap: float, first: int, stop_share: float, cascade_share: float
+) -> list[dict]:
     """The failures, in order: after which iteration, where inside the next, which rank, how."""
     rng = random.Random(seed)
     every = max(1, round(1 / cascade_share)) if cascade_share > 0 else 0
@@ -74,8 +83,13 @@ def make_schedule(seed: int, iters: int, mean_gap: float, first: int, stop_share
         it += max(4, round(rng.expovariate(1.0 / (mean_gap - 2))) + 2)
         if it > iters - 10:
             return events
-        ev = {"after_iteration": it, "inside": round(rng.random(), 3), "rank": rng.randrange(WORLD),
-              "signal": "STOP" if rng.random() < stop_share else "KILL", "cascade": None}
+        ev = {
+            "after_iteration": it,
+            "inside": round(rng.random(), 3),
+            "rank": rng.randrange(WORLD),
+            "signal": "STOP" if rng.random() < stop_share else "KILL",
+            "cascade": None,
+        }
         if every and len(events) % every == every - 1:  # spread evenly, alternating the two kinds
             ev["cascade"] = ("joiner", "other")[(len(events) // every) % 2]
             ev["cascade_rank"] = rng.choice([r for r in range(WORLD) if r != ev["rank"]])
@@ -101,7 +115,7 @@ class Pids:
     def _text(self) -> str:
         return open(self.err_path).read() if os.path.exists(self.err_path) else ""
 
-    def of(self, rank: int) -> Optional[int]:
+    def of(self, rank: int) -> int | None:
         text = self._text()
         starts = [m.end() for m in re.finditer(r"started \d+ ranks(?: \(\w+\))?, pids", text)]
         if not starts:
@@ -116,7 +130,7 @@ class Pids:
         return list(PLAN_RE.finditer(self._text()))
 
 
-def _signal(pid: Optional[int], sig: int) -> bool:
+def _signal(pid: int | None, sig: int) -> bool:
     if pid is None:
         return False
     try:
@@ -126,8 +140,16 @@ def _signal(pid: Optional[int], sig: int) -> bool:
         return False
 
 
-def run(workdir: str, name: str, args: list[str], launch_flags: list[str], schedule: list[dict], *,
-        trainmover: bool, steady_s: float) -> dict:
+def run(
+    workdir: str,
+    name: str,
+    args: list[str],
+    launch_flags: list[str],
+    schedule: list[dict],
+    *,
+    trainmover: bool,
+    steady_s: float,
+) -> dict:
     """Run the job, carrying out ``schedule``; returns what happened."""
     metrics = os.path.join(workdir, f"{name}.jsonl")
     log = os.path.join(workdir, name)
@@ -136,7 +158,9 @@ def run(workdir: str, name: str, args: list[str], launch_flags: list[str], sched
     kills: list[dict] = []
     try:
         for n, ev in enumerate(schedule):
-            wait_until(lambda: last_iteration(metrics) >= ev["after_iteration"] or proc.poll() is not None, 1800, 0.01)
+            wait_until(
+                lambda ev=ev: last_iteration(metrics) >= ev["after_iteration"] or proc.poll() is not None, 1800, 0.01
+            )
             if proc.poll() is not None:
                 break
             time.sleep(ev["inside"] * steady_s)
@@ -145,13 +169,19 @@ def run(workdir: str, name: str, args: list[str], launch_flags: list[str], sched
             t = time.time()
             if _signal(pids.of(ev["rank"]), sig):
                 kills.append({"t": t, "rank": ev["rank"], "signal": sig.name, "event": n})
-                print(f"  [{name}] {sig.name} rank {ev['rank']} inside iteration {ev['after_iteration'] + 1}",
-                      flush=True)
+                print(
+                    f"  [{name}] {sig.name} rank {ev['rank']} inside iteration {ev['after_iteration'] + 1}", flush=True
+                )
             if not (trainmover and ev["cascade"]):
                 continue
             try:
-                plan = wait_until(lambda: next((m for m in pids.plans()[plans_before:] if int(m[3]) == ev["rank"]),
-                                               None), 60, 0.002)
+                plan = wait_until(
+                    lambda ev=ev, before=plans_before: next(
+                        (m for m in pids.plans()[before:] if int(m[3]) == ev["rank"]), None
+                    ),
+                    60,
+                    0.002,
+                )
             except TimeoutError:
                 continue
             if ev["cascade"] == "joiner":
@@ -162,8 +192,11 @@ def run(workdir: str, name: str, args: list[str], launch_flags: list[str], sched
             t = time.time()
             if _signal(pid, signal.SIGKILL):
                 kills.append({"t": t, "rank": victim, "signal": "SIGKILL", "event": n, "cascade": ev["cascade"]})
-                print(f"  [{name}] cascade: SIGKILL {'the joiner of' if ev['cascade'] == 'joiner' else 'rank'} "
-                      f"{victim} during the migration", flush=True)
+                print(
+                    f"  [{name}] cascade: SIGKILL {'the joiner of' if ev['cascade'] == 'joiner' else 'rank'} "
+                    f"{victim} during the migration",
+                    flush=True,
+                )
         code = proc.wait(3600)
     finally:
         if proc.poll() is None:
@@ -171,8 +204,12 @@ def run(workdir: str, name: str, args: list[str], launch_flags: list[str], sched
     if code != 0:
         raise RuntimeError(f"{name} exited {code}; see {log}.err")
     events = read_events(metrics)
-    return {"metrics": metrics, "events": events, "kills": kills,
-            "restarts": sum(1 for e in events if e.get("event") == "startup") - 1}
+    return {
+        "metrics": metrics,
+        "events": events,
+        "kills": kills,
+        "restarts": sum(1 for e in events if e.get("event") == "startup") - 1,
+    }
 
 
 def wall_s(events: list[dict]) -> float:
@@ -198,12 +235,15 @@ def post_promotion(events: list[dict], kills: list[dict], steady_s: float, windo
     """Per recovery: median iteration time of the ``window`` iterations after its first one, before the
     next kill, over ``steady_s``."""
     its = [e for e in events if e.get("event") == "iteration"]
-    resumes = sorted(e.get("t", e.get("state_ready")) for e in events
-                     if e.get("event") in ("recovered", "promoted") and e.get("reason", "failure") == "failure")
+    resumes = sorted(
+        e.get("t", e.get("state_ready"))
+        for e in events
+        if e.get("event") in ("recovered", "promoted") and e.get("reason", "failure") == "failure"
+    )
     ratios = []
     for t in resumes:
         nxt = min((k["t"] for k in kills if k["t"] > t), default=float("inf"))
-        after = [e for e in its if e["t_end"] > t and e["t_end"] < nxt][1:window + 1]
+        after = [e for e in its if e["t_end"] > t and e["t_end"] < nxt][1 : window + 1]
         if len(after) >= 5:
             ratios.append(round(median([e["iteration_s"] for e in after]) / steady_s, 3))
     return ratios
@@ -222,10 +262,16 @@ def summarize(res: dict, ref_wall: float, ref_values: dict, iters: int, steady_s
         "bit_identical": bit_identical(res["events"], ref_values, iters),
         "kills": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in kill.items()} for kill in res["kills"]],
         # (iteration, end time, seconds) of every iteration logged, re-runs included: where the time went
-        "iterations": [[e["iteration"], round(e["t_end"], 3), round(e["iteration_s"], 4)]
-                       for e in res["events"] if e.get("event") == "iteration"],
-        "recoveries": [{k: e.get(k) for k in ("event", "epoch", "t", "state_ready", "resumed_iteration")}
-                       for e in res["events"] if e.get("event") in ("recovered", "promoted")],
+        "iterations": [
+            [e["iteration"], round(e["t_end"], 3), round(e["iteration_s"], 4)]
+            for e in res["events"]
+            if e.get("event") == "iteration"
+        ],
+        "recoveries": [
+            {k: e.get(k) for k in ("event", "epoch", "t", "state_ready", "resumed_iteration")}
+            for e in res["events"]
+            if e.get("event") in ("recovered", "promoted")
+        ],
     }
 
 
@@ -234,17 +280,33 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="Write the result as JSON to this path.")
     parser.add_argument("--iters", type=int, default=300, help="Training iterations of each run (at least 60).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the failure schedule.")
-    parser.add_argument("--mean-gap", type=float, default=20.0,
-                        help="Mean number of steady iterations between failures (exponentially distributed).")
+    parser.add_argument(
+        "--mean-gap",
+        type=float,
+        default=20.0,
+        help="Mean number of steady iterations between failures (exponentially distributed).",
+    )
     parser.add_argument("--stop-share", type=float, default=0.2, help="Share of failures that are hangs (SIGSTOP).")
-    parser.add_argument("--cascade-share", type=float, default=0.25,
-                        help="Share of failures followed by a kill during their migration (the joiner or another rank).")
+    parser.add_argument(
+        "--cascade-share",
+        type=float,
+        default=0.25,
+        help="Share of failures followed by a kill during their migration (the joiner or another rank).",
+    )
     parser.add_argument("--standbys", type=int, default=3, help="--tm-standbys of the TrainMover runs.")
-    parser.add_argument("--standby-duty", type=float, default=0.5,
-                        help="--tm-standby-duty of the TrainMover runs (pacing of a refilled standby's warm-up).")
-    parser.add_argument("--standby-reserves", type=int, default=16,
-                        help="--tm-standby-reserves of the TrainMover runs: refills wake one of these pre-forked "
-                             "children instead of starting a new interpreter (enough for every failure by default).")
+    parser.add_argument(
+        "--standby-duty",
+        type=float,
+        default=0.5,
+        help="--tm-standby-duty of the TrainMover runs (pacing of a refilled standby's warm-up).",
+    )
+    parser.add_argument(
+        "--standby-reserves",
+        type=int,
+        default=16,
+        help="--tm-standby-reserves of the TrainMover runs: refills wake one of these pre-forked "
+        "children instead of starting a new interpreter (enough for every failure by default).",
+    )
     parser.add_argument("--save-interval", type=int, default=25, help="Checkpoint interval of every run.")
     parser.add_argument("--skip-restart", action="store_true", help="Skip the stop-restart run.")
     parser.add_argument("--keep-logs", action="store_true", help="Keep every run's logs and metrics (printed path).")
@@ -253,40 +315,81 @@ def main(argv=None) -> int:
     if args.iters < 60:
         parser.error("--iters must be at least 60")
     ensure_corpus(args.data_prefix)
-    schedule = make_schedule(args.seed, args.iters, args.mean_gap, first=10, stop_share=args.stop_share,
-                             cascade_share=args.cascade_share)
-    print(f"schedule: {len(schedule)} failures over {args.iters} iterations "
-          f"({sum(1 for e in schedule if e['cascade'])} cascading)", flush=True)
+    schedule = make_schedule(
+        args.seed, args.iters, args.mean_gap, first=10, stop_share=args.stop_share, cascade_share=args.cascade_share
+    )
+    print(
+        f"schedule: {len(schedule)} failures over {args.iters} iterations "
+        f"({sum(1 for e in schedule if e['cascade'])} cascading)",
+        flush=True,
+    )
     workdir = tempfile.mkdtemp(prefix="tm_chaos_")
-    tm_flags = ["--trainmover", "--tm-standbys", str(args.standbys), "--tm-standby-duty", str(args.standby_duty),
-                "--tm-standby-reserves", str(args.standby_reserves)]
+    tm_flags = [
+        "--trainmover",
+        "--tm-standbys",
+        str(args.standbys),
+        "--tm-standby-duty",
+        str(args.standby_duty),
+        "--tm-standby-reserves",
+        str(args.standby_reserves),
+    ]
     ok = False
     try:
+
         def fresh(name: str) -> list[str]:
             return job_args(args.data_prefix, args.iters, os.path.join(workdir, f"{name}.ckpt"), args.save_interval)
 
         print("fault-free run ...", flush=True)
-        ref = run(workdir, "fault_free", fresh("fault_free") + tm_flags,
-                  ["--run-dir", os.path.join(workdir, "fault_free.run"), "--metrics-port", "-1"], [],
-                  trainmover=True, steady_s=0.0)
+        ref = run(
+            workdir,
+            "fault_free",
+            fresh("fault_free") + tm_flags,
+            ["--run-dir", os.path.join(workdir, "fault_free.run"), "--metrics-port", "-1"],
+            [],
+            trainmover=True,
+            steady_s=0.0,
+        )
         its = [e for e in ref["events"] if e.get("event") == "iteration"]
         steady_s = median([e["iteration_s"] for e in its[5:]])
         ref_wall, ref_values = wall_s(ref["events"]), values(ref["events"])
         print(f"TrainMover under the schedule (steady iteration {steady_s * 1000:.0f} ms) ...", flush=True)
-        tm = run(workdir, "trainmover", fresh("trainmover") + tm_flags,
-                 ["--run-dir", os.path.join(workdir, "trainmover.run"), "--metrics-port", "-1", "--max-restarts", "5"],
-                 schedule, trainmover=True, steady_s=steady_s)
+        tm = run(
+            workdir,
+            "trainmover",
+            fresh("trainmover") + tm_flags,
+            ["--run-dir", os.path.join(workdir, "trainmover.run"), "--metrics-port", "-1", "--max-restarts", "5"],
+            schedule,
+            trainmover=True,
+            steady_s=steady_s,
+        )
         trainmover = summarize(tm, ref_wall, ref_values, args.iters, steady_s)
         ratios = post_promotion(tm["events"], tm["kills"], steady_s)
-        trainmover.update(post_promotion_ratio=max(ratios) if ratios else None,
-                          post_promotion_median_ratio=median(ratios), post_promotion_ratios=ratios)
+        trainmover.update(
+            post_promotion_ratio=max(ratios) if ratios else None,
+            post_promotion_median_ratio=median(ratios),
+            post_promotion_ratios=ratios,
+        )
         stop_restart = None
         if not args.skip_restart:
             print("stop-restart under the same schedule ...", flush=True)
-            sr = run(workdir, "stop_restart", fresh("stop_restart"),
-                     ["--run-dir", os.path.join(workdir, "stop_restart.run"), "--metrics-port", "-1",
-                      "--max-restarts", str(len(schedule) + 2), "--restart-start-method", "spawn"],
-                     schedule, trainmover=False, steady_s=steady_s)
+            sr = run(
+                workdir,
+                "stop_restart",
+                fresh("stop_restart"),
+                [
+                    "--run-dir",
+                    os.path.join(workdir, "stop_restart.run"),
+                    "--metrics-port",
+                    "-1",
+                    "--max-restarts",
+                    str(len(schedule) + 2),
+                    "--restart-start-method",
+                    "spawn",
+                ],
+                schedule,
+                trainmover=False,
+                steady_s=steady_s,
+            )
             stop_restart = summarize(sr, ref_wall, ref_values, args.iters, steady_s)
         ok = True
     finally:
@@ -296,14 +399,28 @@ def main(argv=None) -> int:
             print(f"logs kept in {workdir}")
         else:
             print(f"a run failed: its logs are kept in {workdir}", file=sys.stderr)
-    lost_ratio = (trainmover["lost_s_per_failure"] / stop_restart["lost_s_per_failure"]
-                  if stop_restart and stop_restart["lost_s_per_failure"] and trainmover["lost_s_per_failure"] is not None
-                  else None)
+    lost_ratio = (
+        trainmover["lost_s_per_failure"] / stop_restart["lost_s_per_failure"]
+        if stop_restart and stop_restart["lost_s_per_failure"] and trainmover["lost_s_per_failure"] is not None
+        else None
+    )
     result = {
         "command": " ".join(["python", "benchmarks/chaos.py", *(sys.argv[1:] if argv is None else argv)]),
         "job": "demo: 8 ranks TP2 x PP2 x DP2, 4 layers, hidden 128, seq 128, bf16, dropout 0.1 (CPU gloo, 2 cores)",
-        "config": {k: getattr(args, k) for k in ("iters", "seed", "mean_gap", "stop_share", "cascade_share",
-                                                 "standbys", "standby_duty", "standby_reserves", "save_interval")},
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "iters",
+                "seed",
+                "mean_gap",
+                "stop_share",
+                "cascade_share",
+                "standbys",
+                "standby_duty",
+                "standby_reserves",
+                "save_interval",
+            )
+        },
         "schedule": schedule,
         "steady_iteration_s": round(steady_s, 4),
         "fault_free": {"wall_s": round(ref_wall, 2)},
@@ -312,15 +429,36 @@ def main(argv=None) -> int:
         "lost_over_restart": round(lost_ratio, 4) if lost_ratio is not None else None,
         "goals": GOALS,
     }
-    rows = [("TrainMover", trainmover["ettr"], trainmover["lost_s_per_failure"], trainmover["failures"],
-             trainmover["survived_without_restart"], trainmover["bit_identical"])]
+    rows = [
+        (
+            "TrainMover",
+            trainmover["ettr"],
+            trainmover["lost_s_per_failure"],
+            trainmover["failures"],
+            trainmover["survived_without_restart"],
+            trainmover["bit_identical"],
+        )
+    ]
     if stop_restart:
-        rows.append(("stop-restart", stop_restart["ettr"], stop_restart["lost_s_per_failure"], stop_restart["failures"],
-                     stop_restart["survived_without_restart"], stop_restart["bit_identical"]))
-    print_table(f"chaos run: {args.iters} iterations, steady {steady_s * 1000:.0f} ms", rows,
-                ("run", "ETTR", "lost s/failure", "failures", "survived w/o restart", "bit-identical"))
-    print(f"post-promotion iteration time over steady: max {trainmover['post_promotion_ratio']}, "
-          f"median {trainmover['post_promotion_median_ratio']} ({len(ratios)} recoveries)")
+        rows.append(
+            (
+                "stop-restart",
+                stop_restart["ettr"],
+                stop_restart["lost_s_per_failure"],
+                stop_restart["failures"],
+                stop_restart["survived_without_restart"],
+                stop_restart["bit_identical"],
+            )
+        )
+    print_table(
+        f"chaos run: {args.iters} iterations, steady {steady_s * 1000:.0f} ms",
+        rows,
+        ("run", "ETTR", "lost s/failure", "failures", "survived w/o restart", "bit-identical"),
+    )
+    print(
+        f"post-promotion iteration time over steady: max {trainmover['post_promotion_ratio']}, "
+        f"median {trainmover['post_promotion_median_ratio']} ({len(ratios)} recoveries)"
+    )
     if lost_ratio is not None:
         print(f"TrainMover's lost time per failure = {lost_ratio:.4f} x stop-restart's")
     write_json(args.json, result)

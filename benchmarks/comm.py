@@ -61,14 +61,16 @@ def _on_cuda(world_size: int | None = None) -> bool:
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and not _FORCE_CPU \
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available() and not _FORCE_CPU
         else torch.device("cpu")
+    )
 
 
 def _config() -> nccl_delta.DeltaConfig:
     overrides = dict(transport="gloo") if _FORCE_CPU else {}
-    return nccl_delta.DeltaConfig.from_env(link_host=os.environ.get("NCCL_DELTA_LINK_HOST", "127.0.0.1"),
-                                           **overrides)
+    return nccl_delta.DeltaConfig.from_env(link_host=os.environ.get("NCCL_DELTA_LINK_HOST", "127.0.0.1"), **overrides)
 
 
 def _for_world(world_size: int) -> str:
@@ -124,9 +126,8 @@ def _collect(procs, queue, expect, timeout):
 
 def _spawn(store, world_size, fn, args, queue, ranks=None, join_epoch=None):
     procs = []
-    for rank in (range(world_size) if ranks is None else ranks):
-        proc = CTX.Process(target=_child, args=(rank, world_size, store.port, fn, args, queue, join_epoch),
-                           daemon=True)
+    for rank in range(world_size) if ranks is None else ranks:
+        proc = CTX.Process(target=_child, args=(rank, world_size, store.port, fn, args, queue, join_epoch), daemon=True)
         proc.start()
         procs.append(proc)
     return procs
@@ -173,17 +174,27 @@ def section_allreduce(args) -> list[dict]:
             # An all-reduce ends when its slowest rank ends: take the max over ranks per iteration.
             timing = {}
             for name in ("delta", "gloo"):
-                per_iter = zip(*(per_rank[r][k][1][name] for r in range(world_size)))
+                per_iter = zip(*(per_rank[r][k][1][name] for r in range(world_size)), strict=False)
                 timing[name] = statistics.median(max(v) for v in per_iter)
             # Bus bandwidth as nccl-tests defines it for all-reduce: bytes * 2(n-1)/n / time.
             busbw = int(size_mb * MB) * 2 * (world_size - 1) / world_size
-            rows.append(dict(ranks=world_size, bytes=int(size_mb * MB), delta_s=round(timing["delta"], 6),
-                             gloo_s=round(timing["gloo"], 6), ratio=round(timing["delta"] / timing["gloo"], 3),
-                             delta_busbw_gbps=round(busbw / timing["delta"] / 1e9, 3),
-                             baseline_busbw_gbps=round(busbw / timing["gloo"] / 1e9, 3), device=device,
-                             baseline="nccl" if device == "cuda" else "gloo"))
-            print(f"  allreduce ranks={world_size} {size_mb} MB: delta {timing['delta']:.4f}s "
-                  f"gloo {timing['gloo']:.4f}s", flush=True)
+            rows.append(
+                dict(
+                    ranks=world_size,
+                    bytes=int(size_mb * MB),
+                    delta_s=round(timing["delta"], 6),
+                    gloo_s=round(timing["gloo"], 6),
+                    ratio=round(timing["delta"] / timing["gloo"], 3),
+                    delta_busbw_gbps=round(busbw / timing["delta"] / 1e9, 3),
+                    baseline_busbw_gbps=round(busbw / timing["gloo"] / 1e9, 3),
+                    device=device,
+                    baseline="nccl" if device == "cuda" else "gloo",
+                )
+            )
+            print(
+                f"  allreduce ranks={world_size} {size_mb} MB: delta {timing['delta']:.4f}s gloo {timing['gloo']:.4f}s",
+                flush=True,
+            )
     return rows
 
 
@@ -194,8 +205,9 @@ SWAP_EPOCH = 1
 def _megatron_groups():
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                 create_gloo_process_groups=False)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, create_gloo_process_groups=False
+    )
 
 
 def _switch_stayer(rank, world_size, store, leaver):
@@ -210,8 +222,12 @@ def _switch_stayer(rank, world_size, store, leaver):
     report = world.switch(SWAP_EPOCH)
     x = torch.ones(1000, device=_device())
     dist.all_reduce(x)  # the world works after the switch
-    return dict(switch_s=report.switch_s, links_touched=report.links_touched, prepare_s=prepare_s,
-                ok=bool((x == world_size).all()))
+    return dict(
+        switch_s=report.switch_s,
+        links_touched=report.links_touched,
+        prepare_s=prepare_s,
+        ok=bool((x == world_size).all()),
+    )
 
 
 def _switch_leaver(rank, world_size, store, leaver):
@@ -243,16 +259,20 @@ def section_switch(args) -> list[dict]:
         store.wait([f"ready/{r}" for r in range(world_size)])
         store.set("go", "1")
         procs += _spawn(store, world_size, _switch_joiner, (leaver,), queue, ranks=[leaver], join_epoch=SWAP_EPOCH)
-        out = _collect(procs[:len(stayers)] + procs[-1:], queue, len(stayers) + 1, args.timeout)
+        out = _collect(procs[: len(stayers)] + procs[-1:], queue, len(stayers) + 1, args.timeout)
         store.set("left", "1")
-        _collect(procs[len(stayers):-1], queue, 1, 30)
+        _collect(procs[len(stayers) : -1], queue, 1, 30)
         results = [out[r] for r in stayers]
         if not all(r["ok"] for r in results) or not out["joiner"]["ok"]:
             raise RuntimeError(f"wrong all-reduce after the switch at {world_size} ranks")
-        row = dict(ranks=world_size, device=str(_device().type), switch_s=round(max(r["switch_s"] for r in results), 6),
-                   links_touched=sum(r["links_touched"] for r in results),
-                   stayers_touched=sum(1 for r in results if r["links_touched"]),
-                   prepare_s=round(max(r["prepare_s"] for r in results), 4))
+        row = dict(
+            ranks=world_size,
+            device=str(_device().type),
+            switch_s=round(max(r["switch_s"] for r in results), 6),
+            links_touched=sum(r["links_touched"] for r in results),
+            stayers_touched=sum(1 for r in results if r["links_touched"]),
+            prepare_s=round(max(r["prepare_s"] for r in results), 4),
+        )
         rows.append(row)
         print(f"  switch ranks={world_size}: {row}", flush=True)
     return rows
@@ -270,14 +290,40 @@ def _train_once(comm: str, args, workdir: str, tag: str) -> list[float]:
         from harness.jobs import model_args
 
         job_args = model_args(layers=4, hidden=32, heads=4, seq=32, mbs=1, gbs=8, iters=args.training_iters) + [
-            "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-            "--data-path", corpus + "_text_document", "--tokenizer-type", "ByteLevelTokenizer"]
-    cmd = [sys.executable, "-m", "trainmover_ext.cli", "launch", "--nproc-per-node", "8",
-           "--run-dir", os.path.join(workdir, tag + ".run"), os.path.join(ROOT, "pretrain_gpt.py"), *job_args,
-           "--tm-comm", comm, "--tm-metrics-file", metrics]
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--data-path",
+            corpus + "_text_document",
+            "--tokenizer-type",
+            "ByteLevelTokenizer",
+        ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainmover_ext.cli",
+        "launch",
+        "--nproc-per-node",
+        "8",
+        "--run-dir",
+        os.path.join(workdir, tag + ".run"),
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *job_args,
+        "--tm-comm",
+        comm,
+        "--tm-metrics-file",
+        metrics,
+    ]
     with open(os.path.join(workdir, tag + ".log"), "w") as log:
-        code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
-                              env=dict(os.environ, PYTHONUNBUFFERED="1")).returncode
+        code = subprocess.run(
+            cmd,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=args.timeout,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        ).returncode
     if code != 0:
         raise RuntimeError(f"training job on {comm} exited {code}; see {workdir}/{tag}.log")
     with open(metrics) as f:
@@ -299,9 +345,17 @@ def section_training(args) -> dict:
         per_round.append(dict(delta_it_s=round(medians["nccl_delta"], 4), gloo_it_s=round(medians["native"], 4)))
         print(f"  training round {rnd}: {per_round[-1]}", flush=True)
     delta, gloo = statistics.median(times["nccl_delta"]), statistics.median(times["native"])
-    return dict(delta_it_s=round(delta, 4), gloo_it_s=round(gloo, 4), ratio=round(delta / gloo, 3),
-                layout="TP2.PP2.DP2 (8 ranks)", model=args.training_layout, iters=args.training_iters,
-                warmup=args.training_warmup, rounds=per_round, workdir=workdir)
+    return dict(
+        delta_it_s=round(delta, 4),
+        gloo_it_s=round(gloo, 4),
+        ratio=round(delta / gloo, 3),
+        layout="TP2.PP2.DP2 (8 ranks)",
+        model=args.training_layout,
+        iters=args.training_iters,
+        warmup=args.training_warmup,
+        rounds=per_round,
+        workdir=workdir,
+    )
 
 
 SECTIONS = {"allreduce": section_allreduce, "switch": section_switch, "training": section_training}
@@ -328,8 +382,12 @@ def parse_args(argv=None):
     p.add_argument("--training-iters", type=int, default=None, help="iterations per training job (default 20)")
     p.add_argument("--training-warmup", type=int, default=3, help="first iterations of a job left out of timing")
     p.add_argument("--training-rounds", type=int, default=None, help="delta/gloo job pairs (default 2)")
-    p.add_argument("--training-layout", choices=["demo", "tiny"], default=None,
-                   help="demo: the demo job's model (default); tiny: 4x32 layers (--quick)")
+    p.add_argument(
+        "--training-layout",
+        choices=["demo", "tiny"],
+        default=None,
+        help="demo: the demo job's model (default); tiny: 4x32 layers (--quick)",
+    )
     args = p.parse_args(argv)
     args.sizes_mb = args.sizes_mb or ([1, 16] if args.quick else [1, 16, 64, 256])
     args.ranks = args.ranks or ([2, 4] if args.quick else [2, 4, 8])
@@ -350,26 +408,59 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     started = time.time()
-    payload = {"meta": dict(device=str(_device()), torch=torch.__version__, cpus=os.cpu_count(),
-                            transport=_config().resolved_transport(), iters=args.iters)}
+    payload = {
+        "meta": dict(
+            device=str(_device()),
+            torch=torch.__version__,
+            cpus=os.cpu_count(),
+            transport=_config().resolved_transport(),
+            iters=args.iters,
+        )
+    }
     for name in args.sections:
         print(f"[{name}]", flush=True)
         payload[name] = SECTIONS[name](args)
     payload["meta"]["wall_s"] = round(time.time() - started, 1)
     if "allreduce" in payload:
-        print_table("all-reduce: nccl_delta vs the native backend (median of per-iteration max over ranks)",
-                    [(r["ranks"], r["bytes"] // MB, r["device"], f"{r['delta_s']:.4f}", f"{r['gloo_s']:.4f}",
-                      r["ratio"], r["delta_busbw_gbps"], r["baseline_busbw_gbps"]) for r in payload["allreduce"]],
-                    ("ranks", "MB", "device", "delta_s", "native_s", "ratio", "delta_busbw_GB/s", "native_busbw_GB/s"))
+        print_table(
+            "all-reduce: nccl_delta vs the native backend (median of per-iteration max over ranks)",
+            [
+                (
+                    r["ranks"],
+                    r["bytes"] // MB,
+                    r["device"],
+                    f"{r['delta_s']:.4f}",
+                    f"{r['gloo_s']:.4f}",
+                    r["ratio"],
+                    r["delta_busbw_gbps"],
+                    r["baseline_busbw_gbps"],
+                )
+                for r in payload["allreduce"]
+            ],
+            ("ranks", "MB", "device", "delta_s", "native_s", "ratio", "delta_busbw_GB/s", "native_busbw_GB/s"),
+        )
     if "switch" in payload:
-        print_table("phase-2 switch (TP2.PP2, one middle rank replaced)",
-                    [(r["ranks"], f"{r['switch_s'] * 1e3:.3f} ms", r["links_touched"], r["stayers_touched"],
-                      f"{r['prepare_s']:.3f}") for r in payload["switch"]],
-                    ("ranks", "switch", "links_touched", "stayers_touched", "prepare_s"))
+        print_table(
+            "phase-2 switch (TP2.PP2, one middle rank replaced)",
+            [
+                (
+                    r["ranks"],
+                    f"{r['switch_s'] * 1e3:.3f} ms",
+                    r["links_touched"],
+                    r["stayers_touched"],
+                    f"{r['prepare_s']:.3f}",
+                )
+                for r in payload["switch"]
+            ],
+            ("ranks", "switch", "links_touched", "stayers_touched", "prepare_s"),
+        )
     if "training" in payload:
         t = payload["training"]
-        print_table(f"training: {t['layout']}, {t['model']} model, steady s/iteration (median)",
-                    [(t["delta_it_s"], t["gloo_it_s"], t["ratio"])], ("delta_it_s", "gloo_it_s", "ratio"))
+        print_table(
+            f"training: {t['layout']}, {t['model']} model, steady s/iteration (median)",
+            [(t["delta_it_s"], t["gloo_it_s"], t["ratio"])],
+            ("delta_it_s", "gloo_it_s", "ratio"),
+        )
     write_json(args.json, payload)
     return payload
 

@@ -9,7 +9,6 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -27,11 +26,21 @@ def read_events(path: str) -> list[dict]:
 
 
 def start_launcher(nproc: int, script_args: list[str], launch_flags: list[str], log_prefix: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "trainmover_ext.cli", "launch", "--nproc-per-node", str(nproc),
-           *launch_flags, PRETRAIN, *script_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainmover_ext.cli",
+        "launch",
+        "--nproc-per-node",
+        str(nproc),
+        *launch_flags,
+        PRETRAIN,
+        *script_args,
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen(cmd, stdout=open(log_prefix + ".out", "w"), stderr=open(log_prefix + ".err", "w"),
-                            cwd=ROOT, env=env)
+    return subprocess.Popen(
+        cmd, stdout=open(log_prefix + ".out", "w"), stderr=open(log_prefix + ".err", "w"), cwd=ROOT, env=env
+    )
 
 
 def rank_pids(err_path: str) -> list[list[int]]:
@@ -48,20 +57,20 @@ def wait_until(predicate, timeout: float, interval: float = 0.005):
     raise TimeoutError(f"condition not met within {timeout}s")
 
 
-def median(values: list[float]) -> Optional[float]:
+def median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
 def print_table(title: str, rows: list[tuple], headers: tuple) -> None:
     widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
     print(title)
-    print("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)))
+    print("  ".join(str(h).ljust(w) for h, w in zip(headers, widths, strict=False)))
     print("  ".join("-" * w for w in widths))
     for row in rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)))
 
 
-def write_json(path: Optional[str], payload: dict) -> None:
+def write_json(path: str | None, payload: dict) -> None:
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainmover_ext.control.controller import Controller, ControllerConfig  # noqa: E402
 from harness.member import reap, spawn_member  # noqa: E402
+from trainmover_ext.control.controller import Controller, ControllerConfig  # noqa: E402
 from trainmover_ext.control.membership import init_job  # noqa: E402
 from trainmover_ext.control.records import RankRecord  # noqa: E402
 from trainmover_ext.control.supervise import ChildExitReporter  # noqa: E402
@@ -75,7 +75,9 @@ def main() -> int:
         with EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=Path(tmp) / "etcd")) as etcd:
             kv = EtcdKV(EtcdClientConfig(endpoints=etcd.endpoints))
             for name, sig in (("sigkill_s", signal.SIGKILL), ("sigstop_s", signal.SIGSTOP)):
-                out[name] = summary([one_trial(etcd, kv, f"bench-{name[:7]}-{i}", sig, args.ttl) for i in range(args.trials)])
+                out[name] = summary(
+                    [one_trial(etcd, kv, f"bench-{name[:7]}-{i}", sig, args.ttl) for i in range(args.trials)]
+                )
             kv.close()
     Path(args.json).write_text(json.dumps(out, indent=2))
     goal = {"sigkill_s": "< 0.5 s", "sigstop_s": f"< {2 * args.ttl} s (2x TTL)"}

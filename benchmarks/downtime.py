@@ -51,14 +51,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import ROOT, median, print_table, rank_pids, read_events, start_launcher, wait_until, write_json  # noqa: E402
 
 from harness.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus, model_args  # noqa: E402
-
 
 PRECISION_FLAGS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "4096"]}
 SETTINGS = {"precision": "bf16", "dropout": 0.1}
@@ -72,10 +70,21 @@ def job_args(data_prefix: str, iters: int, ranks: int) -> list[str]:
     if ranks == 8:
         return demo_args(data_prefix, iters) + dropout + precision
     tp, pp = {4: (1, 2), 16: (2, 2)}[ranks]
-    return model_args(layers=4, hidden=64, heads=4, seq=64, mbs=1, gbs=16, iters=iters, lr=1e-3) + [
-        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-        "--data-path", data_prefix + "_text_document", "--tokenizer-type", "ByteLevelTokenizer",
-    ] + dropout + precision
+    return (
+        model_args(layers=4, hidden=64, heads=4, seq=64, mbs=1, gbs=16, iters=iters, lr=1e-3)
+        + [
+            "--tensor-model-parallel-size",
+            str(tp),
+            "--pipeline-model-parallel-size",
+            str(pp),
+            "--data-path",
+            data_prefix + "_text_document",
+            "--tokenizer-type",
+            "ByteLevelTokenizer",
+        ]
+        + dropout
+        + precision
+    )
 
 
 def iterations(metrics: str) -> list[dict]:
@@ -87,8 +96,9 @@ def trajectory(metrics: str) -> dict[int, float]:
     return {e["iteration"]: e["loss"] for e in iterations(metrics)}
 
 
-def lost_time(metrics: str, t0: float, after_event: dict, *, planned: bool = False,
-              steady_after: Optional[float] = None) -> dict:
+def lost_time(
+    metrics: str, t0: float, after_event: dict, *, planned: bool = False, steady_after: float | None = None
+) -> dict:
     """Downtime from ``t0`` to the end of the first iteration after ``after_event`` (see the module doc):
     minus one steady iteration after a failure, minus every newly completed iteration for a planned move.
     The steady iteration is the median before ``t0`` (from ``steady_after`` when given, e.g. once a
@@ -110,8 +120,11 @@ def lost_time(metrics: str, t0: float, after_event: dict, *, planned: bool = Fal
         "to_resume_s": after_event["t"] - t0,
         "first_iteration_s": first["t_end"] - after_event["t"],
         # Where the time went: each iteration ending in the window, as (iteration, seconds).
-        "window": [(e["iteration"], round(e["iteration_s"], 3)) for e in its
-                   if t0 < e["t_end"] <= first["t_end"] and e["iteration"] > last_before],
+        "window": [
+            (e["iteration"], round(e["iteration_s"], 3))
+            for e in its
+            if t0 < e["t_end"] <= first["t_end"] and e["iteration"] > last_before
+        ],
     }
 
 
@@ -132,8 +145,10 @@ class Etcd:
 
         space = JobSpace.open(EtcdKV(EtcdClientConfig(endpoints=",".join(self.server.endpoints))), job, self.token)
         try:
-            plans = [MigrationPlan.from_bytes(e.value, key=e.key)
-                     for e in space.kv.get_prefix(space.key("migrations") + "/").entries]
+            plans = [
+                MigrationPlan.from_bytes(e.value, key=e.key)
+                for e in space.kv.get_prefix(space.key("migrations") + "/").entries
+            ]
         finally:
             space.kv.close()
         return [{"epoch": p.epoch, "reason": p.reason, "steps": p.steps} for p in plans]
@@ -144,8 +159,16 @@ class Etcd:
 
 def phases_of(steps: dict, t0: float) -> dict:
     """Durations between consecutive timeline steps, starting at ``t0`` (the kill or the request)."""
-    order = ["detected", "decided", "joined", "links_rebuilt", "ready", "transferred", "checkpoint_loaded",
-             "first_iteration"]
+    order = [
+        "detected",
+        "decided",
+        "joined",
+        "links_rebuilt",
+        "ready",
+        "transferred",
+        "checkpoint_loaded",
+        "first_iteration",
+    ]
     out, prev = {}, t0
     for name in order:
         if name in steps:
@@ -156,23 +179,40 @@ def phases_of(steps: dict, t0: float) -> dict:
 
 def reference(workdir: str, data_prefix: str, iters: int, ranks: int, name: str = "reference") -> dict[int, float]:
     metrics = os.path.join(workdir, f"{name}.jsonl")
-    proc = start_launcher(ranks, job_args(data_prefix, iters, ranks) + ["--trainmover", "--tm-metrics-file", metrics],
-                          ["--run-dir", os.path.join(workdir, f"{name}.run")], os.path.join(workdir, name))
+    proc = start_launcher(
+        ranks,
+        job_args(data_prefix, iters, ranks) + ["--trainmover", "--tm-metrics-file", metrics],
+        ["--run-dir", os.path.join(workdir, f"{name}.run")],
+        os.path.join(workdir, name),
+    )
     if proc.wait(1200) != 0:
         raise RuntimeError(f"fault-free run failed; see {workdir}/{name}.err")
     return trajectory(metrics)
 
 
-def run_trainmover(workdir: str, name: str, data_prefix: str, iters: int, ranks: int, at_iteration: int,
-                   action, etcd: Etcd, extra_args: tuple = (),
-                   ready=None) -> tuple[dict, dict[int, float], list[dict]]:
+def run_trainmover(
+    workdir: str,
+    name: str,
+    data_prefix: str,
+    iters: int,
+    ranks: int,
+    at_iteration: int,
+    action,
+    etcd: Etcd,
+    extra_args: tuple = (),
+    ready=None,
+) -> tuple[dict, dict[int, float], list[dict]]:
     """Train under --trainmover with one standby; at ``at_iteration`` (and once ``ready(log_prefix)``, if
     given) call ``action(log_prefix)`` -> t0."""
     metrics = os.path.join(workdir, f"{name}.jsonl")
     log = os.path.join(workdir, name)
-    proc = start_launcher(ranks, job_args(data_prefix, iters, ranks) + [
-        "--trainmover", "--tm-standbys", "1", "--tm-metrics-file", metrics, *extra_args],
-        ["--run-dir", os.path.join(workdir, f"{name}.run"), "--tm-job", name, "--metrics-port", "-1", *etcd.flags], log)
+    proc = start_launcher(
+        ranks,
+        job_args(data_prefix, iters, ranks)
+        + ["--trainmover", "--tm-standbys", "1", "--tm-metrics-file", metrics, *extra_args],
+        ["--run-dir", os.path.join(workdir, f"{name}.run"), "--tm-job", name, "--metrics-port", "-1", *etcd.flags],
+        log,
+    )
     try:
         wait_until(lambda: any(e["iteration"] >= at_iteration for e in iterations(metrics)), 900, 0.01)
         steady_after = None
@@ -190,19 +230,25 @@ def run_trainmover(workdir: str, name: str, data_prefix: str, iters: int, ranks:
             proc.kill()
     resumed = [e for e in read_events(metrics) if e.get("event") == "recovered" and e["t"] > t0]
     if not resumed:  # the killed rank was the logging rank: its joiner logs "promoted" instead
-        resumed = [dict(e, t=e["state_ready"], reason=e.get("reason", "failure")) for e in read_events(metrics)
-                   if e.get("event") == "promoted" and e.get("state_ready", 0) > t0]
+        resumed = [
+            dict(e, t=e["state_ready"], reason=e.get("reason", "failure"))
+            for e in read_events(metrics)
+            if e.get("event") == "promoted" and e.get("state_ready", 0) > t0
+        ]
     if not resumed:
         raise RuntimeError(f"{name}: the logging rank recorded no recovery; see {log}.err")
-    result = lost_time(metrics, t0, resumed[0], planned=resumed[0].get("reason") == "planned",
-                       steady_after=steady_after)
+    result = lost_time(
+        metrics, t0, resumed[0], planned=resumed[0].get("reason") == "planned", steady_after=steady_after
+    )
     promoted = [e for e in read_events(metrics) if e.get("event") == "promoted" and "groups_built" in e]
     if promoted:  # only when the joiner is the logging rank (the scale runs kill it)
         e = promoted[0]
-        result["joiner"] = {"groups_s": e["groups_built"] - e["promoted_at"],
-                            "model_s": e["session_built"] - e["groups_built"],
-                            "links_up_s": e["links_up"] - e["groups_built"],
-                            "state_s": e["state_ready"] - max(e["session_built"], e["links_up"])}
+        result["joiner"] = {
+            "groups_s": e["groups_built"] - e["promoted_at"],
+            "model_s": e["session_built"] - e["groups_built"],
+            "links_up_s": e["links_up"] - e["groups_built"],
+            "state_s": e["state_ready"] - max(e["session_built"], e["links_up"]),
+        }
     plans = etcd.plan_steps(name)
     if plans:
         result["phases"] = phases_of(plans[0]["steps"], t0)
@@ -223,19 +269,32 @@ def sandbox_runs(workdir: str, data_prefix: str, iters: int, victims: dict[str, 
     out = {"iters": iters}
     for case, victim in victims.items():
         name = f"sandbox_{case}"
-        res, traj, _ = run_trainmover(workdir, name, data_prefix, iters, 8, 3, kill_rank(victim), etcd,
-                                      extra_args=("--tm-record-dir", os.path.join(workdir, f"rec_{case}")),
-                                      ready=sandbox_standby_warm)
+        res, traj, _ = run_trainmover(
+            workdir,
+            name,
+            data_prefix,
+            iters,
+            8,
+            3,
+            kill_rank(victim),
+            etcd,
+            extra_args=("--tm-record-dir", os.path.join(workdir, f"rec_{case}")),
+            ready=sandbox_standby_warm,
+        )
         text = "".join(open(os.path.join(workdir, name + ext)).read() for ext in (".out", ".err"))
-        res.update(victim=victim, bit_identical=traj == ref,
-                   adopted=re.search(rf"adopted its kept \w+ model for rank {victim} ", text) is not None)
+        res.update(
+            victim=victim,
+            bit_identical=traj == ref,
+            adopted=re.search(rf"adopted its kept \w+ model for rank {victim} ", text) is not None,
+        )
         out[case] = res
     return out
 
 
-def kill_rank(rank: int, inside: Optional[float] = None):
+def kill_rank(rank: int, inside: float | None = None):
     """SIGKILL ``rank``: at once, or ``inside`` (0..1) of a steady iteration after the last logged one ended,
     i.e. at that point inside the next iteration."""
+
     def action(log: str) -> float:
         pid = rank_pids(log + ".err")[0][rank]
         if inside is not None:
@@ -244,15 +303,22 @@ def kill_rank(rank: int, inside: Optional[float] = None):
         t0 = time.time()
         os.kill(pid, signal.SIGKILL)
         return t0
+
     return action
 
 
 def migrate_rank(rank: int, name: str, etcd: Etcd):
     def action(log: str) -> float:
         t0 = time.time()
-        subprocess.run([sys.executable, "-m", "trainmover_ext.cli", "migrate", "--rank", str(rank), "--tm-job", name,
-                        *etcd.flags], check=True, cwd=ROOT, capture_output=True, timeout=120)
+        subprocess.run(
+            [sys.executable, "-m", "trainmover_ext.cli", "migrate", "--rank", str(rank), "--tm-job", name, *etcd.flags],
+            check=True,
+            cwd=ROOT,
+            capture_output=True,
+            timeout=120,
+        )
         return t0
+
     return action
 
 
@@ -261,13 +327,20 @@ def restart_baseline(data_prefix: str, iters: int, method: str) -> dict:
 
     workdir = tempfile.mkdtemp(prefix="tm_restart_")
     try:
-        return one_trial(workdir, data_prefix, iters, save_interval=5, kill_after=2,
-                         job_args=job_args(data_prefix, iters, 8), restart_start_method=method)
+        return one_trial(
+            workdir,
+            data_prefix,
+            iters,
+            save_interval=5,
+            kill_after=2,
+            job_args=job_args(data_prefix, iters, 8),
+            restart_start_method=method,
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def nvrx_baseline(args, workdir: str, ref: dict[int, float]) -> tuple[Optional[dict], Optional[str]]:
+def nvrx_baseline(args, workdir: str, ref: dict[int, float]) -> tuple[dict | None, str | None]:
     """``(result, None)`` from ``benchmarks/nvrx_inprocess.py`` (the same job, victim and iteration), or
     ``(None, reason)`` when skipped. A failed nvrx run raises, and its logs stay under ``workdir/nvrx``."""
     if args.skip_nvrx:
@@ -277,12 +350,16 @@ def nvrx_baseline(args, workdir: str, ref: dict[int, float]) -> tuple[Optional[d
 
         reason = unavailable_reason()
         if reason is None:
-            print(f"NVIDIA resiliency-ext in-process restart, SIGKILL of rank {args.victim} after iteration "
-                  f"{args.at_iteration} ...", flush=True)
+            print(
+                f"NVIDIA resiliency-ext in-process restart, SIGKILL of rank {args.victim} after iteration "
+                f"{args.at_iteration} ...",
+                flush=True,
+            )
             nvrx_dir = os.path.join(workdir, "nvrx")
             os.makedirs(nvrx_dir)
-            return measure(args.data_prefix, args.iters, args.victim, args.at_iteration, reference=ref,
-                           workdir=nvrx_dir), None
+            return measure(
+                args.data_prefix, args.iters, args.victim, args.at_iteration, reference=ref, workdir=nvrx_dir
+            ), None
     print(f"nvrx_inprocess_s skipped: {reason}", flush=True)
     return None, reason
 
@@ -294,10 +371,12 @@ def plot(path: str, result: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    labels, values = ["stop-restart", "TrainMover\nunexpected", "TrainMover\nplanned"], [
-        result["restart_s"], result["unexpected_s"], result["planned_s"]]
+    labels, values = (
+        ["stop-restart", "TrainMover\nunexpected", "TrainMover\nplanned"],
+        [result["restart_s"], result["unexpected_s"], result["planned_s"]],
+    )
     bars = ax.bar(labels, values, color=["#b0b0b0", "#d62728", "#1f77b4"])
-    for bar, v in zip(bars, values):
+    for bar, v in zip(bars, values, strict=False):
         ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f} s", ha="center", va="bottom")
     ax.set_ylabel("downtime (s)")
     ax.set_title(f"{result['job']}\nsteady iteration {result['iteration_s']:.2f} s", fontsize=9)
@@ -313,25 +392,44 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=16, help="Training iterations of each run.")
     parser.add_argument("--victim", type=int, default=5, help="Rank killed / migrated (8-rank layout).")
     parser.add_argument("--at-iteration", type=int, default=6, help="Act once this iteration is logged.")
-    parser.add_argument("--unexpected-trials", type=int, default=5,
-                        help="SIGKILL trials of the unexpected scenario, each at a random point inside iteration "
-                             "AT_ITERATION + 1; the median is unexpected_s.")
+    parser.add_argument(
+        "--unexpected-trials",
+        type=int,
+        default=5,
+        help="SIGKILL trials of the unexpected scenario, each at a random point inside iteration "
+        "AT_ITERATION + 1; the median is unexpected_s.",
+    )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the random kill points.")
-    parser.add_argument("--precision", choices=sorted(PRECISION_FLAGS), default="bf16",
-                        help="Precision of every run (default bf16, as people train).")
-    parser.add_argument("--dropout", type=float, default=0.1,
-                        help="Hidden and attention dropout of every run (default Megatron's 0.1).")
+    parser.add_argument(
+        "--precision",
+        choices=sorted(PRECISION_FLAGS),
+        default="bf16",
+        help="Precision of every run (default bf16, as people train).",
+    )
+    parser.add_argument(
+        "--dropout", type=float, default=0.1, help="Hidden and attention dropout of every run (default Megatron's 0.1)."
+    )
     parser.add_argument("--scale", default="4,8,16", help="World sizes of the scale runs ('' to skip).")
-    parser.add_argument("--scale-trials", type=int, default=3,
-                        help="SIGKILL trials per scale world size; the median is reported (single trials on a "
-                             "shared 2-core machine vary by 2x at 16 ranks).")
+    parser.add_argument(
+        "--scale-trials",
+        type=int,
+        default=3,
+        help="SIGKILL trials per scale world size; the median is reported (single trials on a "
+        "shared 2-core machine vary by 2x at 16 ranks).",
+    )
     parser.add_argument("--skip-restart", action="store_true", help="Skip the stop-restart baseline.")
-    parser.add_argument("--sandbox-iters", type=int, default=40,
-                        help="Iterations of the two sandbox-standby runs (the standby must warm before the kill; "
-                             "0 skips them).")
-    parser.add_argument("--skip-nvrx", action="store_true",
-                        help="Skip the NVIDIA resiliency-ext in-process restart baseline (nvrx_inprocess_s, "
-                             "about 2-3 minutes; it runs only when nvidia-resiliency-ext is installed).")
+    parser.add_argument(
+        "--sandbox-iters",
+        type=int,
+        default=40,
+        help="Iterations of the two sandbox-standby runs (the standby must warm before the kill; 0 skips them).",
+    )
+    parser.add_argument(
+        "--skip-nvrx",
+        action="store_true",
+        help="Skip the NVIDIA resiliency-ext in-process restart baseline (nvrx_inprocess_s, "
+        "about 2-3 minutes; it runs only when nvidia-resiliency-ext is installed).",
+    )
     parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
     args = parser.parse_args(argv)
     if args.scale_trials < 1 or args.unexpected_trials < 1:
@@ -348,15 +446,36 @@ def main(argv=None) -> int:
         unexpected_trials = []
         for trial in range(args.unexpected_trials):
             inside = rng.random()
-            print(f"TrainMover, SIGKILL of rank {args.victim} at {inside:.2f} of iteration {args.at_iteration + 1} "
-                  f"(trial {trial + 1}/{args.unexpected_trials}) ...", flush=True)
-            res, traj, _ = run_trainmover(workdir, f"unexpected{trial}", args.data_prefix, args.iters, 8,
-                                          args.at_iteration, kill_rank(args.victim, inside), etcd)
+            print(
+                f"TrainMover, SIGKILL of rank {args.victim} at {inside:.2f} of iteration {args.at_iteration + 1} "
+                f"(trial {trial + 1}/{args.unexpected_trials}) ...",
+                flush=True,
+            )
+            res, traj, _ = run_trainmover(
+                workdir,
+                f"unexpected{trial}",
+                args.data_prefix,
+                args.iters,
+                8,
+                args.at_iteration,
+                kill_rank(args.victim, inside),
+                etcd,
+            )
             unexpected_trials.append(dict(res, kill_inside_iteration=round(inside, 3), bit_identical=traj == ref))
         unexpected = sorted(unexpected_trials, key=lambda t: t["downtime_s"])[len(unexpected_trials) // 2]
-        print(f"TrainMover, trainmover migrate --rank {args.victim} after iteration {args.at_iteration} ...", flush=True)
-        planned, traj_p, _ = run_trainmover(workdir, "planned", args.data_prefix, args.iters, 8, args.at_iteration,
-                                            migrate_rank(args.victim, "planned", etcd), etcd)
+        print(
+            f"TrainMover, trainmover migrate --rank {args.victim} after iteration {args.at_iteration} ...", flush=True
+        )
+        planned, traj_p, _ = run_trainmover(
+            workdir,
+            "planned",
+            args.data_prefix,
+            args.iters,
+            8,
+            args.at_iteration,
+            migrate_rank(args.victim, "planned", etcd),
+            etcd,
+        )
         restart = restart_fork = None
         if not args.skip_restart:
             print("stop-restart baseline (same job, checkpoint every 5 iterations), fresh interpreters ...", flush=True)
@@ -371,27 +490,45 @@ def main(argv=None) -> int:
             print(f"nvrx_inprocess_s: {nvrx_skipped}", flush=True)
         sandbox = None
         if args.sandbox_iters:
-            print("TrainMover with a sandbox standby: SIGKILL of rank 4 (its kept model) and of rank "
-                  f"{args.victim} ...", flush=True)
-            sandbox = sandbox_runs(workdir, args.data_prefix, args.sandbox_iters,
-                                   {"kept_rank": 4, "other_rank": args.victim}, etcd)
+            print(
+                f"TrainMover with a sandbox standby: SIGKILL of rank 4 (its kept model) and of rank {args.victim} ...",
+                flush=True,
+            )
+            sandbox = sandbox_runs(
+                workdir, args.data_prefix, args.sandbox_iters, {"kept_rank": 4, "other_rank": args.victim}, etcd
+            )
         scale = []
         for ranks in [int(r) for r in args.scale.split(",") if r.strip()]:
             print(f"scale: {ranks} ranks, SIGKILL of the last rank ...", flush=True)
             ref_s = reference(workdir, args.data_prefix, args.iters, ranks) if ranks != 8 else ref
             trials = []
             for trial in range(args.scale_trials):
-                res, traj, _ = run_trainmover(workdir, f"scale{ranks}_{trial}", args.data_prefix, args.iters, ranks,
-                                              args.at_iteration, kill_rank(ranks - 1), etcd)
+                res, traj, _ = run_trainmover(
+                    workdir,
+                    f"scale{ranks}_{trial}",
+                    args.data_prefix,
+                    args.iters,
+                    ranks,
+                    args.at_iteration,
+                    kill_rank(ranks - 1),
+                    etcd,
+                )
                 trials.append((res, traj == ref_s))
             # The median trial stands for the world size; every trial must be bit-identical.
             res, _ = sorted(trials, key=lambda t: t[0]["downtime_s"])[len(trials) // 2]
-            scale.append({"ranks": ranks, "unexpected_s": res["downtime_s"], "iteration_s": res["iteration_s"],
-                          # in steady iterations of the same world: contention on shared cores slows both alike
-                          "unexpected_over_iteration": round(res["downtime_s"] / res["iteration_s"], 3),
-                          "bit_identical": all(same for _, same in trials),
-                          "trials_s": [round(t[0]["downtime_s"], 4) for t in trials],
-                          "phases": res.get("phases", {}), "joiner": res.get("joiner", {})})
+            scale.append(
+                {
+                    "ranks": ranks,
+                    "unexpected_s": res["downtime_s"],
+                    "iteration_s": res["iteration_s"],
+                    # in steady iterations of the same world: contention on shared cores slows both alike
+                    "unexpected_over_iteration": round(res["downtime_s"] / res["iteration_s"], 3),
+                    "bit_identical": all(same for _, same in trials),
+                    "trials_s": [round(t[0]["downtime_s"], 4) for t in trials],
+                    "phases": res.get("phases", {}),
+                    "joiner": res.get("joiner", {}),
+                }
+            )
         ok_run = True
     finally:
         etcd.stop()
@@ -399,17 +536,27 @@ def main(argv=None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             print(f"a run failed: its logs are kept in {workdir}", file=sys.stderr)
-    by_scenario = {"unexpected": all(t["bit_identical"] for t in unexpected_trials), "planned": traj_p == ref,
-                   **{f"scale_{s['ranks']}": s["bit_identical"] for s in scale},
-                   **{f"sandbox_{c}": sandbox[c]["bit_identical"] for c in ("kept_rank", "other_rank") if sandbox}}
+    by_scenario = {
+        "unexpected": all(t["bit_identical"] for t in unexpected_trials),
+        "planned": traj_p == ref,
+        **{f"scale_{s['ranks']}": s["bit_identical"] for s in scale},
+        **{f"sandbox_{c}": sandbox[c]["bit_identical"] for c in ("kept_rank", "other_rank") if sandbox},
+    }
     downtimes = [t["downtime_s"] for t in unexpected_trials]
     result = {
         "command": " ".join(["python", "benchmarks/downtime.py", *(sys.argv[1:] if argv is None else argv)]),
         "job": f"demo: 8 ranks TP2 x PP2 x DP2, 4 layers, hidden 128, seq 128, {args.precision}, dropout "
-               f"{args.dropout} (CPU gloo, 2 cores)",
-        "config": {"hidden_dropout": args.dropout, "attention_dropout": args.dropout, "precision": args.precision,
-                   "seed": args.seed, "unexpected_trials": args.unexpected_trials, "iters": args.iters,
-                   "victim": args.victim, "at_iteration": args.at_iteration},
+        f"{args.dropout} (CPU gloo, 2 cores)",
+        "config": {
+            "hidden_dropout": args.dropout,
+            "attention_dropout": args.dropout,
+            "precision": args.precision,
+            "seed": args.seed,
+            "unexpected_trials": args.unexpected_trials,
+            "iters": args.iters,
+            "victim": args.victim,
+            "at_iteration": args.at_iteration,
+        },
         "iteration_s": unexpected["iteration_s"],
         "unexpected_s": unexpected["downtime_s"],
         "unexpected_range_s": [min(downtimes), max(downtimes)],
@@ -437,31 +584,50 @@ def main(argv=None) -> int:
     by_ranks = {s["ranks"]: s["unexpected_s"] for s in scale}
     if 4 in by_ranks and 16 in by_ranks:
         result["scale_16_over_4"] = by_ranks[16] / by_ranks[4]
-    rows = [("restart_s (spawn)", f"{result['restart_s']:.3f}" if restart else "skipped"),
-            ("restart_fork_s", f"{result['restart_fork_s']:.3f}" if restart_fork else "skipped"),
-            ("unexpected_s (median)", f"{result['unexpected_s']:.3f} (range {downtimes and min(downtimes):.3f}-"
-                                      f"{max(downtimes):.3f}, kill points {[t['kill_inside_iteration'] for t in unexpected_trials]})"),
-            ("unexpected_s / restart_s", f"{result['unexpected_over_restart']:.4f} (goal <= 0.03)" if restart else "-"),
-            ("planned_s", f"{result['planned_s']:.3f}"),
-            ("nvrx_inprocess_s", f"{nvrx['nvrx_inprocess_s']:.3f}" if nvrx else "skipped"),
-            ("iteration_s", f"{result['iteration_s']:.3f}"),
-            ("bit_identical", f"{result['bit_identical']} {by_scenario}")]
+    rows = [
+        ("restart_s (spawn)", f"{result['restart_s']:.3f}" if restart else "skipped"),
+        ("restart_fork_s", f"{result['restart_fork_s']:.3f}" if restart_fork else "skipped"),
+        (
+            "unexpected_s (median)",
+            f"{result['unexpected_s']:.3f} (range {downtimes and min(downtimes):.3f}-"
+            f"{max(downtimes):.3f}, kill points {[t['kill_inside_iteration'] for t in unexpected_trials]})",
+        ),
+        ("unexpected_s / restart_s", f"{result['unexpected_over_restart']:.4f} (goal <= 0.03)" if restart else "-"),
+        ("planned_s", f"{result['planned_s']:.3f}"),
+        ("nvrx_inprocess_s", f"{nvrx['nvrx_inprocess_s']:.3f}" if nvrx else "skipped"),
+        ("iteration_s", f"{result['iteration_s']:.3f}"),
+        ("bit_identical", f"{result['bit_identical']} {by_scenario}"),
+    ]
     rows += [(f"  unexpected {k}", f"{v:.3f}") for k, v in unexpected.get("phases", {}).items()]
     if nvrx:
-        rows += [("unexpected_s / nvrx_inprocess_s", f"{result['unexpected_over_nvrx']:.3f} (goal <= 0.5)"),
-                 ("nvrx bit_identical (vs its own fault-free run)", str(nvrx["bit_identical"])),
-                 ("nvrx fault-free run = TrainMover's fault-free run",
-                  f"{nvrx.get('fault_free_matches_reference')} (first difference "
-                  f"{nvrx.get('first_difference_from_reference')})"),
-                 ("nvrx ranks terminated by its hard timeout", str(nvrx["terminated_by_nvrx"]))]
+        rows += [
+            ("unexpected_s / nvrx_inprocess_s", f"{result['unexpected_over_nvrx']:.3f} (goal <= 0.5)"),
+            ("nvrx bit_identical (vs its own fault-free run)", str(nvrx["bit_identical"])),
+            (
+                "nvrx fault-free run = TrainMover's fault-free run",
+                f"{nvrx.get('fault_free_matches_reference')} (first difference "
+                f"{nvrx.get('first_difference_from_reference')})",
+            ),
+            ("nvrx ranks terminated by its hard timeout", str(nvrx["terminated_by_nvrx"])),
+        ]
         rows += [(f"  nvrx {k}", f"{v:.3f}") for k, v in nvrx["phases"].items()]
     for case in ("kept_rank", "other_rank") if sandbox else ():
         r = sandbox[case]
-        rows.append((f"sandbox standby, rank {r['victim']} killed", f"{r['downtime_s']:.3f} s (adopted its kept model: "
-                     f"{r['adopted']}, bit-identical {r['bit_identical']})"))
+        rows.append(
+            (
+                f"sandbox standby, rank {r['victim']} killed",
+                f"{r['downtime_s']:.3f} s (adopted its kept model: {r['adopted']}, bit-identical {r['bit_identical']})",
+            )
+        )
         rows += [(f"  {k}", f"{v:.3f}") for k, v in r.get("phases", {}).items()]
-    rows += [(f"scale {s['ranks']} ranks", f"{s['unexpected_s']:.3f} s (trials {s['trials_s']}, iteration "
-              f"{s['iteration_s']:.3f} s, bit-identical {s['bit_identical']})") for s in scale]
+    rows += [
+        (
+            f"scale {s['ranks']} ranks",
+            f"{s['unexpected_s']:.3f} s (trials {s['trials_s']}, iteration "
+            f"{s['iteration_s']:.3f} s, bit-identical {s['bit_identical']})",
+        )
+        for s in scale
+    ]
     print_table("downtime (seconds)", rows, ("measure", "value"))
     write_json(args.json, result)
     if args.plot and restart:

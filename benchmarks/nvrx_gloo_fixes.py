@@ -60,8 +60,15 @@ def finish_torch_teardown() -> int:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     world = c10d._world
-    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
-                  world.pg_to_tag, world.tags_to_pg, world.pg_coalesce_state):
+    for table in (
+        world.pg_map,
+        world.pg_names,
+        world.pg_group_ranks,
+        world.pg_backend_config,
+        world.pg_to_tag,
+        world.tags_to_pg,
+        world.pg_coalesce_state,
+    ):
         table.clear()
     c10d._unregister_all_process_groups()
     stale, world.group_count = world.group_count, 0

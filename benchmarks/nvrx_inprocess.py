@@ -73,14 +73,13 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import ROOT, print_table, read_events, wait_until, write_json  # noqa: E402
+from nvrx_gloo_fixes import finish_torch_teardown, shutdown_tcp_connections  # noqa: E402
 
 from harness.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
-from nvrx_gloo_fixes import finish_torch_teardown, shutdown_tcp_connections  # noqa: E402
 from trainmover_ext.netutil import free_port  # noqa: E402
 
 PACKAGE = "nvidia-resiliency-ext"
@@ -90,7 +89,7 @@ TOKEN_ENV = "NVRX_BENCH_TOKEN"
 """Every process of a run (ranks, nvrx's monitor daemons) inherits this; cleanup finds them by it."""
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     """None when ``nvidia_resiliency_ext.inprocess`` imports at the pinned version, else why not."""
     try:
         from importlib.metadata import PackageNotFoundError, version
@@ -140,7 +139,7 @@ class NvrxRunConfig:
     gloo_abort: str = "sockets"
     """How nvrx's abort frees a rank blocked in gloo: "sockets" shuts its gloo connections down;
     "backend" only calls ProcessGroupGloo.abort(), which leaves such a rank to the hard timeout."""
-    victim: Optional[int] = 5
+    victim: int | None = 5
     """Rank SIGKILLed once ``at_iteration`` is logged; None for a fault-free run."""
     at_iteration: int = 6
     save_interval: int = 5
@@ -194,10 +193,15 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
     events = os.path.join(workdir, f"{name}.events.jsonl")
     ckpt = os.path.join(workdir, f"{name}.ckpt")
     spec = {
-        "argv": cfg.job_args + ["--save", ckpt, "--load", ckpt, "--save-interval", str(cfg.save_interval),
-                                "--tm-metrics-file", metrics],
-        "events": events, "active": cfg.ranks, "pg_port": free_port(), "pg_timeout_s": cfg.pg_timeout_s,
-        "max_restarts": cfg.max_restarts, "timings": asdict(cfg.timings), "gloo_abort": cfg.gloo_abort,
+        "argv": cfg.job_args
+        + ["--save", ckpt, "--load", ckpt, "--save-interval", str(cfg.save_interval), "--tm-metrics-file", metrics],
+        "events": events,
+        "active": cfg.ranks,
+        "pg_port": free_port(),
+        "pg_timeout_s": cfg.pg_timeout_s,
+        "max_restarts": cfg.max_restarts,
+        "timings": asdict(cfg.timings),
+        "gloo_abort": cfg.gloo_abort,
         "monitor_log": os.path.join(workdir, f"{name}.monitor{{rank}}.log"),
     }
     spec_path = os.path.join(workdir, f"{name}.spec.json")
@@ -205,8 +209,14 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
         json.dump(spec, f)
     token = secrets.token_hex(8)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINMOVER_")}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), LOCAL_RANK="0",
-               PYTHONUNBUFFERED="1", **{TOKEN_ENV: token})
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK="0",
+        PYTHONUNBUFFERED="1",
+        **{TOKEN_ENV: token},
+    )
     train_iters = int(cfg.job_args[cfg.job_args.index("--train-iters") + 1])
     procs: list[subprocess.Popen] = []
     t_kill, terminated = None, []
@@ -215,24 +225,40 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
     # a client when the port is taken.
     import torch
 
-    servers = [torch.distributed.TCPStore("127.0.0.1", port, world_size=None, is_master=True,
-                                          wait_for_workers=False, multi_tenant=True, use_libuv=True,
-                                          timeout=datetime.timedelta(seconds=cfg.pg_timeout_s))
-               for port in (int(env["MASTER_PORT"]), spec["pg_port"])]
+    servers = [
+        torch.distributed.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size=None,
+            is_master=True,
+            wait_for_workers=False,
+            multi_tenant=True,
+            use_libuv=True,
+            timeout=datetime.timedelta(seconds=cfg.pg_timeout_s),
+        )
+        for port in (int(env["MASTER_PORT"]), spec["pg_port"])
+    ]
     try:
         for rank in range(world):
             log = os.path.join(workdir, f"{name}.rank{rank}")
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--worker", spec_path],
-                stdout=open(log + ".out", "w"), stderr=open(log + ".err", "w"), cwd=ROOT,
-                env=dict(env, RANK=str(rank))))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "--worker", spec_path],
+                    stdout=open(log + ".out", "w"),
+                    stderr=open(log + ".err", "w"),
+                    cwd=ROOT,
+                    env=dict(env, RANK=str(rank)),
+                )
+            )
         deadline = time.time() + cfg.run_timeout_s
         if cfg.victim is not None:
+
             def reached():
                 if any(p.poll() not in (None, 0) for p in procs):
                     raise RuntimeError(f"{name}: a rank exited before the kill; see {workdir}/{name}.rank*.err")
-                return any(e.get("event") == "iteration" and e["iteration"] >= cfg.at_iteration
-                           for e in read_events(metrics))
+                return any(
+                    e.get("event") == "iteration" and e["iteration"] >= cfg.at_iteration for e in read_events(metrics)
+                )
 
             wait_until(reached, cfg.run_timeout_s, 0.01)
             t_kill = time.time()
@@ -243,11 +269,14 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
         failed = [r for r, rc in enumerate(codes) if r != cfg.victim and rc != 0 and r not in terminated]
         done = [e for e in read_events(metrics) if e.get("event") == "iteration" and e["iteration"] >= train_iters]
         if failed or not done:
-            raise RuntimeError(f"{name}: ranks {failed} failed (exit codes {codes}), iteration {train_iters} "
-                               f"{'reached' if done else 'not reached'}; see {workdir}/{name}.rank*.err")
+            raise RuntimeError(
+                f"{name}: ranks {failed} failed (exit codes {codes}), iteration {train_iters} "
+                f"{'reached' if done else 'not reached'}; see {workdir}/{name}.rank*.err"
+            )
     except subprocess.TimeoutExpired as exc:
-        raise RuntimeError(f"{name}: not finished within {cfg.run_timeout_s:.0f} s; "
-                           f"see {workdir}/{name}.rank*.err") from exc
+        raise RuntimeError(
+            f"{name}: not finished within {cfg.run_timeout_s:.0f} s; see {workdir}/{name}.rank*.err"
+        ) from exc
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -256,8 +285,13 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
             proc.wait(30)
         _kill_token(token)  # nvrx's monitor daemons (double-forked, re-parented to init)
         del servers
-    return {"t_kill": t_kill, "terminated_by_nvrx": terminated, "metrics_path": metrics,
-            "metrics": read_events(metrics), "events": read_events(events)}
+    return {
+        "t_kill": t_kill,
+        "terminated_by_nvrx": terminated,
+        "metrics_path": metrics,
+        "metrics": read_events(metrics),
+        "events": read_events(events),
+    }
 
 
 def trajectory(records: list[dict]) -> dict[int, float]:
@@ -275,16 +309,17 @@ def analyse(cfg: NvrxRunConfig, run: dict) -> dict:
     if not after:
         raise RuntimeError("the logging rank recorded no start-up after the kill: nvrx did not restart the job")
     resumed = after[0]
-    result = lost_time(run["metrics_path"], t0, {"t": resumed["checkpoint_loaded"],
-                                                 "resumed_iteration": resumed["resumed_iteration"]})
+    result = lost_time(
+        run["metrics_path"], t0, {"t": resumed["checkpoint_loaded"], "resumed_iteration": resumed["resumed_iteration"]}
+    )
     last = max((e["nvrx_iteration"] for e in events if e["event"] == "fn_start"), default=0)
     restarted = [e for e in events if e["event"] == "fn_start" and e["nvrx_iteration"] == last and last >= 1]
     # The restart the job resumed from: its interrupted iteration's finalizes (spares' included).
-    faults = [e for e in events
-              if e["event"] == "nvrx_finalize" and e["t"] > t0 and e["nvrx_iteration"] == last - 1]
+    faults = [e for e in events if e["event"] == "nvrx_finalize" and e["t"] > t0 and e["nvrx_iteration"] == last - 1]
     spare = [e for e in restarted if e["initial_rank"] >= cfg.ranks]
-    first = next(e for e in run["metrics"]
-                 if e.get("event") == "iteration" and e["t_end"] > resumed["checkpoint_loaded"])
+    first = next(
+        e for e in run["metrics"] if e.get("event") == "iteration" and e["t_end"] > resumed["checkpoint_loaded"]
+    )
     phases = {}
     if faults and restarted:
         all_aborted, all_started = max(e["t"] for e in faults), max(e["t"] for e in restarted)
@@ -305,13 +340,15 @@ def analyse(cfg: NvrxRunConfig, run: dict) -> dict:
         spares_took_ranks=sorted(e["rank"] for e in spare),
         terminated_by_nvrx=run["terminated_by_nvrx"],
         fault_reports=sorted({e["error"] for e in faults}),
-        lost_iterations=(max(e["iteration"] for e in run["metrics"]
-                             if e.get("event") == "iteration" and e["t_end"] <= t0) - resumed["resumed_iteration"]),
+        lost_iterations=(
+            max(e["iteration"] for e in run["metrics"] if e.get("event") == "iteration" and e["t_end"] <= t0)
+            - resumed["resumed_iteration"]
+        ),
     )
     return result
 
 
-def _first_difference(a: dict[int, float], b: dict[int, float]) -> Optional[list]:
+def _first_difference(a: dict[int, float], b: dict[int, float]) -> list | None:
     """``[iteration, a's loss, b's loss]`` at the first iteration where they differ, or None."""
     for it in sorted(set(a) | set(b)):
         if a.get(it) != b.get(it):
@@ -319,17 +356,33 @@ def _first_difference(a: dict[int, float], b: dict[int, float]) -> Optional[list
     return None
 
 
-def measure(data_prefix: str, iters: int = 16, victim: int = 5, at_iteration: int = 6, save_interval: int = 5,
-            reference: Optional[dict[int, float]] = None, job_args: Optional[list[str]] = None,
-            ranks: int = 8, workdir: Optional[str] = None, keep: bool = False, spares: int = 2,
-            gloo_abort: str = "sockets") -> dict:
+def measure(
+    data_prefix: str,
+    iters: int = 16,
+    victim: int = 5,
+    at_iteration: int = 6,
+    save_interval: int = 5,
+    reference: dict[int, float] | None = None,
+    job_args: list[str] | None = None,
+    ranks: int = 8,
+    workdir: str | None = None,
+    keep: bool = False,
+    spares: int = 2,
+    gloo_abort: str = "sockets",
+) -> dict:
     """The nvrx baseline end to end: a killed run and a fault-free nvrx run of the same job;
     ``bit_identical`` compares the two. With ``reference`` (another fault-free trajectory of the job,
     e.g. TrainMover's) it also says whether nvrx's fault-free run matches it and where it first
     differs. Logs stay in ``workdir`` when a run fails or ``keep``."""
-    cfg = NvrxRunConfig(job_args=job_args or demo_args(data_prefix, iters), ranks=ranks, victim=victim,
-                        at_iteration=at_iteration, save_interval=save_interval, spares=spares,
-                        gloo_abort=gloo_abort)
+    cfg = NvrxRunConfig(
+        job_args=job_args or demo_args(data_prefix, iters),
+        ranks=ranks,
+        victim=victim,
+        at_iteration=at_iteration,
+        save_interval=save_interval,
+        spares=spares,
+        gloo_abort=gloo_abort,
+    )
     own = workdir is None
     workdir = workdir or tempfile.mkdtemp(prefix="tm_nvrx_")
     ok = False
@@ -344,9 +397,16 @@ def measure(data_prefix: str, iters: int = 16, victim: int = 5, at_iteration: in
             result["fault_free_matches_reference"] = fault_free == reference
             result["first_difference_from_reference"] = _first_difference(fault_free, reference)
         result["final_iteration"] = max(traj) if traj else None
-        result["config"] = {"ranks": ranks, "spares": cfg.spares, "victim": victim, "at_iteration": at_iteration,
-                            "save_interval": save_interval, "restore": "latest checkpoint on disk",
-                            "gloo_abort": gloo_abort, "wrapper": asdict(cfg.timings)}
+        result["config"] = {
+            "ranks": ranks,
+            "spares": cfg.spares,
+            "victim": victim,
+            "at_iteration": at_iteration,
+            "save_interval": save_interval,
+            "restore": "latest checkpoint on disk",
+            "gloo_abort": gloo_abort,
+            "wrapper": asdict(cfg.timings),
+        }
         ok = True
         return result
     finally:
@@ -358,21 +418,23 @@ def measure(data_prefix: str, iters: int = 16, victim: int = 5, at_iteration: in
 
 # ---------------------------------------------------------------- worker (one per rank, nvrx-wrapped)
 
+
 def _worker(spec_path: str) -> int:
     """One rank: build the nvrx Wrapper and call the wrapped training function."""
     import torch
     from nvidia_resiliency_ext import inprocess
     from nvidia_resiliency_ext.inprocess import rank_assignment as ra
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
+    )
     # Where a rank was stuck when nvrx's hard timeout terminates it (SIGTERM): its stacks, in its .err.
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     with open(spec_path) as f:
         spec = json.load(f)
     t = spec["timings"]
     td = lambda s: datetime.timedelta(seconds=s)  # noqa: E731
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    world = int(os.environ["WORLD_SIZE"])
 
     def stamp(event: str, **fields) -> None:
         with open(spec["events"], "a") as out:
@@ -385,8 +447,13 @@ def _worker(spec_path: str) -> int:
 
     class StampFinalize(inprocess.finalize.Finalize):
         def __call__(self, state):
-            stamp("nvrx_finalize", nvrx_iteration=state.iteration, rank=state.rank, initial_rank=state.initial_rank,
-                  error=type(state.fn_exception).__name__ if state.fn_exception is not None else "none")
+            stamp(
+                "nvrx_finalize",
+                nvrx_iteration=state.iteration,
+                rank=state.rank,
+                initial_rank=state.initial_rank,
+                error=type(state.fn_exception).__name__ if state.fn_exception is not None else "none",
+            )
             return state
 
     class AbortGloo(inprocess.abort.Abort):
@@ -418,23 +485,33 @@ def _worker(spec_path: str) -> int:
     # The store of the training process groups (one prefix per nvrx iteration), hosted by the driver
     # like nvrx's own store; it outlives the restarts.
     pg_store = torch.distributed.TCPStore(
-        host_name=os.environ["MASTER_ADDR"], port=spec["pg_port"], world_size=world, is_master=False,
-        multi_tenant=True, use_libuv=True, timeout=td(spec["pg_timeout_s"]))
+        host_name=os.environ["MASTER_ADDR"],
+        port=spec["pg_port"],
+        world_size=world,
+        is_master=False,
+        multi_tenant=True,
+        use_libuv=True,
+        timeout=td(spec["pg_timeout_s"]),
+    )
 
     # Heavy imports before the wrapper's first barrier: while a rank waits in C++ (the process group's
     # rendezvous) nvrx's progress watchdog sees no progress, so a long start-up spread looks like a hang.
     from megatron.core.enums import ModelType
-    from megatron.training import pretrain
 
     import pretrain_gpt
+    from megatron.training import pretrain
     from trainmover_ext.config import add_trainmover_args
     from trainmover_ext.hooks import TrainMoverHooks
 
     wrapper = inprocess.Wrapper(
-        store_kwargs={"host_name": os.environ["MASTER_ADDR"], "port": int(os.environ["MASTER_PORT"]),
-                      "timeout": td(spec["pg_timeout_s"])},
-        initialize=inprocess.Compose(inprocess.initialize.RetryController(max_iterations=spec["max_restarts"] + 1),
-                                     StampInitialize()),
+        store_kwargs={
+            "host_name": os.environ["MASTER_ADDR"],
+            "port": int(os.environ["MASTER_PORT"]),
+            "timeout": td(spec["pg_timeout_s"]),
+        },
+        initialize=inprocess.Compose(
+            inprocess.initialize.RetryController(max_iterations=spec["max_restarts"] + 1), StampInitialize()
+        ),
         abort=inprocess.Compose(inprocess.abort.AbortTorchDistributed(), AbortGloo()),  # gloo first
         finalize=StampFinalize(),
         rank_assignment=inprocess.Compose(ra.MaxActiveWorldSize(spec["active"]), ra.FillGaps()),
@@ -452,18 +529,32 @@ def _worker(spec_path: str) -> int:
         monitor_process_logfile=spec["monitor_log"],
     )
 
-    def train(store, call_wrapper: Optional[inprocess.CallWrapper] = None):
+    def train(store, call_wrapper: inprocess.CallWrapper | None = None):
         """The restartable unit: a fresh gloo group and ``pretrain`` (which loads the latest checkpoint)."""
         active_rank, active_world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        stamp("fn_start", nvrx_iteration=call_wrapper.iteration, rank=active_rank,
-              initial_rank=call_wrapper.state.initial_rank, stale_group_count=finish_torch_teardown())
+        stamp(
+            "fn_start",
+            nvrx_iteration=call_wrapper.iteration,
+            rank=active_rank,
+            initial_rank=call_wrapper.state.initial_rank,
+            stale_group_count=finish_torch_teardown(),
+        )
         torch.distributed.init_process_group(
-            "gloo", store=torch.distributed.PrefixStore(f"nvrx_pg_{call_wrapper.iteration}", store),
-            rank=active_rank, world_size=active_world, timeout=td(spec["pg_timeout_s"]))
-        return pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
-                        ModelType.encoder_or_decoder, pretrain_gpt.forward_step,
-                        extra_args_provider=add_trainmover_args, argv=spec["argv"],
-                        runtime_hooks=TrainMoverHooks())
+            "gloo",
+            store=torch.distributed.PrefixStore(f"nvrx_pg_{call_wrapper.iteration}", store),
+            rank=active_rank,
+            world_size=active_world,
+            timeout=td(spec["pg_timeout_s"]),
+        )
+        return pretrain(
+            pretrain_gpt.train_valid_test_datasets_provider,
+            pretrain_gpt.model_provider,
+            ModelType.encoder_or_decoder,
+            pretrain_gpt.forward_step,
+            extra_args_provider=add_trainmover_args,
+            argv=spec["argv"],
+            runtime_hooks=TrainMoverHooks(),
+        )
 
     wrapper(train)(pg_store)
     return 0
@@ -477,15 +568,23 @@ def main(argv=None) -> int:
     parser.add_argument("--at-iteration", type=int, default=6, help="Kill once this iteration is logged.")
     parser.add_argument("--save-interval", type=int, default=5, help="Checkpoint interval the restart resumes from.")
     parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
-    parser.add_argument("--spares", type=int, default=2,
-                        help="nvrx reserve processes started beside the ranks; each rank lost (the victim, and any "
-                             "rank nvrx's hard timeout terminates) takes one. With --gloo-abort backend on the demo "
-                             "job use --spares 8: up to every rank can be terminated.")
-    parser.add_argument("--gloo-abort", choices=GLOO_ABORTS, default="sockets",
-                        help="What nvrx's abort does to gloo: 'sockets' shuts the rank's gloo connections down, so a "
-                             "rank blocked in a collective raises at once (the gloo analogue of nvrx aborting NCCL); "
-                             "'backend' only calls ProcessGroupGloo.abort(), which leaves such a rank blocked until "
-                             "nvrx's hard timeout terminates it (the previous, slower behaviour).")
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=2,
+        help="nvrx reserve processes started beside the ranks; each rank lost (the victim, and any "
+        "rank nvrx's hard timeout terminates) takes one. With --gloo-abort backend on the demo "
+        "job use --spares 8: up to every rank can be terminated.",
+    )
+    parser.add_argument(
+        "--gloo-abort",
+        choices=GLOO_ABORTS,
+        default="sockets",
+        help="What nvrx's abort does to gloo: 'sockets' shuts the rank's gloo connections down, so a "
+        "rank blocked in a collective raises at once (the gloo analogue of nvrx aborting NCCL); "
+        "'backend' only calls ProcessGroupGloo.abort(), which leaves such a rank blocked until "
+        "nvrx's hard timeout terminates it (the previous, slower behaviour).",
+    )
     parser.add_argument("--keep", action="store_true", help="Keep the run directory (logs, checkpoints).")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -496,15 +595,32 @@ def main(argv=None) -> int:
         print(f"nvrx_inprocess_s skipped: {reason}", file=sys.stderr)
         return 2
     ensure_corpus(args.data_prefix)
-    print(f"nvrx in-process restart, SIGKILL of rank {args.victim} after iteration {args.at_iteration}, "
-          f"then a fault-free nvrx run ...", flush=True)
-    result = measure(args.data_prefix, args.iters, args.victim, args.at_iteration, args.save_interval,
-                     keep=args.keep, spares=args.spares, gloo_abort=args.gloo_abort)
-    rows = [("nvrx_inprocess_s", f"{result['nvrx_inprocess_s']:.3f}"), ("iteration_s", f"{result['iteration_s']:.3f}"),
-            ("bit_identical", str(result["bit_identical"])), ("lost_iterations", str(result["lost_iterations"]))]
+    print(
+        f"nvrx in-process restart, SIGKILL of rank {args.victim} after iteration {args.at_iteration}, "
+        f"then a fault-free nvrx run ...",
+        flush=True,
+    )
+    result = measure(
+        args.data_prefix,
+        args.iters,
+        args.victim,
+        args.at_iteration,
+        args.save_interval,
+        keep=args.keep,
+        spares=args.spares,
+        gloo_abort=args.gloo_abort,
+    )
+    rows = [
+        ("nvrx_inprocess_s", f"{result['nvrx_inprocess_s']:.3f}"),
+        ("iteration_s", f"{result['iteration_s']:.3f}"),
+        ("bit_identical", str(result["bit_identical"])),
+        ("lost_iterations", str(result["lost_iterations"])),
+    ]
     rows += [(f"  {k}", f"{v:.3f}") for k, v in result["phases"].items()]
-    rows += [("ranks terminated by nvrx", str(result["terminated_by_nvrx"])),
-             ("ranks taken by spares", str(result["spares_took_ranks"]))]
+    rows += [
+        ("ranks terminated by nvrx", str(result["terminated_by_nvrx"])),
+        ("ranks taken by spares", str(result["spares_took_ranks"])),
+    ]
     print_table("nvrx in-process restart (seconds)", rows, ("measure", "value"))
     write_json(args.json, result)
     return 0 if result["bit_identical"] else 1

@@ -54,7 +54,14 @@ def cpu_s(pid: int) -> float | None:
 def one_run(workdir: str, data_prefix: str, iters: int, kill_after: int, window: int, reserves: int) -> dict:
     metrics = os.path.join(workdir, "metrics.jsonl")
     args = chaos.job_args(data_prefix, iters, os.path.join(workdir, "ckpt"), 10 * iters) + [
-        "--trainmover", "--tm-standbys", "1", "--tm-standby-reserves", str(reserves), "--tm-metrics-file", metrics]
+        "--trainmover",
+        "--tm-standbys",
+        "1",
+        "--tm-standby-reserves",
+        str(reserves),
+        "--tm-metrics-file",
+        metrics,
+    ]
     log = os.path.join(workdir, "job")
     proc = start_launcher(8, args, ["--run-dir", os.path.join(workdir, "run"), "--metrics-port", "-1"], log)
     err, out = log + ".err", log + ".out"
@@ -94,18 +101,28 @@ def one_run(workdir: str, data_prefix: str, iters: int, kill_after: int, window:
     first = min(e["iteration"] for e in its if e["t_end"] > t_kill)  # the recovery's first iteration
     pre = [times[i] for i in range(kill_after - window + 1, kill_after + 1) if i in times]
     post = [times[i] for i in range(first + 1, first + 1 + window) if i in times]
-    return {"reserves": reserves, "refill": how, "refill_cpu_s": round(used, 2),
-            "refill_warm_s": round(t_warm - t_started, 1) if t_warm else None,
-            "iteration_before_s": round(median(pre), 4), "iteration_after_s": round(median(post), 4),
-            "after_over_before": round(median(post) / median(pre), 3), "post_iterations": len(post)}
+    return {
+        "reserves": reserves,
+        "refill": how,
+        "refill_cpu_s": round(used, 2),
+        "refill_warm_s": round(t_warm - t_started, 1) if t_warm else None,
+        "iteration_before_s": round(median(pre), 4),
+        "iteration_after_s": round(median(post), 4),
+        "after_over_before": round(median(post) / median(pre), 3),
+        "post_iterations": len(post),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=40, help="Training iterations of each run (default 40).")
     parser.add_argument("--kill-after", type=int, default=12, help="SIGKILL rank 3 after this iteration (default 12).")
-    parser.add_argument("--window", type=int, default=10,
-                        help="Iterations compared before the kill and after the recovery (default 10).")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=10,
+        help="Iterations compared before the kill and after the recovery (default 10).",
+    )
     parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
     parser.add_argument("--json", default=None, help="Write the results here.")
     parser.add_argument("--keep", action="store_true", help="Keep each run's directory (logs, metrics).")
@@ -124,12 +141,16 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 shutil.rmtree(workdir, ignore_errors=True)
     pre, spawn = results
-    payload = {"runs": results, "cpu_ratio": round(pre["refill_cpu_s"] / spawn["refill_cpu_s"], 3),
-               "settings": {"iters": args.iters, "kill_after": args.kill_after, "window": args.window}}
-    print_table("standby refill after a SIGKILL (demo job, 8 ranks, 2 cores)",
-                [(r["reserves"], r["refill"], r["refill_cpu_s"], r["refill_warm_s"], r["after_over_before"])
-                 for r in results],
-                ("--tm-standby-reserves", "refill", "refill CPU s", "warm after s", "iteration after/before"))
+    payload = {
+        "runs": results,
+        "cpu_ratio": round(pre["refill_cpu_s"] / spawn["refill_cpu_s"], 3),
+        "settings": {"iters": args.iters, "kill_after": args.kill_after, "window": args.window},
+    }
+    print_table(
+        "standby refill after a SIGKILL (demo job, 8 ranks, 2 cores)",
+        [(r["reserves"], r["refill"], r["refill_cpu_s"], r["refill_warm_s"], r["after_over_before"]) for r in results],
+        ("--tm-standby-reserves", "refill", "refill CPU s", "warm after s", "iteration after/before"),
+    )
     print(f"refill CPU, pre-forked over spawn: {payload['cpu_ratio']}")
     write_json(args.json, payload)
     return 0

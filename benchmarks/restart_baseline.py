@@ -32,14 +32,29 @@ from common import median, print_table, rank_pids, read_events, start_launcher, 
 from harness.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
 
 
-def one_trial(workdir: str, data_prefix: str, iters: int, save_interval: int, kill_after: int, *,
-              job_args: list[str] | None = None, restart_start_method: str = "spawn") -> dict:
+def one_trial(
+    workdir: str,
+    data_prefix: str,
+    iters: int,
+    save_interval: int,
+    kill_after: int,
+    *,
+    job_args: list[str] | None = None,
+    restart_start_method: str = "spawn",
+) -> dict:
     """One stop-restart of the demo job (or ``job_args``, 8 ranks); ``restart_start_method`` 'spawn' starts
     fresh interpreters (what a real stop-restart pays), 'fork' forks them from the warm agent."""
     ckpt = os.path.join(workdir, "ckpt")
     metrics = os.path.join(workdir, "metrics.jsonl")
     args = (job_args or demo_args(data_prefix, iters)) + [
-        "--save", ckpt, "--load", ckpt, "--save-interval", str(save_interval), "--tm-metrics-file", metrics,
+        "--save",
+        ckpt,
+        "--load",
+        ckpt,
+        "--save-interval",
+        str(save_interval),
+        "--tm-metrics-file",
+        metrics,
     ]
     log = os.path.join(workdir, "launch")
     proc = start_launcher(8, args, ["--max-restarts", "1", "--restart-start-method", restart_start_method], log)
@@ -111,8 +126,10 @@ def main(argv=None) -> int:
         "trials": trials,
     }
     rows = [(k, f"{v:.3f}") for k, v in best["phases"].items()]
-    rows += [("restart_s (total - 1 iteration)", f"{best['restart_s']:.3f}"),
-             ("steady iteration_s", f"{best['iteration_s']:.3f}")]
+    rows += [
+        ("restart_s (total - 1 iteration)", f"{best['restart_s']:.3f}"),
+        ("steady iteration_s", f"{best['iteration_s']:.3f}"),
+    ]
     print_table("stop-restart baseline (median trial)", rows, ("phase", "seconds"))
     write_json(args.json, result)
     return 0

@@ -83,8 +83,12 @@ def job_argv(corpus: str, compile_: bool, model: str) -> list[str]:
     from harness.jobs import model_args
 
     return model_args(**MODELS[model], iters=100000, lr=1e-3) + [
-        "--pipeline-model-parallel-size", "3", "--data-path", corpus + "_text_document",
-        *(["--tm-compile"] if compile_ else [])]
+        "--pipeline-model-parallel-size",
+        "3",
+        "--data-path",
+        corpus + "_text_document",
+        *(["--tm-compile"] if compile_ else []),
+    ]
 
 
 class Run:
@@ -95,8 +99,9 @@ class Run:
 
         from harness.sandbox import CTX
 
-        self.ctl = PrefixStore("ctl", TCPStore("127.0.0.1", port, is_master=False,
-                                               timeout=datetime.timedelta(seconds=deadline_s)))
+        self.ctl = PrefixStore(
+            "ctl", TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=deadline_s))
+        )
         self.queue = CTX.Queue()
         self.procs: dict = {}
         self.results: dict = {}
@@ -148,10 +153,23 @@ class Run:
                 proc.join(5)
 
 
-def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: int, repeats: int,
-                deadline_s: float, roles: tuple = ROLES, nice: int = 0, probe_duties: tuple = (0.25,),
-                kinds: tuple = KINDS, probe_repeats: int = 1, *, model: str) -> dict:
-    from harness import sandbox as harness, promotion
+def run_variant(
+    corpus: str,
+    compile_: bool,
+    record_iters: int,
+    steady_iters: int,
+    repeats: int,
+    deadline_s: float,
+    roles: tuple = ROLES,
+    nice: int = 0,
+    probe_duties: tuple = (0.25,),
+    kinds: tuple = KINDS,
+    probe_repeats: int = 1,
+    *,
+    model: str,
+) -> dict:
+    from harness import promotion
+    from harness import sandbox as harness
     from trainmover_ext.sandbox.recording import load_recordings
 
     workdir = tempfile.mkdtemp(prefix="tm-warmup-")
@@ -162,18 +180,19 @@ def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: in
     try:
         for rank in range(WORLD):
             run.fork(("job", rank), promotion.job_member, rank, WORLD, store.port, argv, record_dir, record_iters)
-        run.wait(lambda: all(os.path.isfile(os.path.join(record_dir, r, "index.json")) for r in ROLES),
-                 "the recordings")
+        run.wait(
+            lambda: all(os.path.isfile(os.path.join(record_dir, r, "index.json")) for r in ROLES), "the recordings"
+        )
         run.wait(lambda: run.progress() >= record_iters + steady_iters, "steady iterations")
         # Isolation probes: a standby warms every role while the job trains, paced to each duty in turn;
         # then the job trains as long without it.
         probes = [(duty, i) for i in range(probe_repeats) for duty in probe_duties]
         for n, (duty, _) in enumerate(probes):
             run.fork(("probe", n), promotion.warm_only, argv, WORLD, record_dir, nice, duty)
-            run.wait(lambda: ("probe", n) in run.results, "the isolation probe")
+            run.wait(lambda n=n: ("probe", n) in run.results, "the isolation probe")
             window = run.results[("probe", n)]
             quiet_until = time.time() + (window["warm_end"] - window["warm_start"])
-            run.wait(lambda: time.time() >= quiet_until, "the quiet window after the probe")
+            run.wait(lambda until=quiet_until: time.time() >= until, "the quiet window after the probe")
         trials, epoch = [], 0
         serving = {rank: ("job", rank) for rank in range(WORLD)}
         for role, _, kind in ((r, i, k) for r in roles for i in range(repeats) for k in kinds):
@@ -181,19 +200,31 @@ def run_variant(corpus: str, compile_: bool, record_iters: int, steady_iters: in
             rank = RANK_OF[role]
             # Newcomers warm at normal priority (the probe above measures interference); the job then
             # trains steady_iters more iterations before the switch, so the baseline excludes the warm-up.
-            run.fork(("newcomer", epoch), promotion.newcomer, rank, WORLD, store.port, argv, epoch,
-                     None if kind == "cold" else record_dir, 0, role if kind == "kept" else None)
-            run.wait(lambda: run.ctl.check([f"ready/{epoch}"]), f"newcomer {epoch} to be ready")
+            run.fork(
+                ("newcomer", epoch),
+                promotion.newcomer,
+                rank,
+                WORLD,
+                store.port,
+                argv,
+                epoch,
+                None if kind == "cold" else record_dir,
+                0,
+                role if kind == "kept" else None,
+            )
+            run.wait(lambda e=epoch: run.ctl.check([f"ready/{e}"]), f"newcomer {epoch} to be ready")
             ready_at = run.progress()
-            run.wait(lambda: run.progress() >= ready_at + steady_iters, f"steady iterations before switch {epoch}")
+            run.wait(
+                lambda at=ready_at: run.progress() >= at + steady_iters, f"steady iterations before switch {epoch}"
+            )
             switch_at = run.progress() + 3
             run.ctl.set(f"plan/{epoch}", json.dumps({"rank": rank, "switch_at": switch_at}))
-            run.wait(lambda: run.progress() >= switch_at + steady_iters, f"iterations after switch {epoch}")
+            run.wait(lambda at=switch_at: run.progress() >= at + steady_iters, f"iterations after switch {epoch}")
             # Only now may the leaver tear down, and the next trial starts once it is gone: its exit
             # runs on these same cores and must not fall into any measured window.
             run.ctl.set(f"release/{epoch}", "1")
             leaver, serving[rank] = serving[rank], ("newcomer", epoch)
-            run.wait(lambda: leaver in run.results, f"the leaver of epoch {epoch} to finish")
+            run.wait(lambda who=leaver: who in run.results, f"the leaver of epoch {epoch} to finish")
             trials.append({"role": role, "kind": kind, "epoch": epoch, "switch_at": switch_at, "rank": rank})
         run.ctl.set("stop_at", str(run.progress() + 3))
         run.wait(lambda: len(run.results) == len(run.procs), "every process to finish")
@@ -209,15 +240,16 @@ def _iteration_times(results: dict) -> dict[int, list[tuple]]:
     for key, res in results.items():
         for step in res["steps"]:
             out.setdefault(step["iteration"], []).append(
-                (key, res.get("rank"), step["t0"], step["t1"], step.get("gc_s", 0.0)))
+                (key, res.get("rank"), step["t0"], step["t1"], step.get("gc_s", 0.0))
+            )
     return out
 
 
 # Per trial, with s the switch boundary (the newcomer's first iteration is s+1):
-FIRST_AFTER = 1                      # the measured iteration
-NULL_ITERATION = -4                  # an undisturbed iteration, measured the same way (noise floor)
-BEFORE = range(-9, 1)                # baseline: the 10 iterations up to the switch ...
-AFTER = range(3, 13)                 # ... and 10 after it, once the newcomer is steady
+FIRST_AFTER = 1  # the measured iteration
+NULL_ITERATION = -4  # an undisturbed iteration, measured the same way (noise floor)
+BEFORE = range(-9, 1)  # baseline: the 10 iterations up to the switch ...
+AFTER = range(3, 13)  # ... and 10 after it, once the newcomer is steady
 
 
 def trial_figures(its: dict, trial: dict, steady_iters: int) -> dict:
@@ -233,22 +265,37 @@ def trial_figures(its: dict, trial: dict, steady_iters: int) -> dict:
     own = [t1 - t0 for key, _, t0, t1, _ in its[s + FIRST_AFTER] if key == newcomer]
     own_steady = [t1 - t0 for k in AFTER if k <= steady_iters for key, _, t0, t1, _ in its[s + k] if key == newcomer]
     gc_first = max((g for _, _, _, _, g in its[s + FIRST_AFTER]), default=0.0)
-    return {"ratio": stayers(FIRST_AFTER) / steady, "null_ratio": stayers(NULL_ITERATION) / steady,
-            "first_s": stayers(FIRST_AFTER), "steady_s": steady,
-            "own_ratio": own[0] / median(own_steady) if own and own_steady else None,
-            "own_first_s": own[0] if own else None, "gc_first_s": gc_first}
+    return {
+        "ratio": stayers(FIRST_AFTER) / steady,
+        "null_ratio": stayers(NULL_ITERATION) / steady,
+        "first_s": stayers(FIRST_AFTER),
+        "steady_s": steady,
+        "own_ratio": own[0] / median(own_steady) if own and own_steady else None,
+        "own_first_s": own[0] if own else None,
+        "gc_first_s": gc_first,
+    }
 
 
-def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool, record_iters: int,
-            roles_measured: tuple, probes: int, steady_iters: int = 12, kinds: tuple = KINDS) -> dict:
+def analyse(
+    results: dict,
+    trials: list[dict],
+    recordings: dict,
+    compile_: bool,
+    record_iters: int,
+    roles_measured: tuple,
+    probes: int,
+    steady_iters: int = 12,
+    kinds: tuple = KINDS,
+) -> dict:
     its = _iteration_times(results)
     job_time = {k: max(t1 - t0 for _, _, t0, t1, _ in v) for k, v in its.items()}
     roles = []
     for role in roles_measured:
         entry = {"role": role, "compile": compile_, "record_bytes": recordings[role].data_bytes}
         for kind in kinds:
-            entry[f"{kind}_adopted"] = [results[("newcomer", t["epoch"])]["adopted"] for t in trials
-                                        if t["role"] == role and t["kind"] == kind]
+            entry[f"{kind}_adopted"] = [
+                results[("newcomer", t["epoch"])]["adopted"] for t in trials if t["role"] == role and t["kind"] == kind
+            ]
             figs = [trial_figures(its, t, steady_iters) for t in trials if t["role"] == role and t["kind"] == kind]
             # The median trial: one noisy iteration on shared cores does not make the figure.
             entry[f"{kind}_ratio"] = round(median(f["ratio"] for f in figs), 3)
@@ -265,13 +312,19 @@ def analyse(results: dict, trials: list[dict], recordings: dict, compile_: bool,
         recorder = next(r for key, r in results.items() if key[0] == "job" and r["recorded"]["role"] == role)
         rec = recorder["recorded"]
         entry["record_overhead_s_per_iteration"] = round(rec["overhead_s"] / len(rec["iteration_s"]), 5)
-        entry["record_overhead_ratio"] = round(entry["record_overhead_s_per_iteration"]
-                                               / entry[f"{kinds[0]}_steady_s"], 4)
+        entry["record_overhead_ratio"] = round(
+            entry["record_overhead_s_per_iteration"] / entry[f"{kinds[0]}_steady_s"], 4
+        )
         roles.append(entry)
-    return {"compile": compile_, "roles": roles,
-            "isolation": isolation_by_duty([isolation(results, job_time, record_iters, n) for n in range(probes)]),
-            "memory": memory(results), "hooks_left_after_recording": sorted(
-                {h for key, r in results.items() if key[0] == "job" for h in r["hooks_after"]})}
+    return {
+        "compile": compile_,
+        "roles": roles,
+        "isolation": isolation_by_duty([isolation(results, job_time, record_iters, n) for n in range(probes)]),
+        "memory": memory(results),
+        "hooks_left_after_recording": sorted(
+            {h for key, r in results.items() if key[0] == "job" for h in r["hooks_after"]}
+        ),
+    }
 
 
 def isolation_by_duty(probes: list[dict]) -> list[dict]:
@@ -280,8 +333,14 @@ def isolation_by_duty(probes: list[dict]) -> list[dict]:
     for duty in sorted({p["standby_duty"] for p in probes}, reverse=True):
         mine = [p for p in probes if p["standby_duty"] == duty]
         ratios = [p["ratio_of_medians"] for p in mine if p["ratio_of_medians"] is not None]
-        out.append({"standby_duty": duty, "ratio_of_medians": round(median(ratios), 3) if ratios else None,
-                    "ratios": ratios, "probes": mine})
+        out.append(
+            {
+                "standby_duty": duty,
+                "ratio_of_medians": round(median(ratios), 3) if ratios else None,
+                "ratios": ratios,
+                "probes": mine,
+            }
+        )
     return out
 
 
@@ -291,7 +350,7 @@ def isolation(results: dict, job_time: dict, record_iters: int, n: int) -> dict:
     probe = results[("probe", n)]
     w0, w1 = probe["warm_start"], probe["warm_end"]
     spans: dict[int, tuple] = {}
-    for key, res in results.items():
+    for res in results.values():
         for step in res["steps"]:
             lo, hi = spans.get(step["iteration"], (step["t0"], step["t1"]))
             spans[step["iteration"]] = (min(lo, step["t0"]), max(hi, step["t1"]))
@@ -304,48 +363,88 @@ def isolation(results: dict, job_time: dict, record_iters: int, n: int) -> dict:
         elif w1 <= t0 and t1 <= 2 * w1 - w0:  # the quiet window right after it, as long
             quiet.append(job_time[k])
     ratio = round(median(during) / median(quiet), 3) if during and quiet else None
-    return {"ratio_of_medians": ratio, "iterations_during": len(during), "iterations_quiet": len(quiet),
-            "median_during_s": round(median(during), 4) if during else None,
-            "median_quiet_s": round(median(quiet), 4) if quiet else None, "warm_s": round(w1 - w0, 2),
-            "standby_nice": probe["nice"], "standby_duty": probe["duty"], "standby_paused_s": round(probe["paused_s"], 2),
-            "standby_new_sockets": probe["warm_new_sockets"]}
+    return {
+        "ratio_of_medians": ratio,
+        "iterations_during": len(during),
+        "iterations_quiet": len(quiet),
+        "median_during_s": round(median(during), 4) if during else None,
+        "median_quiet_s": round(median(quiet), 4) if quiet else None,
+        "warm_s": round(w1 - w0, 2),
+        "standby_nice": probe["nice"],
+        "standby_duty": probe["duty"],
+        "standby_paused_s": round(probe["paused_s"], 2),
+        "standby_new_sockets": probe["warm_new_sockets"],
+    }
 
 
 def memory(results: dict) -> dict:
     job_peak = max(r["peak_rss_bytes"] for key, r in results.items() if key[0] == "job")
-    standby_peak = max((r.get("warm_rss_bytes", 0) for key, r in results.items()
-                        if key[0] == "probe" or (key[0] == "newcomer" and r["warm"])), default=None)
+    standby_peak = max(
+        (
+            r.get("warm_rss_bytes", 0)
+            for key, r in results.items()
+            if key[0] == "probe" or (key[0] == "newcomer" and r["warm"])
+        ),
+        default=None,
+    )
     if standby_peak is None:
         return {"job_rank_peak_rss_bytes": job_peak, "standby_warm_peak_rss_bytes": None, "standby_over_job": None}
-    return {"job_rank_peak_rss_bytes": job_peak, "standby_warm_peak_rss_bytes": standby_peak,
-            "standby_over_job": round(standby_peak / job_peak, 3)}
+    return {
+        "job_rank_peak_rss_bytes": job_peak,
+        "standby_warm_peak_rss_bytes": standby_peak,
+        "standby_over_job": round(standby_peak / job_peak, 3),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None, help="Write the results here.")
-    parser.add_argument("--compile", choices=["off", "on", "both"], default="both",
-                        help="Measure eager, --tm-compile, or both (default).")
+    parser.add_argument(
+        "--compile",
+        choices=["off", "on", "both"],
+        default="both",
+        help="Measure eager, --tm-compile, or both (default).",
+    )
     parser.add_argument("--record-iters", type=int, default=2)
     parser.add_argument("--roles", nargs="+", choices=ROLES, default=list(ROLES), help="Roles to hand over.")
-    parser.add_argument("--standby-nice", type=int, default=0,
-                        help="Niceness of the isolation probes' standby (default 0, as a launched standby; above 0 it "
-                             "also runs at SCHED_IDLE).")
-    parser.add_argument("--probe-duties", default="1,0.25",
-                        help="Comma-separated --tm-standby-duty values the isolation probes' standby is paced to, "
-                             "one probe each (default '1,0.25': unpaced, then a quarter core).")
+    parser.add_argument(
+        "--standby-nice",
+        type=int,
+        default=0,
+        help="Niceness of the isolation probes' standby (default 0, as a launched standby; above 0 it "
+        "also runs at SCHED_IDLE).",
+    )
+    parser.add_argument(
+        "--probe-duties",
+        default="1,0.25",
+        help="Comma-separated --tm-standby-duty values the isolation probes' standby is paced to, "
+        "one probe each (default '1,0.25': unpaced, then a quarter core).",
+    )
     parser.add_argument("--probe-repeats", type=int, default=1, help="Probes per duty (default 1).")
-    parser.add_argument("--no-probe", action="store_true",
-                        help="Skip the isolation probes (with --tm-compile a paced warm-up takes long).")
+    parser.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="Skip the isolation probes (with --tm-compile a paced warm-up takes long).",
+    )
     parser.add_argument("--steady-iters", type=int, default=12, help="Iterations before each switch and after it.")
-    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS),
-                        help="Newcomer kinds to hand over to (default: all three).")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="Hand-overs per role and kind; the median trial is reported (default 1).")
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        choices=KINDS,
+        default=list(KINDS),
+        help="Newcomer kinds to hand over to (default: all three).",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="Hand-overs per role and kind; the median trial is reported (default 1)."
+    )
     parser.add_argument("--deadline", type=float, default=1800.0, help="Seconds one variant may take.")
     parser.add_argument("--data-prefix", default=None, help="Corpus prefix (default: the bundled one).")
-    parser.add_argument("--model", choices=sorted(MODELS), default="demo",
-                        help="Model size: the demo job's (default) or the tiny one of earlier figures.")
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="demo",
+        help="Model size: the demo job's (default) or the tiny one of earlier figures.",
+    )
     args = parser.parse_args()
 
     import megatron.training  # noqa: F401  (imported once here: every forked process starts warm)
@@ -353,25 +452,73 @@ def main() -> None:
 
     corpus = ensure_corpus(args.data_prefix or DEFAULT_CORPUS_PREFIX)
     variants = [c for c in (False, True) if args.compile in ("both", "on" if c else "off")]
-    runs = [run_variant(corpus, c, args.record_iters, args.steady_iters, args.repeats, args.deadline,
-                        tuple(args.roles), args.standby_nice,
-                        () if args.no_probe else tuple(float(d) for d in args.probe_duties.split(",")),
-                        tuple(args.kinds), args.probe_repeats, model=args.model) for c in variants]
-    rows = [(r["role"], "on" if r["compile"] else "off", *(r.get(f"{k}_ratio") for k in ("kept", "warm", "cold")),
-             r["null_ratio"], r.get("warm_newcomer_own_ratio"), r["record_bytes"], f"{r['record_overhead_ratio']:.2%}")
-            for run in runs for r in run["roles"]]
-    print_table(f"First iteration after promotion / steady iteration (PP=3 {args.model} GPT, CPU)", rows,
-                ("role", "--tm-compile", "kept_ratio", "warm_ratio", "cold_ratio", "null_ratio", "warm own",
-                 "record_bytes", "record overhead/iter"))
+    runs = [
+        run_variant(
+            corpus,
+            c,
+            args.record_iters,
+            args.steady_iters,
+            args.repeats,
+            args.deadline,
+            tuple(args.roles),
+            args.standby_nice,
+            () if args.no_probe else tuple(float(d) for d in args.probe_duties.split(",")),
+            tuple(args.kinds),
+            args.probe_repeats,
+            model=args.model,
+        )
+        for c in variants
+    ]
+    rows = [
+        (
+            r["role"],
+            "on" if r["compile"] else "off",
+            *(r.get(f"{k}_ratio") for k in ("kept", "warm", "cold")),
+            r["null_ratio"],
+            r.get("warm_newcomer_own_ratio"),
+            r["record_bytes"],
+            f"{r['record_overhead_ratio']:.2%}",
+        )
+        for run in runs
+        for r in run["roles"]
+    ]
+    print_table(
+        f"First iteration after promotion / steady iteration (PP=3 {args.model} GPT, CPU)",
+        rows,
+        (
+            "role",
+            "--tm-compile",
+            "kept_ratio",
+            "warm_ratio",
+            "cold_ratio",
+            "null_ratio",
+            "warm own",
+            "record_bytes",
+            "record overhead/iter",
+        ),
+    )
     for run in runs:
         iso, mem = run["isolation"], run["memory"]
-        iso_text = "; ".join(f"duty {i['standby_duty']}: {i['ratio_of_medians']} (probes {i['ratios']})"
-                             for i in iso) if iso else "not probed"
-        print(f"compile {'on' if run['compile'] else 'off'}: job iteration while a standby warms / otherwise = "
-              f"{iso_text}; standby peak RSS / job rank peak = {mem['standby_over_job']}; hooks left after "
-              f"recording: {run['hooks_left_after_recording'] or 'none'}")
-    write_json(args.json, {"model": args.model, "roles": [r for run in runs for r in run["roles"]], "variants": runs,
-                           "machine": f"{os.cpu_count()} CPUs", "time": time.time()})
+        iso_text = (
+            "; ".join(f"duty {i['standby_duty']}: {i['ratio_of_medians']} (probes {i['ratios']})" for i in iso)
+            if iso
+            else "not probed"
+        )
+        print(
+            f"compile {'on' if run['compile'] else 'off'}: job iteration while a standby warms / otherwise = "
+            f"{iso_text}; standby peak RSS / job rank peak = {mem['standby_over_job']}; hooks left after "
+            f"recording: {run['hooks_left_after_recording'] or 'none'}"
+        )
+    write_json(
+        args.json,
+        {
+            "model": args.model,
+            "roles": [r for run in runs for r in run["roles"]],
+            "variants": runs,
+            "machine": f"{os.cpu_count()} CPUs",
+            "time": time.time(),
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -69,9 +69,16 @@ from typing import TYPE_CHECKING, Any
 # Imported on first use, so that ``nccl_delta.errors`` (which the runtime's error tree
 # re-exports) loads without torch.
 _EXPORTS = {
-    "BACKEND_NAME": ".backend", "DeltaProcessGroup": ".backend", "expect_join": ".backend", "register": ".backend",
-    "DeltaConfig": ".config", "PreparedSwap": ".delta", "SwitchReport": ".delta", "DeltaGroup": ".group",
-    "DeltaWorld": ".world", "current_world": ".world",
+    "BACKEND_NAME": ".backend",
+    "DeltaProcessGroup": ".backend",
+    "expect_join": ".backend",
+    "register": ".backend",
+    "DeltaConfig": ".config",
+    "PreparedSwap": ".delta",
+    "SwitchReport": ".delta",
+    "DeltaGroup": ".group",
+    "DeltaWorld": ".world",
+    "current_world": ".world",
 }
 
 if TYPE_CHECKING:

@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from . import waiter
+from . import world as world_mod
 from .config import DeltaConfig
 from .group import DeltaGroup
-from . import waiter, world as world_mod
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import (
@@ -166,8 +167,9 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
             self.delta.allreduce(t, op)
         return DoneWork(_as_list(tensors))
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor],
-                            opts: AllreduceCoalescedOptions | None = None) -> DoneWork:
+    def allreduce_coalesced(
+        self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions | None = None
+    ) -> DoneWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         # One ring pass per dtype over a packed buffer: fewer hops than one ring per tensor.
         by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -181,62 +183,76 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
             self.delta.allreduce(packed, op)
             offset = 0
             for t in group:
-                t.copy_(packed[offset:offset + t.numel()].view_as(t))
+                t.copy_(packed[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
         return DoneWork(list(tensors))
 
     def allgather(  # type: ignore[override]
-            self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-            opts: AllgatherOptions | None = None) -> DoneWork:
-        for outs, inp in zip(output_lists, input_tensors):
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: AllgatherOptions | None = None,
+    ) -> DoneWork:
+        for outs, inp in zip(output_lists, input_tensors, strict=False):
             flat = torch.empty(inp.numel() * self.delta.size, dtype=inp.dtype, device=inp.device)
             self.delta.allgather_into(flat, inp.contiguous())
             for k, out in enumerate(outs):
-                out.copy_(flat[k * inp.numel():(k + 1) * inp.numel()].view_as(out))
+                out.copy_(flat[k * inp.numel() : (k + 1) * inp.numel()].view_as(out))
         return DoneWork([t for outs in output_lists for t in outs])
 
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-                            opts: AllgatherOptions | None = None) -> DoneWork:
+    def allgather_coalesced(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: AllgatherOptions | None = None,
+    ) -> DoneWork:
         return self.allgather(output_lists, input_tensors, opts)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
-                          opts: AllgatherOptions | None = None) -> DoneWork:
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None
+    ) -> DoneWork:
         self.delta.allgather_into(output, input.contiguous())
         return DoneWork([output])
 
     _allgather_base = all_gather_single
 
-    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                    opts: AllgatherOptions | None = None) -> DoneWork:
-        for out, inp in zip(outputs, inputs):
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllgatherOptions | None = None
+    ) -> DoneWork:
+        for out, inp in zip(outputs, inputs, strict=False):
             self.delta.allgather_into(out, inp.contiguous())
         return DoneWork(list(outputs))
 
     # c10d calls these aliases positionally; only their parameter names differ from the stub's.
     allgather_into_tensor_coalesced = all_gather_single_coalesced  # type: ignore[assignment]
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts: ReduceScatterOptions | None = None) -> DoneWork:
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions | None = None
+    ) -> DoneWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         self.delta.reduce_scatter(output, input, op)
         return DoneWork([output])
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # names differ, as above
 
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: ReduceScatterOptions | None = None) -> DoneWork:
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: ReduceScatterOptions | None = None
+    ) -> DoneWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        for out, inp in zip(outputs, inputs):
+        for out, inp in zip(outputs, inputs, strict=False):
             self.delta.reduce_scatter(out, inp, op)
         return DoneWork(list(outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # names, as above
 
     def reduce_scatter(  # type: ignore[override]
-            self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
-            opts: ReduceScatterOptions | None = None) -> DoneWork:
+        self,
+        outputs: list[torch.Tensor],
+        input_lists: list[list[torch.Tensor]],
+        opts: ReduceScatterOptions | None = None,
+    ) -> DoneWork:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        for out, inputs in zip(outputs, input_lists):
+        for out, inputs in zip(outputs, input_lists, strict=False):
             packed = torch.cat([t.reshape(-1) for t in inputs])
             self.delta.reduce_scatter(out, packed, op)
         return DoneWork(list(outputs))
@@ -255,15 +271,18 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
         return DoneWork(_as_list(tensors))
 
     def gather(  # type: ignore[override]
-            self, output_lists: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-            opts: GatherOptions | None = None) -> DoneWork:
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: GatherOptions | None = None,
+    ) -> DoneWork:
         root = opts.rootRank if opts is not None else 0
         for inp in input_tensors:
             flat = torch.empty(inp.numel() * self.delta.size, dtype=inp.dtype, device=inp.device)
             self.delta.allgather_into(flat, inp.contiguous())
             if self.delta.index == root:
                 for k, out in enumerate(output_lists[0]):
-                    out.copy_(flat[k * inp.numel():(k + 1) * inp.numel()].view_as(out))
+                    out.copy_(flat[k * inp.numel() : (k + 1) * inp.numel()].view_as(out))
         return DoneWork()
 
     def barrier(self, opts: BarrierOptions | None = None) -> DoneWork:  # type: ignore[override]
@@ -321,8 +340,13 @@ def _create(dist_opts: _DistributedBackendOptions, backend_opts: object = None) 
         # Deadlines come from DeltaConfig, not torch's group timeout (30 min by default):
         # a dead link must surface in seconds.
         config = _config or DeltaConfig.from_env()
-        world = world_mod.DeltaWorld(rank=dist_opts.group_rank, world_size=dist_opts.group_size,
-                                     store=dist_opts.store, config=config, join_epoch=_join_epoch)
+        world = world_mod.DeltaWorld(
+            rank=dist_opts.group_rank,
+            world_size=dist_opts.group_size,
+            store=dist_opts.store,
+            config=config,
+            join_epoch=_join_epoch,
+        )
         world.world_group_name = name
         world_mod._install_world(world)
         # The thread that creates WORLD is the one that trains: start its send waiter now, not inside
@@ -331,8 +355,10 @@ def _create(dist_opts: _DistributedBackendOptions, backend_opts: object = None) 
         waiter.prestart()
     rank = world.rank
     if members[dist_opts.group_rank] != rank:
-        raise RuntimeError(f"nccl_delta: group {name!r} puts group rank {dist_opts.group_rank} at logical rank "
-                           f"{members[dist_opts.group_rank]}, but this process serves rank {rank}")
+        raise RuntimeError(
+            f"nccl_delta: group {name!r} puts group rank {dist_opts.group_rank} at logical rank "
+            f"{members[dist_opts.group_rank]}, but this process serves rank {rank}"
+        )
     return DeltaProcessGroup(world.add_group(name=name, members=members, store=dist_opts.store))
 
 

@@ -53,7 +53,7 @@ class DeltaConfig:
             raise ConfigError("small_bytes must be >= 0")
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> "DeltaConfig":
+    def from_env(cls, **overrides: Any) -> DeltaConfig:
         """Defaults, then ``NCCL_DELTA_*`` environment variables, then ``overrides``."""
         values: dict[str, Any] = {}
         if "NCCL_DELTA_TRANSPORT" in os.environ:

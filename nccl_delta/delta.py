@@ -43,8 +43,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 from nccl_delta.errors import CommAbandoned, CommTimeout, SwapAborted
 
@@ -102,7 +103,7 @@ class RecoverReport:
     """Ring links built anew in generation ``epoch``."""
 
 
-def prepare(world: "DeltaWorld", rank: int, epoch: int, *, joiner: str | None = None) -> PreparedSwap:
+def prepare(world: DeltaWorld, rank: int, epoch: int, *, joiner: str | None = None) -> PreparedSwap:
     """Phase 1 on a stayer: start building links to the joiner for ``rank`` in the background."""
     if rank == world.rank:
         raise SwapAborted(f"rank {rank} cannot prepare its own replacement; prepare runs on stayers")
@@ -129,7 +130,7 @@ def prepare(world: "DeltaWorld", rank: int, epoch: int, *, joiner: str | None = 
     return swap
 
 
-def switch(world: "DeltaWorld", epoch: int, *, timeout_s: float | None = None) -> SwitchReport:
+def switch(world: DeltaWorld, epoch: int, *, timeout_s: float | None = None) -> SwitchReport:
     """Phase 2 on a stayer: re-point logical rank r to the joiner; touches only r's links."""
     swap = world.prepared.get(epoch)
     if swap is None:
@@ -139,14 +140,16 @@ def switch(world: "DeltaWorld", epoch: int, *, timeout_s: float | None = None) -
     if not swap.wait(timeout_s):
         raise SwapAborted(
             f"rank {world.rank}: links to the joiner for rank {swap.rank} (epoch {epoch}) not up after "
-            f"{timeout_s:.1f}s; the old links stay in use. Check that the joiner called join({epoch}).")
+            f"{timeout_s:.1f}s; the old links stay in use. Check that the joiner called join({epoch})."
+        )
     wait_s = time.perf_counter() - t0
     world.prepared.pop(epoch, None)
     if swap.error is not None:
         for _, link in swap.links:
             link.close()
-        raise SwapAborted(f"rank {world.rank}: building links to the joiner for rank {swap.rank} failed: "
-                               f"{swap.error}") from swap.error
+        raise SwapAborted(
+            f"rank {world.rank}: building links to the joiner for rank {swap.rank} failed: {swap.error}"
+        ) from swap.error
     t1 = time.perf_counter()
     touched = 0
     replaced = set()
@@ -162,11 +165,12 @@ def switch(world: "DeltaWorld", epoch: int, *, timeout_s: float | None = None) -
     world.incarnation[swap.rank] = epoch
     with world._lock:  # abandon(epoch) is a no-op from here on
         world.epoch = epoch
-    return SwitchReport(rank=swap.rank, epoch=epoch, links_touched=touched,
-                        switch_s=time.perf_counter() - t1, wait_s=wait_s)
+    return SwitchReport(
+        rank=swap.rank, epoch=epoch, links_touched=touched, switch_s=time.perf_counter() - t1, wait_s=wait_s
+    )
 
 
-def abandon(world: "DeltaWorld", epoch: int, reason: str, *, dead: Iterable[int] = ()) -> int:
+def abandon(world: DeltaWorld, epoch: int, reason: str, *, dead: Iterable[int] = ()) -> int:
     """Make every op in flight or to come fail fast (any thread); returns how many links were severed.
 
     Links to ``dead`` ranks and links with an op in flight are severed; idle ones are quiesced
@@ -188,7 +192,7 @@ def abandon(world: "DeltaWorld", epoch: int, reason: str, *, dead: Iterable[int]
         return severed
 
 
-def recover(world: "DeltaWorld", epoch: int, *, replaced: Iterable[int] = ()) -> RecoverReport:
+def recover(world: DeltaWorld, epoch: int, *, replaced: Iterable[int] = ()) -> RecoverReport:
     """After ``abandon``: keep the quiet links both ends agree on, rebuild the other ring links in
     generation ``epoch`` (all stayers and the joiner at once); see the module docstring."""
     if epoch <= world.base_generation and world.abandoned is None:
@@ -224,7 +228,7 @@ def _ledger_key(epoch: int, rank: int) -> str:
     return f"nccl_delta/ledgers/e{epoch}/{rank}"
 
 
-def agree_on_kept_links(world: "DeltaWorld", epoch: int, replaced: set[int]) -> set[tuple[str, int]]:
+def agree_on_kept_links(world: DeltaWorld, epoch: int, replaced: set[int]) -> set[tuple[str, int]]:
     """Publish this process's ledgers and return the ``(transport, peer)`` links both ends keep.
 
     Every stayer publishes (peers may wait for it); it waits only for the peers of its own quiet
@@ -237,12 +241,14 @@ def agree_on_kept_links(world: "DeltaWorld", epoch: int, replaced: set[int]) -> 
         return set()
     _wait_keys(world, [_ledger_key(epoch, p) for p in peers], epoch)
     theirs_by_peer = {p: json.loads(world.store.get(_ledger_key(epoch, p))) for p in peers}
-    return {(transport, peer) for transport, peer in entries
-            if ledgers_match(mine[f"{transport}/{peer}"],
-                             theirs_by_peer.get(peer, {}).get(f"{transport}/{world.rank}"))}
+    return {
+        (transport, peer)
+        for transport, peer in entries
+        if ledgers_match(mine[f"{transport}/{peer}"], theirs_by_peer.get(peer, {}).get(f"{transport}/{world.rank}"))
+    }
 
 
-def _wait_keys(world: "DeltaWorld", keys: list[str], epoch: int) -> None:
+def _wait_keys(world: DeltaWorld, keys: list[str], epoch: int) -> None:
     """Block until every key is in the store; :class:`CommAbandoned` once a newer epoch supersedes
     ``epoch`` (a peer that died before publishing never does), :class:`CommTimeout` after
     ``connect_timeout_s``."""
@@ -251,31 +257,39 @@ def _wait_keys(world: "DeltaWorld", keys: list[str], epoch: int) -> None:
         if world.superseded(epoch):
             raise CommAbandoned(f"rank {world.rank}: ledgers of epoch {epoch} given up: {world.abandoned}")
         if time.monotonic() > deadline:
-            raise CommTimeout(f"rank {world.rank}: the ledgers {keys} were not all published within "
-                              f"{world.config.connect_timeout_s:.0f}s; a peer of epoch {epoch} is hung or gone")
+            raise CommTimeout(
+                f"rank {world.rank}: the ledgers {keys} were not all published within "
+                f"{world.config.connect_timeout_s:.0f}s; a peer of epoch {epoch} is hung or gone"
+            )
         time.sleep(0.02)
 
 
 def ledgers_match(ours: Ledger | None, theirs: Ledger | None) -> bool:
     """Whether a link may be kept: both ends quiet, the same generation, the same number of pair
     collectives, and every message one end sent received by the other (per tag)."""
-    return (ours is not None and theirs is not None and ours["generation"] == theirs["generation"]
-            and ours["pair"] == theirs["pair"] and ours["sent"] == theirs["received"]
-            and ours["received"] == theirs["sent"])
+    return (
+        ours is not None
+        and theirs is not None
+        and ours["generation"] == theirs["generation"]
+        and ours["pair"] == theirs["pair"]
+        and ours["sent"] == theirs["received"]
+        and ours["received"] == theirs["sent"]
+    )
 
 
-def join(world: "DeltaWorld", epoch: int) -> None:
+def join(world: DeltaWorld, epoch: int) -> None:
     """On the joiner: connect every ring link of every group, in creation order, in generation ``epoch``."""
     if not world.joining:
-        raise SwapAborted(f"rank {world.rank} is not a joiner: call nccl_delta.expect_join(epoch) before "
-                               "init_process_group")
+        raise SwapAborted(
+            f"rank {world.rank} is not a joiner: call nccl_delta.expect_join(epoch) before init_process_group"
+        )
     if epoch != world.epoch:
         raise SwapAborted(f"join({epoch}) but this joiner expected epoch {world.epoch}")
     connect_all_rings(world, epoch)
     world.joining = False
 
 
-def connect_all_rings(world: "DeltaWorld", epoch: int) -> int:
+def connect_all_rings(world: DeltaWorld, epoch: int) -> int:
     """Build the link to every ring neighbour (in any group) that has none, in generation ``epoch``.
 
     One link per neighbour, all at once (one thread each): the cost is one link set-up, not

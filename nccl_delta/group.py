@@ -55,7 +55,7 @@ def tag_base(name: str) -> int:
 class DeltaGroup:
     """Members are logical (global) ranks in group-rank order; ``me`` is this process's logical rank."""
 
-    def __init__(self, *, world: "DeltaWorld", name: str, members: list[int], store: Store):
+    def __init__(self, *, world: DeltaWorld, name: str, members: list[int], store: Store):
         if world.rank not in members:
             raise ValueError(f"rank {world.rank} is not a member of group {name!r} {members}")
         self.world = world
@@ -90,8 +90,7 @@ class DeltaGroup:
         link = self.world.links.get((transport, peer))
         if link is None:
             if self.world.joining:
-                raise CommLinkError(
-                    f"{op} needs a link to rank {peer} before this joiner called join(epoch)")
+                raise CommLinkError(f"{op} needs a link to rank {peer} before this joiner called join(epoch)")
             link = self.world.connect_links({peer: self.name}, transport)[peer]
         return link
 
@@ -115,8 +114,15 @@ class DeltaGroup:
             self.connect_ring(transport)
         prev = self.link_to(self.members[(self.index - 1) % self.size], transport, op)
         nxt = self.link_to(self.members[(self.index + 1) % self.size], transport, op)
-        return Ring(index=self.index, size=self.size, prev=prev, next=nxt,
-                    segment_bytes=self.world.config.segment_bytes, op=op, tag=self.coll_tag)
+        return Ring(
+            index=self.index,
+            size=self.size,
+            prev=prev,
+            next=nxt,
+            segment_bytes=self.world.config.segment_bytes,
+            op=op,
+            tag=self.coll_tag,
+        )
 
     def allreduce(self, tensor: torch.Tensor, op: ReduceOpLike) -> None:
         if self.size == 1:
@@ -145,7 +151,7 @@ class DeltaGroup:
                 flat_out.copy_(inp.reshape(-1))
                 return
             flat_in = inp.reshape(-1)
-            own = flat_out[self.index * flat_in.numel():(self.index + 1) * flat_in.numel()]
+            own = flat_out[self.index * flat_in.numel() : (self.index + 1) * flat_in.numel()]
             if _overlaps(flat_out, flat_in) and flat_in.data_ptr() != own.data_ptr():
                 flat_in = flat_in.clone()  # in place is fine only at this rank's own slot (megatron's form)
             self._ring(self.transport_for(out), "allgather").allgather(flat_out, flat_in)
@@ -197,8 +203,7 @@ class DeltaGroup:
 
 # Reductions a 2-member group hands to its pair's native all-reduce: order-independent for two
 # operands, so the result is bit-identical to the ring's. AVG runs as SUM, then divides.
-_PAIR_OPS = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX,
-             "MIN": dist.ReduceOp.MIN}
+_PAIR_OPS = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.SUM, "MAX": dist.ReduceOp.MAX, "MIN": dist.ReduceOp.MIN}
 
 
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -220,8 +225,8 @@ class _flat:
         self.flat = (self.tensor.contiguous() if self.copy else self.tensor).view(-1)
         return self.flat
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self.copy and exc_type is None:
             self.tensor.copy_(self.flat.view_as(self.tensor))
-

@@ -26,8 +26,9 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, TypedDict, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
 
 import torch
 from torch._C._distributed_c10d import Store
@@ -94,7 +95,7 @@ class LinkId:
         return 0 if rank == self.a else 1
 
 
-def connect(link_id: LinkId, me: int, store: Store, config: DeltaConfig) -> "Link":
+def connect(link_id: LinkId, me: int, store: Store, config: DeltaConfig) -> Link:
     """Build one link; both ends call this (any thread) and it returns when both have arrived."""
     if me not in (link_id.a, link_id.b):
         raise ValueError(f"rank {me} is not an end of {link_id}")
@@ -143,7 +144,9 @@ class Link:
         """Ops posted and not yet waited for successfully."""
 
     def __repr__(self) -> str:
-        return f"Link({self.me}->{self.peer}, group={self.link_id.group!r}, gen={self.link_id.generation}, {self.state})"
+        return (
+            f"Link({self.me}->{self.peer}, group={self.link_id.group!r}, gen={self.link_id.generation}, {self.state})"
+        )
 
     def _check(self, op: str) -> None:
         if self.state == "quiet":
@@ -169,14 +172,14 @@ class Link:
             if send_tag is not None:
                 self.sent[send_tag] = self.sent.get(send_tag, 0) + 1
 
-    def isend(self, tensor: torch.Tensor, tag: int, op: str) -> "LinkWork":
+    def isend(self, tensor: torch.Tensor, tag: int, op: str) -> LinkWork:
         self._start(op, send_tag=tag)
         try:
             return LinkWork(self, self.handle.isend(tensor, tag), op)
         except Exception as exc:
             raise self._fail(op, exc) from exc
 
-    def irecv(self, tensor: torch.Tensor, tag: int, op: str) -> "LinkWork":
+    def irecv(self, tensor: torch.Tensor, tag: int, op: str) -> LinkWork:
         self._start(op)
         try:
             return LinkWork(self, self.handle.irecv(tensor, tag), op, recv_tag=tag)
@@ -206,9 +209,12 @@ class Link:
         with self._lock:
             if self.state != "quiet":
                 return None
-            return {"generation": self.link_id.generation, "pair": self.pair_collectives,
-                    "sent": {str(t): n for t, n in sorted(self.sent.items())},
-                    "received": {str(t): n for t, n in sorted(self.received.items())}}
+            return {
+                "generation": self.link_id.generation,
+                "pair": self.pair_collectives,
+                "sent": {str(t): n for t, n in sorted(self.sent.items())},
+                "received": {str(t): n for t, n in sorted(self.received.items())},
+            }
 
     def resume(self) -> None:
         """Reopen a quiet link that both ends agreed to keep (``recover``)."""
@@ -295,12 +301,12 @@ class Link:
             _reaper().put(self.handle)
 
 
-_reaper_queue: "queue.SimpleQueue[TransportHandle] | None" = None
+_reaper_queue: queue.SimpleQueue[TransportHandle] | None = None
 _reaper_pid: int | None = None
 _reaper_lock = threading.Lock()
 
 
-def _reaper() -> "queue.SimpleQueue[TransportHandle]":
+def _reaper() -> queue.SimpleQueue[TransportHandle]:
     global _reaper_queue, _reaper_pid
     with _reaper_lock:
         # A forked child inherits the queue but not the thread: start its own.

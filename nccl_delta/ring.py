@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, TypeAlias
+from collections.abc import Callable
+from typing import TypeAlias
 
 import torch
 import torch.distributed as dist
@@ -100,8 +101,7 @@ def chunk_bounds(numel: int, n: int) -> list[tuple[int, int]]:
 class Ring:
     """The ring of one op: member ``index`` of ``size``, with links to its neighbours."""
 
-    def __init__(self, *, index: int, size: int, prev: Link, next: Link, segment_bytes: int, op: str,
-                 tag: int):
+    def __init__(self, *, index: int, size: int, prev: Link, next: Link, segment_bytes: int, op: str, tag: int):
         self.i = index
         self.n = size
         self.prev = prev
@@ -149,8 +149,9 @@ class Ring:
             self._sever(links)  # a quiet (idle) link stays quiet: recover() may keep it
             raise
         except CommLinkError as exc:
-            down = sorted({link.peer for link in links
-                           if link.probe_then_sever(f"{self.op} failed on a neighbouring link")})
+            down = sorted(
+                {link.peer for link in links if link.probe_then_sever(f"{self.op} failed on a neighbouring link")}
+            )
             if down:
                 raise type(exc)(f"{exc} Ring peers whose connection closed: ranks {down}.") from exc
             raise
@@ -170,7 +171,7 @@ class Ring:
         for s in range(n - 1):
             c = (i - s - 1) % n
             segs = self._segments(*bounds[c], esize)
-            steps.append([(seg, self._recv(flat[seg[0]:seg[1]])) for seg in segs])
+            steps.append([(seg, self._recv(flat[seg[0] : seg[1]])) for seg in segs])
         for a, b in self._segments(*bounds[i], esize):
             self._send(flat[a:b])
         for s, recvs in enumerate(steps):
@@ -197,7 +198,7 @@ class Ring:
 
         def post(k: int) -> None:
             s, a, b = units[k]
-            buf = slots[(k % depth) * seg:(k % depth) * seg + (b - a)]
+            buf = slots[(k % depth) * seg : (k % depth) * seg + (b - a)]
             pending.append((s, a, b, buf, self._recv(buf)))
 
         for k in range(depth):  # receives first: the neighbour's data can land while we send
@@ -232,13 +233,13 @@ class Ring:
         """Gather every member's tensor, then reduce locally in member order (n-1 hops, deterministic)."""
         numel = flat.numel()
         gathered = torch.empty(self.n * numel, dtype=flat.dtype, device=flat.device)
-        gathered[self.i * numel:(self.i + 1) * numel].copy_(flat)
+        gathered[self.i * numel : (self.i + 1) * numel].copy_(flat)
         bounds = [(k * numel, (k + 1) * numel) for k in range(self.n)]
         self.run(lambda: self.allgather_chunks(gathered, bounds))
         combine = reducer(op)
         acc = gathered[0:numel].clone()
         for k in range(1, self.n):
-            combine(acc, gathered[k * numel:(k + 1) * numel])
+            combine(acc, gathered[k * numel : (k + 1) * numel])
         if op == dist.ReduceOp.AVG:
             finish_avg(acc, self.n)
         flat.copy_(acc)
@@ -246,7 +247,7 @@ class Ring:
     def allgather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         k = inp.numel()
         bounds = [(c * k, (c + 1) * k) for c in range(self.n)]
-        out[self.i * k:(self.i + 1) * k].copy_(inp)
+        out[self.i * k : (self.i + 1) * k].copy_(inp)
         self.run(lambda: self.allgather_chunks(out, bounds))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOpLike) -> None:
@@ -262,11 +263,11 @@ class Ring:
                 steps.append((c, [((a, b), self._recv(dests[s][a:b])) for a, b in self._segments(0, k, esize)]))
             for a, b in self._segments(0, k, esize):
                 c = (i - 1) % n
-                self._send(inp[c * k + a:c * k + b])
+                self._send(inp[c * k + a : c * k + b])
             for s, (c, recvs) in enumerate(steps):
                 for (a, b), work in recvs:
                     work.wait()
-                    combine(dests[s][a:b], inp[c * k + a:c * k + b])
+                    combine(dests[s][a:b], inp[c * k + a : c * k + b])
                     if s + 1 < n - 1:
                         self._send(dests[s][a:b])
 

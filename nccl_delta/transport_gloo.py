@@ -27,10 +27,10 @@ import threading
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import torch
-from torch.distributed import AllreduceOptions, Work
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
+from torch.distributed import AllreduceOptions, Work
 
-from .waiter import Pending, WaitCancelled, Waitable, wait_completion
+from .waiter import Pending, Waitable, WaitCancelled, wait_completion
 from .waiter import wait as wait_interruptible
 
 if TYPE_CHECKING:
@@ -166,8 +166,9 @@ class _Collective(_Send):
 class GlooPair:
     """The transport handle of one link: a 2-rank gloo group plus its socket."""
 
-    def __init__(self, pg: PairGroup | None, side: int, sockets: dict[int, tuple[Address, Address]],
-                 timeout: datetime.timedelta):
+    def __init__(
+        self, pg: PairGroup | None, side: int, sockets: dict[int, tuple[Address, Address]], timeout: datetime.timedelta
+    ):
         self.pg = pg
         self.side = side
         self.peer_side = 1 - side
@@ -283,9 +284,7 @@ class GlooPair:
         self.pg = None
 
 
-def connect_gloo_pair(
-    store: Store, prefix: str, side: int, timeout: datetime.timedelta, host: str | None
-) -> GlooPair:
+def connect_gloo_pair(store: Store, prefix: str, side: int, timeout: datetime.timedelta, host: str | None) -> GlooPair:
     """Build the 2-rank gloo group of one link; both ends call this with the same ``prefix``."""
     opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stub's Options lacks _devices/_threads
     opts._timeout = timeout
@@ -310,8 +309,9 @@ def connect_gloo_pair(
     link_store.set(f"sock/{side}", json.dumps(list(mine.values())))
     theirs = json.loads(link_store.get(f"sock/{1 - side}").decode())
     mirrored = {(tuple(peer), tuple(local)) for local, peer in theirs}
-    sockets = {fd: (tuple(local), tuple(peer)) for fd, (local, peer) in mine.items()
-               if (tuple(local), tuple(peer)) in mirrored}
+    sockets = {
+        fd: (tuple(local), tuple(peer)) for fd, (local, peer) in mine.items() if (tuple(local), tuple(peer)) in mirrored
+    }
     if not sockets:
         logger.warning("link %s: pair socket not identified; abandon falls back to the op timeout", prefix)
     return GlooPair(pg, side, sockets, timeout)

@@ -24,6 +24,8 @@ import torch
 from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed import Work
 
+from nccl_delta.errors import CommLinkError
+
 if TYPE_CHECKING:
     from torch._C import _distributed_c10d as _c10d
 
@@ -34,8 +36,6 @@ try:  # absent from CPU-only builds
     from torch._C._distributed_c10d import ProcessGroupNCCL
 except ImportError:  # pragma: no cover - depends on the torch build
     ProcessGroupNCCL = None
-
-from nccl_delta.errors import CommLinkError
 
 
 def nccl_available() -> bool:
@@ -96,8 +96,9 @@ class NcclPair:
 def connect_nccl_pair(store: Store, prefix: str, side: int, timeout: datetime.timedelta) -> NcclPair:
     """Build the 2-rank NCCL communicator of one link on the current CUDA device."""
     if not nccl_available():
-        raise CommLinkError("the nccl transport needs CUDA and a torch build with NCCL; "
-                            "set NCCL_DELTA_TRANSPORT=gloo on CPU machines")
+        raise CommLinkError(
+            "the nccl transport needs CUDA and a torch build with NCCL; set NCCL_DELTA_TRANSPORT=gloo on CPU machines"
+        )
     assert ProcessGroupNCCL is not None  # nccl_available() checked it
     device = torch.device("cuda", torch.cuda.current_device())
     opts = ProcessGroupNCCL.Options()

@@ -80,7 +80,7 @@ class _Waiter:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.queue: "queue.SimpleQueue[Pending]" = queue.SimpleQueue()
+        self.queue: queue.SimpleQueue[Pending] = queue.SimpleQueue()
         self.stuck = False
         threading.Thread(target=self._run, name="nccl_delta_waiter", daemon=True).start()
 

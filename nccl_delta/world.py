@@ -33,22 +33,24 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import TYPE_CHECKING, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from torch._C._distributed_c10d import Store
+
+from nccl_delta.errors import CommAbandoned
 
 from . import links as links_mod
 from .config import DeltaConfig
 from .group import DeltaGroup
 from .links import Link, LinkId
-from nccl_delta.errors import CommAbandoned
 
 if TYPE_CHECKING:
     from .delta import PreparedSwap, RecoverReport, SwitchReport
 
 logger = logging.getLogger(__name__)
 
-_WORLD: "DeltaWorld | None" = None
+_WORLD: DeltaWorld | None = None
 _WORLD_LOCK = threading.Lock()
 
 
@@ -75,7 +77,7 @@ class DeltaWorld:
         if join_epoch is not None:
             self.epoch = join_epoch
             self.incarnation[rank] = join_epoch
-        self.prepared: dict[int, "PreparedSwap"] = {}
+        self.prepared: dict[int, PreparedSwap] = {}
         self.world_group_name: str | None = None
         self._lock = threading.Lock()
 
@@ -136,8 +138,15 @@ class DeltaWorld:
         for transport, peer in [key for key, _ in self.links_snapshot()]:
             self.install(transport, peer, None)
 
-    def connect_links(self, peers: dict[int, str], transport: str, *, generation: int | None = None,
-                      store: Store | None = None, install: bool = True) -> dict[int, Link]:
+    def connect_links(
+        self,
+        peers: dict[int, str],
+        transport: str,
+        *,
+        generation: int | None = None,
+        store: Store | None = None,
+        install: bool = True,
+    ) -> dict[int, Link]:
         """Build the missing links to ``peers`` (all at once, one thread each) and return them.
 
         ``peers`` maps each peer to the name of the group that needs the link (for messages).
@@ -161,12 +170,16 @@ class DeltaWorld:
 
         def build(peer: int, client: Store) -> Link:
             gen = self.generation(peer) if generation is None else generation
-            lid = LinkId(group=peers[peer], a=min(self.rank, peer), b=max(self.rank, peer), generation=gen,
-                         transport=transport)
+            lid = LinkId(
+                group=peers[peer], a=min(self.rank, peer), b=max(self.rank, peer), generation=gen, transport=transport
+            )
             return links_mod.connect(lid, self.rank, client, self.config)
 
         clients = _clients(store, len(todo))
-        built = _build_all(self, {peer: functools.partial(build, peer, client) for peer, client in zip(todo, clients)})
+        builders: dict[int, Callable[[], Link]] = {
+            peer: functools.partial(build, peer, client) for peer, client in zip(todo, clients, strict=False)
+        }
+        built = _build_all(self, builders)
         if install:
             for peer, link in built.items():
                 self.install(transport, peer, link)
@@ -174,12 +187,12 @@ class DeltaWorld:
         return out
 
     # --- membership API (see nccl_delta.delta for the protocol) ----------------
-    def prepare(self, rank: int, epoch: int, *, joiner: str | None = None) -> "PreparedSwap":
+    def prepare(self, rank: int, epoch: int, *, joiner: str | None = None) -> PreparedSwap:
         from .delta import prepare
 
         return prepare(self, rank, epoch, joiner=joiner)
 
-    def switch(self, epoch: int, *, timeout_s: float | None = None) -> "SwitchReport":
+    def switch(self, epoch: int, *, timeout_s: float | None = None) -> SwitchReport:
         from .delta import switch
 
         return switch(self, epoch, timeout_s=timeout_s)
@@ -189,7 +202,7 @@ class DeltaWorld:
 
         return abandon(self, epoch, reason, dead=dead)
 
-    def recover(self, epoch: int, *, replaced: Iterable[int] = ()) -> "RecoverReport":
+    def recover(self, epoch: int, *, replaced: Iterable[int] = ()) -> RecoverReport:
         from .delta import recover
 
         return recover(self, epoch, replaced=replaced)
@@ -272,8 +285,10 @@ def _clients(store: Store, count: int) -> list[Store]:
 def current_world() -> DeltaWorld:
     """The process's DeltaWorld; raises if ``init_process_group(backend="nccl_delta")`` has not run."""
     if _WORLD is None:
-        raise RuntimeError("no nccl_delta world: call nccl_delta.register() and "
-                           "torch.distributed.init_process_group(backend='nccl_delta', ...) first")
+        raise RuntimeError(
+            "no nccl_delta world: call nccl_delta.register() and "
+            "torch.distributed.init_process_group(backend='nccl_delta', ...) first"
+        )
     return _WORLD
 
 

@@ -29,7 +29,9 @@ def megatron_core_version() -> str:
     try:
         return importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError as exc:
-        raise PatchError("megatron-core is not installed: run `make venv` or `pip install megatron-core==0.16.1`") from exc
+        raise PatchError(
+            "megatron-core is not installed: run `make venv` or `pip install megatron-core==0.16.1`"
+        ) from exc
 
 
 def check_version(version: str | None = None) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import textwrap
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from trainmover_ext.errors import PatchError
 
@@ -35,9 +35,7 @@ def _compile_function(module, cls, name: str, source: str, filename: str) -> Cal
     return namespace["__tm_factory"](cls)
 
 
-def rewrite(
-    module_name: str, qualname: str, replacements: Sequence[Replacement], require_each: bool = True
-) -> None:
+def rewrite(module_name: str, qualname: str, replacements: Sequence[Replacement], require_each: bool = True) -> None:
     """Replace snippets in ``module_name.qualname`` and install the new function.
 
     ``qualname`` is ``func`` or ``Class.method``. With ``require_each`` every

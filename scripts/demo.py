@@ -42,8 +42,17 @@ def say(msg: str) -> None:
 
 
 def launch_cmd(nproc: int, script_args: list[str], *flags: str) -> list[str]:
-    return [sys.executable, "-m", "trainmover_ext.cli", "launch", "--nproc-per-node", str(nproc), *flags,
-            PRETRAIN, *script_args]
+    return [
+        sys.executable,
+        "-m",
+        "trainmover_ext.cli",
+        "launch",
+        "--nproc-per-node",
+        str(nproc),
+        *flags,
+        PRETRAIN,
+        *script_args,
+    ]
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -64,8 +73,14 @@ def scrape(url: str) -> dict[str, float]:
 
 def run_failover(cmd: list[str], log_path: str) -> tuple[int, list[dict]]:
     """Run the job, echo its output, scrape /metrics until it ends; returns (exit code, scrapes)."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     found: dict[str, str] = {}
 
     def echo() -> None:
@@ -93,8 +108,10 @@ def run_failover(cmd: list[str], log_path: str) -> tuple[int, list[dict]]:
         scrapes.append(sample)
         it, mig = sample.get("iterations", 0.0), sample.get("migrations", 0.0)
         if mig != last_shown[1] or it >= last_shown[0] + 5:
-            say(f"/metrics scrape: trainmover_iterations_total={it:.0f} "
-                f"trainmover_migrations_total{{kind=\"failure\"}}={mig:.0f}")
+            say(
+                f"/metrics scrape: trainmover_iterations_total={it:.0f} "
+                f'trainmover_migrations_total{{kind="failure"}}={mig:.0f}'
+            )
             last_shown = (it, mig)
     if proc.poll() is None:
         proc.kill()
@@ -121,22 +138,31 @@ def compare(got: dict[int, float], ref: dict[int, float]) -> bool:
     missing = [it for it in ref if it not in got]
     differ = [it for it in ref if it in got and got[it] != ref[it]]
     ok = len(same) == len(ref) and not missing
-    say(f"losses vs the fault-free reference: {len(same)}/{len(ref)} iterations bit-identical"
-        + (f"; missing {missing}" if missing else "") + (f"; DIFFERENT at {differ}" if differ else ""))
-    say("RESULT: " + ("bit-identical: the failure cost a few seconds and changed nothing"
-                      if ok else "NOT bit-identical"))
+    say(
+        f"losses vs the fault-free reference: {len(same)}/{len(ref)} iterations bit-identical"
+        + (f"; missing {missing}" if missing else "")
+        + (f"; DIFFERENT at {differ}" if differ else "")
+    )
+    say(
+        "RESULT: "
+        + ("bit-identical: the failure cost a few seconds and changed nothing" if ok else "NOT bit-identical")
+    )
     return ok
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=24, help="Training iterations of each run.")
-    parser.add_argument("--fault", default="5:12:backward",
-                        help="--tm-inject-fault RANK:ITERATION:PHASE[:KILL|STOP] for the failover run.")
+    parser.add_argument(
+        "--fault",
+        default="5:12:backward",
+        help="--tm-inject-fault RANK:ITERATION:PHASE[:KILL|STOP] for the failover run.",
+    )
     parser.add_argument("--no-reference", action="store_true", help="Skip the fault-free reference run.")
     parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
-    parser.add_argument("--run-dir", default=os.path.join(ROOT, "runs", "demo"),
-                        help="Logs, metrics, etcd data and timeline.png.")
+    parser.add_argument(
+        "--run-dir", default=os.path.join(ROOT, "runs", "demo"), help="Logs, metrics, etcd data and timeline.png."
+    )
     args = parser.parse_args(argv)
     ensure_corpus(args.data_prefix)
     shutil.rmtree(args.run_dir, ignore_errors=True)
@@ -151,26 +177,50 @@ def main(argv=None) -> int:
         endpoints, token = ",".join(etcd.endpoints), secrets.token_hex(16)
         conn = ["--tm-etcd-endpoints", endpoints, "--tm-job-token", token]
         train = demo_args(args.data_prefix, args.iters) + ["--trainmover"]
-        say("8 CPU ranks, TP2 x PP2 x DP2, GPT 4 layers / hidden 128 / seq 128 on the stdlib-docstring corpus, "
-            f"{args.iters} iterations, 1 warm standby; injected fault {args.fault} (rank:iteration:phase)")
-        cmd = launch_cmd(8, train + ["--tm-standbys", "1", "--tm-inject-fault", args.fault, "--tm-metrics-file", metrics],
-                         "--run-dir", os.path.join(args.run_dir, "failover"), "--tm-job", "demo", *conn)
-        say("$ " + " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd).replace(token, "$TOKEN"))
+        say(
+            "8 CPU ranks, TP2 x PP2 x DP2, GPT 4 layers / hidden 128 / seq 128 on the stdlib-docstring corpus, "
+            f"{args.iters} iterations, 1 warm standby; injected fault {args.fault} (rank:iteration:phase)"
+        )
+        cmd = launch_cmd(
+            8,
+            train + ["--tm-standbys", "1", "--tm-inject-fault", args.fault, "--tm-metrics-file", metrics],
+            "--run-dir",
+            os.path.join(args.run_dir, "failover"),
+            "--tm-job",
+            "demo",
+            *conn,
+        )
+        say(
+            "$ " + " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd).replace(token, "$TOKEN")
+        )
         t0 = time.time()
         code, scrapes = run_failover(cmd, os.path.join(args.run_dir, "failover.log"))
         say(f"failover run exited {code} after {time.time() - t0:.0f}s")
         if scrapes:
             first, last = scrapes[0], scrapes[-1]
-            say(f"/metrics during the run: iteration counter {first.get('iterations', 0):.0f} -> "
+            say(
+                f"/metrics during the run: iteration counter {first.get('iterations', 0):.0f} -> "
                 f"{last.get('iterations', 0):.0f}, failure migrations {first.get('migrations', 0):.0f} -> "
-                f"{last.get('migrations', 0):.0f}")
+                f"{last.get('migrations', 0):.0f}"
+            )
         if code != 0:
             say(f"the job did not survive the fault: see {os.path.join(args.run_dir, 'failover.log')}")
             return 1
 
         say("the migration's timeline (trainmover events --plot):")
-        events = [sys.executable, "-m", "trainmover_ext.cli", "events", "--tm-job", "demo", *conn, "--plot", png,
-                  "--metrics-file", metrics]
+        events = [
+            sys.executable,
+            "-m",
+            "trainmover_ext.cli",
+            "events",
+            "--tm-job",
+            "demo",
+            *conn,
+            "--plot",
+            png,
+            "--metrics-file",
+            metrics,
+        ]
         if subprocess.call(events, cwd=ROOT, timeout=120) != 0:
             return 1
 
@@ -180,10 +230,22 @@ def main(argv=None) -> int:
         t0 = time.time()
         with open(os.path.join(args.run_dir, "reference.log"), "w") as log:
             ref_code = subprocess.call(
-                launch_cmd(8, train + ["--tm-metrics-file", ref_metrics], "--run-dir",
-                           os.path.join(args.run_dir, "reference"), "--tm-job", "demo-reference", "--metrics-port", "-1",
-                           *conn),
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=TIMEOUT_S)
+                launch_cmd(
+                    8,
+                    train + ["--tm-metrics-file", ref_metrics],
+                    "--run-dir",
+                    os.path.join(args.run_dir, "reference"),
+                    "--tm-job",
+                    "demo-reference",
+                    "--metrics-port",
+                    "-1",
+                    *conn,
+                ),
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=TIMEOUT_S,
+            )
         say(f"reference run exited {ref_code} after {time.time() - t0:.0f}s")
         if ref_code != 0:
             return 1

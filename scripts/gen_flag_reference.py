@@ -39,8 +39,9 @@ def _flag(action: argparse.Action) -> str:
     names = ", ".join(action.option_strings)
     if action.nargs == 0:
         return f"`{names}`"
-    metavar = action.metavar or (("{" + ",".join(map(str, action.choices)) + "}") if action.choices else
-                                 action.dest.upper())
+    metavar = action.metavar or (
+        ("{" + ",".join(map(str, action.choices)) + "}") if action.choices else action.dest.upper()
+    )
     suffix = {"?": f" [{metavar}]", "*": f" [{metavar} ...]", "+": f" {metavar} [...]"}.get(action.nargs, f" {metavar}")
     return f"`{names}{suffix}`".replace("|", "\\|")
 
@@ -64,12 +65,19 @@ def render_parser(parser: argparse.ArgumentParser, title: str, level: int = 2) -
     if parser.description:
         out += [_cell(parser.description), ""]
     for group in parser._action_groups:  # argparse has no public accessor for groups
-        actions = [a for a in group._group_actions
-                   if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and a.help != argparse.SUPPRESS]
+        actions = [
+            a
+            for a in group._group_actions
+            if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and a.help != argparse.SUPPRESS
+        ]
         if not actions:
             continue
-        out += [f"**{group.title}**" + (f": {_cell(group.description)}" if group.description else ""), "",
-                "| flag | default | description |", "|---|---|---|"]
+        out += [
+            f"**{group.title}**" + (f": {_cell(group.description)}" if group.description else ""),
+            "",
+            "| flag | default | description |",
+            "|---|---|---|",
+        ]
         out += [f"| {_flag(a)} | {_default(a)} | {_help(a, parser.prog)} |" for a in actions]
         out.append("")
     return out
@@ -101,15 +109,21 @@ def render() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Generate the flag reference (docs/flags.md) from the parsers.")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="where to write it (default docs/flags.md)")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 and say how to fix it when --output differs from the parsers")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 and say how to fix it when --output differs from the parsers",
+    )
     args = parser.parse_args(argv)
     text = render()
     if args.check:
         current = open(args.output).read() if os.path.exists(args.output) else ""
         if current != text:
-            print(f"{args.output} is out of date with the argument parsers: run "
-                  f"`python scripts/gen_flag_reference.py` and commit the result", file=sys.stderr)
+            print(
+                f"{args.output} is out of date with the argument parsers: run "
+                f"`python scripts/gen_flag_reference.py` and commit the result",
+                file=sys.stderr,
+            )
             return 1
         print(f"{args.output} is up to date")
         return 0

@@ -22,7 +22,6 @@ import argparse
 import importlib
 import json
 import os
-import pkgutil
 import sys
 import warnings
 
@@ -77,7 +76,9 @@ def file_documents(paths: list[str]) -> list[str]:
                         try:
                             docs.append(json.loads(line)["text"])
                         except (ValueError, KeyError) as exc:
-                            raise SystemExit(f"prepare_data.py: error: {path}:{n} is not JSON with a 'text' field") from exc
+                            raise SystemExit(
+                                f"prepare_data.py: error: {path}:{n} is not JSON with a 'text' field"
+                            ) from exc
             else:
                 docs.extend(p.strip() for p in f.read().split("\n\n") if p.strip())
     return docs
@@ -107,8 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", nargs="+", help="Text files (blank-line separated documents) or .jsonl files.")
-    src.add_argument("--stdlib-corpus", action="store_true",
-                     help="Use docstrings of the Python standard library as a small real corpus (offline).")
+    src.add_argument(
+        "--stdlib-corpus",
+        action="store_true",
+        help="Use docstrings of the Python standard library as a small real corpus (offline).",
+    )
     parser.add_argument("--output-prefix", required=True, help="Output prefix; writes PREFIX_text_document.bin/.idx.")
     parser.add_argument("--max-docs", type=int, default=None, help="Keep at most this many documents.")
     args = parser.parse_args(argv)

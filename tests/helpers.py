@@ -9,15 +9,24 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from harness.jobs import PRETRAIN, REPO_ROOT
 
 
 def launch_cmd(nproc: int, script_args: list[str], *launch_flags: str) -> list[str]:
-    return [sys.executable, "-m", "trainmover_ext.cli", "launch", "--nproc-per-node", str(nproc),
-            *launch_flags, PRETRAIN, *script_args]
+    return [
+        sys.executable,
+        "-m",
+        "trainmover_ext.cli",
+        "launch",
+        "--nproc-per-node",
+        str(nproc),
+        *launch_flags,
+        PRETRAIN,
+        *script_args,
+    ]
 
 
 @dataclass
@@ -32,7 +41,7 @@ class LaunchedJob:
     run_dir: str = ""
     """The launcher's ``--run-dir``: the archived events timeline and finished migrations."""
 
-    def events(self, what: Optional[str] = None) -> list[dict]:
+    def events(self, what: str | None = None) -> list[dict]:
         """The job's events timeline as archived in the run directory (``events.jsonl``), oldest first."""
         from trainmover_ext.control.archive import EVENTS_FILE, read_jsonl
 
@@ -60,24 +69,35 @@ class LaunchedJob:
             return self.popen.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.popen.kill()
-            raise AssertionError(f"job did not finish in {timeout}s; stderr tail:\n{self.stderr()[-3000:]}")
+            raise AssertionError(f"job did not finish in {timeout}s; stderr tail:\n{self.stderr()[-3000:]}") from None
 
 
-def start_job(tmp_path, nproc: int, script_args: list[str], *launch_flags: str, name: str = "job",
-              env: Optional[dict] = None) -> LaunchedJob:
+def start_job(
+    tmp_path, nproc: int, script_args: list[str], *launch_flags: str, name: str = "job", env: dict | None = None
+) -> LaunchedJob:
     metrics = str(tmp_path / f"{name}.metrics.jsonl")
     out, err = str(tmp_path / f"{name}.out"), str(tmp_path / f"{name}.err")
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     run_dir = str(tmp_path / f"{name}.run")
     popen = subprocess.Popen(
         launch_cmd(nproc, script_args + ["--tm-metrics-file", metrics], "--run-dir", run_dir, *launch_flags),
-        stdout=open(out, "w"), stderr=open(err, "w"), cwd=REPO_ROOT, env=env,
+        stdout=open(out, "w"),
+        stderr=open(err, "w"),
+        cwd=REPO_ROOT,
+        env=env,
     )
     return LaunchedJob(popen, out, err, metrics, run_dir=run_dir)
 
 
-def run_job(tmp_path, nproc: int, script_args: list[str], *launch_flags: str, name: str = "job",
-            timeout: float = 300, env: Optional[dict] = None) -> LaunchedJob:
+def run_job(
+    tmp_path,
+    nproc: int,
+    script_args: list[str],
+    *launch_flags: str,
+    name: str = "job",
+    timeout: float = 300,
+    env: dict | None = None,
+) -> LaunchedJob:
     job = start_job(tmp_path, nproc, script_args, *launch_flags, name=name, env=env)
     code = job.wait(timeout)
     assert code == 0, f"{name} exited {code}; stderr tail:\n{job.stderr()[-4000:]}"
@@ -101,8 +121,14 @@ def losses_by_iteration(path: str) -> dict[int, float]:
     return {rec["iteration"]: rec["loss"] for rec in read_metrics(path)}
 
 
-def wait_for(predicate, timeout: float, interval: float = 0.01, what: str = "condition",
-             detail: Optional[Callable[[], str]] = None, give_up: Optional[Callable[[], bool]] = None):
+def wait_for(
+    predicate,
+    timeout: float,
+    interval: float = 0.01,
+    what: str = "condition",
+    detail: Callable[[], str] | None = None,
+    give_up: Callable[[], bool] | None = None,
+):
     """The first truthy ``predicate()``, polled every ``interval`` s. AssertionError after ``timeout`` s, or
     as soon as ``give_up()`` holds (e.g. the job ended); its message ends with ``detail()`` (e.g. a log tail)."""
     deadline = time.time() + timeout
@@ -136,8 +162,16 @@ def kill_quietly(pid: int, sig: int = signal.SIGKILL) -> None:
         pass
 
 
-def tiny_args(data_prefix: Optional[str], *, tp: int = 1, pp: int = 1, iters: int = 10, gbs: int = 8,
-              dropout: float = 0.1, extra: Optional[list[str]] = None) -> list[str]:
+def tiny_args(
+    data_prefix: str | None,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    iters: int = 10,
+    gbs: int = 8,
+    dropout: float = 0.1,
+    extra: list[str] | None = None,
+) -> list[str]:
     """A tiny GPT for tests: 4 layers, hidden 32, seq 32, Megatron's default dropout unless told."""
     from harness.jobs import model_args
 
@@ -155,7 +189,7 @@ def tiny_args(data_prefix: Optional[str], *, tp: int = 1, pp: int = 1, iters: in
 ITERS = 12
 
 
-def tm_args(corpus, *, tp=2, pp=2, gbs=8, iters=ITERS, extra=None, standby_nice: Optional[int] = 0):
+def tm_args(corpus, *, tp=2, pp=2, gbs=8, iters=ITERS, extra=None, standby_nice: int | None = 0):
     """The tiny GPT under --trainmover with one standby.
 
     Its standbys keep their CPU priority (``--tm-standby-nice 0``) unless ``standby_nice`` says
@@ -163,11 +197,12 @@ def tm_args(corpus, *, tp=2, pp=2, gbs=8, iters=ITERS, extra=None, standby_nice:
     the lowest priority warms at an iteration no test can foresee, and a drill that fires at a fixed
     iteration would find none warm. Tests that wait until a standby is warm run the default."""
     nice = [] if standby_nice is None else ["--tm-standby-nice", str(standby_nice)]
-    return tiny_args(corpus, tp=tp, pp=pp, iters=iters, gbs=gbs,
-                     extra=["--trainmover", "--tm-standbys", "1", *nice] + (extra or []))
+    return tiny_args(
+        corpus, tp=tp, pp=pp, iters=iters, gbs=gbs, extra=["--trainmover", "--tm-standbys", "1", *nice] + (extra or [])
+    )
 
 
-def trajectory(path: str) -> dict[int, tuple[float, int, Optional[float]]]:
+def trajectory(path: str) -> dict[int, tuple[float, int, float | None]]:
     """iteration -> (loss, consumed samples, fp16 loss scale or None); an iteration logged twice
     (re-run after an abandon) must carry identical values."""
     out: dict[int, tuple[float, int]] = {}
@@ -185,11 +220,21 @@ def control_flags(job: LaunchedJob, timeout: float = 60) -> list[str]:
     running job, from the launcher's status hint."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        m = re.search(r"status: trainmover status --tm-etcd-endpoints (\S+) --tm-job (\S+) "
-                      r"--tm-job-token \$\(cat (\S+)\)((?: --tm-etcd-\w+ \S+)*)", job.stderr())
+        m = re.search(
+            r"status: trainmover status --tm-etcd-endpoints (\S+) --tm-job (\S+) "
+            r"--tm-job-token \$\(cat (\S+)\)((?: --tm-etcd-\w+ \S+)*)",
+            job.stderr(),
+        )
         if m and os.path.exists(m.group(3)):
-            return ["--tm-etcd-endpoints", m.group(1), "--tm-job", m.group(2),
-                    "--tm-job-token", open(m.group(3)).read().strip(), *m.group(4).split()]
+            return [
+                "--tm-etcd-endpoints",
+                m.group(1),
+                "--tm-job",
+                m.group(2),
+                "--tm-job-token",
+                open(m.group(3)).read().strip(),
+                *m.group(4).split(),
+            ]
         time.sleep(0.2)
     raise AssertionError(f"the launcher printed no status hint in {timeout}s:\n{job.stderr()[-2000:]}")
 
@@ -201,16 +246,22 @@ def wait_iteration(job: LaunchedJob, iteration: int, timeout: float = 120) -> No
         if any(r["iteration"] >= iteration for r in read_metrics(job.metrics_path)):
             return
         if job.popen.poll() is not None:
-            raise AssertionError(f"job exited {job.popen.returncode} before iteration {iteration}:\n"
-                                 f"{job.stderr()[-3000:]}")
+            raise AssertionError(
+                f"job exited {job.popen.returncode} before iteration {iteration}:\n{job.stderr()[-3000:]}"
+            )
         time.sleep(0.1)
     raise AssertionError(f"iteration {iteration} not reached in {timeout}s:\n{job.stderr()[-2000:]}")
 
 
 def trainmover_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run ``trainmover <argv>`` and return the completed process (never raises on a non-zero exit)."""
-    return subprocess.run([sys.executable, "-m", "trainmover_ext.cli", *argv], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO_ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "trainmover_ext.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO_ROOT,
+    )
 
 
 @dataclass(frozen=True)
@@ -223,7 +274,7 @@ class TransferReport:
     state_mib: float
     start_mib: float
     peak_mib: float
-    end_mib: Optional[float]  # the receiver's resident size after the receive
+    end_mib: float | None  # the receiver's resident size after the receive
 
     @property
     def extra_mib(self) -> float:
@@ -233,14 +284,24 @@ class TransferReport:
 
 _TRANSFER_RE = re.compile(
     r"rank (\d+) (sent|received) ([\d.]+) MiB of state (?:to|from) rank (\d+) \(epoch \d+\); RSS ([\d.]+) MiB at "
-    r"the start, peak ([\d.]+) MiB during(?:, ([\d.]+) MiB after)?")
+    r"the start, peak ([\d.]+) MiB during(?:, ([\d.]+) MiB after)?"
+)
 
 
 def transfers(job: LaunchedJob) -> list[TransferReport]:
     """Every state transfer the job's ranks reported, both sides."""
-    return [TransferReport(side=m[1], rank=int(m[0]), peer=int(m[3]), state_mib=float(m[2]), start_mib=float(m[4]),
-                           peak_mib=float(m[5]), end_mib=float(m[6]) if m[6] else None)
-            for m in _TRANSFER_RE.findall(job.stdout())]
+    return [
+        TransferReport(
+            side=m[1],
+            rank=int(m[0]),
+            peer=int(m[3]),
+            state_mib=float(m[2]),
+            start_mib=float(m[4]),
+            peak_mib=float(m[5]),
+            end_mib=float(m[6]) if m[6] else None,
+        )
+        for m in _TRANSFER_RE.findall(job.stdout())
+    ]
 
 
 def transfer_reports(job: LaunchedJob) -> list[tuple[int, float, float]]:
@@ -264,7 +325,8 @@ def assert_transfer_memory(job: LaunchedJob, fraction: float = 0.02, slack_mib: 
     for t in reports:
         assert t.extra_mib <= fraction * t.state_mib + slack_mib, (
             f"rank {t.rank} ({t.side} {t.state_mib:.1f} MiB): peak {t.peak_mib:.1f} MiB is {t.extra_mib:.1f} MiB "
-            f"over {'its resident size at the start' if t.side == 'sent' else 'what it keeps'}")
+            f"over {'its resident size at the start' if t.side == 'sent' else 'what it keeps'}"
+        )
 
 
 def assert_recovered(job: LaunchedJob, ref: dict, victim: int) -> None:
@@ -276,12 +338,17 @@ def assert_recovered(job: LaunchedJob, ref: dict, victim: int) -> None:
         assert got[it] == ref[it], f"iteration {it}: {got[it]} != fault-free {ref[it]}"
     # no sample skipped or repeated: consumed samples advance by exactly one global batch
     consumed = [got[i][1] for i in sorted(got)]
-    assert all(b - a == consumed[0] for a, b in zip(consumed, consumed[1:]))
+    assert all(b - a == consumed[0] for a, b in zip(consumed, consumed[1:], strict=False))
     tail = job.stderr()[-3000:]
     # the timeline the launcher archived: the victim's rank went to a standby in a failure epoch that
     # finished, and no node fell back to stop-restart
-    served = [p for p in job.migrations() if p["reason"] == "failure" and p["status"] == "done"
-              and any(r["rank"] == victim and r["joiner"].startswith("standby") for r in p["replacements"])]
+    served = [
+        p
+        for p in job.migrations()
+        if p["reason"] == "failure"
+        and p["status"] == "done"
+        and any(r["rank"] == victim and r["joiner"].startswith("standby") for r in p["replacements"])
+    ]
     assert served, f"no finished failure epoch gave rank {victim} to a standby: {job.migrations()}\n{tail}"
     assert job.events("stop_restart") == [], tail
     # pool upkeep: a fresh standby replaces the consumed one once the migration is over, woken from a
@@ -304,7 +371,7 @@ class JobProbe:
         config = job_login(EtcdClientConfig(endpoints=",".join(self.endpoints)), self.job, self.token)
         return JobSpace.open(EtcdKV(config), self.job, self.token)
 
-    def leader(self) -> Optional[str]:
+    def leader(self) -> str | None:
         from trainmover_ext.kv.codec import decode
 
         space = self._space()
@@ -319,7 +386,9 @@ class JobProbe:
 
         space = self._space()
         try:
-            return [MigrationPlan.from_bytes(e.value, key=e.key)
-                    for e in space.kv.get_prefix(space.key("migrations") + "/").entries]
+            return [
+                MigrationPlan.from_bytes(e.value, key=e.key)
+                for e in space.kv.get_prefix(space.key("migrations") + "/").entries
+            ]
         finally:
             space.kv.close()

@@ -24,20 +24,30 @@ def test_nccl_delta_and_the_training_layer_import_nothing_of_ours():
 def _copy(tmp_path) -> str:
     root = str(tmp_path / "tree")
     for folder in SOURCES:
-        shutil.copytree(os.path.join(REPO_ROOT, folder), os.path.join(root, folder),
-                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(
+            os.path.join(REPO_ROOT, folder), os.path.join(root, folder), ignore=shutil.ignore_patterns("__pycache__")
+        )
     return root
 
 
-@pytest.mark.parametrize("where, line, expect", [
-    ("trainmover_ext/kv/base.py", "    from trainmover_ext.migration import worker\n",
-     "trainmover_ext.kv imports trainmover_ext.migration (upward"),
-    ("nccl_delta/ring.py", "from trainmover_ext.errors import CommLinkError\n",
-     "nccl_delta imports trainmover_ext.errors (upward"),
-    ("megatron/training/model.py", "from ...trainmover_ext.sandbox import compile\n", None),
-    ("trainmover_ext/fsutil.py", "import trainmover_ext.netutil\n", "(sideways"),
-    ("trainmover_ext/launch/cli.py", "from trainmover_ext.newthing import x\n", "is in no layer"),
-])
+@pytest.mark.parametrize(
+    "where, line, expect",
+    [
+        (
+            "trainmover_ext/kv/base.py",
+            "    from trainmover_ext.migration import worker\n",
+            "trainmover_ext.kv imports trainmover_ext.migration (upward",
+        ),
+        (
+            "nccl_delta/ring.py",
+            "from trainmover_ext.errors import CommLinkError\n",
+            "nccl_delta imports trainmover_ext.errors (upward",
+        ),
+        ("megatron/training/model.py", "from ...trainmover_ext.sandbox import compile\n", None),
+        ("trainmover_ext/fsutil.py", "import trainmover_ext.netutil\n", "(sideways"),
+        ("trainmover_ext/launch/cli.py", "from trainmover_ext.newthing import x\n", "is in no layer"),
+    ],
+)
 def test_an_added_upward_import_is_caught(tmp_path, where, line, expect):
     root = _copy(tmp_path)
     path = os.path.join(root, where)

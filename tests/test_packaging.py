@@ -24,17 +24,33 @@ def harness_files(names: list[str]) -> list[str]:
 
 def test_the_wheel_holds_the_runtime_and_no_harness(tmp_path):
     out = tmp_path / "wheel"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", REPO_ROOT,
-                    "-w", str(out)], check=True, timeout=600, cwd=tmp_path)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", REPO_ROOT, "-w", str(out)],
+        check=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     (wheel,) = glob.glob(str(out / "trainmover-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for needed in ("trainmover_ext/cli.py", "trainmover_ext/migration/worker.py", "trainmover_ext/patches/__init__.py",
-                   "nccl_delta/errors.py", "megatron/training/training.py", "pretrain_gpt.py"):
+    for needed in (
+        "trainmover_ext/cli.py",
+        "trainmover_ext/migration/worker.py",
+        "trainmover_ext/patches/__init__.py",
+        "nccl_delta/errors.py",
+        "megatron/training/training.py",
+        "pretrain_gpt.py",
+    ):
         assert needed in names
     assert harness_files(names) == []
 
 
 def test_a_harness_in_the_wheel_is_caught():
-    names = ["trainmover_ext/cli.py", "trainmover_ext/sandbox/harness.py", "trainmover_ext/jobs.py",
-             "benchmarks/harness/jobs.py", "scripts/demo.py", "trainmover-0.1.0.dist-info/RECORD"]
+    names = [
+        "trainmover_ext/cli.py",
+        "trainmover_ext/sandbox/harness.py",
+        "trainmover_ext/jobs.py",
+        "benchmarks/harness/jobs.py",
+        "scripts/demo.py",
+        "trainmover-0.1.0.dist-info/RECORD",
+    ]
     assert harness_files(names) == names[1:5]

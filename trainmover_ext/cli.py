@@ -30,9 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="trainmover",
         description="TrainMover: resilient Megatron-core training with warm standbys and live migration.",
     )
-    parser.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default=None,
-                        help="Python logging level of this command and of the processes `launch` starts "
-                             "(env TRAINMOVER_LOG_LEVEL; default WARNING).")
+    parser.add_argument(
+        "--log-level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        default=None,
+        help="Python logging level of this command and of the processes `launch` starts "
+        "(env TRAINMOVER_LOG_LEVEL; default WARNING).",
+    )
     parser.add_argument("--log-json", action="store_true", help="Log JSON lines (env TRAINMOVER_LOG_JSON=1).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBCOMMAND_MODULES:

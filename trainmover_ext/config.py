@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field, fields
-from typing import Optional
 
 from trainmover_ext.errors import ConfigError
 
@@ -31,19 +30,19 @@ class TrainMoverConfig:
     """``--tm-role``: ``worker`` trains a rank; ``standby`` warms up and waits to be promoted."""
     job: str = "trainmover"
     """``--tm-job``: job name; namespaces every etcd key under ``/trainmover/<job>/``."""
-    job_token: Optional[str] = None
+    job_token: str | None = None
     """``--tm-job-token``: shared secret gating writes to the job's keys (generated when absent)."""
     etcd_endpoints: list[str] = field(default_factory=list)
     """``--tm-etcd-endpoints``: external etcd cluster; empty starts an embedded one."""
-    etcd_ca: Optional[str] = None
+    etcd_ca: str | None = None
     """``--tm-etcd-ca``: CA certificate for TLS to etcd."""
-    etcd_cert: Optional[str] = None
+    etcd_cert: str | None = None
     """``--tm-etcd-cert``: client certificate for TLS to etcd."""
-    etcd_key: Optional[str] = None
+    etcd_key: str | None = None
     """``--tm-etcd-key``: client key for TLS to etcd."""
-    etcd_user: Optional[str] = None
+    etcd_user: str | None = None
     """``--tm-etcd-user``: etcd user for password auth."""
-    etcd_password: Optional[str] = None
+    etcd_password: str | None = None
     """``--tm-etcd-password``: etcd password for password auth."""
     lease_ttl_s: float = 2.0
     """``--tm-lease-ttl``: membership lease TTL in seconds; refreshed every TTL/3."""
@@ -51,7 +50,7 @@ class TrainMoverConfig:
     """``--tm-standbys``: number of warm standbys the launcher keeps."""
     record_iters: int = 2
     """``--tm-record-iters``: iterations whose collectives are recorded for the sandbox."""
-    record_dir: Optional[str] = None
+    record_dir: str | None = None
     """``--tm-record-dir``: shared directory for recorded collective tensors. Setting it turns the sandbox
     on: the job records its first ``record_iters`` iterations there and standbys warm from them."""
     record_timeout_s: float = 300.0
@@ -74,9 +73,9 @@ class TrainMoverConfig:
     """``--tm-standby-nice``: how much lower a standby's CPU priority is until its promotion (0: not lowered)."""
     leaver_becomes_standby: bool = False
     """``--tm-leaver-becomes-standby``: a planned leaver rejoins the pool instead of exiting."""
-    metrics_file: Optional[str] = None
+    metrics_file: str | None = None
     """``--tm-metrics-file``: append one JSON line per iteration (loss, timings, consumed samples)."""
-    inject_fault: Optional[str] = None
+    inject_fault: str | None = None
     """``--tm-inject-fault RANK:ITER:PHASE[:KILL|STOP]``: failure drill (see trainmover_ext.runtime.faults)."""
     comm: str = "auto"
     """``--tm-comm``: ``nccl_delta`` (every group swappable by link), ``native`` (gloo/NCCL as is), or
@@ -106,18 +105,22 @@ class TrainMoverConfig:
         if self.record_timeout_s <= 0:
             raise ConfigError("--tm-record-timeout must be positive (seconds a standby waits for recordings)")
         if self.fingerprint_timeout_s <= 0:
-            raise ConfigError("--tm-fingerprint-timeout must be positive (seconds a standby waits for the job's "
-                              "model fingerprint)")
+            raise ConfigError(
+                "--tm-fingerprint-timeout must be positive (seconds a standby waits for the job's model fingerprint)"
+            )
         if self.keep_role not in KEEP_ROLES:
             raise ConfigError(f"--tm-keep-role must be one of {', '.join(KEEP_ROLES)}")
         if self.standby_reserves < 0:
-            raise ConfigError(f"--tm-standby-reserves {self.standby_reserves} must be >= 0 (0: refills start a new "
-                              "interpreter)")
+            raise ConfigError(
+                f"--tm-standby-reserves {self.standby_reserves} must be >= 0 (0: refills start a new interpreter)"
+            )
         if not 0 <= self.standby_nice <= 19:
             raise ConfigError(f"--tm-standby-nice {self.standby_nice} must be in 0..19 (a niceness)")
         if not 0 < self.standby_duty <= 1:
-            raise ConfigError(f"--tm-standby-duty {self.standby_duty} must be in (0, 1]: the share of one core a "
-                              "warming standby may use (e.g. 0.25)")
+            raise ConfigError(
+                f"--tm-standby-duty {self.standby_duty} must be in (0, 1]: the share of one core a "
+                "warming standby may use (e.g. 0.25)"
+            )
         if self.record_dir is not None and not self.record_dir.strip():
             raise ConfigError("--tm-record-dir must name a directory (shared by the job and its standbys)")
         if any(getattr(self, name) for name in ("etcd_cert", "etcd_key")) and not (self.etcd_cert and self.etcd_key):
@@ -158,78 +161,151 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     so that :func:`config_from_args` can tell a flag that was given)."""
     g = parser.add_argument_group("trainmover", "Resilient runtime: warm standbys, delta communicator, live migration.")
     g.add_argument("--trainmover", action="store_true", default=None, help="Run under the TrainMover runtime.")
-    g.add_argument("--tm-role", choices=["worker", "standby"], default=None,
-                   help="'worker' trains a rank; 'standby' warms up in a sandbox and waits to be promoted.")
+    g.add_argument(
+        "--tm-role",
+        choices=["worker", "standby"],
+        default=None,
+        help="'worker' trains a rank; 'standby' warms up in a sandbox and waits to be promoted.",
+    )
     g.add_argument("--tm-job", default=None, help="Job name; namespaces the job's etcd keys (default 'trainmover').")
-    g.add_argument("--tm-job-token", default=None,
-                   help="Shared secret for the job's etcd keys (default: generated by the launcher).")
-    g.add_argument("--tm-etcd-endpoints", nargs="+", default=None, metavar="HOST:PORT",
-                   help="External etcd endpoints; without it the launcher starts an embedded etcd.")
+    g.add_argument(
+        "--tm-job-token",
+        default=None,
+        help="Shared secret for the job's etcd keys (default: generated by the launcher).",
+    )
+    g.add_argument(
+        "--tm-etcd-endpoints",
+        nargs="+",
+        default=None,
+        metavar="HOST:PORT",
+        help="External etcd endpoints; without it the launcher starts an embedded etcd.",
+    )
     g.add_argument("--tm-etcd-ca", default=None, help="CA certificate file for TLS to etcd.")
     g.add_argument("--tm-etcd-cert", default=None, help="Client certificate file for TLS to etcd.")
     g.add_argument("--tm-etcd-key", default=None, help="Client private key file for TLS to etcd.")
     g.add_argument("--tm-etcd-user", default=None, help="etcd user name for password authentication.")
     g.add_argument("--tm-etcd-password", default=None, help="etcd password for password authentication.")
-    g.add_argument("--tm-lease-ttl", type=float, default=None,
-                   help="Membership lease TTL in seconds (default 2); a hung member is declared dead after it.")
+    g.add_argument(
+        "--tm-lease-ttl",
+        type=float,
+        default=None,
+        help="Membership lease TTL in seconds (default 2); a hung member is declared dead after it.",
+    )
     g.add_argument("--tm-standbys", type=int, default=None, help="Number of warm standbys to keep (default 0).")
-    g.add_argument("--tm-record-iters", type=int, default=None,
-                   help="Iterations whose collectives are recorded for standby warm-up (default 2).")
-    g.add_argument("--tm-record-dir", default=None,
-                   help="Shared directory for the recorded collective tensors; turns the sandbox warm-up on.")
-    g.add_argument("--tm-record-timeout", type=float, default=None,
-                   help="Seconds a standby waits for the job's recordings before the basic warm-up (default 300).")
-    g.add_argument("--tm-fingerprint-timeout", type=float, default=None,
-                   help="Seconds a standby waits for the job's model fingerprint before it gives up (default 600). "
-                        "It compares the fingerprint with its own before it advertises any warm role; a standby "
-                        "whose model, precision, layout, optimizer or batch flags differ is refused (exit 78).")
+    g.add_argument(
+        "--tm-record-iters",
+        type=int,
+        default=None,
+        help="Iterations whose collectives are recorded for standby warm-up (default 2).",
+    )
+    g.add_argument(
+        "--tm-record-dir",
+        default=None,
+        help="Shared directory for the recorded collective tensors; turns the sandbox warm-up on.",
+    )
+    g.add_argument(
+        "--tm-record-timeout",
+        type=float,
+        default=None,
+        help="Seconds a standby waits for the job's recordings before the basic warm-up (default 300).",
+    )
+    g.add_argument(
+        "--tm-fingerprint-timeout",
+        type=float,
+        default=None,
+        help="Seconds a standby waits for the job's model fingerprint before it gives up (default 600). "
+        "It compares the fingerprint with its own before it advertises any warm role; a standby "
+        "whose model, precision, layout, optimizer or batch flags differ is refused (exit 78).",
+    )
     g.add_argument("--tm-compile", action="store_true", default=None, help="Wrap the model in torch.compile.")
-    g.add_argument("--tm-keep-role", choices=KEEP_ROLES, default=None,
-                   help="Pipeline role whose model a sandbox standby keeps after its warm-up (default last; it is "
-                        "warmed last, so memory stays one role's). Promoted into the rank that role was recorded "
-                        "at (TP and DP rank 0 of its stage), the standby adopts that model instead of building "
-                        "one; 'none' keeps no model.")
-    g.add_argument("--tm-standby-nice", type=int, default=None, metavar="N",
-                   help="How much lower (a niceness, 0..19; default 19) a standby's CPU priority is from its "
-                        "start until its promotion, so that starting and warming a standby (the pool is refilled "
-                        "after every promotion) does not take the ranks' cores. Applied only where a promoted "
-                        "standby can raise its priority back (root, CAP_SYS_NICE or RLIMIT_NICE >= 20); the "
-                        "launcher says when it cannot. 0 turns it off.")
-    g.add_argument("--tm-standby-reserves", type=int, default=None, metavar="N",
-                   help="Children the launcher forks at the start, while forking is safe, to refill the standby "
-                        "pool later (default 4; 0: none). A refill then wakes one instead of starting a new "
-                        "interpreter, which would take seconds of CPU (importing torch and megatron-core) from "
-                        "the ranks right after a promotion. Each sleeps until used and shares the launcher's "
-                        "memory pages; once all are used, refills start new interpreters.")
-    g.add_argument("--tm-standby-duty", type=float, default=None, metavar="FRACTION",
-                   help="Share of one CPU core a warming standby may use, in (0, 1] (default 1: unpaced). Below 1 "
-                        "it pauses between shadow iterations and roles so that its CPU time stays within that "
-                        "share of the wall time: on a node whose cores the ranks keep busy, e.g. 0.25 keeps its "
-                        "warm-up from slowing the job (the warm-up takes about 1/FRACTION as long). Pausing "
-                        "ends at promotion.")
-    g.add_argument("--tm-leaver-becomes-standby", action="store_true", default=None,
-                   help="After a planned migration the leaver (its state handed over, its groups torn down) stays "
-                        "alive and rejoins the standby pool in the same process, instead of exiting; its agent "
-                        "then starts no new standby for the one the move consumed.")
-    g.add_argument("--tm-comm", choices=["auto", "nccl_delta", "native"], default=None,
-                   help="Communicator for every process group: nccl_delta (links can be swapped live; the default "
-                        "under --trainmover) or native gloo/NCCL (the default without --trainmover).")
-    g.add_argument("--tm-inject-fault", default=None, metavar="RANK:ITER:PHASE[:KILL|STOP]",
-                   help="Failure drill: the worker serving RANK sends itself SIGKILL (or SIGSTOP) during "
-                        "iteration ITER in PHASE: forward, backward, allreduce (the gradient reduction), clip "
-                        "(before the optimizer step's gradient-norm all-reduce: the replicas end one step apart), "
-                        "step (inside the optimizer step), log (after the step, before the metrics record), or save "
-                        "(during the checkpoint save after ITER steps). Migration drills name an epoch instead of "
-                        "ITER: join (the standby promoted into RANK dies while joining), recover (RANK dies in that "
-                        "epoch's recovery), send (RANK dies while sending its state), prepare / handover (the "
-                        "planned leaver dies in phase 1 / while handing over). Comma-separate several drills.")
-    g.add_argument("--tm-log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"], default=None,
-                   help="Python logging level of this process (default: env TRAINMOVER_LOG_LEVEL, else WARNING); "
-                        "lines are prefixed with the process (rank R / standby ID).")
-    g.add_argument("--tm-log-json", action="store_true", default=None,
-                   help="Log JSON lines (t, level, process, logger, msg) instead of text (env TRAINMOVER_LOG_JSON=1).")
-    g.add_argument("--tm-metrics-file", default=None,
-                   help="Append one JSON line per iteration (iteration, loss, ms, consumed samples) to this file.")
+    g.add_argument(
+        "--tm-keep-role",
+        choices=KEEP_ROLES,
+        default=None,
+        help="Pipeline role whose model a sandbox standby keeps after its warm-up (default last; it is "
+        "warmed last, so memory stays one role's). Promoted into the rank that role was recorded "
+        "at (TP and DP rank 0 of its stage), the standby adopts that model instead of building "
+        "one; 'none' keeps no model.",
+    )
+    g.add_argument(
+        "--tm-standby-nice",
+        type=int,
+        default=None,
+        metavar="N",
+        help="How much lower (a niceness, 0..19; default 19) a standby's CPU priority is from its "
+        "start until its promotion, so that starting and warming a standby (the pool is refilled "
+        "after every promotion) does not take the ranks' cores. Applied only where a promoted "
+        "standby can raise its priority back (root, CAP_SYS_NICE or RLIMIT_NICE >= 20); the "
+        "launcher says when it cannot. 0 turns it off.",
+    )
+    g.add_argument(
+        "--tm-standby-reserves",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Children the launcher forks at the start, while forking is safe, to refill the standby "
+        "pool later (default 4; 0: none). A refill then wakes one instead of starting a new "
+        "interpreter, which would take seconds of CPU (importing torch and megatron-core) from "
+        "the ranks right after a promotion. Each sleeps until used and shares the launcher's "
+        "memory pages; once all are used, refills start new interpreters.",
+    )
+    g.add_argument(
+        "--tm-standby-duty",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="Share of one CPU core a warming standby may use, in (0, 1] (default 1: unpaced). Below 1 "
+        "it pauses between shadow iterations and roles so that its CPU time stays within that "
+        "share of the wall time: on a node whose cores the ranks keep busy, e.g. 0.25 keeps its "
+        "warm-up from slowing the job (the warm-up takes about 1/FRACTION as long). Pausing "
+        "ends at promotion.",
+    )
+    g.add_argument(
+        "--tm-leaver-becomes-standby",
+        action="store_true",
+        default=None,
+        help="After a planned migration the leaver (its state handed over, its groups torn down) stays "
+        "alive and rejoins the standby pool in the same process, instead of exiting; its agent "
+        "then starts no new standby for the one the move consumed.",
+    )
+    g.add_argument(
+        "--tm-comm",
+        choices=["auto", "nccl_delta", "native"],
+        default=None,
+        help="Communicator for every process group: nccl_delta (links can be swapped live; the default "
+        "under --trainmover) or native gloo/NCCL (the default without --trainmover).",
+    )
+    g.add_argument(
+        "--tm-inject-fault",
+        default=None,
+        metavar="RANK:ITER:PHASE[:KILL|STOP]",
+        help="Failure drill: the worker serving RANK sends itself SIGKILL (or SIGSTOP) during "
+        "iteration ITER in PHASE: forward, backward, allreduce (the gradient reduction), clip "
+        "(before the optimizer step's gradient-norm all-reduce: the replicas end one step apart), "
+        "step (inside the optimizer step), log (after the step, before the metrics record), or save "
+        "(during the checkpoint save after ITER steps). Migration drills name an epoch instead of "
+        "ITER: join (the standby promoted into RANK dies while joining), recover (RANK dies in that "
+        "epoch's recovery), send (RANK dies while sending its state), prepare / handover (the "
+        "planned leaver dies in phase 1 / while handing over). Comma-separate several drills.",
+    )
+    g.add_argument(
+        "--tm-log-level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        default=None,
+        help="Python logging level of this process (default: env TRAINMOVER_LOG_LEVEL, else WARNING); "
+        "lines are prefixed with the process (rank R / standby ID).",
+    )
+    g.add_argument(
+        "--tm-log-json",
+        action="store_true",
+        default=None,
+        help="Log JSON lines (t, level, process, logger, msg) instead of text (env TRAINMOVER_LOG_JSON=1).",
+    )
+    g.add_argument(
+        "--tm-metrics-file",
+        default=None,
+        help="Append one JSON line per iteration (iteration, loss, ms, consumed samples) to this file.",
+    )
     return parser
 
 

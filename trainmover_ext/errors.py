@@ -17,13 +17,41 @@ from megatron.training.errors import ConfigError as TrainingConfigError
 from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout, DeltaConfigError, DeltaError, SwapAborted
 
 __all__ = [
-    "AuthError", "CONFIG_ERRORS", "CheckpointError", "CommAbandoned", "CommLinkError", "CommTimeout",
-    "ConfigError", "ConfigMismatch", "DataError", "DeltaConfigError", "DeltaError", "EtcdNotFound",
-    "EtcdUnavailable", "KeptRoleUnusable", "LaunchError", "LeadershipLost", "MalformedValue",
-    "MembershipLost", "MigrationAborted", "PatchError", "RecordingCorrupt", "RecordingNotFound",
-    "RecoverySuperseded", "ReplayMismatch", "STANDBY_REFUSED_EXIT_CODE", "SchemaVersionError",
-    "StandbyRefused", "StoreError", "StoreTimeout", "SwapAborted", "TrainMoverError", "TrainingConfigError",
-    "TrainingError", "USER_ERRORS", "exit_on_error",
+    "AuthError",
+    "CONFIG_ERRORS",
+    "CheckpointError",
+    "CommAbandoned",
+    "CommLinkError",
+    "CommTimeout",
+    "ConfigError",
+    "ConfigMismatch",
+    "DataError",
+    "DeltaConfigError",
+    "DeltaError",
+    "EtcdNotFound",
+    "EtcdUnavailable",
+    "KeptRoleUnusable",
+    "LaunchError",
+    "LeadershipLost",
+    "MalformedValue",
+    "MembershipLost",
+    "MigrationAborted",
+    "PatchError",
+    "RecordingCorrupt",
+    "RecordingNotFound",
+    "RecoverySuperseded",
+    "ReplayMismatch",
+    "STANDBY_REFUSED_EXIT_CODE",
+    "SchemaVersionError",
+    "StandbyRefused",
+    "StoreError",
+    "StoreTimeout",
+    "SwapAborted",
+    "TrainMoverError",
+    "TrainingConfigError",
+    "TrainingError",
+    "USER_ERRORS",
+    "exit_on_error",
 ]
 
 
@@ -72,7 +100,6 @@ class PatchError(TrainMoverError):
     """A runtime patch does not fit the installed megatron-core (unknown version or changed source)."""
 
 
-
 CONFIG_ERRORS = (TrainingConfigError, DeltaConfigError)
 """Configuration errors of every layer (TrainMover's :class:`ConfigError` is a ``TrainingConfigError``)."""
 
@@ -104,7 +131,6 @@ class SchemaVersionError(MalformedValue):
     """A key holds a value written by an incompatible TrainMover version; the key is left untouched."""
 
 
-
 # --- membership and leadership ---
 
 
@@ -120,7 +146,6 @@ class LaunchError(TrainMoverError):
     """The launcher could not start, supervise or restart its processes."""
 
 
-
 # --- migrations and recovery (link failures are nccl_delta's CommLinkError kinds) ---
 
 
@@ -130,7 +155,6 @@ class MigrationAborted(TrainMoverError):
 
 class RecoverySuperseded(MigrationAborted):
     """A newer plan superseded the migration step under way; the runtime restarts recovery at the newest epoch."""
-
 
 
 # --- the sandbox: recordings, replay, kept roles ---
@@ -151,7 +175,6 @@ class ReplayMismatch(TrainMoverError):
 class KeptRoleUnusable(TrainMoverError):
     """A standby's kept model cannot serve the rank it was promoted into (another rank's coordinates, or a
     replay group it still holds that cannot be re-pointed). The standby builds the rank's model anew."""
-
 
 
 def exit_on_error(prog: str):

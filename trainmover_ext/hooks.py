@@ -13,7 +13,7 @@ agent), logging, ``--tm-metrics-file`` and the fault drills.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from megatron.training.training import Runtime, Session
 from trainmover_ext.config import TrainMoverConfig
@@ -24,7 +24,7 @@ class TrainMoverHooks:
     """See the module docstring."""
 
     def __init__(self) -> None:
-        self.config: Optional[TrainMoverConfig] = None
+        self.config: TrainMoverConfig | None = None
         self.worker = None
 
     def start(self, args) -> None:
@@ -37,7 +37,7 @@ class TrainMoverHooks:
         self.config = config_from_args(args)
 
     @property
-    def metrics_file(self) -> Optional[str]:
+    def metrics_file(self) -> str | None:
         return self.config.metrics_file if self.config else None
 
     def distributed_setup(self) -> TrainMoverDistributed:
@@ -49,7 +49,7 @@ class TrainMoverHooks:
 
             compile_chunk(chunk)  # in place; collectives stay eager (see that module)
 
-    def serve_other_role(self, args, providers, t_process: float) -> Optional[dict]:
+    def serve_other_role(self, args, providers, t_process: float) -> dict | None:
         """A standby's whole life (``--tm-role standby``); None for a worker, which publishes the job's
         model fingerprint here, as early as its arguments allow (standbys wait for it to advertise)."""
         if self.config is None:
@@ -81,7 +81,7 @@ class TrainMoverHooks:
             runtime = attach_recorder(session, runtime, config)
         return runtime
 
-    def after_exit(self, args, providers, t_process: float) -> Optional[Callable[[], dict]]:
+    def after_exit(self, args, providers, t_process: float) -> Callable[[], dict] | None:
         """What this process does next once its rank is given up: a planned leaver with
         ``--tm-leaver-becomes-standby`` rejoins the pool (the caller drops its model first)."""
         worker, config = self.worker, self.config

@@ -18,13 +18,12 @@ import logging
 import os
 import sys
 import time
-from typing import Optional
 
 ENV_LEVEL = "TRAINMOVER_LOG_LEVEL"
 ENV_JSON = "TRAINMOVER_LOG_JSON"
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-_handler: Optional[logging.Handler] = None
+_handler: logging.Handler | None = None
 
 
 def process_label() -> str:
@@ -43,14 +42,19 @@ class _JsonFormatter(logging.Formatter):
         self.label = label
 
     def format(self, record: logging.LogRecord) -> str:
-        out = {"t": round(record.created, 6), "level": record.levelname, "process": self.label,
-               "logger": record.name, "msg": record.getMessage()}
+        out = {
+            "t": round(record.created, 6),
+            "level": record.levelname,
+            "process": self.label,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)
 
 
-def configure(level: Optional[str] = None, json_lines: Optional[bool] = None, label: Optional[str] = None) -> None:
+def configure(level: str | None = None, json_lines: bool | None = None, label: str | None = None) -> None:
     """Install the process's log handler on the root logger (see the module docstring)."""
     global _handler
     level = (level or os.environ.get(ENV_LEVEL) or "WARNING").upper()
@@ -65,8 +69,9 @@ def configure(level: Optional[str] = None, json_lines: Optional[bool] = None, la
     if json_lines:
         handler.setFormatter(_JsonFormatter(label))
     else:
-        formatter = logging.Formatter(f"%(asctime)s.%(msecs)03d %(levelname)s [{label}] %(name)s: %(message)s",
-                                      datefmt="%Y-%m-%dT%H:%M:%S")
+        formatter = logging.Formatter(
+            f"%(asctime)s.%(msecs)03d %(levelname)s [{label}] %(name)s: %(message)s", datefmt="%Y-%m-%dT%H:%M:%S"
+        )
         formatter.converter = time.gmtime
         handler.setFormatter(formatter)
     root = logging.getLogger()

@@ -33,7 +33,7 @@ import logging
 import os
 import threading
 from collections import Counter as Tally
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
@@ -55,16 +55,31 @@ class ControlMetrics:
     def __init__(self, job: str) -> None:
         self.registry = CollectorRegistry()
         labels = ["tm_job"]
-        self.build_info = Gauge("trainmover_build_info", "Always 1; the labels name the versions this agent runs",
-                                labels + ["version", "torch", "megatron_core", "python"], registry=self.registry)
+        self.build_info = Gauge(
+            "trainmover_build_info",
+            "Always 1; the labels name the versions this agent runs",
+            labels + ["version", "torch", "megatron_core", "python"],
+            registry=self.registry,
+        )
         self.build_info.labels(job, *_versions()).set(1)
         self.members = Gauge("trainmover_members", "Live members by kind", labels + ["kind"], registry=self.registry)
         self.epoch = Gauge("trainmover_epoch", "Current membership epoch", labels, registry=self.registry)
-        self.is_leader = Gauge("trainmover_controller_leader", "1 while this controller holds the leader key", labels, registry=self.registry)
-        self.detections = Counter("trainmover_detections", "Failures acted on, by detection path", labels + ["path"], registry=self.registry)
-        self.detection_latency = Histogram("trainmover_detection_latency_seconds",
-                                           "From detection (report or observed lease loss) to committed plan",
-                                           labels, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.is_leader = Gauge(
+            "trainmover_controller_leader",
+            "1 while this controller holds the leader key",
+            labels,
+            registry=self.registry,
+        )
+        self.detections = Counter(
+            "trainmover_detections", "Failures acted on, by detection path", labels + ["path"], registry=self.registry
+        )
+        self.detection_latency = Histogram(
+            "trainmover_detection_latency_seconds",
+            "From detection (report or observed lease loss) to committed plan",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.alerts = Counter("trainmover_alerts", "Orphaned ranks with no standby", labels, registry=self.registry)
         self.job = job
         self._server = None
@@ -121,35 +136,75 @@ class AgentMetrics(ControlMetrics):
         super().__init__(job)
         labels, reg = ["tm_job"], self.registry
         self.iteration = Gauge("trainmover_iteration", "Last completed training iteration", labels, registry=reg)
-        self.iterations = Counter("trainmover_iterations", "Training iterations completed (a re-run after an abandon counts once)",
-                                  labels, registry=reg)
-        self.iteration_time = Gauge("trainmover_iteration_time_seconds", "Wall time of the last completed iteration",
-                                    labels, registry=reg)
-        self.iteration_hist = Histogram("trainmover_iteration_duration_seconds", "Wall time of each iteration",
-                                        labels, buckets=_ITERATION_BUCKETS, registry=reg)
-        self.tokens = Counter("trainmover_tokens", "Training tokens processed (global batch x sequence length per "
-                              "completed iteration; a re-run after an abandon counts once)", labels, registry=reg)
+        self.iterations = Counter(
+            "trainmover_iterations",
+            "Training iterations completed (a re-run after an abandon counts once)",
+            labels,
+            registry=reg,
+        )
+        self.iteration_time = Gauge(
+            "trainmover_iteration_time_seconds", "Wall time of the last completed iteration", labels, registry=reg
+        )
+        self.iteration_hist = Histogram(
+            "trainmover_iteration_duration_seconds",
+            "Wall time of each iteration",
+            labels,
+            buckets=_ITERATION_BUCKETS,
+            registry=reg,
+        )
+        self.tokens = Counter(
+            "trainmover_tokens",
+            "Training tokens processed (global batch x sequence length per "
+            "completed iteration; a re-run after an abandon counts once)",
+            labels,
+            registry=reg,
+        )
         self.loss = Gauge("trainmover_loss", "Loss of the last completed iteration", labels, registry=reg)
-        self.last_progress = Gauge("trainmover_last_progress_timestamp_seconds",
-                                   "Unix time at which the last iteration completed (alert when it stops moving)",
-                                   labels, registry=reg)
-        self.tokens_per_s = Gauge("trainmover_tokens_per_second", "Tokens per second of the last iteration "
-                                  "(global batch x sequence length / iteration time)", labels, registry=reg)
-        self.restarts = Counter("trainmover_restarts", "Stop-restarts of every rank from the checkpoint (under "
-                                "--trainmover: a failure no warm standby could take)", labels, registry=reg)
+        self.last_progress = Gauge(
+            "trainmover_last_progress_timestamp_seconds",
+            "Unix time at which the last iteration completed (alert when it stops moving)",
+            labels,
+            registry=reg,
+        )
+        self.tokens_per_s = Gauge(
+            "trainmover_tokens_per_second",
+            "Tokens per second of the last iteration (global batch x sequence length / iteration time)",
+            labels,
+            registry=reg,
+        )
+        self.restarts = Counter(
+            "trainmover_restarts",
+            "Stop-restarts of every rank from the checkpoint (under "
+            "--trainmover: a failure no warm standby could take)",
+            labels,
+            registry=reg,
+        )
         self.restarts.labels(job)
-        self.standbys_ready = Gauge("trainmover_standbys_ready",
-                                    "Live standbys that finished warm-up and serve no rank", labels, registry=reg)
-        self.migrations = Counter("trainmover_migrations", "Migrations committed (migrations/<epoch> in etcd), by kind",
-                                  labels + ["kind"], registry=reg)
-        self.migration_phase = Histogram("trainmover_migration_phase_seconds",
-                                         "Duration of each step of a finished migration, labelled by the step it ends in "
-                                         "(decided, joined/links_rebuilt, transferred/checkpoint_loaded, first_iteration)",
-                                         labels + ["kind", "phase"], buckets=_PHASE_BUCKETS, registry=reg)
-        self.migration_downtime = Histogram("trainmover_migration_downtime_seconds",
-                                            "From the first recorded step (detection or request) to the last "
-                                            "(end of the first iteration after resume) of a finished migration",
-                                            labels + ["kind"], buckets=_PHASE_BUCKETS, registry=reg)
+        self.standbys_ready = Gauge(
+            "trainmover_standbys_ready", "Live standbys that finished warm-up and serve no rank", labels, registry=reg
+        )
+        self.migrations = Counter(
+            "trainmover_migrations",
+            "Migrations committed (migrations/<epoch> in etcd), by kind",
+            labels + ["kind"],
+            registry=reg,
+        )
+        self.migration_phase = Histogram(
+            "trainmover_migration_phase_seconds",
+            "Duration of each step of a finished migration, labelled by the step it ends in "
+            "(decided, joined/links_rebuilt, transferred/checkpoint_loaded, first_iteration)",
+            labels + ["kind", "phase"],
+            buckets=_PHASE_BUCKETS,
+            registry=reg,
+        )
+        self.migration_downtime = Histogram(
+            "trainmover_migration_downtime_seconds",
+            "From the first recorded step (detection or request) to the last "
+            "(end of the first iteration after resume) of a finished migration",
+            labels + ["kind"],
+            buckets=_PHASE_BUCKETS,
+            registry=reg,
+        )
         self.zero_migrations()
 
     def zero_migrations(self) -> None:
@@ -175,14 +230,16 @@ def _versions() -> tuple[str, str, str, str]:
 def migration_phases(steps: dict[str, float]) -> list[tuple[str, float, float]]:
     """``(phase, start, end)`` for consecutive recorded steps in time order; a phase is named by the step it ends in."""
     ordered = sorted(steps.items(), key=lambda kv: kv[1])
-    return [(name, t0, t1) for (_, t0), (name, t1) in zip(ordered, ordered[1:])]
+    return [(name, t0, t1) for (_, t0), (name, t1) in zip(ordered, ordered[1:], strict=False)]
 
 
 class MetricsFeed:
-    """Feeds an :class:`AgentMetrics` from the workers' metrics file and the job's etcd space (see the module docstring)."""
+    """Feeds an :class:`AgentMetrics` from the workers' metrics file and the job's etcd space (see the module
+    docstring)."""
 
-    def __init__(self, metrics: AgentMetrics, *, metrics_file: str | None, tokens_per_iteration: int = 0,
-                 interval_s: float = 0.5) -> None:
+    def __init__(
+        self, metrics: AgentMetrics, *, metrics_file: str | None, tokens_per_iteration: int = 0, interval_s: float = 0.5
+    ) -> None:
         self.metrics, self.metrics_file = metrics, metrics_file
         self.is_leader: Callable[[], bool] = lambda: True
         """Whether this agent exports the job-wide series (its controller leads); set by :meth:`attach`."""
@@ -198,7 +255,7 @@ class MetricsFeed:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "MetricsFeed":
+    def start(self) -> MetricsFeed:
         self._thread = threading.Thread(target=self._run, name="tm-metrics-feed", daemon=True)
         self._thread.start()
         return self
@@ -295,9 +352,13 @@ class MetricsFeed:
         view = read_view(space)
         m.observe_view(dict(Tally(mem.kind for mem in view.members.values())), view.epoch)
         serving = {rec.member_id for rec in view.ranks.values()}
-        m.standbys_ready.labels(job).set(sum(1 for mem in view.members.values()
-                                             if mem.kind == "standby" and mem.warm_roles and mem.health == "ok"
-                                             and mem.member_id not in serving))
+        m.standbys_ready.labels(job).set(
+            sum(
+                1
+                for mem in view.members.values()
+                if mem.kind == "standby" and mem.warm_roles and mem.health == "ok" and mem.member_id not in serving
+            )
+        )
         for entry in space.kv.get_prefix(space.key("migrations/")).entries:
             try:
                 plan = MigrationPlan.from_bytes(entry.value, key=entry.key)
@@ -311,4 +372,6 @@ class MetricsFeed:
                 for phase, t0, t1 in migration_phases(plan.steps):
                     m.migration_phase.labels(job, plan.reason, phase).observe(t1 - t0)
                 if len(plan.steps) >= 2:
-                    m.migration_downtime.labels(job, plan.reason).observe(max(plan.steps.values()) - min(plan.steps.values()))
+                    m.migration_downtime.labels(job, plan.reason).observe(
+                        max(plan.steps.values()) - min(plan.steps.values())
+                    )

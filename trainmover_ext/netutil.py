@@ -5,6 +5,7 @@ return the same number, and another process may bind it before we do. :func:`fre
 every socket bound until all ``n`` are chosen, so one call never returns a port twice; callers
 that then bind late (a child process) still have to retry on ``EADDRINUSE``.
 """
+
 from __future__ import annotations
 
 import socket

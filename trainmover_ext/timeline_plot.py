@@ -28,8 +28,12 @@ from trainmover_ext.metrics import migration_phases
 
 # One colour per phase, so the same step looks the same in every migration.
 PHASE_COLOURS = {
-    "decided": "#d62728", "joined": "#ff7f0e", "links_rebuilt": "#ff7f0e", "transferred": "#2ca02c",
-    "checkpoint_loaded": "#8c564b", "first_iteration": "#1f77b4",
+    "decided": "#d62728",
+    "joined": "#ff7f0e",
+    "links_rebuilt": "#ff7f0e",
+    "transferred": "#2ca02c",
+    "checkpoint_loaded": "#8c564b",
+    "first_iteration": "#1f77b4",
 }
 _OTHER_COLOUR = "#7f7f7f"
 
@@ -48,11 +52,14 @@ def read_plans(space) -> list:
 
 
 def read_iterations(path: str | None) -> list[dict]:
-    """The ``iteration`` records of a ``--tm-metrics-file`` in file order (an iteration re-run after an abandon appears twice)."""
+    """The ``iteration`` records of a ``--tm-metrics-file`` in file order (an iteration re-run after an abandon
+    appears twice)."""
     if not path:
         return []
     if not os.path.exists(path):
-        raise ConfigError(f"--metrics-file {path} does not exist: pass the file given to the workers as --tm-metrics-file")
+        raise ConfigError(
+            f"--metrics-file {path} does not exist: pass the file given to the workers as --tm-metrics-file"
+        )
     out = []
     with open(path) as f:
         for line in f:
@@ -65,8 +72,10 @@ def read_iterations(path: str | None) -> list[dict]:
 
 def describe_migration(plan) -> list[str]:
     """Text lines: what moved where, then each phase with its duration, then the total."""
-    reps = ", ".join(f"rank {r.rank}: {r.leaver} -> {r.joiner} (state from {r.state_source.get('kind')})"
-                     for r in plan.replacement_list())
+    reps = ", ".join(
+        f"rank {r.rank}: {r.leaver} -> {r.joiner} (state from {r.state_source.get('kind')})"
+        for r in plan.replacement_list()
+    )
     lines = [f"epoch {plan.epoch} ({plan.reason}, {plan.status}): {reps or 'no replacement'}"]
     phases = migration_phases(plan.steps)
     for name, t0, t1 in phases:
@@ -90,8 +99,9 @@ def plot_timeline(plans: list, iterations: list[dict], output: str, *, title: st
     times = [rec["t_end"] for rec in iterations] + [t for p in plans for t in p.steps.values()]
     if not times:
         raise ConfigError("nothing to plot: the job has no migrations and no --metrics-file was given")
-    t0 = min(min(rec["t_end"] - rec.get("iteration_s", 0.0) for rec in iterations) if iterations else min(times),
-             min(times))
+    t0 = min(
+        min(rec["t_end"] - rec.get("iteration_s", 0.0) for rec in iterations) if iterations else min(times), min(times)
+    )
     fig, ax = plt.subplots(figsize=(11, 5), dpi=110)
     if iterations:
         xs = [rec["t_end"] - t0 for rec in iterations]
@@ -99,16 +109,31 @@ def plot_timeline(plans: list, iterations: list[dict], output: str, *, title: st
         # Break the line where a migration started between two records: no iteration ran there.
         starts = [min(p.steps.values()) - t0 for p in plans if p.steps]
         cuts = [i for i in range(1, len(xs)) if any(xs[i - 1] <= s < xs[i] for s in starts)]
-        for n, (a, b) in enumerate(zip([0] + cuts, cuts + [len(xs)])):
-            ax.plot(xs[a:b], ys[a:b], "-o", color="black", markersize=3, linewidth=1,
-                    label="iteration time (end of iteration)" if n == 0 else None)
-        for x, y, rec in zip(xs, ys, iterations):
+        for n, (a, b) in enumerate(zip([0] + cuts, cuts + [len(xs)], strict=False)):
+            ax.plot(
+                xs[a:b],
+                ys[a:b],
+                "-o",
+                color="black",
+                markersize=3,
+                linewidth=1,
+                label="iteration time (end of iteration)" if n == 0 else None,
+            )
+        for x, y, rec in zip(xs, ys, iterations, strict=False):
             if rec["iteration"] % 5 == 0:
-                ax.annotate(str(rec["iteration"]), (x, y), textcoords="offset points", xytext=(0, 5),
-                            ha="center", fontsize=7, color="dimgray")
+                ax.annotate(
+                    str(rec["iteration"]),
+                    (x, y),
+                    textcoords="offset points",
+                    xytext=(0, 5),
+                    ha="center",
+                    fontsize=7,
+                    color="dimgray",
+                )
     else:
-        ax.text(0.5, 0.5, "no iteration records (pass --metrics-file)", transform=ax.transAxes, ha="center",
-                color="dimgray")
+        ax.text(
+            0.5, 0.5, "no iteration records (pass --metrics-file)", transform=ax.transAxes, ha="center", color="dimgray"
+        )
     used = {}
     for plan in plans:
         phases = migration_phases(plan.steps)
@@ -119,9 +144,16 @@ def plot_timeline(plans: list, iterations: list[dict], output: str, *, title: st
             used.setdefault(name, colour)
         if phases:
             start, end = phases[0][1] - t0, phases[-1][2] - t0
-            ax.annotate(f"epoch {plan.epoch} {plan.reason}\n{(end - start):.2f} s", ((start + end) / 2, 1.0),
-                        xycoords=("data", "axes fraction"), xytext=(0, -4), textcoords="offset points",
-                        ha="center", va="top", fontsize=8)
+            ax.annotate(
+                f"epoch {plan.epoch} {plan.reason}\n{(end - start):.2f} s",
+                ((start + end) / 2, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(0, -4),
+                textcoords="offset points",
+                ha="center",
+                va="top",
+                fontsize=8,
+            )
     handles, _ = ax.get_legend_handles_labels()
     handles += [Patch(color=c, alpha=0.3, label=f"phase: {n}") for n, c in used.items()]
     if handles:
@@ -140,12 +172,19 @@ def plot_timeline(plans: list, iterations: list[dict], output: str, *, title: st
 
 def extend_events_parser(events: argparse.ArgumentParser) -> None:
     """Add ``--plot`` and ``--metrics-file`` to ``trainmover events``; the event table is still printed."""
-    events.add_argument("--plot", metavar="PNG", default=None,
-                        help="also draw iteration time against wall clock with each migration's phases shaded, "
-                             "as a PNG (needs matplotlib)")
-    events.add_argument("--metrics-file", default=None,
-                        help="the workers' --tm-metrics-file (JSON lines), the source of the iteration times "
-                             "for --plot (without it only the migration phases are drawn)")
+    events.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help="also draw iteration time against wall clock with each migration's phases shaded, "
+        "as a PNG (needs matplotlib)",
+    )
+    events.add_argument(
+        "--metrics-file",
+        default=None,
+        help="the workers' --tm-metrics-file (JSON lines), the source of the iteration times "
+        "for --plot (without it only the migration phases are drawn)",
+    )
     show_events = events.get_default("func")
 
     def run(args: argparse.Namespace) -> int:
@@ -160,8 +199,12 @@ def extend_events_parser(events: argparse.ArgumentParser) -> None:
                 space.kv.close()
             for plan in plans:
                 print("\n".join(describe_migration(plan)))
-            path = plot_timeline(plans, read_iterations(args.metrics_file), args.plot,
-                                 title=f"job {args.tm_job}: iteration time and migration phases")
+            path = plot_timeline(
+                plans,
+                read_iterations(args.metrics_file),
+                args.plot,
+                title=f"job {args.tm_job}: iteration time and migration phases",
+            )
             print(f"wrote {path} ({len(plans)} migration(s))")
         return code
 

@@ -46,10 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     kv = EtcdKV(EtcdClientConfig(endpoints=args.endpoints, timeout_s=3))
     space = JobSpace.open(kv, args.job, args.token)
     roles = list(ROLES) if args.kind == "standby" else []
-    member = Membership(space, MemberRecord(member_id=args.member_id, kind=args.kind, host=args.host, pid=os.getpid(),
-                                            warm_roles=roles), ttl_s=args.ttl)
+    member = Membership(
+        space,
+        MemberRecord(member_id=args.member_id, kind=args.kind, host=args.host, pid=os.getpid(), warm_roles=roles),
+        ttl_s=args.ttl,
+    )
     member.register()
-    ctl = Controller(space, ControllerConfig(controller_id=args.member_id, ttl_s=args.ttl)).start() if args.controller else None
+    ctl = (
+        Controller(space, ControllerConfig(controller_id=args.member_id, ttl_s=args.ttl)).start()
+        if args.controller
+        else None
+    )
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     print(f"READY {args.member_id}", flush=True)
@@ -63,8 +70,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def spawn_member(endpoints, job, token, member_id, *, kind="worker", ttl=2, controller=False, host="h0", timeout=30.0):
     """Start ``member_main`` and return the Popen once it printed READY (it holds a registered lease then)."""
-    cmd = [sys.executable, "-m", "harness.member", "--endpoints", ",".join(endpoints), "--job", job,
-           "--token", token, "--member-id", member_id, "--kind", kind, "--ttl", str(ttl), "--host", host]
+    cmd = [
+        sys.executable,
+        "-m",
+        "harness.member",
+        "--endpoints",
+        ",".join(endpoints),
+        "--job",
+        job,
+        "--token",
+        token,
+        "--member-id",
+        member_id,
+        "--kind",
+        kind,
+        "--ttl",
+        str(ttl),
+        "--host",
+        host,
+    ]
     if controller:
         cmd.append("--controller")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, where `harness` lives
@@ -81,7 +105,10 @@ def spawn_member(endpoints, job, token, member_id, *, kind="worker", ttl=2, cont
             if not line and proc.poll() is not None:
                 break
     proc.kill()
-    raise LaunchError(f"member {member_id} did not print READY within {timeout:.0f}s (exit code {proc.poll()}): check etcd and the job token")
+    raise LaunchError(
+        f"member {member_id} did not print READY within {timeout:.0f}s (exit code {proc.poll()}): "
+        "check etcd and the job token"
+    )
 
 
 def reap(*procs):

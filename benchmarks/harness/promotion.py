@@ -41,7 +41,6 @@ import json
 import os
 import resource
 import time
-from typing import Optional
 
 CTL = "ctl"
 TIMEOUT_S = 600.0
@@ -54,18 +53,18 @@ def _stores(port: int):
     return PrefixStore("job", base), PrefixStore(CTL, base)
 
 
-def _get(ctl, key: str) -> Optional[str]:
+def _get(ctl, key: str) -> str | None:
     return ctl.get(key).decode() if ctl.check([key]) else None
 
 
-def init_delta_world(args, rank: int, world_size: int, store, join_epoch: Optional[int] = None):
+def init_delta_world(args, rank: int, world_size: int, store, join_epoch: int | None = None):
     """WORLD and megatron's groups on nccl_delta (as a joiner of ``join_epoch`` if given); the layout."""
     import torch
     import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
 
     import nccl_delta
     import trainmover_ext.patches as patches
-    from megatron.core import parallel_state as mpu
     from megatron.training import global_vars
     from megatron.training.initialize import ParallelLayout
     from megatron.training.tokenizer import build_tokenizer
@@ -75,16 +74,31 @@ def init_delta_world(args, rank: int, world_size: int, store, join_epoch: Option
     nccl_delta.register(nccl_delta.DeltaConfig(link_host="127.0.0.1", op_timeout_s=TIMEOUT_S))
     if join_epoch is not None:
         nccl_delta.expect_join(join_epoch)
-    dist.init_process_group(nccl_delta.BACKEND_NAME, store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    mpu.initialize_model_parallel(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                                  pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                                  create_gloo_process_groups=False)
+    dist.init_process_group(
+        nccl_delta.BACKEND_NAME,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        create_gloo_process_groups=False,
+    )
     return ParallelLayout(
-        rank=rank, world_size=world_size, local_rank=0, tp_size=args.tensor_model_parallel_size,
-        pp_size=args.pipeline_model_parallel_size, dp_size=args.data_parallel_size,
-        tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        dp_rank=mpu.get_data_parallel_rank(), device=torch.device("cpu"), backend="gloo", comm="nccl_delta",
+        rank=rank,
+        world_size=world_size,
+        local_rank=0,
+        tp_size=args.tensor_model_parallel_size,
+        pp_size=args.pipeline_model_parallel_size,
+        dp_size=args.data_parallel_size,
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
+        device=torch.device("cpu"),
+        backend="gloo",
+        comm="nccl_delta",
     )
 
 
@@ -99,7 +113,7 @@ def serve(session, ctl, epoch: int, store=None) -> dict:
     world = nccl_delta.current_world()
     steps: list[dict] = []
     prepared: set[int] = set()
-    stop_at: Optional[int] = None
+    stop_at: int | None = None
     while True:
         k = args.iteration
         stop_at = stop_at if stop_at is not None else _int(_get(ctl, "stop_at"))
@@ -114,8 +128,10 @@ def serve(session, ctl, epoch: int, store=None) -> dict:
             if k == plan["switch_at"]:
                 epoch += 1
                 if plan["rank"] == rank:  # the leaver: hand the state over, wait for the measurements, go
-                    ctl.wait([f"switched/{epoch}/{q}" for q in range(session.layout.world_size) if q != rank],
-                             datetime.timedelta(seconds=TIMEOUT_S))
+                    ctl.wait(
+                        [f"switched/{epoch}/{q}" for q in range(session.layout.world_size) if q != rank],
+                        datetime.timedelta(seconds=TIMEOUT_S),
+                    )
                     sent = hand_state_over(session, store, epoch)
                     ctl.wait([f"release/{epoch}"], datetime.timedelta(seconds=TIMEOUT_S))
                     return {"left": True, "steps": steps, "epoch": epoch, "sent_bytes": sent}
@@ -124,8 +140,9 @@ def serve(session, ctl, epoch: int, store=None) -> dict:
                 ctl.wait([f"received/{epoch}"], datetime.timedelta(seconds=TIMEOUT_S))  # transfer not timed
         t0, gc0 = time.time(), _GC_CLOCK.total_s
         train_step(session)
-        steps.append({"iteration": args.iteration, "t0": t0, "t1": time.time(), "epoch": epoch,
-                      "gc_s": _GC_CLOCK.total_s - gc0})
+        steps.append(
+            {"iteration": args.iteration, "t0": t0, "t1": time.time(), "epoch": epoch, "gc_s": _GC_CLOCK.total_s - gc0}
+        )
         ctl.set("progress", str(args.iteration))
 
 
@@ -170,7 +187,7 @@ class _GcClock:
 _GC_CLOCK = _GcClock()
 
 
-def _int(raw: Optional[str]) -> Optional[int]:
+def _int(raw: str | None) -> int | None:
     return None if raw is None else int(raw)
 
 
@@ -214,8 +231,13 @@ def job_member(rank: int, world_size: int, port: int, argv: list[str], record_di
         handle = maybe_start_recording(args, layout, record_dir=record_dir, record_iters=record_iters)
         recorded = _record(session, handle)
         out = serve(session, ctl, epoch=0, store=store)
-        out.update(rank=rank, role=layout.role, recorded=recorded, hooks_after=hooks_installed(),
-                   peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        out.update(
+            rank=rank,
+            role=layout.role,
+            recorded=recorded,
+            hooks_after=hooks_installed(),
+            peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        )
         return out
     finally:
         shutdown()
@@ -235,9 +257,12 @@ def _record(session, handle) -> dict:
     finally:
         handle.close()
     recorder = handle.recorder
-    return {"iteration_s": times, "overhead_s": recorder.overhead_s if recorder else None,
-            "role": recorder.role if recorder else None,
-            "data_bytes": handle.index["data_bytes"] if handle.index else None}
+    return {
+        "iteration_s": times,
+        "overhead_s": recorder.overhead_s if recorder else None,
+        "role": recorder.role if recorder else None,
+        "data_bytes": handle.index["data_bytes"] if handle.index else None,
+    }
 
 
 def warm_only(argv: list[str], world_size: int, record_dir: str, nice: int = 19, duty: float = 1.0) -> dict:
@@ -257,23 +282,37 @@ def warm_only(argv: list[str], world_size: int, record_dir: str, nice: int = 19,
     pacer = Pacer(duty)
     t0 = time.time()
     warm_standby(args, load_recordings(record_dir), program=default_program(), pacer=pacer)
-    return {"warm_start": t0, "warm_end": time.time(), "warm_rss_bytes": peak_rss_bytes(),
-            "warm_new_sockets": len(socket_inodes() - sockets), "nice": nice, "duty": duty,
-            "paused_s": pacer.paused_s, "steps": []}
+    return {
+        "warm_start": t0,
+        "warm_end": time.time(),
+        "warm_rss_bytes": peak_rss_bytes(),
+        "warm_new_sockets": len(socket_inodes() - sockets),
+        "nice": nice,
+        "duty": duty,
+        "paused_s": pacer.paused_s,
+        "steps": [],
+    }
 
 
-def newcomer(rank: int, world_size: int, port: int, argv: list[str], epoch: int, record_dir: Optional[str],
-             warm_nice: int = 19, keep_role: Optional[str] = None) -> dict:
+def newcomer(
+    rank: int,
+    world_size: int,
+    port: int,
+    argv: list[str],
+    epoch: int,
+    record_dir: str | None,
+    warm_nice: int = 19,
+    keep_role: str | None = None,
+) -> dict:
     """A process that takes over ``rank`` at ``epoch``: warm (sandbox, all roles) when ``record_dir``, else cold.
 
     A warm one keeps ``keep_role``'s parts (see ``sandbox/adopt.py``): it adopts them when they were
     built as ``rank``, and frees them before it builds the rank's model otherwise."""
     import torch
+
     from megatron.training.initialize import shutdown
-
-    from trainmover_ext.runtime.quiet_build import no_collectives
-
     from megatron.training.training import MetricsLog
+    from trainmover_ext.runtime.quiet_build import no_collectives
 
     from .adopt import adopt_or_build, keep_if_fits
     from .harness import parse_job_args, socket_inodes
@@ -290,8 +329,13 @@ def newcomer(rank: int, world_size: int, port: int, argv: list[str], epoch: int,
         sockets = socket_inodes()
         t0 = time.time()
         results = warm_standby(args, load_recordings(record_dir), program=program, keep_role=keep_role)
-        report.update(warm_start=t0, warm_end=time.time(), warm_rss_bytes=peak_rss_bytes(),
-                      warm_roles=[r.to_dict() for r in results], warm_new_sockets=len(socket_inodes() - sockets))
+        report.update(
+            warm_start=t0,
+            warm_end=time.time(),
+            warm_rss_bytes=peak_rss_bytes(),
+            warm_roles=[r.to_dict() for r in results],
+            warm_new_sockets=len(socket_inodes() - sockets),
+        )
         kept = next((r.kept for r in results if r.kept is not None), None)
         del results
         foreground_priority()
@@ -302,12 +346,14 @@ def newcomer(rank: int, world_size: int, port: int, argv: list[str], epoch: int,
     plan_key = f"plan/{epoch}"
     layout = init_delta_world(args, rank, world_size, store, join_epoch=epoch)
     try:
+
         def build(why: str):
             with no_collectives():  # nothing to agree on with the job: its state would come by transfer
                 return build_parts(args, layout, program, consumed_samples=0)
 
-        session, why_not, report["repointed_groups"] = adopt_or_build(kept, layout, MetricsLog(None, False), rank,
-                                                                      build, why_not)
+        session, why_not, report["repointed_groups"] = adopt_or_build(
+            kept, layout, MetricsLog(None, False), rank, build, why_not
+        )
         report["adopted"] = why_not is None
         args.iteration, args.consumed_train_samples = 0, 0  # the state transfer sets both
         ctl.set(f"ready/{epoch}", "1")
@@ -316,12 +362,14 @@ def newcomer(rank: int, world_size: int, port: int, argv: list[str], epoch: int,
         nccl_delta.current_world().join(epoch)
         ctl.wait([plan_key], datetime.timedelta(seconds=TIMEOUT_S))
         plan = json.loads(ctl.get(plan_key).decode())
-        ctl.wait([f"switched/{epoch}/{q}" for q in range(world_size) if q != rank],
-                 datetime.timedelta(seconds=TIMEOUT_S))
+        ctl.wait(
+            [f"switched/{epoch}/{q}" for q in range(world_size) if q != rank], datetime.timedelta(seconds=TIMEOUT_S)
+        )
         report["received_bytes"] = take_state_over(session, store, epoch)
         if session.args.iteration != plan["switch_at"]:
-            raise RuntimeError(f"newcomer {epoch} took the state of iteration {session.args.iteration}, "
-                               f"not {plan['switch_at']}")
+            raise RuntimeError(
+                f"newcomer {epoch} took the state of iteration {session.args.iteration}, not {plan['switch_at']}"
+            )
         torch.set_num_threads(1)
         ctl.set(f"received/{epoch}", "1")
         report.update(serve(session, ctl, epoch=epoch, store=store))

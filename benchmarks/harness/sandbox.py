@@ -20,8 +20,9 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 CTX = mp.get_context("fork")
 _KEEP_ALIVE: list = []
@@ -42,15 +43,17 @@ class Children:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.kill()
-                raise TimeoutError(f"children {sorted(set(self.procs) - set(out) - set(errors), key=str)} did not "
-                                   f"report within {timeout}s")
+                raise TimeoutError(
+                    f"children {sorted(set(self.procs) - set(out) - set(errors), key=str)} did not "
+                    f"report within {timeout}s"
+                )
             try:
                 key, ok, value = self.queue.get(timeout=min(left, 1.0))
-            except Exception:  # queue.Empty: poll again until the deadline
+            except Exception as empty:  # queue.Empty: poll again until the deadline
                 if not any(p.is_alive() for k, p in self.procs.items() if k not in out and k not in errors):
                     if self.queue.empty():
                         self.kill()
-                        raise RuntimeError("a child died without reporting (killed or crashed)")
+                        raise RuntimeError("a child died without reporting (killed or crashed)") from empty
                 continue
             (out if ok else errors)[key] = value
         for proc in self.procs.values():
@@ -90,7 +93,7 @@ def _child(key, fn: Callable, args: tuple, queue, nice: int) -> None:
         os._exit(code)
 
 
-def fork_children(calls: dict[Any, tuple], nice: Optional[dict] = None) -> Children:
+def fork_children(calls: dict[Any, tuple], nice: dict | None = None) -> Children:
     """Fork one child per ``key: (fn, *args)``; ``nice`` optionally maps key -> niceness."""
     queue = CTX.Queue()
     procs = {}
@@ -120,10 +123,10 @@ def parse_job_args(argv: list[str], world_size: int):
 def init_real_world(args, rank: int, world_size: int, store_port: int, prefix: str = "job"):
     """gloo WORLD through the parent's store, megatron groups, and this rank's layout."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
     from torch.distributed import PrefixStore, TCPStore
 
     import trainmover_ext.patches as patches
-    from megatron.core import parallel_state as mpu
     from megatron.training import global_vars
     from megatron.training.initialize import ParallelLayout
     from megatron.training.tokenizer import build_tokenizer
@@ -140,10 +143,17 @@ def init_real_world(args, rank: int, world_size: int, store_port: int, prefix: s
         create_gloo_process_groups=False,
     )
     return ParallelLayout(
-        rank=rank, world_size=world_size, local_rank=0, tp_size=args.tensor_model_parallel_size,
-        pp_size=args.pipeline_model_parallel_size, dp_size=args.data_parallel_size,
-        tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        dp_rank=mpu.get_data_parallel_rank(), device=__import__("torch").device("cpu"), backend="gloo",
+        rank=rank,
+        world_size=world_size,
+        local_rank=0,
+        tp_size=args.tensor_model_parallel_size,
+        pp_size=args.pipeline_model_parallel_size,
+        dp_size=args.data_parallel_size,
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
+        device=__import__("torch").device("cpu"),
+        backend="gloo",
     )
 
 
@@ -167,8 +177,17 @@ def train_iterations(session, iters: int, *, handle=None, digests: bool = True) 
     return out
 
 
-def job_rank(rank: int, world_size: int, store_port: int, argv: list[str], record_dir: Optional[str],
-             record_iters: int, iters: int, digests: bool = True, comm: str = "gloo") -> dict:
+def job_rank(
+    rank: int,
+    world_size: int,
+    store_port: int,
+    argv: list[str],
+    record_dir: str | None,
+    record_iters: int,
+    iters: int,
+    digests: bool = True,
+    comm: str = "gloo",
+) -> dict:
     """One job rank: init, build, record the first ``record_iters`` iterations, train ``iters``.
 
     ``comm`` is ``gloo`` (torch's own groups) or ``nccl_delta`` (every group on nccl_delta, as under
@@ -188,8 +207,9 @@ def job_rank(rank: int, world_size: int, store_port: int, argv: list[str], recor
 
         from .promotion import init_delta_world
 
-        store = PrefixStore("job", TCPStore("127.0.0.1", store_port, is_master=False,
-                                            timeout=datetime.timedelta(seconds=120)))
+        store = PrefixStore(
+            "job", TCPStore("127.0.0.1", store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
+        )
         layout = init_delta_world(args, rank, world_size, store)
     else:
         layout = init_real_world(args, rank, world_size, store_port)
@@ -202,10 +222,16 @@ def job_rank(rank: int, world_size: int, store_port: int, argv: list[str], recor
         finally:
             handle.close()
         overhead = handle.recorder.overhead_s if handle.recorder is not None else None
-        return {"rank": rank, "role": layout.role, "recorded": handle.index is not None, "steps": steps,
-                "record_overhead_s": overhead, "hooks_while_recording": hooks_while_recording,
-                "hooks_after": hooks_installed(),
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        return {
+            "rank": rank,
+            "role": layout.role,
+            "recorded": handle.index is not None,
+            "steps": steps,
+            "record_overhead_s": overhead,
+            "hooks_while_recording": hooks_while_recording,
+            "hooks_after": hooks_installed(),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
     finally:
         shutdown()
 
@@ -223,8 +249,9 @@ def socket_inodes() -> set[str]:
     return out
 
 
-def standby_process(argv: list[str], world_size: int, record_dir: str, roles: Optional[list[str]] = None,
-                    iters: Optional[int] = None) -> dict:
+def standby_process(
+    argv: list[str], world_size: int, record_dir: str, roles: list[str] | None = None, iters: int | None = None
+) -> dict:
     """A general standby, alone: warm ``roles`` (default all recorded) from ``record_dir``.
 
     Returns per shadow iteration its role, recorded iteration, loss and state
@@ -247,13 +274,24 @@ def standby_process(argv: list[str], world_size: int, record_dir: str, roles: Op
     shadow, group_classes, sockets_during = [], set(), set()
 
     def on_progress(p) -> None:
-        shadow.append({"role": p.role, "iteration": p.iteration, "loss": p.loss, "iteration_s": p.iteration_s,
-                       **state_digest(p.model)})
+        shadow.append(
+            {
+                "role": p.role,
+                "iteration": p.iteration,
+                "loss": p.loss,
+                "iteration_s": p.iteration_s,
+                **state_digest(p.model),
+            }
+        )
         group_classes.update((type(pg).__name__, id(pg) in replay._SESSION.members) for pg in c10d._world.pg_map)
         sockets_during.update(socket_inodes())
 
     results = warm_standby(args, recordings, iters=iters, on_progress=on_progress)
-    return {"shadow": shadow, "results": [r.to_dict() for r in results], "group_classes": sorted(group_classes),
-            "kept_models": sum(r.kept is not None for r in results),
-            "new_sockets": sorted((sockets_during | socket_inodes()) - sockets_before),
-            "initialized_after": dist.is_initialized()}
+    return {
+        "shadow": shadow,
+        "results": [r.to_dict() for r in results],
+        "group_classes": sorted(group_classes),
+        "kept_models": sum(r.kept is not None for r in results),
+        "new_sockets": sorted((sockets_during | socket_inodes()) - sockets_before),
+        "initialized_after": dist.is_initialized(),
+    }

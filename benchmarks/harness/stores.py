@@ -23,8 +23,7 @@ def host_store_in_own_process(timeout_s: float = 120.0, start_timeout_s: float =
     if not recv_end.poll(start_timeout_s):
         server.kill()
         raise TimeoutError(f"the TCPStore server process did not start within {start_timeout_s:.0f}s")
-    return TCPStore("127.0.0.1", recv_end.recv(), is_master=False,
-                    timeout=datetime.timedelta(seconds=timeout_s))
+    return TCPStore("127.0.0.1", recv_end.recv(), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _serve_store(conn, timeout_s: float) -> None:
@@ -33,8 +32,9 @@ def _serve_store(conn, timeout_s: float) -> None:
 
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=timeout_s))
+    store = TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     conn.send(store.port)
     while True:  # a daemon: it ends with its parent
         time.sleep(3600)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from megatron.training.errors import ConfigError
 
@@ -31,86 +31,159 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="MLP hidden size (default 4 x hidden size).")
     g.add_argument("--num-attention-heads", type=int, required=True, help="Number of attention heads.")
     g.add_argument("--seq-length", type=int, required=True, help="Sequence length of each training sample.")
-    g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="Maximum sequence length for position embeddings (default: --seq-length).")
+    g.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="Maximum sequence length for position embeddings (default: --seq-length).",
+    )
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight initialisation.")
     g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout on hidden states.")
     g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="Give the output layer its own weight instead of sharing the word embedding.")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="Pad the vocabulary to a multiple of this (must be a multiple of the TP size). "
-                        "The padding does not depend on TP, so layouts stay comparable.")
-    g.add_argument("--transformer-impl", choices=["auto", "local", "transformer_engine"], default="auto",
-                   help="Layer implementation: 'auto' uses TransformerEngine when it and CUDA are present, "
-                        "else megatron-core's local spec.")
+    g.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="Give the output layer its own weight instead of sharing the word embedding.",
+    )
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="Pad the vocabulary to a multiple of this (must be a multiple of the TP size). "
+        "The padding does not depend on TP, so layouts stay comparable.",
+    )
+    g.add_argument(
+        "--transformer-impl",
+        choices=["auto", "local", "transformer_engine"],
+        default="auto",
+        help="Layer implementation: 'auto' uses TransformerEngine when it and CUDA are present, "
+        "else megatron-core's local spec.",
+    )
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, required=True, help="Samples per micro-batch per DP rank.")
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="Samples per iteration across all DP ranks (default: micro-batch x DP). "
-                        "Must be divisible by micro-batch-size x DP.")
+    g.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=None,
+        help="Samples per iteration across all DP ranks (default: micro-batch x DP). "
+        "Must be divisible by micro-batch-size x DP.",
+    )
     g.add_argument("--train-iters", type=int, required=True, help="Total number of training iterations.")
     g.add_argument("--lr", type=float, required=True, help="Peak learning rate.")
     g.add_argument("--min-lr", type=float, default=0.0, help="Minimum learning rate of the decay.")
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
-                   default="linear", help="Learning-rate decay function.")
+    g.add_argument(
+        "--lr-decay-style",
+        choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+        default="linear",
+        help="Learning-rate decay function.",
+    )
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="Iterations of linear warm-up.")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="Iterations to decay over (default: --train-iters).")
+    g.add_argument(
+        "--lr-decay-iters", type=int, default=None, help="Iterations to decay over (default: --train-iters)."
+    )
     g.add_argument("--weight-decay", type=float, default=0.01, help="Weight decay coefficient.")
     g.add_argument("--clip-grad", type=float, default=1.0, help="Gradient clipping by global norm (0 disables).")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
     g.add_argument("--seed", type=int, default=1234, help="Random seed (initialisation, data order, dropout).")
-    g.add_argument("--bf16", action="store_true",
-                   help="bf16 mixed precision: bf16 parameters and activations, fp32 master copies in the optimizer.")
-    g.add_argument("--fp16", action="store_true",
-                   help="fp16 mixed precision with loss scaling: fp16 parameters, fp32 master copies, and a "
-                        "dynamic loss scale unless --loss-scale is given.")
-    g.add_argument("--loss-scale", type=float, default=None,
-                   help="fp16 only: a constant loss scale (a positive power of 2 is best); default: dynamic.")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32,
-                   help="fp16 only: the dynamic loss scale's starting value.")
+    g.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 mixed precision: bf16 parameters and activations, fp32 master copies in the optimizer.",
+    )
+    g.add_argument(
+        "--fp16",
+        action="store_true",
+        help="fp16 mixed precision with loss scaling: fp16 parameters, fp32 master copies, and a "
+        "dynamic loss scale unless --loss-scale is given.",
+    )
+    g.add_argument(
+        "--loss-scale",
+        type=float,
+        default=None,
+        help="fp16 only: a constant loss scale (a positive power of 2 is best); default: dynamic.",
+    )
+    g.add_argument(
+        "--initial-loss-scale", type=float, default=2.0**32, help="fp16 only: the dynamic loss scale's starting value."
+    )
     g.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16 only: the dynamic loss scale's floor.")
-    g.add_argument("--loss-scale-window", type=int, default=1000,
-                   help="fp16 only: iterations without overflow before the dynamic loss scale grows.")
-    g.add_argument("--hysteresis", type=int, default=2,
-                   help="fp16 only: overflowing iterations tolerated before the dynamic loss scale shrinks.")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="Shard optimizer state across data-parallel ranks (ZeRO-1).")
+    g.add_argument(
+        "--loss-scale-window",
+        type=int,
+        default=1000,
+        help="fp16 only: iterations without overflow before the dynamic loss scale grows.",
+    )
+    g.add_argument(
+        "--hysteresis",
+        type=int,
+        default=2,
+        help="fp16 only: overflowing iterations tolerated before the dynamic loss scale shrinks.",
+    )
+    g.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="Shard optimizer state across data-parallel ranks (ZeRO-1).",
+    )
     g.add_argument("--overlap-grad-reduce", action="store_true", help="Overlap DP gradient reduction with backward.")
     g.add_argument("--log-interval", type=int, default=1, help="Print a log line every N iterations.")
-    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                   help="Exit with an error when --load has no checkpoint instead of starting from scratch.")
+    g.add_argument(
+        "--exit-on-missing-checkpoint",
+        action="store_true",
+        help="Exit with an error when --load has no checkpoint instead of starting from scratch.",
+    )
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Tensor-parallel size (TP).")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Pipeline-parallel size (PP).")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="Layers per virtual stage for the interleaved pipeline schedule.")
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="Layers per virtual stage for the interleaved pipeline schedule.",
+    )
     g.add_argument("--sequence-parallel", action="store_true", help="Sequence parallelism inside TP regions.")
-    g.add_argument("--distributed-backend", choices=["auto", "gloo", "nccl"], default="auto",
-                   help="torch.distributed backend: 'auto' picks nccl with CUDA, else gloo.")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
-                   help="Timeout of every collective and of rendezvous, in minutes.")
-    g.add_argument("--threads-per-rank", type=int, default=1,
-                   help="torch intra-op threads per rank on CPU (keep ranks x threads <= cores).")
+    g.add_argument(
+        "--distributed-backend",
+        choices=["auto", "gloo", "nccl"],
+        default="auto",
+        help="torch.distributed backend: 'auto' picks nccl with CUDA, else gloo.",
+    )
+    g.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10.0,
+        help="Timeout of every collective and of rendezvous, in minutes.",
+    )
+    g.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=1,
+        help="torch intra-op threads per rank on CPU (keep ranks x threads <= cores).",
+    )
 
 
 def _add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data and tokenizer")
     g.add_argument("--mock-data", action="store_true", help="Train on deterministic synthetic tokens.")
-    g.add_argument("--data-path", nargs="+", default=None,
-                   help="Prefix of a Megatron indexed dataset (PATH.bin and PATH.idx), "
-                        "e.g. made by scripts/prepare_data.py.")
+    g.add_argument(
+        "--data-path",
+        nargs="+",
+        default=None,
+        help="Prefix of a Megatron indexed dataset (PATH.bin and PATH.idx), e.g. made by scripts/prepare_data.py.",
+    )
     g.add_argument("--split", default="100,0,0", help="Train/valid/test split in percent (only train is used).")
-    g.add_argument("--tokenizer-type", choices=["ByteLevelTokenizer", "NullTokenizer"], default="ByteLevelTokenizer",
-                   help="Tokenizer: ByteLevelTokenizer works offline (257 tokens); NullTokenizer needs --vocab-size.")
+    g.add_argument(
+        "--tokenizer-type",
+        choices=["ByteLevelTokenizer", "NullTokenizer"],
+        default="ByteLevelTokenizer",
+        help="Tokenizer: ByteLevelTokenizer works offline (257 tokens); NullTokenizer needs --vocab-size.",
+    )
     g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer and --mock-data.")
 
 
@@ -124,7 +197,7 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG states.")
 
 
-def build_parser(extra_args_provider: Optional[Callable] = None, prog: str = "pretrain_gpt.py") -> _Parser:
+def build_parser(extra_args_provider: Callable | None = None, prog: str = "pretrain_gpt.py") -> _Parser:
     """The full parser: Megatron groups plus whatever ``extra_args_provider`` adds."""
     parser = _Parser(prog=prog, description="Pretrain a GPT model with megatron-core.", allow_abbrev=False)
     _add_model_args(parser)
@@ -138,9 +211,9 @@ def build_parser(extra_args_provider: Optional[Callable] = None, prog: str = "pr
 
 
 def parse_args(
-    extra_args_provider: Optional[Callable] = None,
-    argv: Optional[Sequence[str]] = None,
-    world_size: Optional[int] = None,
+    extra_args_provider: Callable | None = None,
+    argv: Sequence[str] | None = None,
+    world_size: int | None = None,
 ) -> argparse.Namespace:
     """Parse and validate flags; ``world_size`` defaults to ``$WORLD_SIZE`` or 1."""
     args = build_parser(extra_args_provider).parse_args(argv)
@@ -187,8 +260,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             )
         args.virtual_pipeline_model_parallel_size = per_stage // args.num_layers_per_virtual_pipeline_stage
         if args.num_microbatches % pp != 0:
-            raise ConfigError("the interleaved schedule needs a number of micro-batches divisible by PP: "
-                              "raise --global-batch-size")
+            raise ConfigError(
+                "the interleaved schedule needs a number of micro-batches divisible by PP: raise --global-batch-size"
+            )
     else:
         args.virtual_pipeline_model_parallel_size = None
     if args.hidden_size % args.num_attention_heads != 0:
@@ -221,8 +295,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.min_lr > args.lr:
         raise ConfigError("--min-lr must not exceed --lr")
     if not args.mock_data and not args.data_path:
-        raise ConfigError("give --data-path PREFIX (a Megatron .bin/.idx dataset; see scripts/prepare_data.py) "
-                          "or --mock-data")
+        raise ConfigError(
+            "give --data-path PREFIX (a Megatron .bin/.idx dataset; see scripts/prepare_data.py) or --mock-data"
+        )
     if args.data_path:
         for prefix in args.data_path:
             for suffix in (".bin", ".idx"):

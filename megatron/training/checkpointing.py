@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -38,7 +38,7 @@ def _rank_file(root: str, iteration: int, layout) -> str:
     )
 
 
-def read_latest_iteration(root: Optional[str]) -> Optional[int]:
+def read_latest_iteration(root: str | None) -> int | None:
     """The iteration named by ``latest_checkpointed_iteration.txt``, or None."""
     if not root:
         return None
@@ -56,7 +56,7 @@ def _optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _master_groups(opt) -> Optional[list]:
+def _master_groups(opt) -> list | None:
     for attr in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
         groups = getattr(opt, attr, None)
         if groups:
@@ -64,7 +64,7 @@ def _master_groups(opt) -> Optional[list]:
     return None
 
 
-def grad_scaler_states(optimizer) -> list[Optional[dict]]:
+def grad_scaler_states(optimizer) -> list[dict | None]:
     """fp16's loss scaler per optimizer (scale, growth and hysteresis trackers) as plain numbers;
     ``None`` where an optimizer has no scaler (fp32, bf16)."""
     states = []
@@ -79,9 +79,9 @@ def grad_scaler_states(optimizer) -> list[Optional[dict]]:
     return states
 
 
-def load_grad_scaler_states(optimizer, states: Optional[list]) -> None:
+def load_grad_scaler_states(optimizer, states: list | None) -> None:
     """Apply :func:`grad_scaler_states`; a missing entry leaves the scaler as it is."""
-    for opt, state in zip(_optimizers(optimizer), states or []):
+    for opt, state in zip(_optimizers(optimizer), states or [], strict=False):
         scaler = getattr(opt, "grad_scaler", None)
         if scaler is None or state is None:
             continue
@@ -172,7 +172,9 @@ def load_scheduler_state(scheduler, state: dict) -> None:
     scheduler.load_state_dict(state)
 
 
-def load_training_state(state: dict, model, optimizer, scheduler, args, load_optim=True, load_rng=True) -> tuple[int, int]:
+def load_training_state(
+    state: dict, model, optimizer, scheduler, args, load_optim=True, load_rng=True
+) -> tuple[int, int]:
     """Apply a :func:`training_state` dict; returns ``(iteration, consumed_samples)``."""
     if state.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint format version {state.get('version')} is not {FORMAT_VERSION}")
@@ -191,13 +193,13 @@ def load_training_state(state: dict, model, optimizer, scheduler, args, load_opt
             + ", ".join(f"{k} saved={a} now={b}" for k, (a, b) in diff.items())
             + ". Resume with the same flags, or start a new --save directory."
         )
-    for chunk, sd in zip(model, state["model"]):
+    for chunk, sd in zip(model, state["model"], strict=False):
         chunk.load_state_dict(sd, strict=True)
     if load_optim and "optimizer" in state:
-        for opt, opt_sd, master in zip(_optimizers(optimizer), state["optimizer"], state["master"]):
+        for opt, opt_sd, master in zip(_optimizers(optimizer), state["optimizer"], state["master"], strict=False):
             opt.optimizer.load_state_dict(opt_sd)
-            for group, saved in zip(_master_groups(opt) or [], master):
-                for p, s in zip(group, saved):
+            for group, saved in zip(_master_groups(opt) or [], master, strict=False):
+                for p, s in zip(group, saved, strict=False):
                     p.data.copy_(s)
         load_grad_scaler_states(optimizer, state.get("grad_scaler"))
     if scheduler is not None and state.get("scheduler") is not None:
@@ -207,8 +209,17 @@ def load_training_state(state: dict, model, optimizer, scheduler, args, load_opt
     return state["iteration"], state["consumed_train_samples"]
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, consumed_samples: int, args, layout,
-                    after_write: Sequence[Callable[[], None]] = ()) -> str:
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    model,
+    optimizer,
+    scheduler,
+    consumed_samples: int,
+    args,
+    layout,
+    after_write: Sequence[Callable[[], None]] = (),
+) -> str:
     """Write this rank's file, call ``after_write``, then (rank 0, after a barrier) the ``latest`` pointer.
 
     A rank lost before the pointer is written leaves the previous checkpoint as the latest; the
@@ -242,12 +253,16 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args, layout) -> tup
         return 0, 0
     path = _rank_file(root, iteration, layout)
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint file {path} is missing: the checkpoint of iteration {iteration} is incomplete")
+        raise CheckpointError(
+            f"checkpoint file {path} is missing: the checkpoint of iteration {iteration} is incomplete"
+        )
     try:
         # weights_only: a checkpoint is data (tensors, numbers, strings, containers); anything that
         # would run code when unpickled is refused.
         state = torch.load(path, map_location=layout.device, weights_only=True)
     except Exception as exc:  # torch raises many kinds for a truncated or unsafe file
-        raise CheckpointError(f"cannot read checkpoint {path}: {str(exc).splitlines()[0][:300]} (a checkpoint "
-                              "holds tensors and plain values only; one that needs code to load is refused)") from exc
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: {str(exc).splitlines()[0][:300]} (a checkpoint "
+            "holds tensors and plain values only; one that needs code to load is refused)"
+        ) from exc
     return load_training_state(state, model, optimizer, scheduler, args, not args.no_load_optim, not args.no_load_rng)

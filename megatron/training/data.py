@@ -13,8 +13,8 @@ batch ``m`` of data-parallel rank ``d`` holds global samples
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -56,8 +56,9 @@ class IndexedGPTDataset:
             try:
                 index = IndexedDataset(prefix, mmap=True)
             except (OSError, ValueError, AssertionError) as exc:
-                raise DataError(f"cannot read indexed dataset {prefix}(.bin/.idx): {exc}; rebuild it with "
-                                "scripts/prepare_data.py") from exc
+                raise DataError(
+                    f"cannot read indexed dataset {prefix}(.bin/.idx): {exc}; rebuild it with scripts/prepare_data.py"
+                ) from exc
             streams.append(np.memmap(prefix + ".bin", dtype=index.index.dtype, mode="r"))
         self.tokens = streams[0] if len(streams) == 1 else np.concatenate([np.asarray(s) for s in streams])
         self.seq_length = seq_length

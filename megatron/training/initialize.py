@@ -16,7 +16,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -95,7 +95,7 @@ class DistributedSetup(Protocol):
     def prepare(self) -> None:
         """Called first, before torch.distributed or megatron's parallel state is touched."""
 
-    def store(self, timeout: datetime.timedelta) -> Optional[torch.distributed.Store]:
+    def store(self, timeout: datetime.timedelta) -> torch.distributed.Store | None:
         """The rendezvous store (None: torch's env:// TCPStore)."""
 
     def process_group_backend(self, backend: str, timeout: datetime.timedelta) -> str:
@@ -105,7 +105,7 @@ class DistributedSetup(Protocol):
         """Called once megatron's parallel groups exist (a joiner may build its links here)."""
 
 
-def initialize_distributed(args, setup: Optional[DistributedSetup] = None) -> ParallelLayout:
+def initialize_distributed(args, setup: DistributedSetup | None = None) -> ParallelLayout:
     """Init torch.distributed (through ``setup`` when given) and megatron's parallel state."""
     from megatron.core import parallel_state as mpu
 

@@ -21,7 +21,6 @@ tensors and tuples); nothing here allocates per parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from megatron.training.checkpointing import rng_state, set_rng_state
 
@@ -40,17 +39,19 @@ class IterationStart:
 
 def capture(args) -> IterationStart:
     """Snapshot the start of the iteration that follows ``args.iteration`` completed steps."""
-    return IterationStart(iteration=args.iteration, consumed_train_samples=args.consumed_train_samples,
-                          rng=rng_state())
+    return IterationStart(iteration=args.iteration, consumed_train_samples=args.consumed_train_samples, rng=rng_state())
 
 
-def applies(start: Optional[IterationStart], args) -> bool:
+def applies(start: IterationStart | None, args) -> bool:
     """True when ``start`` describes the iteration this rank would run next (same counters)."""
-    return (start is not None and start.iteration == args.iteration
-            and start.consumed_train_samples == args.consumed_train_samples)
+    return (
+        start is not None
+        and start.iteration == args.iteration
+        and start.consumed_train_samples == args.consumed_train_samples
+    )
 
 
-def rewind(start: Optional[IterationStart], args) -> bool:
+def rewind(start: IterationStart | None, args) -> bool:
     """Restore the random state of an abandoned iteration's start; returns whether it did.
 
     A rank whose counters moved past ``start`` (it completed the iteration) has nothing to
@@ -61,6 +62,6 @@ def rewind(start: Optional[IterationStart], args) -> bool:
     return True
 
 
-def resume_rng(start: Optional[IterationStart], args) -> dict:
+def resume_rng(start: IterationStart | None, args) -> dict:
     """The random state a rank resuming at ``args.iteration`` must start from."""
     return start.rng if applies(start, args) else rng_state()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -124,8 +124,9 @@ def layout_independent_init_(chunk, seed: int, init_std: float, num_layers: int,
             param.copy_(full.to(param.dtype))
 
 
-def get_model(model_provider: Callable, args, layout, transformer_config,
-              prepare_chunk: Optional[Callable] = None) -> list:
+def get_model(
+    model_provider: Callable, args, layout, transformer_config, prepare_chunk: Callable | None = None
+) -> list:
     """Build, initialise and DDP-wrap this rank's model chunks."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -16,16 +16,22 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
 from megatron.training import checkpointing, global_vars, iteration_start
 from megatron.training.arguments import parse_args
 from megatron.training.data import BatchPlan, GPTBatchIterator
-from megatron.training.initialize import (DistributedSetup, ParallelLayout, initialize_distributed, set_random_seeds,
-                                         shutdown)
+from megatron.training.initialize import (
+    DistributedSetup,
+    ParallelLayout,
+    initialize_distributed,
+    set_random_seeds,
+    shutdown,
+)
 from megatron.training.model import get_model, transformer_config_from_args
 from megatron.training.tokenizer import build_tokenizer
 
@@ -50,7 +56,7 @@ class MetricsLog:
     TAIL_BYTES = 1 << 16
     """How much of the file's end :meth:`last_iteration` reads (many iteration records)."""
 
-    def __init__(self, path: Optional[str], enabled: bool):
+    def __init__(self, path: str | None, enabled: bool):
         self.path = path if (path and enabled) else None
         self.file = open(path, "a", buffering=1) if self.path else None
 
@@ -58,7 +64,7 @@ class MetricsLog:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
 
-    def last_iteration(self) -> Optional[int]:
+    def last_iteration(self) -> int | None:
         """The highest ``iteration`` event among the file's last records; ``None`` if there is none."""
         if self.path is None:
             return None
@@ -76,7 +82,7 @@ class MetricsLog:
                 best = rec["iteration"] if best is None else max(best, rec["iteration"])
         return best
 
-    def restore(self, record: Optional[dict], source_rank: int) -> bool:
+    def restore(self, record: dict | None, source_rank: int) -> bool:
         """Write ``record`` (an iteration's record, from another rank) unless the file already has it.
 
         A logging rank killed after its optimizer step but before writing that iteration's record
@@ -149,13 +155,13 @@ class Session:
     scheduler: Any  # megatron-core's OptimizerParamScheduler
     dataset: Any  # the training dataset from the dataset provider (megatron-core's GPTDataset)
     forward_step_func: Callable
-    metrics: "MetricsLog"
+    metrics: MetricsLog
     iterators: list = field(default_factory=list)
-    last_record: Optional[dict] = None
+    last_record: dict | None = None
     """The last completed iteration's metrics record, kept on every last-stage rank (the logging rank
     writes it); a state transfer carries it so that a replacement can restore a record its
     predecessor died before writing (:meth:`MetricsLog.restore`)."""
-    started: Optional[iteration_start.IterationStart] = None
+    started: iteration_start.IterationStart | None = None
     """The start of the iteration in progress (or last run): its counters and random state, so that
     an abandoned iteration re-runs exactly (:meth:`rewind`) and a state transfer sends the random
     state of the iteration the target resumes with (:meth:`resume_rng`)."""
@@ -208,7 +214,7 @@ class Runtime:
     def after_checkpoint(self, session: Session) -> None:
         """Called after this rank saved the checkpoint of ``session.args.iteration``."""
 
-    def after_iteration(self, session: Session, loss: Optional[float]) -> None:
+    def after_iteration(self, session: Session, loss: float | None) -> None:
         """Called after each completed iteration."""
 
     def after_training(self, session: Session) -> None:
@@ -218,7 +224,7 @@ class Runtime:
         """Release the runtime's resources; safe to call twice."""
 
 
-def train_step(session: Session) -> Optional[float]:
+def train_step(session: Session) -> float | None:
     """One iteration. Increments ``args.iteration`` right after the optimizer step, so after an
     abandoned iteration ``args.iteration`` is exactly the number of completed steps. After the step
     every last-stage rank keeps the iteration's record in ``session.last_record`` and the logging rank
@@ -255,8 +261,13 @@ def train_step(session: Session) -> Optional[float]:
     if layout.is_last_stage:  # after the step: iteration_s covers the whole iteration
         t_end = time.time()
         session.last_record = dict(
-            event="iteration", iteration=args.iteration + 1, loss=loss, iteration_s=t_end - t0, t_end=t_end,
-            consumed_samples=args.consumed_train_samples + args.global_batch_size, lr=lr,
+            event="iteration",
+            iteration=args.iteration + 1,
+            loss=loss,
+            iteration_s=t_end - t0,
+            t_end=t_end,
+            consumed_samples=args.consumed_train_samples + args.global_batch_size,
+            lr=lr,
         )
         if args.fp16:  # the dynamic scale after this step's update: part of what must resume exactly
             session.last_record["loss_scale"] = float(optimizer.get_loss_scale().item())
@@ -267,8 +278,9 @@ def train_step(session: Session) -> Optional[float]:
     return loss
 
 
-def build_session(args, layout, model_provider, dataset_provider, forward_step_func, metrics,
-                  prepare_chunk: Optional[Callable] = None) -> Session:
+def build_session(
+    args, layout, model_provider, dataset_provider, forward_step_func, metrics, prepare_chunk: Callable | None = None
+) -> Session:
     """Seeds, model, optimizer, scheduler and dataset for this rank (no checkpoint loaded)."""
     set_random_seeds(args.seed, layout)
     config = transformer_config_from_args(args, layout)
@@ -276,18 +288,26 @@ def build_session(args, layout, model_provider, dataset_provider, forward_step_f
     optimizer, scheduler = setup_optimizer(model, args)
     _wire_config(config, model, optimizer)
     datasets = dataset_provider([args.train_iters * args.global_batch_size, 0, 0])
-    return Session(args=args, layout=layout, model=model, optimizer=optimizer, scheduler=scheduler,
-                   dataset=datasets[0], forward_step_func=forward_step_func, metrics=metrics)
+    return Session(
+        args=args,
+        layout=layout,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        dataset=datasets[0],
+        forward_step_func=forward_step_func,
+        metrics=metrics,
+    )
 
 
 class RuntimeHooks(Protocol):
     """What ``pretrain`` asks of a runtime such as TrainMover's (``trainmover_ext.hooks``); without
     hooks it trains as plain Megatron. The training layer imports nothing of the runtime."""
 
-    metrics_file: Optional[str]
+    metrics_file: str | None
     """Where the logging rank appends one JSON line per iteration (None: nowhere)."""
 
-    def distributed_setup(self) -> Optional[DistributedSetup]:
+    def distributed_setup(self) -> DistributedSetup | None:
         """How this process joins torch.distributed (None: torch's env:// defaults); called after
         :meth:`start`."""
 
@@ -298,14 +318,14 @@ class RuntimeHooks(Protocol):
     def start(self, args) -> None:
         """Called once the flags are parsed, before anything is built."""
 
-    def serve_other_role(self, args, providers, t_process: float) -> Optional[dict]:
+    def serve_other_role(self, args, providers, t_process: float) -> dict | None:
         """Run this process's whole life when it is not a worker (e.g. a standby) and return its
         summary; None for a worker."""
 
     def runtime_for(self, session: Session) -> Runtime:
         """The training loop's hooks for this worker."""
 
-    def after_exit(self, args, providers, t_process: float) -> Optional[Callable[[], dict]]:
+    def after_exit(self, args, providers, t_process: float) -> Callable[[], dict] | None:
         """What to run once training ended and everything was torn down (None: nothing)."""
 
 
@@ -314,10 +334,10 @@ def pretrain(
     model_provider: Callable,
     model_type,
     forward_step_func: Callable,
-    extra_args_provider: Optional[Callable] = None,
-    args_defaults: Optional[dict] = None,
-    argv: Optional[Sequence[str]] = None,
-    runtime_hooks: Optional[RuntimeHooks] = None,
+    extra_args_provider: Callable | None = None,
+    args_defaults: dict | None = None,
+    argv: Sequence[str] | None = None,
+    runtime_hooks: RuntimeHooks | None = None,
 ) -> dict:
     """Parse flags, initialise, build, train, and tear down; returns a summary dict."""
     t_process = process_start_time()
@@ -344,8 +364,7 @@ def pretrain(
     metrics = MetricsLog(hooks.metrics_file if hooks else None, layout.is_logging_rank)
     runtime: Runtime = Runtime()
     try:
-        session = build_session(args, layout, *providers, metrics,
-                                hooks.prepare_chunk if hooks is not None else None)
+        session = build_session(args, layout, *providers, metrics, hooks.prepare_chunk if hooks is not None else None)
         t_model = time.time()
         iteration, consumed = 0, 0
         if args.load:
@@ -356,8 +375,13 @@ def pretrain(
         args.iteration, args.consumed_train_samples = iteration, consumed
         session.reset_data()
         metrics.write(
-            event="startup", process_start=t_process, args_parsed=t_args, rendezvous=t_rendezvous,
-            model_built=t_model, checkpoint_loaded=t_loaded, resumed_iteration=iteration,
+            event="startup",
+            process_start=t_process,
+            args_parsed=t_args,
+            rendezvous=t_rendezvous,
+            model_built=t_model,
+            checkpoint_loaded=t_loaded,
+            resumed_iteration=iteration,
         )
         if layout.is_logging_rank:
             print(
@@ -402,16 +426,27 @@ def _checkpointed_iteration(args) -> int:
 
 def _save_due(session: Session) -> bool:
     args = session.args
-    return bool(args.save and args.save_interval and args.iteration % args.save_interval == 0
-                and args.iteration != session.saved_iteration)
+    return bool(
+        args.save
+        and args.save_interval
+        and args.iteration % args.save_interval == 0
+        and args.iteration != session.saved_iteration
+    )
 
 
 def save(session: Session, runtime: Runtime) -> None:
     """Save the checkpoint of ``args.iteration`` (every rank) and tell the runtime."""
     args = session.args
     checkpointing.save_checkpoint(
-        args.save, args.iteration, session.model, session.optimizer, session.scheduler,
-        args.consumed_train_samples, args, session.layout, after_write=session.save_hooks,
+        args.save,
+        args.iteration,
+        session.model,
+        session.optimizer,
+        session.scheduler,
+        args.consumed_train_samples,
+        args,
+        session.layout,
+        after_write=session.save_hooks,
     )
     session.saved_iteration = args.iteration
     session.metrics.write(event="checkpoint", iteration=args.iteration, t=time.time())

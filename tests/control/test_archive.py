@@ -16,8 +16,14 @@ def _space():
         space.put(space.key("events", event_key_suffix(t)), Event(time=t, what=what, detail={"n": 1}).to_bytes())
     space.put(space.key("events", "garbage"), b"not json")
     for epoch, status in ((1, "done"), (2, "preparing")):
-        plan = MigrationPlan(epoch=epoch, reason="failure", replacements=[], resume_iteration=4, status=status,
-                             steps={"detected": 10.0, "decided": 10.5})
+        plan = MigrationPlan(
+            epoch=epoch,
+            reason="failure",
+            replacements=[],
+            resume_iteration=4,
+            status=status,
+            steps={"detected": 10.0, "decided": 10.5},
+        )
         space.put(space.key("migrations", migration_key_suffix(epoch)), plan.to_bytes())
     return space
 

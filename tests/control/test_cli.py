@@ -15,14 +15,33 @@ from trainmover_ext.kv.job import JobSpace
 
 
 def flags(etcd, token, job="cli"):
-    return ["--tm-etcd-endpoints", ",".join(etcd.endpoints), "--tm-job", job, "--tm-job-token", token, "--tm-etcd-timeout", "2"]
+    return [
+        "--tm-etcd-endpoints",
+        ",".join(etcd.endpoints),
+        "--tm-job",
+        job,
+        "--tm-job-token",
+        token,
+        "--tm-etcd-timeout",
+        "2",
+    ]
 
 
 def test_status_events_and_migrate(etcd, kv, capsys):
     space = JobSpace.create(kv, "cli")
-    members = [Membership(space, MemberRecord(member_id=f"w{r}", kind="worker", host="h0", pid=1), ttl_s=5).register() for r in range(2)]
-    members.append(Membership(space, MemberRecord(member_id="s0", kind="standby", host="h1", pid=2, warm_roles=list(ROLES)), ttl_s=5).register())
-    init_job(space, [RankRecord(rank=r, member_id=f"w{r}", host="h0", role=("first", "last")[r], replicas=[]) for r in range(2)])
+    members = [
+        Membership(space, MemberRecord(member_id=f"w{r}", kind="worker", host="h0", pid=1), ttl_s=5).register()
+        for r in range(2)
+    ]
+    members.append(
+        Membership(
+            space, MemberRecord(member_id="s0", kind="standby", host="h1", pid=2, warm_roles=list(ROLES)), ttl_s=5
+        ).register()
+    )
+    init_job(
+        space,
+        [RankRecord(rank=r, member_id=f"w{r}", host="h0", role=("first", "last")[r], replicas=[]) for r in range(2)],
+    )
     ctl = Controller(space, ControllerConfig(controller_id="c0", ttl_s=2)).start()
     try:
         assert main(["status", *flags(etcd, space.token)]) == 0
@@ -59,14 +78,37 @@ def test_cli_errors_say_what_to_do(etcd, kv, capsys):
     space = JobSpace.create(kv, "cli")
     assert main(["status", *flags(etcd, "wrong")]) == 2
     assert "wrong job token" in capsys.readouterr().err
-    proc = subprocess.run([sys.executable, "-m", "trainmover_ext.cli", "status", "--tm-job", "cli"], capture_output=True, text=True,
-                          timeout=60, env={"PATH": "/usr/bin"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainmover_ext.cli", "status", "--tm-job", "cli"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin"},
+    )
     assert proc.returncode == 2 and "--tm-etcd-endpoints" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "trainmover_ext.cli", "status", "--tm-etcd-endpoints", "127.0.0.1:1",
-                           "--tm-job", "cli", "--tm-job-token", space.token, "--tm-etcd-timeout", "0.5"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainmover_ext.cli",
+            "status",
+            "--tm-etcd-endpoints",
+            "127.0.0.1:1",
+            "--tm-job",
+            "cli",
+            "--tm-job-token",
+            space.token,
+            "--tm-etcd-timeout",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "no etcd answered at 127.0.0.1:1" in proc.stderr
-    help_text = subprocess.run([sys.executable, "-m", "trainmover_ext.cli", "migrate", "--help"], capture_output=True, text=True, timeout=60).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "trainmover_ext.cli", "migrate", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     for flag in ("--rank", "--to", "--wait", "--tm-job-token", "--tm-etcd-ca", "--tm-etcd-cert", "--tm-etcd-key"):
         assert flag in help_text
     # a stand-alone controller needs the job's token, and refuses a wrong one before standing
@@ -87,17 +129,22 @@ def test_migrate_refuses_a_target_that_is_not_a_warm_standby(etcd, kv, capsys):
     """`--to` is checked against the view before any request is written: no controller is needed to refuse it."""
     space = JobSpace.create(kv, "cli")
     init_job(space, [RankRecord(rank=0, member_id="w0", host="h0", role="last", replicas=[])])
-    registered = [MemberRecord(member_id="w0", kind="worker", host="h0", pid=1),
-                  MemberRecord(member_id="warming", kind="standby", host="h1", pid=2),
-                  MemberRecord(member_id="first-only", kind="standby", host="h1", pid=3, warm_roles=["first"])]
+    registered = [
+        MemberRecord(member_id="w0", kind="worker", host="h0", pid=1),
+        MemberRecord(member_id="warming", kind="standby", host="h1", pid=2),
+        MemberRecord(member_id="first-only", kind="standby", host="h1", pid=3, warm_roles=["first"]),
+    ]
     members = [Membership(space, rec, ttl_s=5).register() for rec in registered]
     try:
         for target in ("w0", "warming", "first-only", "no-such-standby"):
             assert main(["migrate", "--rank", "0", "--to", target, "--wait", "0", *flags(etcd, space.token)]) == 2
             err = capsys.readouterr().err
             assert f"--to {target} is not an idle warm standby" in err and "has no warm standby for rank 0" in err, err
-        members.append(Membership(space, MemberRecord(member_id="s0", kind="standby", host="h1", pid=4,
-                                                      warm_roles=list(ROLES)), ttl_s=5).register())
+        members.append(
+            Membership(
+                space, MemberRecord(member_id="s0", kind="standby", host="h1", pid=4, warm_roles=list(ROLES)), ttl_s=5
+            ).register()
+        )
         assert main(["migrate", "--rank", "0", "--to", "warming", "--wait", "0", *flags(etcd, space.token)]) == 2
         assert "the warm standbys for rank 0 (stage role 'last') are: s0." in capsys.readouterr().err
         assert kv.get_prefix(space.key("requests/")).entries == [], "a refused target writes no request"

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from trainmover_ext.control.decide import (
-    CommitConvergence, CommitSwitchPoint, DropStaleReport, PlanMigration, RaiseAlert, RejectRequest, decide,
+    CommitConvergence,
+    CommitSwitchPoint,
+    DropStaleReport,
+    PlanMigration,
+    RaiseAlert,
+    RejectRequest,
+    decide,
 )
 from trainmover_ext.control.executor import Executor, Outcome
 from trainmover_ext.control.records import FailureReport, MemberRecord, MigrationPlan, MigrationRequest, RankRecord
@@ -27,7 +33,9 @@ def base_view(**kw) -> View:
     v = View(root=ROOT, epoch=3, epoch_rev=42)
     for r in range(4):
         v.members[f"w{r}"] = member(f"w{r}", host=f"h{r // 2}")
-        v.ranks[r] = RankRecord(rank=r, member_id=f"w{r}", host=f"h{r // 2}", role="first" if r < 2 else "last", replicas=[r ^ 1])
+        v.ranks[r] = RankRecord(
+            rank=r, member_id=f"w{r}", host=f"h{r // 2}", role="first" if r < 2 else "last", replicas=[r ^ 1]
+        )
     v.members["s1"] = member("s1", "standby", host="h0", roles=ALL, t=1)
     v.members["s2"] = member("s2", "standby", host="h9", roles=ALL, t=2)
     v.checkpoint_iteration = 5
@@ -43,7 +51,9 @@ def only(actions, cls):
 
 
 def report(rank, mid, t=100.0, by="w9", epoch=3):
-    return FailureReport(rank=rank, member_id=mid, reporter=by, reason="Connection closed by peer", epoch=epoch, reported_at=t)
+    return FailureReport(
+        rank=rank, member_id=mid, reporter=by, reason="Connection closed by peer", epoch=epoch, reported_at=t
+    )
 
 
 def test_healthy_job_decides_nothing():
@@ -148,10 +158,13 @@ def test_planned_request_uses_the_leaver_as_source():
     assert rep.state_source == {"kind": "leaver", "member": "w3"} and act.plan.resume_iteration is None
 
 
-@pytest.mark.parametrize("req,msg", [
-    (MigrationRequest(request_id="r", rank=7), "does not exist"),
-    (MigrationRequest(request_id="r", rank=1, to="w2"), "not an idle standby"),
-])
+@pytest.mark.parametrize(
+    "req,msg",
+    [
+        (MigrationRequest(request_id="r", rank=7), "does not exist"),
+        (MigrationRequest(request_id="r", rank=1, to="w2"), "not an idle standby"),
+    ],
+)
 def test_bad_requests_are_rejected(req, msg):
     act = only(decide(base_view(requests={ROOT + "requests/r": req}), 1.0), RejectRequest)
     assert msg in act.reason
@@ -257,14 +270,15 @@ def test_decision_watcher_delivers_each_plan_write_once_even_when_its_watch_is_d
             return super().watch_prefix(prefix, lambda events: None, start_revision=start_revision)
 
     def plan(epoch, step=None):
-        return MigrationPlan(epoch=epoch, reason="failure", replacements=[], resume_iteration=0,
-                             steps={step: 1.0} if step else {}).to_bytes()
+        return MigrationPlan(
+            epoch=epoch, reason="failure", replacements=[], resume_iteration=0, steps={step: 1.0} if step else {}
+        ).to_bytes()
 
     for kv_class, resync_s in ((MemoryKV, 0.05), (DeafKV, 0.05)):
         space = JobSpace.create(kv_class(), "j", "tok")
         space.put(space.key("migrations", 1), plan(1))  # before the watcher: never delivered
         got = []
-        watcher = DecisionWatcher(space, lambda p: got.append((p.epoch, sorted(p.steps))), resync_s=resync_s)
+        watcher = DecisionWatcher(space, lambda p, got=got: got.append((p.epoch, sorted(p.steps))), resync_s=resync_s)
         try:
             space.put(space.key("migrations", 2), plan(2))
             space.put(space.key("migrations", 2), plan(2, "joined"))  # a step marked: a new write
@@ -280,14 +294,21 @@ def test_decision_watcher_delivers_each_plan_write_once_even_when_its_watch_is_d
 
 # -- convergence: the controller alone decides where every rank resumes ---------------------
 
+
 def _after_failure(reported: dict[int, int]) -> View:
     """Epoch 4 replaced rank 1 (first stage) with s2; ``reported`` are the stayers' reports so far."""
     v = base_view(epoch=4, epoch_rev=50)
     v.members["s2"] = member("s2", "worker", host="h9")
     v.ranks[1] = RankRecord(rank=1, member_id="s2", host="h9", role="first", replicas=[0], since_epoch=4)
     del v.members["w1"]
-    v.last_plan = MigrationPlan(epoch=4, reason="failure", resume_iteration=None, replacements=[
-        {"rank": 1, "leaver": "w1", "joiner": "s2", "role": "first", "state_source": {"kind": "replica"}}])
+    v.last_plan = MigrationPlan(
+        epoch=4,
+        reason="failure",
+        resume_iteration=None,
+        replacements=[
+            {"rank": 1, "leaver": "w1", "joiner": "s2", "role": "first", "state_source": {"kind": "replica"}}
+        ],
+    )
     v.recovery = {4: dict(reported)}
     v.recovery_keys = {4: [ROOT + f"recovery/0000000004/{r}" for r in reported]}
     return v
@@ -341,8 +362,11 @@ def test_executor_commits_convergence_only_in_its_epoch():
     v.recovery_keys = {4: [space.key("recovery", "0000000004", r) for r in (0, 2, 3)]}
     for key in v.recovery_keys[4]:
         space.put(key, encode("recovery", {"iteration": 9}))
-    act = CommitConvergence(record=only(decide(v, 300.0), CommitConvergence).record,
-                            expected_epoch_rev=entry.mod_revision, consumed=tuple(v.recovery_keys[4]))
+    act = CommitConvergence(
+        record=only(decide(v, 300.0), CommitConvergence).record,
+        expected_epoch_rev=entry.mod_revision,
+        consumed=tuple(v.recovery_keys[4]),
+    )
     assert Executor(space).apply(act) is Outcome.APPLIED
     assert kv.get(space.key("convergence", "0000000004")) is not None
     assert not kv.get_prefix(space.key("recovery") + "/").entries
@@ -366,8 +390,21 @@ def _moving(steps: dict) -> View:
     v = base_view(epoch=4, epoch_rev=50)
     v.members["s1"].kind = "worker"
     v.ranks[1] = RankRecord(rank=1, member_id="s1", host="h0", role="first", replicas=[0], since_epoch=4)
-    v.last_plan = MigrationPlan(epoch=4, reason="planned", resume_iteration=None, steps=dict(steps), replacements=[
-        {"rank": 1, "leaver": "w1", "joiner": "s1", "role": "first", "state_source": {"kind": "leaver", "member": "w1"}}])
+    v.last_plan = MigrationPlan(
+        epoch=4,
+        reason="planned",
+        resume_iteration=None,
+        steps=dict(steps),
+        replacements=[
+            {
+                "rank": 1,
+                "leaver": "w1",
+                "joiner": "s1",
+                "role": "first",
+                "state_source": {"kind": "leaver", "member": "w1"},
+            }
+        ],
+    )
     return v
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -29,7 +28,13 @@ def space(kv):
 def start_job(etcd, space, ttl):
     workers = [spawn_member(etcd.endpoints, "det", space.token, f"w{r}", ttl=ttl, host=f"h{r}") for r in range(2)]
     standby = spawn_member(etcd.endpoints, "det", space.token, "s0", kind="standby", ttl=ttl, host="h9")
-    init_job(space, [RankRecord(rank=r, member_id=f"w{r}", host=f"h{r}", role="first" if r == 0 else "last", replicas=[]) for r in range(2)])
+    init_job(
+        space,
+        [
+            RankRecord(rank=r, member_id=f"w{r}", host=f"h{r}", role="first" if r == 0 else "last", replicas=[])
+            for r in range(2)
+        ],
+    )
     return workers, standby
 
 
@@ -95,7 +100,10 @@ def test_sigstop_is_detected_by_lease_expiry(etcd, kv, space):
 def test_leader_failover_loses_and_repeats_nothing(etcd, kv, space):
     ttl = 1
     workers, standby = start_job(etcd, space, ttl)
-    agents = {f"a{i}": spawn_member(etcd.endpoints, "det", space.token, f"a{i}", kind="agent", ttl=ttl, controller=True) for i in range(2)}
+    agents = {
+        f"a{i}": spawn_member(etcd.endpoints, "det", space.token, f"a{i}", kind="agent", ttl=ttl, controller=True)
+        for i in range(2)
+    }
     try:
         deadline = time.monotonic() + 5
         while read_view(space).leader is None:

@@ -57,7 +57,12 @@ def test_watch_sees_changes_in_order(anykv):
     anykv.put("/w/end", b"2")
     assert done.wait(5)
     watch.cancel()
-    assert [(e.kind, e.key) for e in seen] == [("put", "/w/before"), ("put", "/w/a"), ("delete", "/w/a"), ("put", "/w/end")]
+    assert [(e.kind, e.key) for e in seen] == [
+        ("put", "/w/before"),
+        ("put", "/w/a"),
+        ("delete", "/w/a"),
+        ("put", "/w/end"),
+    ]
 
 
 def test_codec_rejects_garbage_and_old_versions():

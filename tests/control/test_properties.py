@@ -31,7 +31,13 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from trainmover_ext.control import records
 from trainmover_ext.control import view as view_module
 from trainmover_ext.control.decide import (
-    CommitConvergence, CommitSwitchPoint, DropStaleReport, PlanMigration, RejectRequest, RepairEpoch, decide,
+    CommitConvergence,
+    CommitSwitchPoint,
+    DropStaleReport,
+    PlanMigration,
+    RejectRequest,
+    RepairEpoch,
+    decide,
 )
 from trainmover_ext.control.executor import Executor, Outcome
 from trainmover_ext.control.records import MAX_EPOCH, ROLES, MemberRecord, RankRecord, migration_key_suffix
@@ -43,7 +49,12 @@ from trainmover_ext.kv.job import JobSpace
 from .hostile import INVALID, Job, jobs, small_job
 
 settings.register_profile(
-    "control-properties", derandomize=True, max_examples=200, deadline=None, database=None, print_blob=False,
+    "control-properties",
+    derandomize=True,
+    max_examples=200,
+    deadline=None,
+    database=None,
+    print_blob=False,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 PROFILE = settings.get_profile("control-properties")
@@ -53,6 +64,7 @@ NOW = 1000.0
 
 
 # -- the properties -----------------------------------------------------------------------------
+
 
 def apply_all(space: JobSpace, actions: list) -> None:
     """What the controller does with a decision: apply in order, stop at the first lost race."""
@@ -117,14 +129,19 @@ def malformed_values_are_reported_and_kept(job: Job, space: JobSpace, read, deci
     for a in decide_fn(view, NOW):
         if isinstance(a, PlanMigration):
             deleted |= set(a.consumed)
-            written |= {space.key("epoch"), space.key("migrations", migration_key_suffix(a.plan.epoch)),
-                        *(space.key("ranks", u.rank) for u in a.rank_updates)}
+            written |= {
+                space.key("epoch"),
+                space.key("migrations", migration_key_suffix(a.plan.epoch)),
+                *(space.key("ranks", u.rank) for u in a.rank_updates),
+            }
         elif isinstance(a, (DropStaleReport, RejectRequest)):
             deleted.add(a.key)
         elif isinstance(a, CommitConvergence):
             deleted |= set(a.consumed)
         elif isinstance(a, RepairEpoch) and view.epoch is None:
-            assert a.garbage == view.malformed[space.key("epoch")][:200], "the repair event shows the garbage it replaced"
+            assert a.garbage == view.malformed[space.key("epoch")][:200], (
+                "the repair event shows the garbage it replaced"
+            )
         # RepairEpoch and RaiseAlert rewrite epoch / alerts/<r>: over garbage, that is the repair.
     assert not (deleted | written) & set(view.malformed), sorted((deleted | written) & set(view.malformed))
 
@@ -132,6 +149,7 @@ def malformed_values_are_reported_and_kept(job: Job, space: JobSpace, read, deci
 def check(*props, read=read_view, decide_fn=decide, profile=PROFILE, examples: tuple[Job, ...] = ()) -> None:
     """Run ``props`` over ``examples`` and generated jobs with the given read and decide, each prop on the job
     as generated (one generation for all of them: it is most of the cost)."""
+
     def body(job: Job) -> None:
         for prop in props:
             prop(job, job.build(), read, decide_fn)
@@ -150,24 +168,37 @@ def found_by_the_properties() -> dict[str, Job]:
         # "3" was read as epoch 3: decisions compare-and-swapped on garbage.
         "epoch a string": small_job().garbage("epoch", encode("epoch", {"epoch": "3"})).drop("members/w1"),
         # `role in None` in decide: a TypeError that stops the controller.
-        "warm_roles null": small_job().garbage("members/s0", encode("member", {**_member("s0"), "warm_roles": None}))
-                                      .drop("members/w1"),
+        "warm_roles null": small_job()
+        .garbage("members/s0", encode("member", {**_member("s0"), "warm_roles": None}))
+        .drop("members/w1"),
         # json's RecursionError escaped the read.
-        "deep nesting": small_job().garbage("members/s1", b'{"tm": "member", "v": 1, "data": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
+        "deep nesting": small_job().garbage(
+            "members/s1", b'{"tm": "member", "v": 1, "data": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+        ),
         # An unregistered standby planned as joiner: its record lay under another key.
-        "impostor standby": small_job().drop("members/s0").drop("members/s1").drop("members/w1")
-                                       .garbage("members/impostor", encode("member", _member("s1"))),
+        "impostor standby": small_job()
+        .drop("members/s0")
+        .drop("members/s1")
+        .drop("members/w1")
+        .garbage("members/impostor", encode("member", _member("s1"))),
         # ranks/9 holding rank 0's record replaced the real ranks/0 (keys sort, the last one won).
-        "impostor rank": small_job().garbage("ranks/9", RankRecord(rank=0, member_id="ghost", role="middle").to_bytes()),
+        "impostor rank": small_job().garbage(
+            "ranks/9", RankRecord(rank=0, member_id="ghost", role="middle").to_bytes()
+        ),
         # The epoch behind a committed plan: a plan for epoch 4 again.
         "epoch behind a plan": small_job().drop("members/w1").plan(4),
         # The newest plan unreadable: the repair went back to the older plan's epoch.
-        "repair past an unreadable plan": small_job().plan(3).garbage("epoch", b"garbage").garbage("migrations/0000000004", b"\x00"),
+        "repair past an unreadable plan": small_job()
+        .plan(3)
+        .garbage("epoch", b"garbage")
+        .garbage("migrations/0000000004", b"\x00"),
         # No rank record readable while a recovery waits: min() of nothing in the convergence decision.
         "every rank unreadable": small_job().plan(3).garbage("ranks/0", b"?").garbage("ranks/1", b"?"),
         # A planned move whose leaver is its joiner, reported dead: the rank "replaced" by the dead member.
-        "leaver is joiner": small_job().plan(3, reason="planned", rank=1, leaver="s0", joiner="s0").serve(1, "s0")
-                                       .report(1, "s0"),
+        "leaver is joiner": small_job()
+        .plan(3, reason="planned", rank=1, leaver="s0", joiner="s0")
+        .serve(1, "s0")
+        .report(1, "s0"),
     }
 
 
@@ -176,11 +207,17 @@ def _member(mid: str) -> dict:
 
 
 def test_every_property_holds_on_hostile_jobs():
-    check(joiners_are_registered_warm_standbys, epoch_never_moves_backwards, malformed_values_are_reported_and_kept,
-          never_raises, examples=tuple(found_by_the_properties().values()))
+    check(
+        joiners_are_registered_warm_standbys,
+        epoch_never_moves_backwards,
+        malformed_values_are_reported_and_kept,
+        never_raises,
+        examples=tuple(found_by_the_properties().values()),
+    )
 
 
 # -- each property can fail: the same check against a deliberately broken read or decide --------
+
 
 def test_a_read_that_gives_up_at_the_first_garbage_value_is_caught(monkeypatch):
     class NeverRaised(Exception):
@@ -197,8 +234,11 @@ def test_a_read_without_type_checks_is_caught(monkeypatch):
     hypothesis the jobs the properties caught before (explicit examples come first)."""
     monkeypatch.setattr(records, "field_type_problems", lambda obj: [])
     with pytest.raises(TypeError):
-        check(never_raises, profile=settings(BROKEN, phases=[Phase.explicit, Phase.generate]),
-              examples=tuple(found_by_the_properties().values()))
+        check(
+            never_raises,
+            profile=settings(BROKEN, phases=[Phase.explicit, Phase.generate]),
+            examples=tuple(found_by_the_properties().values()),
+        )
 
 
 def test_a_decide_that_plans_onto_an_arbitrary_member_is_caught():
@@ -208,8 +248,11 @@ def test_a_decide_that_plans_onto_an_arbitrary_member_is_caught():
             if isinstance(a, PlanMigration):
                 anyone = sorted(view.members)[0] if view.members else "ghost"
                 reps = [dict(r, joiner=anyone) for r in a.plan.replacements[:1]] + a.plan.replacements[1:]
-                a = dataclasses.replace(a, plan=dataclasses.replace(a.plan, replacements=reps),
-                                        rank_updates=(dataclasses.replace(a.rank_updates[0], member_id=anyone), *a.rank_updates[1:]))
+                a = dataclasses.replace(
+                    a,
+                    plan=dataclasses.replace(a.plan, replacements=reps),
+                    rank_updates=(dataclasses.replace(a.rank_updates[0], member_id=anyone), *a.rank_updates[1:]),
+                )
             out.append(a)
         return out
 
@@ -219,8 +262,12 @@ def test_a_decide_that_plans_onto_an_arbitrary_member_is_caught():
 
 def test_a_decide_that_reuses_the_epoch_is_caught():
     def reuse_epoch(view, now, **kw):
-        return [dataclasses.replace(a, plan=dataclasses.replace(a.plan, epoch=a.expected_epoch)) if isinstance(a, PlanMigration) else a
-                for a in decide(view, now, **kw)]
+        return [
+            dataclasses.replace(a, plan=dataclasses.replace(a.plan, epoch=a.expected_epoch))
+            if isinstance(a, PlanMigration)
+            else a
+            for a in decide(view, now, **kw)
+        ]
 
     with pytest.raises(AssertionError):
         check(epoch_never_moves_backwards, decide_fn=reuse_epoch, profile=BROKEN)

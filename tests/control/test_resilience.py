@@ -22,22 +22,39 @@ from trainmover_ext.metrics import ControlMetrics
 
 def test_tls_with_client_certificates(tmp_path):
     certs = make_test_certs(tmp_path / "certs")
-    server = EmbeddedEtcd(EmbeddedEtcdConfig(
-        data_dir=tmp_path / "etcd", cert_file=certs.server_cert, key_file=certs.server_key,
-        trusted_ca_file=certs.ca_cert, client_cert_auth=True,
-    ))
+    server = EmbeddedEtcd(
+        EmbeddedEtcdConfig(
+            data_dir=tmp_path / "etcd",
+            cert_file=certs.server_cert,
+            key_file=certs.server_key,
+            trusted_ca_file=certs.ca_cert,
+            client_cert_auth=True,
+        )
+    )
     with server:
         assert server.client_url.startswith("https://")
-        good = EtcdClientConfig(endpoints=server.endpoints, ca_cert=certs.ca_cert, client_cert=certs.client_cert,
-                                client_key=certs.client_key, timeout_s=2, connect_timeout_s=3)
+        good = EtcdClientConfig(
+            endpoints=server.endpoints,
+            ca_cert=certs.ca_cert,
+            client_cert=certs.client_cert,
+            client_key=certs.client_key,
+            timeout_s=2,
+            connect_timeout_s=3,
+        )
         with EtcdKV(good) as kv:
             space = JobSpace.create(kv, "tls")
             space.put(space.key("x"), b"1")
             assert kv.get(space.key("x")).value == b"1"
         # A certificate from a CA the server does not trust is refused, as is a client without any certificate.
         for bad in (
-            EtcdClientConfig(endpoints=server.endpoints, ca_cert=certs.ca_cert, client_cert=certs.other_client_cert,
-                             client_key=certs.other_client_key, timeout_s=1, connect_timeout_s=1),
+            EtcdClientConfig(
+                endpoints=server.endpoints,
+                ca_cert=certs.ca_cert,
+                client_cert=certs.other_client_cert,
+                client_key=certs.other_client_key,
+                timeout_s=1,
+                connect_timeout_s=1,
+            ),
             EtcdClientConfig(endpoints=server.endpoints, ca_cert=certs.ca_cert, timeout_s=1, connect_timeout_s=1),
         ):
             with pytest.raises(StoreError, match="tm-etcd"):
@@ -86,7 +103,10 @@ def test_single_etcd_restart_mid_run(tmp_path):
         space = JobSpace.create(kv, "restart")
         seen: list = []
         got_after = threading.Event()
-        watch = kv.watch_prefix(space.key("w/"), lambda evs: (seen.extend(evs), got_after.set() if any(e.key.endswith("after") for e in evs) else None))
+        watch = kv.watch_prefix(
+            space.key("w/"),
+            lambda evs: (seen.extend(evs), got_after.set() if any(e.key.endswith("after") for e in evs) else None),
+        )
         keeper = LeaseKeeper(space, 3, name="t")
         space.put(space.key("w", "before"), b"1")
         server.kill()  # crash

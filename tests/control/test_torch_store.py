@@ -108,10 +108,15 @@ def _megatron_worker(store, rank, world, queue):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=parallel_state.get_tensor_model_parallel_group())
-    queue.put((
-        "megatron", rank, parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_pipeline_model_parallel_rank(), t.item(),
-    ))
+    queue.put(
+        (
+            "megatron",
+            rank,
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+            t.item(),
+        )
+    )
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
@@ -143,4 +148,9 @@ def test_megatron_group_creation_on_etcd_store(etcd):
     store = EtcdStore(etcd.endpoints, prefix="/trainmover/t/store/mcore/", timeout=60)
     results = _run_forked(_megatron_worker, store, 4)
     # TP groups are {0,1} and {2,3}; PP groups are {0,2} and {1,3}.
-    assert results == [("megatron", 0, 0, 0, 1.0), ("megatron", 1, 1, 0, 1.0), ("megatron", 2, 0, 1, 5.0), ("megatron", 3, 1, 1, 5.0)]
+    assert results == [
+        ("megatron", 0, 0, 0, 1.0),
+        ("megatron", 1, 1, 0, 1.0),
+        ("megatron", 2, 0, 1, 5.0),
+        ("megatron", 3, 1, 1, 5.0),
+    ]

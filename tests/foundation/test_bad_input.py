@@ -6,8 +6,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from harness.jobs import PRETRAIN, REPO_ROOT
 from helpers import tiny_args
 
@@ -16,8 +14,16 @@ def _run(args, world_size=1, launcher_nproc=None):
     env = dict(os.environ, WORLD_SIZE=str(world_size), RANK="0")
     cmd = [sys.executable, PRETRAIN, *args]
     if launcher_nproc:
-        cmd = [sys.executable, "-m", "trainmover_ext.cli", "launch", "--nproc-per-node", str(launcher_nproc),
-               PRETRAIN, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainmover_ext.cli",
+            "launch",
+            "--nproc-per-node",
+            str(launcher_nproc),
+            PRETRAIN,
+            *args,
+        ]
         env.pop("WORLD_SIZE"), env.pop("RANK")
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
 
@@ -62,6 +68,11 @@ def test_trainmover_flag_without_trainmover_is_refused():
 
 
 def test_launcher_rejects_missing_script(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "trainmover_ext.cli", "launch", str(tmp_path / "x.py")],
-                         capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "trainmover_ext.cli", "launch", str(tmp_path / "x.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+    )
     assert res.returncode == 2 and "does not exist" in res.stderr

@@ -10,20 +10,52 @@ import pytest
 
 from megatron.training.arguments import parse_args
 from trainmover_ext.config import add_trainmover_args
+from trainmover_ext.control.fingerprint import (
+    FINGERPRINT_FIELDS,
+    check_standby,
+    fingerprint_digest,
+    fingerprint_record,
+    model_fingerprint,
+    publish_fingerprint,
+    read_refusal,
+    refusal_event,
+    wait_job_fingerprint,
+)
 from trainmover_ext.control.records import FingerprintRecord
 from trainmover_ext.errors import (
-    STANDBY_REFUSED_EXIT_CODE, ConfigError, ConfigMismatch, StandbyRefused, StoreTimeout, exit_on_error,
+    STANDBY_REFUSED_EXIT_CODE,
+    ConfigError,
+    ConfigMismatch,
+    StandbyRefused,
+    StoreTimeout,
+    exit_on_error,
 )
 from trainmover_ext.kv.job import JobSpace
 from trainmover_ext.kv.memory import MemoryKV
-from trainmover_ext.control.fingerprint import (
-    FINGERPRINT_FIELDS, check_standby, fingerprint_digest, fingerprint_record, model_fingerprint,
-    publish_fingerprint, read_refusal, refusal_event, wait_job_fingerprint,
-)
 
-BASE = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-        "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3",
-        "--mock-data", "--vocab-size", "256", "--pipeline-model-parallel-size", "2"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "10",
+    "--lr",
+    "1e-3",
+    "--mock-data",
+    "--vocab-size",
+    "256",
+    "--pipeline-model-parallel-size",
+    "2",
+]
 
 
 def _args(*extra: str, world_size: int = 4):
@@ -53,12 +85,18 @@ def test_a_differing_field_refuses_the_standby_naming_both_values():
 
 def test_every_difference_is_named():
     job = model_fingerprint(_args())
-    mine = model_fingerprint(_args("--tensor-model-parallel-size", "2", "--bf16", "--use-distributed-optimizer",
-                                   world_size=8))
+    mine = model_fingerprint(
+        _args("--tensor-model-parallel-size", "2", "--bf16", "--use-distributed-optimizer", world_size=8)
+    )
     with pytest.raises(StandbyRefused) as info:
         check_standby(job, mine, member="s")
-    assert set(info.value.fields) == {"tensor_model_parallel_size", "world_size", "bf16", "params_dtype",
-                                      "use_distributed_optimizer"}
+    assert set(info.value.fields) == {
+        "tensor_model_parallel_size",
+        "world_size",
+        "bf16",
+        "params_dtype",
+        "use_distributed_optimizer",
+    }
     assert "params_dtype: job 'float32', standby 'bfloat16'" in str(info.value)
     # a field only one side has (an older or newer writer) reads None, and differs
     with pytest.raises(StandbyRefused, match="new_field: job None, standby 1"):
@@ -67,13 +105,37 @@ def test_every_difference_is_named():
 
 def test_fingerprint_covers_shape_precision_layout_optimizer_batch_and_version():
     fp = model_fingerprint(_args())
-    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
-                 "num_query_groups", "seq_length", "max_position_embeddings", "vocab_size", "padded_vocab_size",
-                 "tokenizer_type", "position_embedding_type", "normalization", "swiglu",
-                 "untie_embeddings_and_output_weights", "bf16", "fp16", "params_dtype", "tensor_model_parallel_size",
-                 "pipeline_model_parallel_size", "data_parallel_size", "world_size",
-                 "virtual_pipeline_model_parallel_size", "sequence_parallel", "optimizer",
-                 "use_distributed_optimizer", "micro_batch_size", "global_batch_size", "megatron_core_version"):
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "kv_channels",
+        "num_query_groups",
+        "seq_length",
+        "max_position_embeddings",
+        "vocab_size",
+        "padded_vocab_size",
+        "tokenizer_type",
+        "position_embedding_type",
+        "normalization",
+        "swiglu",
+        "untie_embeddings_and_output_weights",
+        "bf16",
+        "fp16",
+        "params_dtype",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "data_parallel_size",
+        "world_size",
+        "virtual_pipeline_model_parallel_size",
+        "sequence_parallel",
+        "optimizer",
+        "use_distributed_optimizer",
+        "micro_batch_size",
+        "global_batch_size",
+        "megatron_core_version",
+    ):
         assert name in FINGERPRINT_FIELDS and name in fp
     assert fp["megatron_core_version"] not in (None, "absent")
     assert json.loads(json.dumps(fp)) == fp  # JSON scalars: the record round-trips exactly

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import signal
-import time
 
 from helpers import (
-    kill_quietly, losses_by_iteration, pid_alive, read_metrics, run_job, start_job, tiny_args, wait_for,
+    kill_quietly,
+    losses_by_iteration,
+    pid_alive,
+    read_metrics,
+    run_job,
+    start_job,
+    tiny_args,
+    wait_for,
 )
 
 
@@ -16,8 +22,9 @@ def test_max_restarts_survives_sigkill_of_one_rank(tmp_path, corpus):
     args = tiny_args(corpus, pp=2, iters=iters, gbs=4, extra=["--save-interval", "3"])
     ref = run_job(tmp_path, 4, args + ["--save", str(tmp_path / "ref")], name="ref")
     ckpt = tmp_path / "ckpt"
-    job = start_job(tmp_path, 4, args + ["--save", str(ckpt), "--load", str(ckpt)], "--max-restarts", "1",
-                    name="restarted")
+    job = start_job(
+        tmp_path, 4, args + ["--save", str(ckpt), "--load", str(ckpt)], "--max-restarts", "1", name="restarted"
+    )
     latest = ckpt / "latest_checkpointed_iteration.txt"
     wait_for(lambda: latest.exists() and int(latest.read_text()) >= 3, 240, what="first checkpoint")
     first_pids = job.rank_pids()[0]

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-DRIVER = textwrap.dedent('''
+DRIVER = textwrap.dedent("""
     import os, sys, time
     from trainmover_ext.launch.logs import LogConfig
     from trainmover_ext.launch.process import activate, discard, fork_reserve, _reserve_socks
@@ -35,23 +35,24 @@ DRIVER = textwrap.dedent('''
         print("spare reaped")
     print("left", len(_reserve_socks))
     print("gone", activate(spare, -1, {}, script, [], None))
-''')
+""")
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import os, sys
     print("argv", sys.argv[1:])
     print("env", os.environ.get("TM_RESERVE_BEFORE"), os.environ.get("TM_RESERVE_SENT"))
     print("nice", os.getpriority(os.PRIO_PROCESS, 0), "pgid is pid", os.getpgid(0) == os.getpid())
     print("to stderr", file=sys.stderr)
     sys.exit(7)
-''')
+""")
 
 
 def test_a_woken_reserve_runs_the_script_with_what_it_was_sent(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    done = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path / "logs"), str(script)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(tmp_path / "logs"), str(script)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert "exit 7" in lines, done.stdout + done.stderr

@@ -7,14 +7,23 @@ import sys
 
 import pytest
 
-from helpers import tiny_args
 from harness.jobs import PRETRAIN, REPO_ROOT
+from helpers import tiny_args
 from trainmover_ext.netutil import free_port
 
 
 def _launch(tmp_path, *flags: str, script_args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "trainmover_ext.cli", "launch", *flags, "--run-dir", str(tmp_path / "run"),
-           PRETRAIN, *script_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainmover_ext.cli",
+        "launch",
+        *flags,
+        "--run-dir",
+        str(tmp_path / "run"),
+        PRETRAIN,
+        *script_args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
 
 
@@ -22,8 +31,16 @@ def test_per_rank_log_files_with_redirects(tmp_path, corpus):
     """`--nproc_per_node 4 --log-dir D --redirects 3`: one stdout.log and stderr.log per rank, and the
     ranks' output goes to the files only (the console keeps the launcher's own lines)."""
     logs = tmp_path / "logs"
-    res = _launch(tmp_path, "--nproc_per_node", "4", "--log-dir", str(logs), "--redirects", "3",
-                  script_args=tiny_args(corpus, pp=2, iters=3, gbs=4))
+    res = _launch(
+        tmp_path,
+        "--nproc_per_node",
+        "4",
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "3",
+        script_args=tiny_args(corpus, pp=2, iters=3, gbs=4),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     for rank in range(4):
         for stream in ("stdout", "stderr"):
@@ -36,8 +53,16 @@ def test_per_rank_log_files_with_redirects(tmp_path, corpus):
 
 def test_tee_writes_files_and_console(tmp_path, corpus):
     logs = tmp_path / "logs"
-    res = _launch(tmp_path, "--nproc-per-node", "2", "--log_dir", str(logs), "--tee", "1",
-                  script_args=tiny_args(corpus, pp=2, iters=3, gbs=2))
+    res = _launch(
+        tmp_path,
+        "--nproc-per-node",
+        "2",
+        "--log_dir",
+        str(logs),
+        "--tee",
+        "1",
+        script_args=tiny_args(corpus, pp=2, iters=3, gbs=2),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "iteration      3/3" in (logs / "attempt_0" / "1" / "stdout.log").read_text()
     assert "iteration      3/3" in res.stdout
@@ -47,19 +72,34 @@ def test_megatron_lm_torchrun_line_runs_under_trainmover_launch(tmp_path, corpus
     """Megatron-LM's examples: `torchrun --nproc_per_node N --nnodes 1 --node_rank 0 --master_addr localhost
     --master_port P pretrain_gpt.py ...`, with torchrun replaced by `trainmover launch`."""
     port = free_port("127.0.0.1")
-    res = _launch(tmp_path, "--nproc_per_node", "2", "--nnodes", "1", "--node_rank", "0", "--master_addr",
-                  "localhost", "--master_port", str(port), script_args=tiny_args(corpus, pp=2, iters=3, gbs=2))
+    res = _launch(
+        tmp_path,
+        "--nproc_per_node",
+        "2",
+        "--nnodes",
+        "1",
+        "--node_rank",
+        "0",
+        "--master_addr",
+        "localhost",
+        "--master_port",
+        str(port),
+        script_args=tiny_args(corpus, pp=2, iters=3, gbs=2),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "iteration      3/3" in res.stdout
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--nproc-per-node", "gpu"], "no CUDA device is visible"),
-    (["--nproc-per-node", "many"], "give a number, 'gpu', 'cpu' or 'auto'"),
-    (["--nnodes", "1:4"], "elastic MIN:MAX range is not supported"),
-    (["--redirects", "3"], "need --log-dir"),
-    (["--log-dir", "x", "--redirects", "7"], "values are 0 (none)"),
-])
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--nproc-per-node", "gpu"], "no CUDA device is visible"),
+        (["--nproc-per-node", "many"], "give a number, 'gpu', 'cpu' or 'auto'"),
+        (["--nnodes", "1:4"], "elastic MIN:MAX range is not supported"),
+        (["--redirects", "3"], "need --log-dir"),
+        (["--log-dir", "x", "--redirects", "7"], "values are 0 (none)"),
+    ],
+)
 def test_bad_torchrun_flags_are_refused_with_a_fix(tmp_path, flags, message):
     res = _launch(tmp_path, *flags, script_args=["--mock-data"], timeout=120)
     assert res.returncode != 0
@@ -69,9 +109,9 @@ def test_bad_torchrun_flags_are_refused_with_a_fix(tmp_path, flags, message):
 def test_nproc_per_node_cpu_and_auto_count_cores():
     import os
 
-    from trainmover_ext.launch.cli import nproc_per_node
-
     import torch
+
+    from trainmover_ext.launch.cli import nproc_per_node
 
     assert nproc_per_node("cpu") == (os.cpu_count() or 1)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-
-import pytest
 from helpers import kill_quietly, losses_by_iteration, read_metrics, run_job, start_job, tiny_args, wait_for
 
 
@@ -14,8 +10,9 @@ def test_tp2_pp2_dp2_matches_single_rank(tmp_path, corpus):
     Dropout off: TP ranks draw their own masks, so layouts differ by design with it on."""
     single = run_job(tmp_path, 1, tiny_args(corpus, dropout=0), name="tp1pp1")
     grid = run_job(tmp_path, 8, tiny_args(corpus, tp=2, pp=2, dropout=0), name="tp2pp2dp2")
-    dist = run_job(tmp_path, 8, tiny_args(corpus, tp=2, pp=2, dropout=0, extra=["--use-distributed-optimizer"]),
-                   name="distopt")
+    dist = run_job(
+        tmp_path, 8, tiny_args(corpus, tp=2, pp=2, dropout=0, extra=["--use-distributed-optimizer"]), name="distopt"
+    )
     ref = losses_by_iteration(single.metrics_path)
     assert sorted(ref) == list(range(1, 11))
     for job in (grid, dist):

@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
+from helpers import tiny_args
 from megatron.training.arguments import parse_args
 from megatron.training.data import BatchPlan, GPTBatchIterator, IndexedGPTDataset, MockGPTDataset, micro_batch_indices
 from megatron.training.tokenizer import ByteLevelTokenizer
 from trainmover_ext.config import add_trainmover_args, config_from_args
 from trainmover_ext.errors import ConfigError, PatchError
-from helpers import tiny_args
 
 
 def test_dp_ranks_read_disjoint_consecutive_samples():
@@ -31,8 +31,10 @@ def test_dp_ranks_read_disjoint_consecutive_samples():
 def test_samples_do_not_depend_on_layout():
     ds = MockGPTDataset(100, 8, seed=7)
     one = GPTBatchIterator(ds, BatchPlan(micro_batch_size=4, data_parallel_size=1, data_parallel_rank=0))
-    two = [GPTBatchIterator(ds, BatchPlan(micro_batch_size=2, data_parallel_size=2, data_parallel_rank=d))
-           for d in range(2)]
+    two = [
+        GPTBatchIterator(ds, BatchPlan(micro_batch_size=2, data_parallel_size=2, data_parallel_rank=d))
+        for d in range(2)
+    ]
     a = next(one)["tokens"]
     b = np.concatenate([next(it)["tokens"].numpy() for it in two])
     assert np.array_equal(a.numpy(), b)
@@ -100,8 +102,9 @@ def test_rewrite_fails_loudly_on_changed_source():
 def test_interleaved_pp2_on_gloo_never_batches_p2p():
     from megatron.training.model import transformer_config_from_args
 
-    args = parse_args(add_trainmover_args, tiny_args(None, pp=2, extra=["--num-layers-per-virtual-pipeline-stage", "1"]),
-                      world_size=2)
+    args = parse_args(
+        add_trainmover_args, tiny_args(None, pp=2, extra=["--num-layers-per-virtual-pipeline-stage", "1"]), world_size=2
+    )
     gloo = type("L", (), {"backend": "gloo"})
     assert transformer_config_from_args(args, gloo).batch_p2p_comm is False
 
@@ -246,7 +249,12 @@ def test_the_training_layer_does_not_import_the_runtime():
     found = []
     for path in sorted(root.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             found += [f"{path.name}: {n}" for n in names if n.startswith(banned)]
     assert not found, found

@@ -6,6 +6,7 @@ import pytest
 
 from helpers import run_job, trajectory
 
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory, corpus):
     """Fault-free trajectories by layout key, computed lazily."""

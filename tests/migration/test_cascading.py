@@ -9,8 +9,20 @@ import signal
 
 import pytest
 
-from helpers import (ITERS, control_flags, kill_quietly, read_metrics, run_job, start_job, tm_args, trainmover_cli,
-                     trajectory, transfer_pairs, wait_for, wait_iteration)
+from helpers import (
+    ITERS,
+    control_flags,
+    kill_quietly,
+    read_metrics,
+    run_job,
+    start_job,
+    tm_args,
+    trainmover_cli,
+    trajectory,
+    transfer_pairs,
+    wait_for,
+    wait_iteration,
+)
 
 PLAN_RE = re.compile(r"epoch (\d+) \((failure|planned)\): rank (\d+)(?: -> |'s planned leaver )")
 
@@ -35,7 +47,7 @@ def assert_bit_identical_without_restart(job, ref) -> None:
     diffs = {it: (got[it], ref[it]) for it in ref if got[it] != ref[it]}
     assert not diffs, f"not bit-identical to the fault-free run: {diffs}"
     consumed = [got[i][1] for i in sorted(got)]
-    assert all(b - a == consumed[0] for a, b in zip(consumed, consumed[1:]))
+    assert all(b - a == consumed[0] for a, b in zip(consumed, consumed[1:], strict=False))
     err = job.stderr()
     assert "falling back" not in err, err[-4000:]
     assert len(read_metrics(job.metrics_path, "startup")) == 1, "a rank restarted"
@@ -66,8 +78,7 @@ def test_another_rank_dies_during_a_recovery(tmp_path, corpus, reference):
     """Rank 5 dies; during epoch 1's recovery, after it reported what it holds, rank 2 dies too. Every
     rank, the joiner of epoch 1 included, restarts recovery at epoch 2."""
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
-    job = run_job(tmp_path, 8, _cascade_args(corpus, "5:6:backward,2:1:recover"), name="second_failure",
-                  timeout=400)
+    job = run_job(tmp_path, 8, _cascade_args(corpus, "5:6:backward,2:1:recover"), name="second_failure", timeout=400)
     assert_bit_identical_without_restart(job, ref)
     assert _plans(job.stderr())[:2] == [(1, "failure", 5), (2, "failure", 2)], job.stderr()[-3000:]
     assert "cut short" in job.stdout(), "no recovery was restarted"
@@ -79,9 +90,13 @@ def test_the_state_source_dies_mid_transfer(tmp_path, corpus, reference):
     the warm path, with no restart, and the re-run iterations reproduce the fault-free values."""
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
     ckpt = str(tmp_path / "ckpt")
-    job = run_job(tmp_path, 8, _cascade_args(corpus, "6:6:backward,4:1:send", extra=["--save", ckpt,
-                                                                                   "--save-interval", "4"]),
-                  name="source_dies", timeout=400)
+    job = run_job(
+        tmp_path,
+        8,
+        _cascade_args(corpus, "6:6:backward,4:1:send", extra=["--save", ckpt, "--save-interval", "4"]),
+        name="source_dies",
+        timeout=400,
+    )
     assert_bit_identical_without_restart(job, ref)
     assert _plans(job.stderr())[:2] == [(1, "failure", 6), (2, "failure", 4)], job.stderr()[-3000:]
     # the logging rank (4) is the one that died: its joiner logs where it resumed
@@ -93,8 +108,7 @@ def test_two_ranks_die_at_once(tmp_path, corpus, reference):
     """Ranks 1 and 6 (different shards) die in the same backward pass; both are replaced (in one plan or
     two) and their states come from their replicas."""
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
-    job = run_job(tmp_path, 8, _cascade_args(corpus, "1:6:backward,6:6:backward"), name="two_at_once",
-                  timeout=400)
+    job = run_job(tmp_path, 8, _cascade_args(corpus, "1:6:backward,6:6:backward"), name="two_at_once", timeout=400)
     assert_bit_identical_without_restart(job, ref)
     assert {r for _, why, r in _plans(job.stderr()) if why == "failure"} == {1, 6}, job.stderr()[-3000:]
     assert {(3, 1), (4, 6)} <= transfer_pairs(job), transfer_pairs(job)
@@ -129,8 +143,13 @@ def test_a_standby_dies_while_warming(tmp_path, corpus, reference):
     started: list[re.Match] = []
 
     def kill_the_standby() -> None:
-        started.append(wait_for(lambda: re.search(r"started standby (\S+) \(pid (\d+), fork\)", job.stderr()),
-                                120, what="the standby's start"))
+        started.append(
+            wait_for(
+                lambda: re.search(r"started standby (\S+) \(pid (\d+), fork\)", job.stderr()),
+                120,
+                what="the standby's start",
+            )
+        )
         kill_quietly(int(started[0].group(2)), signal.SIGKILL)
 
     run_while(job, kill_the_standby)

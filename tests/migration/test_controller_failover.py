@@ -9,19 +9,33 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from helpers import ITERS, JobProbe, start_job, tm_args, trajectory, wait_for, wait_iteration
 from harness.jobs import REPO_ROOT
+from helpers import ITERS, JobProbe, start_job, tm_args, trajectory, wait_for, wait_iteration
 
 
 def _start_controller(etcd, job: str, token: str, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "trainmover_ext.cli", "controller", "--tm-etcd-endpoints", ",".join(etcd.endpoints),
-           "--tm-job", job, "--tm-job-token", token, "--id", "ext-controller", "--tm-lease-ttl", "1"]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainmover_ext.cli",
+        "controller",
+        "--tm-etcd-endpoints",
+        ",".join(etcd.endpoints),
+        "--tm-job",
+        job,
+        "--tm-job-token",
+        token,
+        "--id",
+        "ext-controller",
+        "--tm-lease-ttl",
+        "1",
+    ]
+    return subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1")
+    )
 
 
 @pytest.mark.parametrize("when", ["at-the-failure", "after-the-plan"])
@@ -35,8 +49,18 @@ def test_leader_killed_around_a_migration(tmp_path, etcd, corpus, reference, whe
     try:
         # The stand-alone candidate registers the job and leads before any agent exists.
         wait_for(lambda: "ext-controller leads" in ctl_log.read_text(), 60, what="the controller to lead")
-        job = start_job(tmp_path, 8, tm_args(corpus), "--tm-job", job_name, "--tm-etcd-endpoints",
-                        ",".join(etcd.endpoints), "--tm-job-token", token, name=when)
+        job = start_job(
+            tmp_path,
+            8,
+            tm_args(corpus),
+            "--tm-job",
+            job_name,
+            "--tm-etcd-endpoints",
+            ",".join(etcd.endpoints),
+            "--tm-job-token",
+            token,
+            name=when,
+        )
         wait_iteration(job, 4, timeout=180)
         assert probe.leader() == "ext-controller"
         victim = job.rank_pids()[0][2]
@@ -50,8 +74,12 @@ def test_leader_killed_around_a_migration(tmp_path, etcd, corpus, reference, whe
             assert "first_iteration" not in probe.plans()[0].steps, "killed too late: the migration was over"
         ctl.wait(10)
         # An agent's controller is elected about one lease TTL (1 s) later, long before the job ends.
-        wait_for(lambda: (probe.leader() or "").startswith("agent-"), 30, interval=0.05,
-                 what="an agent's controller to take over")
+        wait_for(
+            lambda: (probe.leader() or "").startswith("agent-"),
+            30,
+            interval=0.05,
+            what="an agent's controller to take over",
+        )
         code = job.wait(300)
     finally:
         if ctl.poll() is None:

@@ -6,7 +6,6 @@ import pytest
 
 from helpers import assert_recovered, read_metrics, run_job, tm_args, trajectory
 
-
 # victim rank -> (stage, tp rank) in TP2 x PP2 x DP2: rank = tp + 2*dp + 4*pp
 CASES = [
     pytest.param(0, "forward", id="first-stage-tp0-forward"),
@@ -22,8 +21,13 @@ CASES = [
 @pytest.mark.parametrize("victim,phase", CASES)
 def test_sigkill_is_replaced_bit_identically(tmp_path, corpus, reference, victim, phase):
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
-    job = run_job(tmp_path, 8, tm_args(corpus, extra=["--tm-inject-fault", f"{victim}:6:{phase}"]),
-                  name=f"fault_{victim}_{phase}", timeout=300)
+    job = run_job(
+        tmp_path,
+        8,
+        tm_args(corpus, extra=["--tm-inject-fault", f"{victim}:6:{phase}"]),
+        name=f"fault_{victim}_{phase}",
+        timeout=300,
+    )
     assert "exited with code -9" in job.stderr()
     assert_recovered(job, ref, victim)
     restored = [r for r in read_metrics(job.metrics_path, "iteration") if "restored_from_rank" in r]
@@ -33,8 +37,9 @@ def test_sigkill_is_replaced_bit_identically(tmp_path, corpus, reference, victim
 def test_hung_rank_is_detected_by_lease_and_fenced(tmp_path, corpus, reference):
     """SIGSTOP: no link error, no exit; the lease expires, the rank is replaced and the hung process killed."""
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
-    job = run_job(tmp_path, 8, tm_args(corpus, extra=["--tm-inject-fault", "4:6:forward:STOP"]),
-                  name="hung", timeout=300)
+    job = run_job(
+        tmp_path, 8, tm_args(corpus, extra=["--tm-inject-fault", "4:6:forward:STOP"]), name="hung", timeout=300
+    )
     assert_recovered(job, ref, 4)
     assert "exited with code" not in job.stderr(), "the hung rank was reported by its exit, not by its lease"
 
@@ -52,8 +57,13 @@ MIDDLE = [
 def test_middle_stage_sigkill_is_replaced_bit_identically(tmp_path, corpus, reference, nproc, tp, victim, phase):
     args = tm_args(corpus, tp=tp, pp=3, extra=["--num-layers", "6"])
     ref = reference(f"tp{tp}pp3dp2", nproc, args)
-    job = run_job(tmp_path, nproc, args + ["--tm-inject-fault", f"{victim}:6:{phase}"],
-                  name=f"middle_{victim}_{phase}", timeout=600)
+    job = run_job(
+        tmp_path,
+        nproc,
+        args + ["--tm-inject-fault", f"{victim}:6:{phase}"],
+        name=f"middle_{victim}_{phase}",
+        timeout=600,
+    )
     assert_recovered(job, ref, victim)
 
 
@@ -64,8 +74,13 @@ def test_no_replica_falls_back_to_the_checkpoint_without_restarts(tmp_path, corp
     ckpt = str(tmp_path / "ckpt")
     args = tm_args(corpus, gbs=4)
     ref = reference("tp2pp2dp1", 4, args)
-    job = run_job(tmp_path, 4, args + ["--save", ckpt, "--save-interval", "4", "--tm-inject-fault", "1:7:forward"],
-                  name="no_replica", timeout=300)
+    job = run_job(
+        tmp_path,
+        4,
+        args + ["--save", ckpt, "--save-interval", "4", "--tm-inject-fault", "1:7:forward"],
+        name="no_replica",
+        timeout=300,
+    )
     got = trajectory(job.metrics_path)
     assert got == ref
     err = job.stderr()

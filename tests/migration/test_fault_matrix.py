@@ -47,8 +47,13 @@ def _pp3_args(corpus, extra=()):
 @pytest.mark.parametrize("victim,phase", _matrix())
 def test_bf16_fault_matrix(tmp_path, corpus, reference, victim, phase):
     ref = reference("tp2pp3dp2-bf16", 12, _pp3_args(corpus))
-    job = run_job(tmp_path, 12, _pp3_args(corpus, ["--tm-inject-fault", f"{victim}:6:{phase}"]),
-                  name=f"cell_{victim}_{phase}", timeout=400)
+    job = run_job(
+        tmp_path,
+        12,
+        _pp3_args(corpus, ["--tm-inject-fault", f"{victim}:6:{phase}"]),
+        name=f"cell_{victim}_{phase}",
+        timeout=400,
+    )
     assert "exited with code -9" in job.stderr()
     assert_recovered(job, ref, victim)
 
@@ -58,8 +63,12 @@ def test_kill_during_a_checkpoint_save_is_recovered_and_the_save_redone(tmp_path
     others' barrier fails, a standby takes rank 3 from its replica, and checkpoint 4 is saved again."""
     ref = reference("tp2pp2dp2-bf16", 8, tm_args(corpus, extra=BF16))
     ckpt = tmp_path / "ckpt"
-    job = run_job(tmp_path, 8, tm_args(corpus, extra=[*BF16, "--save", str(ckpt), "--save-interval", "4",
-                                                      "--tm-inject-fault", "3:4:save"]), name="save_kill")
+    job = run_job(
+        tmp_path,
+        8,
+        tm_args(corpus, extra=[*BF16, "--save", str(ckpt), "--save-interval", "4", "--tm-inject-fault", "3:4:save"]),
+        name="save_kill",
+    )
     assert "exited with code -9" in job.stderr()
     assert_recovered(job, ref, 3)
     assert [r["iteration"] for r in read_metrics(job.metrics_path, "checkpoint")] == [4, 8, 12]
@@ -85,8 +94,12 @@ def test_distributed_optimizer_recovers_through_the_checkpoint(tmp_path, corpus,
     base = tm_args(corpus, extra=[*BF16, "--use-distributed-optimizer"])
     ref = reference("tp2pp2dp2-bf16-distopt", 8, base)
     ckpt = str(tmp_path / "ckpt")
-    job = run_job(tmp_path, 8, base + ["--save", ckpt, "--save-interval", "4", "--tm-inject-fault", "5:7:backward"],
-                  name="distopt")
+    job = run_job(
+        tmp_path,
+        8,
+        base + ["--save", ckpt, "--save-interval", "4", "--tm-inject-fault", "5:7:backward"],
+        name="distopt",
+    )
     assert trajectory(job.metrics_path) == ref
     err = job.stderr()
     assert "rank 5 -> standby" in err and "state from checkpoint" in err, err[-3000:]

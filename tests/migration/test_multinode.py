@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from helpers import JobProbe, launch_cmd, read_metrics, tm_args, trajectory
 from harness.jobs import REPO_ROOT
+from helpers import JobProbe, launch_cmd, read_metrics, tm_args, trajectory
 
 
 class TwoNodeJob:
@@ -34,12 +34,36 @@ class TwoNodeJob:
         for node in (0, 1):
             args = tm_args(corpus, extra=["--tm-metrics-file", self.metrics])
             args[args.index("--tm-standbys") + 1] = str(standbys[node])
-            cmd = launch_cmd(4, args, "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
-                             "--master-port", port, "--run-dir", str(tmp_path / f"n{node}.run"), "--tm-job", name,
-                             "--tm-etcd-endpoints", ",".join(self.etcd.endpoints), "--tm-job-token", self.token)
+            cmd = launch_cmd(
+                4,
+                args,
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                "--run-dir",
+                str(tmp_path / f"n{node}.run"),
+                "--tm-job",
+                name,
+                "--tm-etcd-endpoints",
+                ",".join(self.etcd.endpoints),
+                "--tm-job-token",
+                self.token,
+            )
             env = dict(os.environ, TRAINMOVER_NODE_NAME=f"n{node}", PYTHONUNBUFFERED="1")
-            self.procs.append(subprocess.Popen(cmd, stdout=open(tmp_path / f"n{node}.out", "w"),
-                                               stderr=open(tmp_path / f"n{node}.err", "w"), env=env, cwd=REPO_ROOT))
+            self.procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=open(tmp_path / f"n{node}.out", "w"),
+                    stderr=open(tmp_path / f"n{node}.err", "w"),
+                    env=env,
+                    cwd=REPO_ROOT,
+                )
+            )
 
     def err(self, node: int) -> str:
         return open(self.dir / f"n{node}.err").read()

@@ -12,17 +12,15 @@ connections down) is tested on its own with two gloo processes; it needs no nvrx
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 
+import nvrx_inprocess  # benchmarks/ is on the test path (pytest.ini)
 import pytest
 
 from harness.jobs import REPO_ROOT, model_args
 from trainmover_ext.netutil import free_port
-
-import nvrx_inprocess  # benchmarks/ is on the test path (pytest.ini)
 
 REASON = nvrx_inprocess.unavailable_reason()
 ITERS = 10
@@ -33,11 +31,18 @@ ITERS = 10
 @pytest.mark.skipif(REASON is not None, reason=f"nvrx baseline not runnable: {REASON}")
 def test_nvrx_inprocess_restart_resumes_tiny_job(corpus, tmp_path):
     job = model_args(layers=2, hidden=64, heads=4, seq=64, mbs=1, gbs=8, iters=ITERS, lr=1e-3) + [
-        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
-        "--data-path", corpus + "_text_document", "--tokenizer-type", "ByteLevelTokenizer",
+        "--tensor-model-parallel-size",
+        "1",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--data-path",
+        corpus + "_text_document",
+        "--tokenizer-type",
+        "ByteLevelTokenizer",
     ]
-    result = nvrx_inprocess.measure(corpus, victim=1, at_iteration=5, save_interval=3, job_args=job, ranks=4,
-                                    workdir=str(tmp_path))
+    result = nvrx_inprocess.measure(
+        corpus, victim=1, at_iteration=5, save_interval=3, job_args=job, ranks=4, workdir=str(tmp_path)
+    )
     assert result["restarts"] >= 1, result
     assert result["spare_took_rank"] is not None, result  # a spare filled a lost rank
     assert result["resumed_iteration"] == 3, result
@@ -77,8 +82,15 @@ BLOCKED_RANK = textwrap.dedent("""
 @pytest.mark.timeout(120)
 def test_socket_abort_fails_a_blocked_gloo_collective():
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", BLOCKED_RANK, str(rank), str(port), REPO_ROOT],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BLOCKED_RANK, str(rank), str(port), REPO_ROOT],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
     try:
         out = [proc.communicate(timeout=90)[0] for proc in procs]
     finally:
@@ -113,8 +125,9 @@ CUT_SHORT_TEARDOWN = textwrap.dedent("""
 
 @pytest.mark.timeout(120)
 def test_finish_torch_teardown_lets_a_cut_short_teardown_restart():
-    out = subprocess.run([sys.executable, "-c", CUT_SHORT_TEARDOWN, REPO_ROOT], capture_output=True, text=True,
-                         timeout=90)
+    out = subprocess.run(
+        [sys.executable, "-c", CUT_SHORT_TEARDOWN, REPO_ROOT], capture_output=True, text=True, timeout=90
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     # Two groups were named from the counter (WORLD and the new group); the second init reuses "0".
     assert out.stdout.split("\n")[:3] == ["stale 2", "stale 2", "restarted twice"], out.stdout

@@ -28,13 +28,20 @@ def _attack_values(job: str) -> dict[str, bytes]:
 
     now = time.time()
     return {
-        f"/trainmover/{job}/requests/evil-1": MigrationRequest(request_id="evil-1", rank=1, to="evil-standby",
-                                                               requested_by="outsider", requested_at=now).to_bytes(),
-        f"/trainmover/{job}/members/evil-standby": MemberRecord(member_id="evil-standby", kind="standby", host="evil",
-                                                                pid=1, warm_roles=["first", "middle", "last"],
-                                                                registered_at=now).to_bytes(),
-        f"/trainmover/{job}/reports/1/evil": FailureReport(rank=1, member_id="w1", reporter="evil", reason="forged",
-                                                           epoch=0, reported_at=now).to_bytes(),
+        f"/trainmover/{job}/requests/evil-1": MigrationRequest(
+            request_id="evil-1", rank=1, to="evil-standby", requested_by="outsider", requested_at=now
+        ).to_bytes(),
+        f"/trainmover/{job}/members/evil-standby": MemberRecord(
+            member_id="evil-standby",
+            kind="standby",
+            host="evil",
+            pid=1,
+            warm_roles=["first", "middle", "last"],
+            registered_at=now,
+        ).to_bytes(),
+        f"/trainmover/{job}/reports/1/evil": FailureReport(
+            rank=1, member_id="w1", reporter="evil", reason="forged", epoch=0, reported_at=now
+        ).to_bytes(),
     }
 
 
@@ -43,8 +50,9 @@ def _raw_client(endpoint: str, **login):
     import pyetcd
 
     host, port = endpoint.rsplit(":", 1)
-    client = pyetcd.MultiEndpointEtcd3Client(endpoints=[pyetcd.Endpoint(host, int(port), secure=False)], timeout=3,
-                                             **login)
+    client = pyetcd.MultiEndpointEtcd3Client(
+        endpoints=[pyetcd.Endpoint(host, int(port), secure=False)], timeout=3, **login
+    )
     client.call_credentials = None  # the login token as metadata, as on any plain channel
     return client
 
@@ -80,7 +88,7 @@ def test_outsiders_cannot_touch_a_running_job(tmp_path, corpus, reference):
     job = start_job(tmp_path, 8, args, "--tm-job", "guarded", name="guarded")
     try:
         flags = control_flags(job)
-        endpoint, token = flags[1], flags[5]
+        endpoint = flags[1]
         run_dir = str(tmp_path / "guarded.run")
         # The operator (root password file, mode 600) gives another job its own user on this etcd.
         root_file = os.path.join(run_dir, "etcd-root-password")
@@ -94,8 +102,7 @@ def test_outsiders_cannot_touch_a_running_job(tmp_path, corpus, reference):
         other.put("/trainmover/other/mine", b"1")  # that login works, on its own job's keys
         assert _attempts(other, "guarded") == []
         # a watch on the job's keys is refused too (etcd cancels it: id -1)
-        assert other.add_watch_callback("/trainmover/guarded/", lambda r: None,
-                                        range_end="/trainmover/guarded0") == -1
+        assert other.add_watch_callback("/trainmover/guarded/", lambda r: None, range_end="/trainmover/guarded0") == -1
         # the wrong token is no login at all
         with pytest.raises(grpc.RpcError):
             _raw_client(endpoint, **_login("guarded", "not-the-token"))
@@ -132,18 +139,30 @@ def test_a_tls_job_recovers_bit_identically_and_refuses_clients_without_a_certif
     from trainmover_ext.kv.job import JobSpace, job_login
 
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
-    job = start_job(tmp_path, 8, tm_args(corpus, extra=["--tm-inject-fault", "3:6:forward"]),
-                    "--tm-job", "tls", "--tm-etcd-tls", name="tls")
+    job = start_job(
+        tmp_path,
+        8,
+        tm_args(corpus, extra=["--tm-inject-fault", "3:6:forward"]),
+        "--tm-job",
+        "tls",
+        "--tm-etcd-tls",
+        name="tls",
+    )
     try:
         flags = control_flags(job)
         endpoint, token = flags[1], flags[5]
-        tls = dict(zip(flags[6::2], flags[7::2]))
+        tls = dict(zip(flags[6::2], flags[7::2], strict=False))
         assert set(tls) == {"--tm-etcd-ca", "--tm-etcd-cert", "--tm-etcd-key"}, flags
         assert oct(os.stat(tls["--tm-etcd-key"]).st_mode & 0o777) == "0o600"
         wait_for(lambda: any(r["iteration"] >= 1 for r in read_metrics(job.metrics_path)), 240, 0.2, "iteration 1")
         # the job's own login over TLS works (the status command's way in)
-        good = EtcdClientConfig(endpoints=[endpoint], ca_cert=tls["--tm-etcd-ca"], client_cert=tls["--tm-etcd-cert"],
-                                client_key=tls["--tm-etcd-key"], connect_timeout_s=10)
+        good = EtcdClientConfig(
+            endpoints=[endpoint],
+            ca_cert=tls["--tm-etcd-ca"],
+            client_cert=tls["--tm-etcd-cert"],
+            client_key=tls["--tm-etcd-key"],
+            connect_timeout_s=10,
+        )
         JobSpace.open(EtcdKV(job_login(good, "tls", token)), "tls", token).kv.close()
         # no client certificate: the TLS handshake fails, whatever the login
         no_cert = EtcdClientConfig(endpoints=[endpoint], ca_cert=tls["--tm-etcd-ca"], timeout_s=1, connect_timeout_s=1)
@@ -160,20 +179,29 @@ def test_a_tls_job_recovers_bit_identically_and_refuses_clients_without_a_certif
     assert_recovered(job, ref, 3)
 
 
-@pytest.mark.parametrize("kind,refusal", [
-    ("pickle", "not a TrainMover state record"),
-    ("shapes", "the state source's tensors differ from this process's: tensor 0"),
-    ("count", "tensors, this process holds"),
-])
-def test_a_crafted_state_record_is_refused_and_the_job_recovers_through_the_next_plan(tmp_path, corpus, reference,
-                                                                                      kind, refusal):
+@pytest.mark.parametrize(
+    "kind,refusal",
+    [
+        ("pickle", "not a TrainMover state record"),
+        ("shapes", "the state source's tensors differ from this process's: tensor 0"),
+        ("count", "tensors, this process holds"),
+    ],
+)
+def test_a_crafted_state_record_is_refused_and_the_job_recovers_through_the_next_plan(
+    tmp_path, corpus, reference, kind, refusal
+):
     """A state source that sends a crafted metadata record (a pickle that would run code, a wrong
     shape, a wrong count) is refused by the joiner, which names what was wrong; the joiner's rank
     then fails again, the next plan brings the other standby, and the run stays bit-identical."""
     marker = str(tmp_path / "forged-code-ran")
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
-    job = start_job(tmp_path, 8, tm_args(corpus, extra=["--tm-inject-fault", "3:6:forward", "--tm-standbys", "2"]),
-                    name=f"forged_{kind}", env={"TRAINMOVER_DRILL_FORGED_STATE": f"{kind}:1:{marker}"})
+    job = start_job(
+        tmp_path,
+        8,
+        tm_args(corpus, extra=["--tm-inject-fault", "3:6:forward", "--tm-standbys", "2"]),
+        name=f"forged_{kind}",
+        env={"TRAINMOVER_DRILL_FORGED_STATE": f"{kind}:1:{marker}"},
+    )
     code = job.wait(360)
     log = job.stdout() + job.stderr()
     assert code == 0, log[-4000:]

@@ -7,8 +7,19 @@ import re
 
 import pytest
 
-from helpers import (ITERS, assert_transfer_memory, control_flags, read_metrics, start_job, tm_args,
-                     trainmover_cli, trajectory, transfer_reports, wait_for, wait_iteration)
+from helpers import (
+    ITERS,
+    assert_transfer_memory,
+    control_flags,
+    read_metrics,
+    start_job,
+    tm_args,
+    trainmover_cli,
+    trajectory,
+    transfer_reports,
+    wait_for,
+    wait_iteration,
+)
 
 # TP2 x PP2 x DP2: rank = tp + 2*dp + 4*pp
 CASES = [
@@ -35,12 +46,19 @@ def _finish(job) -> str:
 
 def _wait_warm(job, role: str | None = None, member: str | None = None) -> set[str]:
     """Wait until a standby (``member``, or any) is warm (for ``role``); returns the warm ones."""
+
     def ready() -> set[str] | None:
         warm = _warm_standbys(job, role)
         return warm if (member in warm if member else warm) else None
 
-    return wait_for(ready, 120, interval=0.2, what=f"{member or 'a standby'} to be warm for {role or 'any role'}",
-                    detail=lambda: job.stdout()[-3000:], give_up=lambda: job.popen.poll() is not None)
+    return wait_for(
+        ready,
+        120,
+        interval=0.2,
+        what=f"{member or 'a standby'} to be warm for {role or 'any role'}",
+        detail=lambda: job.stdout()[-3000:],
+        give_up=lambda: job.popen.poll() is not None,
+    )
 
 
 def _migrate_and_check(tmp_path, corpus, reference, nproc, args, ref_key, rank):
@@ -108,15 +126,20 @@ def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, referen
     iters = 40
     args = tm_args(corpus, iters=iters)
     ref = reference("tp2pp2dp2-i40", 8, args)
-    job = start_job(tmp_path, 8, tm_args(corpus, iters=iters, standby_nice=None) + ["--tm-leaver-becomes-standby"],
-                    name="rejoin")
+    job = start_job(
+        tmp_path, 8, tm_args(corpus, iters=iters, standby_nice=None) + ["--tm-leaver-becomes-standby"], name="rejoin"
+    )
     try:
         wait_iteration(job, 3)
         rank1_pid = job.rank_pids()[0][1]
         _wait_warm(job, "first")
         _migrate(job, "--rank", "1")
-        m = wait_for(lambda: re.search(r"the leaver of rank 1 \(pid (\d+)\) rejoins the pool as (\S+)", job.stderr()),
-                     120, interval=0.1, what="the leaver to rejoin the pool")
+        m = wait_for(
+            lambda: re.search(r"the leaver of rank 1 \(pid (\d+)\) rejoins the pool as (\S+)", job.stderr()),
+            120,
+            interval=0.1,
+            what="the leaver to rejoin the pool",
+        )
         assert int(m.group(1)) == rank1_pid
         rejoined = m.group(2)
         # rank 6 is on the last stage: `migrate --to` accepts only a standby warm for its role

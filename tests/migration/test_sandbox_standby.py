@@ -6,8 +6,8 @@ first``). Killed is either the rank that role was recorded at (rank 0: TP0, DP0 
 stage), whose model the standby adopts instead of building one, or another rank, for which it
 drops the kept model and builds the rank's own. (The last role's recorded rank, 4, is the rank
 that logs the trajectory: killed between finishing an iteration and logging it, it takes that
-line with it, while the job resumes after that iteration.) Both runs must be bit-identical to the fault-free run: neither
-the recording, nor the shadow iterations, nor the adopted model may leave a trace in the training.
+line with it, while the job resumes after that iteration.) Both runs must be bit-identical to the fault-free run:
+neither the recording, nor the shadow iterations, nor the adopted model may leave a trace in the training.
 """
 
 from __future__ import annotations
@@ -42,13 +42,21 @@ def test_sandbox_standby_replaces_a_killed_rank_bit_identically(tmp_path, corpus
     ref = reference("tp2pp2dp2-i40", 8, args)
     # The standby keeps its CPU priority (--tm-standby-nice 0): on two cores, at the lowest priority
     # it would be warm only after the 40 iterations the job runs.
-    job = start_job(tmp_path, 8, args + ["--tm-record-dir", str(tmp_path / "recordings"), "--tm-keep-role", "first",
-                                         "--tm-standby-nice", "0"],
-                    name=f"sandbox_{victim}")
+    job = start_job(
+        tmp_path,
+        8,
+        args + ["--tm-record-dir", str(tmp_path / "recordings"), "--tm-keep-role", "first", "--tm-standby-nice", "0"],
+        name=f"sandbox_{victim}",
+    )
     try:
-        warm = wait_for(lambda: re.search(r"standby (\S+) warm in [\d.]+s \(sandbox, roles \[([^\]]*)\]\)", _log(job)),
-                        180, 0.2, "the standby's sandbox warm-up", detail=lambda: _log(job)[-4000:],
-                        give_up=lambda: job.popen.poll() is not None)
+        warm = wait_for(
+            lambda: re.search(r"standby (\S+) warm in [\d.]+s \(sandbox, roles \[([^\]]*)\]\)", _log(job)),
+            180,
+            0.2,
+            "the standby's sandbox warm-up",
+            detail=lambda: _log(job)[-4000:],
+            give_up=lambda: job.popen.poll() is not None,
+        )
         status = trainmover_cli("status", *control_flags(job))
         row = next(line for line in status.stdout.splitlines() if line.strip().startswith(warm.group(1)))
         assert row.rstrip().endswith("rank 0"), status.stdout  # the kept model, shown to the operator
@@ -65,12 +73,16 @@ def test_sandbox_standby_replaces_a_killed_rank_bit_identically(tmp_path, corpus
     assert warm.group(2) == "'last', 'first'", warm.group(0)
     assert f"rank {victim} -> {warm.group(1)}" in log, log[-3000:]
     if adopts:
-        m = re.search(rf"standby {re.escape(warm.group(1))} adopted its kept first model for rank {victim} "
-                      r"\((\d+) group references re-pointed\)", log)
+        m = re.search(
+            rf"standby {re.escape(warm.group(1))} adopted its kept first model for rank {victim} "
+            r"\((\d+) group references re-pointed\)",
+            log,
+        )
         assert m and int(m.group(1)) > 0, log[-3000:]
     else:
-        assert (f"standby {warm.group(1)} builds rank {victim}'s model (the kept first model was built as rank 0)"
-                in log), log[-3000:]
+        assert (
+            f"standby {warm.group(1)} builds rank {victim}'s model (the kept first model was built as rank 0)" in log
+        ), log[-3000:]
     assert "falling back" not in log, log[-3000:]
     got = trajectory(job.metrics_path)
     assert sorted(got) == list(range(1, ITERS + 1)), "an iteration is missing"

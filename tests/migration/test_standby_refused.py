@@ -13,11 +13,11 @@ import signal
 import subprocess
 import time
 
+from harness.jobs import PRETRAIN, REPO_ROOT
 from helpers import JobProbe, LaunchedJob, control_flags, kill_quietly, launch_cmd, read_metrics, tiny_args, wait_for
+from trainmover_ext.control.fingerprint import REFUSAL_EVENT
 from trainmover_ext.control.records import Event, FingerprintRecord, MemberRecord
 from trainmover_ext.errors import STANDBY_REFUSED_EXIT_CODE
-from harness.jobs import PRETRAIN, REPO_ROOT
-from trainmover_ext.control.fingerprint import REFUSAL_EVENT
 
 WRAPPER = os.path.join(REPO_ROOT, "tests", "support", "standby_with_other_flags.py")
 JOB = "refused"
@@ -25,8 +25,19 @@ JOB = "refused"
 
 def _start(tmp_path) -> LaunchedJob:
     # --tm-standby-nice 0: on two cores a standby at the lowest priority would start only once the job ends.
-    args = tiny_args(None, iters=100000, extra=["--trainmover", "--tm-standbys", "1", "--tm-standby-nice", "0",
-                                                "--tm-metrics-file", str(tmp_path / "metrics.jsonl")])
+    args = tiny_args(
+        None,
+        iters=100000,
+        extra=[
+            "--trainmover",
+            "--tm-standbys",
+            "1",
+            "--tm-standby-nice",
+            "0",
+            "--tm-metrics-file",
+            str(tmp_path / "metrics.jsonl"),
+        ],
+    )
     cmd = launch_cmd(2, args, "--tm-job", JOB, "--run-dir", str(tmp_path / "run"))
     cmd[cmd.index(PRETRAIN)] = WRAPPER
     env = dict(os.environ, PYTHONUNBUFFERED="1", TM_TEST_STANDBY_FLAGS="--hidden-size 64")
@@ -64,8 +75,9 @@ def test_a_standby_of_another_model_shape_is_refused_and_not_restarted(tmp_path)
                 if member.kind == "standby" and member.warm_roles:
                     warm_seen.append({"member": member.member_id, "warm_roles": member.warm_roles})
             assert job.popen.poll() is None, job.stderr()[-3000:]
-            return re.search(r"standby (\S+) was refused by the job \(exit (\d+)\): (.*); not restarting it",
-                             job.stderr())
+            return re.search(
+                r"standby (\S+) was refused by the job \(exit (\d+)\): (.*); not restarting it", job.stderr()
+            )
 
         found = wait_for(refused, 180, 0.05, "the standby's refusal")
         member, code, fields = found.group(1), int(found.group(2)), found.group(3)

@@ -70,10 +70,13 @@ def test_a_peer_that_sends_code_is_refused_and_the_code_never_runs(tmp_path):
     assert not os.path.exists(marker), "the peer's code ran"
 
 
-@pytest.mark.parametrize("payload,match", [
-    ({"format": "other", "version": 1}, "not a TrainMover state record"),
-    ({"format": transfer.META_FORMAT, "version": 99}, "version 99"),
-])
+@pytest.mark.parametrize(
+    "payload,match",
+    [
+        ({"format": "other", "version": 1}, "not a TrainMover state record"),
+        ({"format": transfer.META_FORMAT, "version": 99}, "version 99"),
+    ],
+)
 def test_foreign_or_newer_records_are_refused(payload, match):
     ch = MemoryChannel()
     buf = io.BytesIO()
@@ -94,8 +97,9 @@ def test_tensors_that_differ_from_the_targets_are_named():
     ours = transfer._manifest([torch.zeros(4, 8), torch.zeros(8, dtype=torch.bfloat16)])
     transfer.check_manifest(ours, ours, rank=3)
     with pytest.raises(MigrationAborted, match=r"tensor 0: \[4, 16\] torch.float32 sent, \[4, 8\] torch.float32 here"):
-        transfer.check_manifest(transfer._manifest([torch.zeros(4, 16), torch.zeros(8, dtype=torch.bfloat16)]),
-                                ours, rank=3)
+        transfer.check_manifest(
+            transfer._manifest([torch.zeros(4, 16), torch.zeros(8, dtype=torch.bfloat16)]), ours, rank=3
+        )
     with pytest.raises(MigrationAborted, match="torch.float32 sent, \\[8\\] torch.bfloat16 here"):
         transfer.check_manifest(transfer._manifest([torch.zeros(4, 8), torch.zeros(8)]), ours, rank=3)
     with pytest.raises(MigrationAborted, match="sends 1 tensors, this process holds 2"):

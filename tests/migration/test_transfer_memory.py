@@ -15,15 +15,23 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_transfer_memory, run_job, transfers
 from harness.jobs import model_args
+from helpers import assert_transfer_memory, run_job, transfers
 from trainmover_ext.migration.transfer import DRILL_EXTRA_COPY_ENV
 
 
 def _args(corpus) -> list[str]:
     return model_args(layers=2, hidden=768, heads=8, seq=64, mbs=1, gbs=2, iters=6, lr=1e-4) + [
-        "--data-path", corpus + "_text_document", "--bf16",
-        "--trainmover", "--tm-standbys", "1", "--tm-standby-nice", "0", "--tm-inject-fault", "1:4:backward",
+        "--data-path",
+        corpus + "_text_document",
+        "--bf16",
+        "--trainmover",
+        "--tm-standbys",
+        "1",
+        "--tm-standby-nice",
+        "0",
+        "--tm-inject-fault",
+        "1:4:backward",
     ]
 
 
@@ -40,10 +48,13 @@ def test_transfer_takes_no_extra_memory(tmp_path, corpus):
     assert (sent.rank, sent.peer) == (0, 1)
     assert sent.state_mib >= 0.2 * sent.start_mib, (
         f"the state ({sent.state_mib:.0f} MiB) is under 20% of the sender's RSS ({sent.start_mib:.0f} MiB): "
-        "the check would prove little")
+        "the check would prove little"
+    )
     assert_transfer_memory(job, fraction=0.02, slack_mib=0.0)
-    print(f"state {sent.state_mib:.1f} MiB = {sent.state_mib / sent.start_mib:.0%} of the sender's RSS; "
-          f"sender +{sent.extra_mib:.2f} MiB, receiver +{received.extra_mib:.2f} MiB")
+    print(
+        f"state {sent.state_mib:.1f} MiB = {sent.state_mib / sent.start_mib:.0%} of the sender's RSS; "
+        f"sender +{sent.extra_mib:.2f} MiB, receiver +{received.extra_mib:.2f} MiB"
+    )
 
 
 def test_memory_check_fails_when_the_sender_copies_the_state(tmp_path, corpus):

@@ -15,8 +15,9 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,8 +100,18 @@ class Ranks:
                 proc.join(5)
 
 
-def _child(key, rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue, config, init: bool,
-           join_epoch: int | None) -> None:
+def _child(
+    key,
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable,
+    args: tuple,
+    queue,
+    config,
+    init: bool,
+    join_epoch: int | None,
+) -> None:
     code = 0
     try:
         # `kill -USR1 <pid>` prints every thread's stack: the way to see where a rank is stuck.
@@ -111,8 +122,13 @@ def _child(key, rank: int, world_size: int, port: int, fn: Callable, args: tuple
         if join_epoch is not None:
             nccl_delta.expect_join(join_epoch)
         if init:
-            dist.init_process_group(backend="nccl_delta", store=store, rank=rank, world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=60))
+            dist.init_process_group(
+                backend="nccl_delta",
+                store=store,
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=60),
+            )
         queue.put((key, True, fn(rank, world_size, store, *args)))
     except BaseException:
         queue.put((key, False, traceback.format_exc()))
@@ -124,9 +140,18 @@ def _child(key, rank: int, world_size: int, port: int, fn: Callable, args: tuple
         os._exit(code)
 
 
-def spawn(world_size: int, fn: Callable, *args, ranks: list[int] | None = None, store: TCPStore | None = None,
-          config: nccl_delta.DeltaConfig | None = None, init: bool = True, join_epoch: int | None = None,
-          queue=None, keys: list | None = None) -> Ranks:
+def spawn(
+    world_size: int,
+    fn: Callable,
+    *args,
+    ranks: list[int] | None = None,
+    store: TCPStore | None = None,
+    config: nccl_delta.DeltaConfig | None = None,
+    init: bool = True,
+    join_epoch: int | None = None,
+    queue=None,
+    keys: list | None = None,
+) -> Ranks:
     """Fork one process per rank running ``fn(rank, world_size, store, *args)`` after init."""
     store = store or host_store()
     queue = queue or CTX.Queue()
@@ -134,9 +159,12 @@ def spawn(world_size: int, fn: Callable, *args, ranks: list[int] | None = None, 
     ranks = list(range(world_size)) if ranks is None else ranks
     keys = keys or ranks
     procs = {}
-    for key, rank in zip(keys, ranks):
-        proc = CTX.Process(target=_child, args=(key, rank, world_size, store.port, fn, args, queue, config, init,
-                                                join_epoch), daemon=True)
+    for key, rank in zip(keys, ranks, strict=False):
+        proc = CTX.Process(
+            target=_child,
+            args=(key, rank, world_size, store.port, fn, args, queue, config, init, join_epoch),
+            daemon=True,
+        )
         proc.start()
         procs[key] = proc
     return Ranks(procs=procs, queue=queue, store=store)

@@ -107,8 +107,9 @@ def _cases(rank, n, store, n_cases):
 
         # Point to point around the ring, as megatron's batched p2p does it.
         recv = torch.empty_like(x)
-        reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x.contiguous(), (rank + 1) % n),
-                                       dist.P2POp(dist.irecv, recv, (rank - 1) % n)])
+        reqs = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, x.contiguous(), (rank + 1) % n), dist.P2POp(dist.irecv, recv, (rank - 1) % n)]
+        )
         for req in reqs:
             req.wait()
         check(f"{tag} batch_isend_irecv", recv, _values(shape, dtype, seed=case * 97 + (rank - 1) % n), digest=False)
@@ -170,16 +171,21 @@ def _large(rank, n, store):
 
     ref = dist.new_group(backend="gloo")
     failures, digests = [], []
-    for numel, dtype in ((n * 262_147 + 5, torch.float32), (n * 1_500_001, torch.float32),
-                         (n * 700_003 + 1, torch.bfloat16)):
+    for numel, dtype in (
+        (n * 262_147 + 5, torch.float32),
+        (n * 1_500_001, torch.float32),
+        (n * 700_003 + 1, torch.bfloat16),
+    ):
         for repeat in range(2):
             x = _values((numel,), dtype, seed=numel + 7 * rank + repeat)
             ours, theirs = x.clone(), x.clone()
             dist.all_reduce(ours)
             dist.all_reduce(theirs, group=ref)
             if not _close(ours, theirs):
-                failures.append(f"rank {rank} all_reduce {numel} {dtype} #{repeat}: "
-                                f"max diff {(ours.double() - theirs.double()).abs().max().item()}")
+                failures.append(
+                    f"rank {rank} all_reduce {numel} {dtype} #{repeat}: "
+                    f"max diff {(ours.double() - theirs.double()).abs().max().item()}"
+                )
             digests.append((f"{numel} {dtype} #{repeat}", _digest(ours)))
     scratch = ring._local.scratch[torch.device("cpu")].numel()
     if scratch != ring.RECV_DEPTH * (4 << 20):
@@ -207,12 +213,12 @@ def _in_place(rank, n, store):
         grads = _values((numel,), torch.float32, seed=rank + numel)
         ours, theirs = grads.clone(), grads.clone()
         k = numel // n
-        dist.reduce_scatter_tensor(ours[rank * k:(rank + 1) * k], ours)
-        dist.reduce_scatter_tensor(theirs[rank * k:(rank + 1) * k], theirs, group=ref)
-        out[f"reduce_scatter {numel}"] = torch.equal(ours[rank * k:(rank + 1) * k], theirs[rank * k:(rank + 1) * k])
+        dist.reduce_scatter_tensor(ours[rank * k : (rank + 1) * k], ours)
+        dist.reduce_scatter_tensor(theirs[rank * k : (rank + 1) * k], theirs, group=ref)
+        out[f"reduce_scatter {numel}"] = torch.equal(ours[rank * k : (rank + 1) * k], theirs[rank * k : (rank + 1) * k])
         params = torch.zeros(numel)
-        params[rank * k:(rank + 1) * k] = float(rank + 1)
-        dist.all_gather_into_tensor(params, params[rank * k:(rank + 1) * k])
+        params[rank * k : (rank + 1) * k] = float(rank + 1)
+        dist.all_gather_into_tensor(params, params[rank * k : (rank + 1) * k])
         out[f"all_gather {numel}"] = params.tolist() == [float(r + 1) for r in range(n) for _ in range(k)]
     return out
 

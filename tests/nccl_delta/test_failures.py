@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import nccl_delta
-from nccl_delta.errors import CommAbandoned, CommLinkError
+from nccl_delta.errors import CommLinkError
 
 from . import harness
 
@@ -153,10 +153,8 @@ def test_recover_after_kill_with_joiner():
         os.kill(ranks.procs[2].pid, signal.SIGKILL)
         ranks.procs[2].join(5)
         store.wait([f"abandoned/{r}" for r in (0, 1, 3)])
-        joiner = harness.spawn(4, _replacement, ranks=[2], keys=["joiner"], store=store, queue=queue,
-                               join_epoch=EPOCH)
-        both = harness.Ranks(procs={**{r: ranks.procs[r] for r in (0, 1, 3)}, **joiner.procs}, queue=queue,
-                             store=store)
+        joiner = harness.spawn(4, _replacement, ranks=[2], keys=["joiner"], store=store, queue=queue, join_epoch=EPOCH)
+        both = harness.Ranks(procs={**{r: ranks.procs[r] for r in (0, 1, 3)}, **joiner.procs}, queue=queue, store=store)
         results = both.results(timeout=60)
     finally:
         ranks.kill_all()
@@ -205,8 +203,7 @@ def test_recover_keeps_idle_links_whose_ledgers_match():
         store.wait([f"idle/{r}" for r in range(4)])
         assert leaver.results(timeout=30) == {"leaver": "left"}
         store.set("abandon", "1")
-        joiner = harness.spawn(4, _replacement, ranks=[3], keys=["joiner"], store=store, queue=queue,
-                               join_epoch=EPOCH)
+        joiner = harness.spawn(4, _replacement, ranks=[3], keys=["joiner"], store=store, queue=queue, join_epoch=EPOCH)
         both = harness.Ranks(procs={**ranks.procs, **joiner.procs}, queue=queue, store=store)
         results = both.results(timeout=60)
     finally:
@@ -217,4 +214,7 @@ def test_recover_keeps_idle_links_whose_ledgers_match():
     assert stayers[1]["got"] == 7.0
     # rank: (links kept, ring links rebuilt, links severed by the abandon)
     assert {r: (v["kept"], v["rebuilt"], v["severed"]) for r, v in stayers.items()} == {
-        0: (0, 2, 2), 1: (1, 1, 1), 2: (1, 1, 1)}, stayers
+        0: (0, 2, 2),
+        1: (1, 1, 1),
+        2: (1, 1, 1),
+    }, stayers

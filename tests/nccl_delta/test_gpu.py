@@ -11,8 +11,10 @@ from . import harness
 pytestmark = pytest.mark.gpu
 # NCCL refuses two ranks of one communicator on the same device ("Duplicate GPU detected"), so a
 # 2-rank NCCL link needs 2 devices.
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                                reason="needs 2 CUDA devices (NCCL allows one rank per device)")
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA devices (NCCL allows one rank per device)",
+)
 
 
 def _gpu_ops(rank, n, store):
@@ -28,9 +30,12 @@ def _gpu_ops(rank, n, store):
     dist.broadcast(b, 1)
     torch.cuda.synchronize()
     expect = torch.arange(100003, dtype=torch.float32) * sum(range(1, n + 1))
-    return dict(allreduce=bool(torch.allclose(x.cpu(), expect)),
-                allgather=out.cpu().tolist() == [float(r) for r in range(n) for _ in range(10)],
-                reduce_scatter=rs.cpu().tolist() == [float(n)] * 7, broadcast=bool((b == 1).all()))
+    return dict(
+        allreduce=bool(torch.allclose(x.cpu(), expect)),
+        allgather=out.cpu().tolist() == [float(r) for r in range(n) for _ in range(10)],
+        reduce_scatter=rs.cpu().tolist() == [float(n)] * 7,
+        broadcast=bool((b == 1).all()),
+    )
 
 
 @needs_cuda

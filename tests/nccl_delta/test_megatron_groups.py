@@ -17,8 +17,9 @@ ps = pytest.importorskip("megatron.core.parallel_state")
 
 
 def _layout(rank, n, store, tp, pp):
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 create_gloo_process_groups=False)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=False
+    )
     try:
         groups = dist.distributed_c10d._world.pg_map
         foreign = [repr(g) for g in groups if not isinstance(g, nccl_delta.DeltaProcessGroup)]
@@ -38,8 +39,11 @@ def _layout(rank, n, store, tp, pp):
             dist.all_reduce(t, group=group)
             sums[key] = (t[0].item(), float(sum(r + 1 for r in ranks)))
         # megatron's PP=2 path sends one direction over WORLD: stage 0 -> stage 1 by global rank.
-        pp_ranks = ps.get_pipeline_model_parallel_global_ranks() if hasattr(ps, "get_pipeline_model_parallel_global_ranks") \
+        pp_ranks = (
+            ps.get_pipeline_model_parallel_global_ranks()
+            if hasattr(ps, "get_pipeline_model_parallel_global_ranks")
             else dist.get_process_group_ranks(named["pp"])
+        )
         me = pp_ranks.index(rank)
         got = None
         if me == 0:

@@ -62,8 +62,15 @@ def _stayer(rank, n, store):
         time.sleep(0.004)
     report = world.switch(EPOCH)
     after = _reduce_all(rank, groups)
-    return dict(before=before, after=after, max_latency=max(latencies), during_phase1=during_phase1,
-                links_touched=report.links_touched, switch_s=report.switch_s, wrong=wrong)
+    return dict(
+        before=before,
+        after=after,
+        max_latency=max(latencies),
+        during_phase1=during_phase1,
+        links_touched=report.links_touched,
+        switch_s=report.switch_s,
+        wrong=wrong,
+    )
 
 
 def _leaver(rank, n, store):
@@ -91,8 +98,9 @@ def test_swap_under_load_is_bit_identical():
     try:
         store.wait([f"ready/{r}" for r in range(4)])
         store.set("go", "1")
-        joiner = harness.spawn(4, _joiner, ranks=[3], keys=["joiner"], store=store, queue=queue, config=config,
-                               join_epoch=EPOCH)
+        joiner = harness.spawn(
+            4, _joiner, ranks=[3], keys=["joiner"], store=store, queue=queue, config=config, join_epoch=EPOCH
+        )
         both = harness.Ranks(procs={**stayers.procs, **joiner.procs}, queue=queue, store=store)
         results = both.results(timeout=120)
         store.set("leave", "1")

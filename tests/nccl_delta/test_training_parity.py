@@ -23,6 +23,7 @@ wrongly on nccl_delta; tests/nccl_delta/test_collectives.py now covers it.
 from __future__ import annotations
 
 import pytest
+
 from helpers import losses_by_iteration, run_job, tiny_args
 
 REL_TOL = 1e-6

@@ -28,14 +28,15 @@ def test_config_from_env(monkeypatch):
     cfg = nccl_delta.DeltaConfig.from_env(link_host="127.0.0.1")
     assert (cfg.transport, cfg.op_timeout_s, cfg.link_host) == ("gloo", 7.0, "127.0.0.1")
     assert nccl_delta.DeltaConfig(transport="auto").resolved_transport() == (
-        "nccl" if torch.cuda.is_available() else "gloo")
+        "nccl" if torch.cuda.is_available() else "gloo"
+    )
 
 
 @pytest.mark.parametrize("numel,n", [(0, 3), (5, 3), (12, 4), (13, 4), (1, 8)])
 def test_chunk_bounds_cover_everything_once(numel, n):
     bounds = ring.chunk_bounds(numel, n)
     assert len(bounds) == n and bounds[0][0] == 0 and bounds[-1][1] == numel
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
     sizes = [b - a for a, b in bounds]
     assert max(sizes) - min(sizes) <= 1
 
@@ -52,7 +53,9 @@ def test_reducers_and_avg():
 
 
 def test_nccl_transport_imports_without_cuda():
-    assert transport_nccl.nccl_available() == (torch.cuda.is_available() and transport_nccl.ProcessGroupNCCL is not None)
+    assert transport_nccl.nccl_available() == (
+        torch.cuda.is_available() and transport_nccl.ProcessGroupNCCL is not None
+    )
 
 
 def test_op_name_reads_through_reduce_op_wrappers():
@@ -84,7 +87,9 @@ def test_close_retires_at_once_and_tears_down_off_the_caller_thread():
     assert handle.done.wait(5.0), "the reaper never closed the handle"
     assert handle.closed_by == "nccl_delta_reaper"
     sync = _FakeHandle()
-    Link(link_id=LinkId(group="g", a=0, b=1, generation=0), me=0, peer=1, handle=sync, op_timeout_s=1.0).close(wait=True)
+    Link(link_id=LinkId(group="g", a=0, b=1, generation=0), me=0, peer=1, handle=sync, op_timeout_s=1.0).close(
+        wait=True
+    )
     assert sync.closed_by == threading.current_thread().name
 
 
@@ -112,13 +117,15 @@ def test_a_probed_link_is_severed_even_when_an_abandon_races_the_probe():
     from nccl_delta.links import Link, LinkId
 
     handle = _ProbeRacedByAbandon()
-    link = handle.link = Link(link_id=LinkId(group="g", a=0, b=1, generation=0), me=0, peer=1, handle=handle,
-                              op_timeout_s=1.0)
+    link = handle.link = Link(
+        link_id=LinkId(group="g", a=0, b=1, generation=0), me=0, peer=1, handle=handle, op_timeout_s=1.0
+    )
     assert link.probe_then_sever("allreduce failed on a neighbouring link") is False
     assert handle.quiesced_during_probe is False, "the abandon quiesced a link under probe"
     assert handle.severed and link.state == "broken" and link.ledger() is None
-    quiet = Link(link_id=LinkId(group="g", a=0, b=1, generation=0), me=0, peer=1, handle=_ProbeRacedByAbandon(),
-                 op_timeout_s=1.0)
+    quiet = Link(
+        link_id=LinkId(group="g", a=0, b=1, generation=0), me=0, peer=1, handle=_ProbeRacedByAbandon(), op_timeout_s=1.0
+    )
     assert quiet.quiesce("epoch 1 abandoned")
     assert quiet.probe_then_sever("x") is False and not quiet.handle.severed  # recover() may keep a quiet link
     assert quiet.ledger() is not None
@@ -257,8 +264,7 @@ def test_the_pair_socket_is_found_when_its_fd_number_held_another_socket_before(
 
     from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=datetime.timedelta(seconds=30))
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     ends = [ctx.Process(target=_pair_end, args=(store.port, side, queue), daemon=True) for side in (0, 1)]
@@ -269,5 +275,5 @@ def test_the_pair_socket_is_found_when_its_fd_number_held_another_socket_before(
         end.join(10)
     assert [end.exitcode for end in ends] == [0, 0], found
     assert len(found[0]) == 1, f"the pair's socket was not identified: a sever could not unblock its ops: {found}"
-    (local, remote), = found[0]
+    ((local, remote),) = found[0]
     assert [list(remote), list(local)] in [[list(a), list(b)] for a, b in found[1]], found

@@ -37,8 +37,20 @@ def failover_run(tmp_path_factory, corpus):
     try:
         endpoints = ",".join(etcd.endpoints)
         args = tm_args(corpus, tp=1, pp=2, iters=ITERS, extra=["--tm-inject-fault", f"1:{FAULT_ITER}:forward"])
-        job = start_job(tmp, 4, args, "--metrics-port", "0", "--tm-etcd-endpoints", endpoints, "--tm-job", JOB,
-                        "--tm-job-token", TOKEN, name="failover")
+        job = start_job(
+            tmp,
+            4,
+            args,
+            "--metrics-port",
+            "0",
+            "--tm-etcd-endpoints",
+            endpoints,
+            "--tm-job",
+            JOB,
+            "--tm-job-token",
+            TOKEN,
+            name="failover",
+        )
         url, scrapes = None, []
         deadline = time.time() + 240
         while job.popen.poll() is None and time.time() < deadline:

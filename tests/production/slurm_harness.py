@@ -26,7 +26,6 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from trainmover_ext.netutil import free_ports
 
@@ -42,7 +41,7 @@ class SlurmUnavailable(SlurmError):
     """Slurm is not installed and could not be installed here."""
 
 
-def _which(name: str) -> Optional[str]:
+def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin")
 
 
@@ -52,25 +51,32 @@ def ensure_slurm_installed(timeout: float = 300) -> None:
     if not missing:
         return
     if shutil.which("apt-get") is None:
-        raise SlurmUnavailable(f"Slurm binaries {missing} are missing and apt-get is not available: "
-                               f"install {' '.join(PACKAGES)} (Slurm 22.05 + munge) by hand")
+        raise SlurmUnavailable(
+            f"Slurm binaries {missing} are missing and apt-get is not available: "
+            f"install {' '.join(PACKAGES)} (Slurm 22.05 + munge) by hand"
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-qq"],
-                ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]):
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+    ):
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             raise SlurmUnavailable(f"`{' '.join(cmd)}` took more than {timeout}s: check the package mirror") from exc
         if proc.returncode != 0:
-            raise SlurmUnavailable(f"`{' '.join(cmd)}` failed ({proc.returncode}); run it as root. "
-                                   f"Output tail:\n{(proc.stdout + proc.stderr)[-2000:]}")
+            raise SlurmUnavailable(
+                f"`{' '.join(cmd)}` failed ({proc.returncode}); run it as root. "
+                f"Output tail:\n{(proc.stdout + proc.stderr)[-2000:]}"
+            )
     still = [b for b in BINARIES if _which(b) is None]
     if still:
         raise SlurmUnavailable(f"installed {PACKAGES} but {still} are still missing from PATH and /usr/sbin")
 
 
 def parse_kv_line(line: str) -> dict[str, str]:
-    """``scontrol -o show ...`` output (``Key=Value`` words) as a dict; values with spaces keep only their first word."""
+    """``scontrol -o show ...`` output (``Key=Value`` words) as a dict; values with spaces keep only their
+    first word."""
     out: dict[str, str] = {}
     for word in line.split():
         key, sep, value = word.partition("=")
@@ -103,7 +109,7 @@ class SlurmCluster:
     def munge_socket(self) -> Path:
         return self.workdir / "munge" / "munge.sock"
 
-    def env(self, base: Optional[dict] = None) -> dict[str, str]:
+    def env(self, base: dict | None = None) -> dict[str, str]:
         """The environment for Slurm clients and daemons of this cluster."""
         env = dict(os.environ if base is None else base)
         env["SLURM_CONF"] = str(self.conf)
@@ -147,19 +153,22 @@ class SlurmCluster:
             "SlurmdTimeout=30",
             "InactiveLimit=0",
         ]
-        for name, port in zip(self.node_names, self.node_ports):
-            lines.append(f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} "
-                         f"CPUs={self.cpus_per_node} State=UNKNOWN")
+        for name, port in zip(self.node_names, self.node_ports, strict=False):
+            lines.append(
+                f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} "
+                f"CPUs={self.cpus_per_node} State=UNKNOWN"
+            )
         lines.append(f"PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.workdir / f"{name}.stdout", "w")
         # Own session: a Ctrl-C of the test run reaches pytest, which stops us by pid.
-        self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(),
-                                            start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True
+        )
 
-    def start(self, timeout: float = 60) -> "SlurmCluster":
+    def start(self, timeout: float = 60) -> SlurmCluster:
         """Start munged, slurmctld and the slurmd nodes; return when every node is idle."""
         ensure_slurm_installed()
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -176,9 +185,24 @@ class SlurmCluster:
         key = munge_dir / "munge.key"
         self._run([_which("mungekey"), "-c", "-f", "-k", str(key)], timeout=30)
         try:
-            self._spawn("munged", [_which("munged"), "-F", "--force", "--key-file", str(key),
-                                   "--socket", str(self.munge_socket), "--pid-file", str(munge_dir / "munged.pid"),
-                                   "--log-file", str(munge_dir / "munged.log"), "--seed-file", str(munge_dir / "seed")])
+            self._spawn(
+                "munged",
+                [
+                    _which("munged"),
+                    "-F",
+                    "--force",
+                    "--key-file",
+                    str(key),
+                    "--socket",
+                    str(self.munge_socket),
+                    "--pid-file",
+                    str(munge_dir / "munged.pid"),
+                    "--log-file",
+                    str(munge_dir / "munged.log"),
+                    "--seed-file",
+                    str(munge_dir / "seed"),
+                ],
+            )
             self._wait(lambda: self.munge_socket.exists(), timeout, "munged's socket")
             self._spawn("slurmctld", [_which("slurmctld"), "-D", "-c", "-i", "-f", str(self.conf)])
             for name in self.node_names:
@@ -191,8 +215,9 @@ class SlurmCluster:
 
     def _all_idle(self) -> bool:
         self._check_alive()
-        proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env(), capture_output=True,
-                              text=True, timeout=15)
+        proc = subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env(), capture_output=True, text=True, timeout=15
+        )
         states = dict(line.split() for line in proc.stdout.splitlines() if len(line.split()) == 2)
         return all(states.get(n) == "idle" for n in self.node_names)
 
@@ -211,8 +236,15 @@ class SlurmCluster:
             raise SlurmError(f"`{' '.join(cmd)}` exited {proc.returncode}: {proc.stderr.strip()}\n{self.logs()}")
         return proc
 
-    def submit(self, script: str, script_args: list[str], sbatch_args: list[str], cwd: str,
-               env: Optional[dict] = None, timeout: float = 30) -> int:
+    def submit(
+        self,
+        script: str,
+        script_args: list[str],
+        sbatch_args: list[str],
+        cwd: str,
+        env: dict | None = None,
+        timeout: float = 30,
+    ) -> int:
         """``sbatch --parsable`` from ``cwd``; returns the job id."""
         cmd = ["sbatch", "--parsable", *sbatch_args, script, *script_args]
         try:
@@ -238,8 +270,10 @@ class SlurmCluster:
             if info.get("JobState") not in ("PENDING", "CONFIGURING"):
                 break
             time.sleep(0.2)
-        raise SlurmError(f"job {job_id} is {info.get('JobState')}, not RUNNING, after waiting up to {timeout}s "
-                         f"(reason {info.get('Reason')})\n{self.logs()}")
+        raise SlurmError(
+            f"job {job_id} is {info.get('JobState')}, not RUNNING, after waiting up to {timeout}s "
+            f"(reason {info.get('Reason')})\n{self.logs()}"
+        )
 
     def wait_job(self, job_id: int, timeout: float) -> dict[str, str]:
         """Poll until the job leaves PENDING/RUNNING/COMPLETING; raises SlurmError with its state on timeout."""
@@ -250,8 +284,9 @@ class SlurmCluster:
             if info.get("JobState") not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED"):
                 return info
             time.sleep(0.5)
-        raise SlurmError(f"job {job_id} still {info.get('JobState')} after {timeout}s "
-                         f"(reason {info.get('Reason')})\n{self.logs()}")
+        raise SlurmError(
+            f"job {job_id} still {info.get('JobState')} after {timeout}s (reason {info.get('Reason')})\n{self.logs()}"
+        )
 
     def logs(self, tail: int = 1500) -> str:
         """The tail of every daemon log, for error messages."""
@@ -265,12 +300,12 @@ class SlurmCluster:
         """Cancel all jobs, wait for an empty queue, then stop every daemon we started, by pid."""
         ctld = self.procs.get("slurmctld")
         if ctld is not None and ctld.poll() is None:
-            subprocess.run(["scancel", "--full", "-p", self.partition], env=self.env(), capture_output=True,
-                           timeout=15)
+            subprocess.run(["scancel", "--full", "-p", self.partition], env=self.env(), capture_output=True, timeout=15)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                q = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env(), capture_output=True, text=True,
-                                   timeout=15)
+                q = subprocess.run(
+                    ["squeue", "-h", "-o", "%i"], env=self.env(), capture_output=True, text=True, timeout=15
+                )
                 if q.returncode == 0 and not q.stdout.strip():
                     break
                 time.sleep(0.3)
@@ -287,7 +322,7 @@ class SlurmCluster:
                     p.kill()
                     p.wait(timeout=10)
 
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from production.tools import venv_tool
+
 from harness.jobs import REPO_ROOT
 
 DOCKERFILE = Path(REPO_ROOT) / "Dockerfile"
@@ -36,8 +36,12 @@ def lint(text: str, tmp_path: Path) -> list[dict]:
     """hadolint's findings (JSON) for a Dockerfile with ``text``."""
     target = tmp_path / "Dockerfile.lint"
     target.write_text(text)
-    proc = subprocess.run([hadolint(), "--no-color", "--format", "json", "--failure-threshold", "error", str(target)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [hadolint(), "--no-color", "--format", "json", "--failure-threshold", "error", str(target)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.stdout.strip().startswith("["), f"hadolint did not print JSON ({proc.returncode}): {proc.stderr}"
     return json.loads(proc.stdout)
 
@@ -63,10 +67,13 @@ def test_hadolint_finds_no_errors_in_the_dockerfile(tmp_path):
     findings = lint(DOCKERFILE.read_text(), tmp_path)
     errors = [f for f in findings if f["level"] == "error"]
     assert not errors, "hadolint errors in Dockerfile:\n" + "\n".join(
-        f"line {f['line']} {f['code']}: {f['message']}" for f in errors)
+        f"line {f['line']} {f['code']}: {f['message']}" for f in errors
+    )
     # The linter really reports errors: a relative WORKDIR is one (DL3000).
-    assert any(f["code"] == "DL3000" and f["level"] == "error"
-               for f in lint("FROM debian:12\nWORKDIR relative/dir\n", tmp_path))
+    assert any(
+        f["code"] == "DL3000" and f["level"] == "error"
+        for f in lint("FROM debian:12\nWORKDIR relative/dir\n", tmp_path)
+    )
 
 
 def test_dockerfile_shape():
@@ -87,7 +94,7 @@ def test_dependencies_are_installed_before_the_source_is_copied():
     first_source = next(i for i, (word, args) in enumerate(steps) if word == "COPY" and "trainmover_ext" in args)
     deps = [i for i, (word, args) in enumerate(steps) if word == "RUN" and "-r requirements-image.txt" in args]
     assert deps and deps[0] < first_source, steps
-    copied_before = " ".join(args for word, args in steps[:deps[0]] if word == "COPY")
+    copied_before = " ".join(args for word, args in steps[: deps[0]] if word == "COPY")
     assert "constraints.txt" in copied_before and "setup.py" not in copied_before
     runs = " ".join(args for word, args in steps if word == "RUN")
     assert " -e " not in runs, "the image installs the project editable"
@@ -95,8 +102,11 @@ def test_dependencies_are_installed_before_the_source_is_copied():
 
 
 def test_dockerignore_keeps_local_state_out_of_the_build_context():
-    patterns = {line.strip() for line in open(os.path.join(REPO_ROOT, ".dockerignore"))
-                if line.strip() and not line.startswith("#")}
+    patterns = {
+        line.strip()
+        for line in open(os.path.join(REPO_ROOT, ".dockerignore"))
+        if line.strip() and not line.startswith("#")
+    }
     assert {".venv", "data", "runs", ".git"} <= patterns, patterns
 
 
@@ -129,7 +139,9 @@ def test_dockerfile_install_steps_work_in_a_fresh_venv(tmp_path):
 
     def run(cmd, cwd, timeout=600):
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-        assert proc.returncode == 0, f"`{' '.join(map(str, cmd))}` exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+        assert proc.returncode == 0, (
+            f"`{' '.join(map(str, cmd))}` exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+        )
         return proc.stdout
 
     run([sys.executable, "-m", "venv", str(venv)], tmp_path, timeout=120)

@@ -16,8 +16,18 @@ pytestmark = pytest.mark.slow
 
 def test_demo_shows_the_mission(tmp_path, corpus):
     run_dir = tmp_path / "demo"
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "scripts", "demo.py"), "--iters", "10", "--fault", "5:5:backward",
-           "--data-prefix", corpus, "--run-dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO_ROOT, "scripts", "demo.py"),
+        "--iters",
+        "10",
+        "--fault",
+        "5:5:backward",
+        "--data-prefix",
+        corpus,
+        "--run-dir",
+        str(run_dir),
+    ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=500)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]

@@ -13,8 +13,9 @@ GEN = os.path.join(REPO_ROOT, "scripts", "gen_flag_reference.py")
 
 def test_flag_reference_is_current():
     env = dict(os.environ, TRAINMOVER_JOB="must-not-leak", TRAINMOVER_ETCD_ENDPOINTS="10.0.0.1:2379")
-    proc = subprocess.run([sys.executable, GEN, "--check"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, GEN, "--check"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr + proc.stdout
 
 
@@ -22,15 +23,28 @@ def test_check_catches_a_stale_reference(tmp_path):
     stale = tmp_path / "flags.md"
     with open(os.path.join(REPO_ROOT, "docs", "flags.md")) as f:
         stale.write_text(f.read().replace("`--tensor-model-parallel-size", "`--tp-renamed", 1))
-    proc = subprocess.run([sys.executable, GEN, "--check", "--output", str(stale)], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, GEN, "--check", "--output", str(stale)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and "gen_flag_reference.py" in proc.stderr, proc.stderr
 
 
 def test_reference_covers_every_parser():
     text = open(os.path.join(REPO_ROOT, "docs", "flags.md")).read()
-    for needle in ("## `pretrain_gpt.py`", "`--tensor-model-parallel-size", "`--trainmover`", "`--tm-etcd-endpoints",
-                   "### `trainmover launch`", "`--nproc-per-node", "### `trainmover status`", "### `trainmover migrate`"):
+    for needle in (
+        "## `pretrain_gpt.py`",
+        "`--tensor-model-parallel-size",
+        "`--trainmover`",
+        "`--tm-etcd-endpoints",
+        "### `trainmover launch`",
+        "`--nproc-per-node",
+        "### `trainmover status`",
+        "### `trainmover migrate`",
+    ):
         assert needle in text, f"docs/flags.md lacks {needle}"
     assert "must-not-leak" not in text and "/work/" not in text
 

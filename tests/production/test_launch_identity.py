@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from trainmover_ext.errors import ConfigError
 from harness.jobs import PRETRAIN, REPO_ROOT
+from trainmover_ext.errors import ConfigError
 from trainmover_ext.launch.agent import Agent, node_name
 from trainmover_ext.launch.cli import job_token
 from trainmover_ext.launch.config import LaunchConfig
@@ -36,20 +36,40 @@ def test_multi_node_without_token_is_refused_with_the_fix():
 
 def test_multi_node_refusal_from_the_command_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINMOVER_")}
-    cmd = [sys.executable, "-m", "trainmover_ext.cli", "launch", "--nnodes", "2", "--node-rank", "1",
-           "--master-addr", "127.0.0.1", "--master-port", "29400", "--tm-etcd-endpoints", "127.0.0.1:1",
-           "--run-dir", str(tmp_path), PRETRAIN, "--mock-data"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainmover_ext.cli",
+        "launch",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        "29400",
+        "--tm-etcd-endpoints",
+        "127.0.0.1:1",
+        "--run-dir",
+        str(tmp_path),
+        PRETRAIN,
+        "--mock-data",
+    ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--tm-job-token" in proc.stderr and "multi-node" in proc.stderr, proc.stderr
     assert not os.listdir(tmp_path), "nothing may start before the refusal"
 
 
-@pytest.mark.parametrize("environ,expected", [
-    ({"TRAINMOVER_NODE_NAME": "rack1-n3", "SLURMD_NODENAME": "node3"}, "rack1-n3"),
-    ({"SLURMD_NODENAME": "node3"}, "node3"),
-    ({}, socket.gethostname()),
-])
+@pytest.mark.parametrize(
+    "environ,expected",
+    [
+        ({"TRAINMOVER_NODE_NAME": "rack1-n3", "SLURMD_NODENAME": "node3"}, "rack1-n3"),
+        ({"SLURMD_NODENAME": "node3"}, "node3"),
+        ({}, socket.gethostname()),
+    ],
+)
 def test_node_name_precedence(environ, expected):
     assert node_name(environ) == expected
 

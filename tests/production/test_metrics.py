@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
+from production.conftest import FAULT_ITER
 from prometheus_client.parser import text_string_to_metric_families
 
-from production.conftest import FAULT_ITER
 from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord, migration_key_suffix
 from trainmover_ext.kv.job import JobSpace
 from trainmover_ext.kv.memory import MemoryKV
@@ -29,10 +29,15 @@ def value(text: str, name: str, **labels) -> float:
 
 # -- units ---------------------------------------------------------------------------
 
+
 def test_phases_are_named_by_the_step_they_end_in():
     steps = {"first_iteration": 9.0, "detected": 1.0, "decided": 1.5, "joined": 4.0, "transferred": 6.0}
-    assert migration_phases(steps) == [("decided", 1.0, 1.5), ("joined", 1.5, 4.0), ("transferred", 4.0, 6.0),
-                                       ("first_iteration", 6.0, 9.0)]
+    assert migration_phases(steps) == [
+        ("decided", 1.0, 1.5),
+        ("joined", 1.5, 4.0),
+        ("transferred", 4.0, 6.0),
+        ("first_iteration", 6.0, 9.0),
+    ]
     assert migration_phases({"detected": 1.0}) == []
 
 
@@ -41,7 +46,9 @@ def test_feed_tails_iterations_and_counts_a_rerun_once(tmp_path):
     path.write_text(json.dumps({"event": "iteration", "iteration": 99, "iteration_s": 9.0}) + "\n")  # an earlier run
     m = AgentMetrics(job="j")
     feed = MetricsFeed(m, metrics_file=str(path), tokens_per_iteration=1000)
-    recs = [{"event": "startup"}] + [{"event": "iteration", "iteration": i, "iteration_s": 0.5} for i in (1, 2, 3, 3, 4)]
+    recs = [{"event": "startup"}] + [
+        {"event": "iteration", "iteration": i, "iteration_s": 0.5} for i in (1, 2, 3, 3, 4)
+    ]
     text = "".join(json.dumps(r) + "\n" for r in recs)
     with open(path, "a") as f:
         f.write(text[:-10])  # the last record is still being written
@@ -60,15 +67,23 @@ def test_feed_tails_iterations_and_counts_a_rerun_once(tmp_path):
 
 def test_feed_reads_membership_and_finished_migrations():
     space = JobSpace.create(MemoryKV(), "j", "tok")
-    members = [MemberRecord(member_id="w0", kind="worker", host="a", pid=1),
-               MemberRecord(member_id="s0", kind="standby", host="b", pid=2, warm_roles=["first", "last"]),
-               MemberRecord(member_id="s1", kind="standby", host="b", pid=3),  # still warming
-               MemberRecord(member_id="ag", kind="agent", host="a", pid=4)]
+    members = [
+        MemberRecord(member_id="w0", kind="worker", host="a", pid=1),
+        MemberRecord(member_id="s0", kind="standby", host="b", pid=2, warm_roles=["first", "last"]),
+        MemberRecord(member_id="s1", kind="standby", host="b", pid=3),  # still warming
+        MemberRecord(member_id="ag", kind="agent", host="a", pid=4),
+    ]
     for rec in members:
         space.put(space.key("members", rec.member_id), rec.to_bytes())
     space.put(space.key("ranks", 0), RankRecord(rank=0, member_id="w0").to_bytes())
-    plan = MigrationPlan(epoch=1, reason="failure", replacements=[], resume_iteration=5, status="preparing",
-                         steps={"detected": 10.0, "decided": 10.01})
+    plan = MigrationPlan(
+        epoch=1,
+        reason="failure",
+        replacements=[],
+        resume_iteration=5,
+        status="preparing",
+        steps={"detected": 10.0, "decided": 10.01},
+    )
     key = space.key("migrations", migration_key_suffix(1))
     space.put(key, plan.to_bytes())
     m = AgentMetrics(job="j")
@@ -79,7 +94,9 @@ def test_feed_reads_membership_and_finished_migrations():
     assert value(out, "trainmover_members", kind="worker") == 1 and value(out, "trainmover_standbys_ready") == 1
     assert value(out, "trainmover_migrations_total", kind="failure") == 1
     assert value(out, "trainmover_migrations_total", kind="planned") == 0
-    assert value(out, "trainmover_migration_phase_seconds_count", kind="failure", phase="decided") == 0, "not finished yet"
+    assert value(out, "trainmover_migration_phase_seconds_count", kind="failure", phase="decided") == 0, (
+        "not finished yet"
+    )
     plan.status, plan.steps = "done", plan.steps | {"joined": 10.5, "transferred": 11.0, "first_iteration": 12.0}
     space.put(key, plan.to_bytes())
     feed.poll()
@@ -87,7 +104,9 @@ def test_feed_reads_membership_and_finished_migrations():
     out = m.render().decode()
     assert value(out, "trainmover_migrations_total", kind="failure") == 1, "one plan is one migration"
     assert value(out, "trainmover_migration_phase_seconds_count", kind="failure", phase="joined") == 1
-    assert abs(value(out, "trainmover_migration_phase_seconds_sum", kind="failure", phase="first_iteration") - 1.0) < 1e-9
+    assert (
+        abs(value(out, "trainmover_migration_phase_seconds_sum", kind="failure", phase="first_iteration") - 1.0) < 1e-9
+    )
     assert abs(value(out, "trainmover_migration_downtime_seconds_sum", kind="failure") - 2.0) < 1e-9
 
 
@@ -95,8 +114,10 @@ def test_tokens_loss_progress_and_build_info(tmp_path):
     path = tmp_path / "metrics.jsonl"
     m = AgentMetrics(job="j")
     feed = MetricsFeed(m, metrics_file=str(path), tokens_per_iteration=1000)
-    recs = [{"event": "iteration", "iteration": i, "iteration_s": 0.5, "loss": 6.0 - i, "t_end": 100.0 + i}
-            for i in (1, 2, 2, 3)]
+    recs = [
+        {"event": "iteration", "iteration": i, "iteration_s": 0.5, "loss": 6.0 - i, "t_end": 100.0 + i}
+        for i in (1, 2, 2, 3)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     feed.poll()
     out = m.render().decode()
@@ -126,6 +147,7 @@ def test_job_wide_series_come_from_the_leader_only():
 
 # -- a real job ------------------------------------------------------------------------
 
+
 def test_scrape_during_a_failover(failover_run):
     """The iteration counter rises, and the failure migration is counted, while the job runs."""
     scrapes = failover_run.scrapes
@@ -134,7 +156,7 @@ def test_scrape_during_a_failover(failover_run):
     assert iterations == sorted(iterations) and iterations[0] < FAULT_ITER < iterations[-1], iterations
     assert failures[0] == 0 and failures[-1] == 1, failures
     # the iteration counter keeps rising after the migration
-    after = [it for it, f in zip(iterations, failures) if f == 1]
+    after = [it for it, f in zip(iterations, failures, strict=False) if f == 1]
     assert after and after[-1] > after[0], (iterations, failures)
     last = scrapes[-1]
     # 5 for up to one lease TTL: the promoted standby registers as a worker before the dead one's lease expires

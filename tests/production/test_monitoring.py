@@ -10,8 +10,8 @@ import subprocess
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from trainmover_ext.control.archive import read_jsonl
 from harness.jobs import REPO_ROOT
+from trainmover_ext.control.archive import read_jsonl
 
 MONITORING = os.path.join(REPO_ROOT, "scripts", "monitoring")
 RULES = os.path.join(MONITORING, "trainmover-alerts.yml")
@@ -34,8 +34,11 @@ def test_alert_rules_pass_promtool():
 def test_promtool_rejects_a_broken_rule(tmp_path):
     """The check above can fail: the same file with one expression broken."""
     broken = tmp_path / "broken.yml"
-    broken.write_text(open(RULES).read().replace("increase(trainmover_restarts_total[15m]) > 0",
-                                                 "increase(trainmover_restarts_total[15m] > 0"))
+    broken.write_text(
+        open(RULES)
+        .read()
+        .replace("increase(trainmover_restarts_total[15m]) > 0", "increase(trainmover_restarts_total[15m] > 0")
+    )
     res = subprocess.run([_promtool(), "check", "rules", str(broken)], capture_output=True, text=True, timeout=60)
     assert res.returncode != 0
 

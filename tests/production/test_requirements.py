@@ -6,6 +6,7 @@ import os
 import re
 
 from production.tools import REQUIREMENTS, pinned
+
 from harness.jobs import REPO_ROOT
 
 
@@ -15,8 +16,11 @@ def test_linters_are_pinned():
 
 
 def test_metrics_and_plot_packages_are_required():
-    names = {re.split(r"[=<>\[ ]", line.strip())[0].lower().replace("-", "_")
-             for line in REQUIREMENTS.read_text().splitlines() if line.strip() and not line.startswith("#")}
+    names = {
+        re.split(r"[=<>\[ ]", line.strip())[0].lower().replace("-", "_")
+        for line in REQUIREMENTS.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     assert {"prometheus_client", "matplotlib", "pytest_timeout"} <= names, names
 
 

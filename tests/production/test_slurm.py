@@ -14,10 +14,10 @@ import subprocess
 import sys
 
 import pytest
-
-from helpers import pid_alive, read_metrics, tiny_args
 from production.slurm_harness import SlurmCluster
+
 from harness.jobs import REPO_ROOT
+from helpers import pid_alive, read_metrics, tiny_args
 from trainmover_ext.netutil import free_ports
 
 pytestmark = pytest.mark.slow
@@ -80,20 +80,38 @@ def test_sbatch_trains_on_two_nodes(slurm, tmp_path, tls):
     train = tiny_args(None, pp=2, iters=ITERS, gbs=4, extra=["--tm-metrics-file", str(metrics)])
     job = slurm.submit(
         SBATCH,
-        ["--nproc-per-node", "2", "--master-port", str(master_port), "--etcd-port", str(etcd_port),
-         "--log-dir", str(logs), "--python", sys.executable, *(["--tm-etcd-tls"] if tls else []), "--", *train],
+        [
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(master_port),
+            "--etcd-port",
+            str(etcd_port),
+            "--log-dir",
+            str(logs),
+            "--python",
+            sys.executable,
+            *(["--tm-etcd-tls"] if tls else []),
+            "--",
+            *train,
+        ],
         ["-N", "2", "--time", "5", "-o", str(out)],
         cwd=REPO_ROOT,
     )
     info = slurm.wait_job(job, timeout=150)
     node_logs = sorted(logs.glob("node-*.log"))
     report = f"batch output:\n{_read(out)[-3000:]}\n" + "\n".join(
-        f"--- {p.name}:\n{_read(p)[-3000:]}" for p in node_logs)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"job {job}: {info['JobState']} {info['ExitCode']}\n{report}"
+        f"--- {p.name}:\n{_read(p)[-3000:]}" for p in node_logs
+    )
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (
+        f"job {job}: {info['JobState']} {info['ExitCode']}\n{report}"
+    )
 
     batch = _read(out)
     assert "world size 4" in batch and "rendezvous 127.0.0.1:" in batch, report
-    assert f"agent logs: {logs}" in batch and "status: trainmover status --tm-etcd-endpoints 127.0.0.1:" in batch, report
+    assert f"agent logs: {logs}" in batch and "status: trainmover status --tm-etcd-endpoints 127.0.0.1:" in batch, (
+        report
+    )
     assert "training finished on all nodes" in batch, report
     # One agent per Slurm node, each knowing its Slurm node name and id.
     assert [p.name for p in node_logs] == ["node-0.log", "node-1.log"], report
@@ -122,23 +140,54 @@ def _failover_under_slurm(slurm, tmp_path, nodes: int, nproc: int, metrics_port:
     logs, out = tmp_path / "logs", tmp_path / "batch.out"
     metrics = tmp_path / "metrics.jsonl"
     iters = 6
-    train = tiny_args(None, pp=2, iters=iters, gbs=4,
-                      # --tm-standby-nice 0: the drill fires at iteration 3, and at the lowest priority on
-                      # two busy cores the standbys may not be warm by then (see tests/helpers.tm_args)
-                      extra=["--trainmover", "--tm-standbys", "1", "--tm-standby-nice", "0", "--tm-inject-fault", "3:3:forward",
-                             "--tm-metrics-file", str(metrics)])
+    train = tiny_args(
+        None,
+        pp=2,
+        iters=iters,
+        gbs=4,
+        # --tm-standby-nice 0: the drill fires at iteration 3, and at the lowest priority on
+        # two busy cores the standbys may not be warm by then (see tests/helpers.tm_args)
+        extra=[
+            "--trainmover",
+            "--tm-standbys",
+            "1",
+            "--tm-standby-nice",
+            "0",
+            "--tm-inject-fault",
+            "3:3:forward",
+            "--tm-metrics-file",
+            str(metrics),
+        ],
+    )
     job = slurm.submit(
         SBATCH,
-        ["--nproc-per-node", str(nproc), "--master-port", str(master_port), "--etcd-port", str(etcd_port),
-         "--metrics-port", str(metrics_port), "--log-dir", str(logs), "--python", sys.executable, "--", *train],
+        [
+            "--nproc-per-node",
+            str(nproc),
+            "--master-port",
+            str(master_port),
+            "--etcd-port",
+            str(etcd_port),
+            "--metrics-port",
+            str(metrics_port),
+            "--log-dir",
+            str(logs),
+            "--python",
+            sys.executable,
+            "--",
+            *train,
+        ],
         ["-N", str(nodes), "--time", "5", "-o", str(out)],
         cwd=REPO_ROOT,
     )
     info = slurm.wait_job(job, timeout=240)
     node_logs = [_read(logs / f"node-{n}.log") for n in range(nodes)]
     report = f"batch output:\n{_read(out)[-3000:]}" + "".join(
-        f"\n--- node-{n}.log:\n{text[-4000:]}" for n, text in enumerate(node_logs))
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"job {job}: {info['JobState']} {info['ExitCode']}\n{report}"
+        f"\n--- node-{n}.log:\n{text[-4000:]}" for n, text in enumerate(node_logs)
+    )
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (
+        f"job {job}: {info['JobState']} {info['ExitCode']}\n{report}"
+    )
     joined = "".join(node_logs)
     assert "epoch 2" not in joined and "falling back" not in joined and "restart" not in joined, report
     iterations = sorted({rec["iteration"] for rec in read_metrics(str(metrics))})
@@ -153,16 +202,21 @@ def test_killed_rank_is_replaced_by_the_warm_standby(slurm, tmp_path):
     (metrics_port,) = free_ports(1)
     (node_log,), report = _failover_under_slurm(slurm, tmp_path, 1, 4, metrics_port)
     assert re.search(r"rank 3 \((worker-n0-3-\w+)\) exited with code -9; reported", node_log), report
-    assert re.search(r"epoch 1 \(failure\): rank 3 -> (standby-n0-0-\w+) \(pid \d+\); state from replica", node_log), report
+    assert re.search(r"epoch 1 \(failure\): rank 3 -> (standby-n0-0-\w+) \(pid \d+\); state from replica", node_log), (
+        report
+    )
     assert f"metrics: http://{socket.gethostname()}:{metrics_port}/metrics" in node_log, report
 
 
 def test_standby_nodes_are_refused_with_a_clear_message(slurm, tmp_path):
     """S > 0 is not implemented yet: the job fails fast and says what to do."""
     out = tmp_path / "batch.out"
-    job = slurm.submit(SBATCH, ["--standby-nodes", "1", "--log-dir", str(tmp_path / "logs"),
-                                "--python", sys.executable, "--", "--mock-data"],
-                       ["-N", "2", "--time", "1", "-o", str(out)], cwd=REPO_ROOT)
+    job = slurm.submit(
+        SBATCH,
+        ["--standby-nodes", "1", "--log-dir", str(tmp_path / "logs"), "--python", sys.executable, "--", "--mock-data"],
+        ["-N", "2", "--time", "1", "-o", str(out)],
+        cwd=REPO_ROOT,
+    )
     info = slurm.wait_job(job, timeout=30)
     assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
     text = _read(out)
@@ -184,26 +238,55 @@ def test_drain_node_requests_a_migration_per_rank_and_drains_slurm(slurm, tmp_pa
     try:
         slurm.wait_running(job, timeout=30)
         space = JobSpace.create(kv, "drain")
-        init_job(space, [RankRecord(rank=r, member_id=f"w{r}", host=f"n{r // 2 + 1}", role=("first", "last")[r % 2],
-                                    replicas=[]) for r in range(4)])
+        init_job(
+            space,
+            [
+                RankRecord(rank=r, member_id=f"w{r}", host=f"n{r // 2 + 1}", role=("first", "last")[r % 2], replicas=[])
+                for r in range(4)
+            ],
+        )
         proc = subprocess.run(
-            ["bash", DRAIN, "--node", "n2", "--slurm-job", str(job), "--nproc-per-node", "2", "--slurm-drain",
-             "--python", sys.executable, "--tm-etcd-endpoints", ",".join(etcd_server.endpoints),
-             "--tm-job", "drain", "--tm-job-token", space.token],
-            env=slurm.env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+            [
+                "bash",
+                DRAIN,
+                "--node",
+                "n2",
+                "--slurm-job",
+                str(job),
+                "--nproc-per-node",
+                "2",
+                "--slurm-drain",
+                "--python",
+                sys.executable,
+                "--tm-etcd-endpoints",
+                ",".join(etcd_server.endpoints),
+                "--tm-job",
+                "drain",
+                "--tm-job-token",
+                space.token,
+            ],
+            env=slurm.env(),
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "node n2 serves ranks: 2 3" in proc.stdout, proc.stdout
-        requests = [MigrationRequest.from_bytes(e.value, key=e.key)
-                    for e in kv.get_prefix(space.key("requests/")).entries]
+        requests = [
+            MigrationRequest.from_bytes(e.value, key=e.key) for e in kv.get_prefix(space.key("requests/")).entries
+        ]
         assert sorted(r.rank for r in requests) == [2, 3]
-        state = subprocess.run(["sinfo", "-h", "-n", "n2", "-o", "%T"], env=slurm.env(), capture_output=True,
-                               text=True, timeout=15).stdout.strip()
+        state = subprocess.run(
+            ["sinfo", "-h", "-n", "n2", "-o", "%T"], env=slurm.env(), capture_output=True, text=True, timeout=15
+        ).stdout.strip()
         assert state in ("draining", "drained"), state
     finally:
         kv.close()
         subprocess.run(["scancel", str(job)], env=slurm.env(), capture_output=True, timeout=15)
-        subprocess.run(["scontrol", "update", "NodeName=n2", "State=RESUME"], env=slurm.env(), capture_output=True,
-                       timeout=15)
+        subprocess.run(
+            ["scontrol", "update", "NodeName=n2", "State=RESUME"], env=slurm.env(), capture_output=True, timeout=15
+        )
 
 
 def test_killed_rank_is_taken_over_by_a_standby_of_another_node(slurm, tmp_path):

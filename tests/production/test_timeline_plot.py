@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
-
 from production.conftest import JOB, TOKEN
-from trainmover_ext.errors import ConfigError
+
 from harness.jobs import REPO_ROOT
+from trainmover_ext.errors import ConfigError
 from trainmover_ext.timeline_plot import plot_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -26,8 +26,22 @@ def png_size(path) -> tuple[int, int]:
 
 def test_events_plot_from_a_real_failover(failover_run, tmp_path):
     out = tmp_path / "timeline.png"
-    cmd = [sys.executable, "-m", "trainmover_ext.cli", "events", "--tm-etcd-endpoints", failover_run.endpoints,
-           "--tm-job", JOB, "--tm-job-token", TOKEN, "--plot", str(out), "--metrics-file", failover_run.job.metrics_path]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainmover_ext.cli",
+        "events",
+        "--tm-etcd-endpoints",
+        failover_run.endpoints,
+        "--tm-job",
+        JOB,
+        "--tm-job-token",
+        TOKEN,
+        "--plot",
+        str(out),
+        "--metrics-file",
+        failover_run.job.metrics_path,
+    ]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     # the event table, then the migration's phases with durations

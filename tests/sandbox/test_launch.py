@@ -14,7 +14,6 @@ import os
 import re
 import signal
 
-
 from helpers import kill_quietly, read_metrics, start_job, wait_for
 from support.sandbox_jobs import pp3_argv
 
@@ -41,7 +40,7 @@ def _etcd(job, name):
 def _records(kv, prefix: str, kind: str) -> dict:
     from trainmover_ext.kv.codec import decode
 
-    return {e.key[len(prefix):]: decode(e.value, kind=kind, key=e.key) for e in kv.get_prefix(prefix).entries}
+    return {e.key[len(prefix) :]: decode(e.value, kind=kind, key=e.key) for e in kv.get_prefix(prefix).entries}
 
 
 def _standby(kv, job_name):
@@ -79,12 +78,22 @@ def _stop(job):
 def test_standby_warms_all_roles_from_recordings_without_touching_the_job(tmp_path, corpus):
     record_dir = str(tmp_path / "recordings")
     # Paced to half a core (--tm-standby-duty): the pauses show in its report.
-    job = _launch(tmp_path, corpus, "sbwarm", "--tm-record-dir", record_dir, "--tm-record-iters", "2",
-                  "--tm-standby-duty", "0.5")
+    job = _launch(
+        tmp_path, corpus, "sbwarm", "--tm-record-dir", record_dir, "--tm-record-iters", "2", "--tm-standby-duty", "0.5"
+    )
     try:
         kv, endpoint = _etcd(job, "sbwarm")
-        standby = wait_for(lambda: (s := _standby(kv, "sbwarm")) and s["warmup"].get("mode") == "sandbox"
-                           and len(s["warm_roles"]) == 3 and s, 240, 0.2, "the standby to warm three roles")
+        standby = wait_for(
+            lambda: (
+                (s := _standby(kv, "sbwarm"))
+                and s["warmup"].get("mode") == "sandbox"
+                and len(s["warm_roles"]) == 3
+                and s
+            ),
+            240,
+            0.2,
+            "the standby to warm three roles",
+        )
         assert standby["warm_roles"] == ["first", "middle", "last"]
         roles = {r["role"]: r for r in standby["warmup"]["roles"]}
         assert set(roles) == {"first", "middle", "last"}
@@ -110,12 +119,25 @@ def test_standby_warms_all_roles_from_recordings_without_touching_the_job(tmp_pa
 
 def test_standby_falls_back_when_no_recording_appears(tmp_path, corpus):
     # The job records far more iterations than it will reach before the standby's deadline.
-    job = _launch(tmp_path, corpus, "sbfallback", "--tm-record-dir", str(tmp_path / "rec"),
-                  "--tm-record-iters", "100000", "--tm-record-timeout", "3")
+    job = _launch(
+        tmp_path,
+        corpus,
+        "sbfallback",
+        "--tm-record-dir",
+        str(tmp_path / "rec"),
+        "--tm-record-iters",
+        "100000",
+        "--tm-record-timeout",
+        "3",
+    )
     try:
         kv, _ = _etcd(job, "sbfallback")
-        standby = wait_for(lambda: (s := _standby(kv, "sbfallback")) and s["warmup"].get("mode") == "basic" and s,
-                           240, 0.2, "the standby to fall back")
+        standby = wait_for(
+            lambda: (s := _standby(kv, "sbfallback")) and s["warmup"].get("mode") == "basic" and s,
+            240,
+            0.2,
+            "the standby to fall back",
+        )
         assert standby["warm_roles"] == ["first", "middle", "last"]  # colder, but it can still serve
         assert "no recording of role(s)" in standby["warmup"]["reason"]
         wait_for(lambda: "falling back to the basic warm-up" in job.stdout(), 30, 0.2, "the fallback message")

@@ -82,8 +82,11 @@ def test_config_mismatch_names_every_differing_field(pp3_job, tmp_path, corpus):
     out = _in_child(pp3_argv(corpus, "--micro-batch-size", "2"), rec, "middle")
     assert out["error"] == "ConfigMismatch", out
     msg = out["message"]
-    for field in ("megatron_core_version: job '0.15.0', standby '0.16.1'", "micro_batch_size: job 1, standby 2",
-                  "num_microbatches: job 4, standby 2"):
+    for field in (
+        "megatron_core_version: job '0.15.0', standby '0.16.1'",
+        "micro_batch_size: job 1, standby 2",
+        "num_microbatches: job 4, standby 2",
+    ):
         assert field in msg, msg
     assert "hidden_size" not in msg  # only what differs
 
@@ -91,8 +94,15 @@ def test_config_mismatch_names_every_differing_field(pp3_job, tmp_path, corpus):
 def test_fingerprint_covers_model_and_layout():
     from trainmover_ext.sandbox.fingerprint import FINGERPRINT_FIELDS, check_compatible
 
-    for field in ("hidden_size", "num_layers", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                  "data_parallel_size", "world_size", "tm_compile"):
+    for field in (
+        "hidden_size",
+        "num_layers",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "data_parallel_size",
+        "world_size",
+        "tm_compile",
+    ):
         assert field in FINGERPRINT_FIELDS
     with pytest.raises(ConfigMismatch, match="pipeline_model_parallel_size: job 3, standby 2"):
         check_compatible({"pipeline_model_parallel_size": 3}, {"pipeline_model_parallel_size": 2}, role="first")

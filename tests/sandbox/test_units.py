@@ -9,18 +9,49 @@ import torch.distributed as dist
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.sandbox.ops import decode
 from trainmover_ext.sandbox.recording import Recording, RecordingWriter
-from trainmover_ext.sandbox.registry import (control_role, index_sha256, keep_role_of_job, published_summary,
-                                             roles_of_job)
+from trainmover_ext.sandbox.registry import (
+    control_role,
+    index_sha256,
+    keep_role_of_job,
+    published_summary,
+    roles_of_job,
+)
 
 
 def test_recording_roundtrip_keeps_bits_and_dtypes(tmp_path):
-    tensors = [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16), torch.arange(7), torch.empty(0),
-               torch.tensor([True, False])]
+    tensors = [
+        torch.randn(3, 4),
+        torch.randn(5).to(torch.bfloat16),
+        torch.arange(7),
+        torch.empty(0),
+        torch.tensor([True, False]),
+    ]
     writer = RecordingWriter(str(tmp_path), "first")
-    records = [{"seq": 0, "iteration": 1, "op": "allreduce", "group": "dp", "ranks": [0, 1], "peer": None,
-                "reduce_op": "SUM", "inputs": [], "tensors": [writer.add_tensor(t) for t in tensors]}]
-    index = writer.finish({"role": "first", "rank": 0, "layout": {"world_size": 2}, "fingerprint": {},
-                           "start_iteration": 0, "iterations": 1, "consumed_samples": 0}, records)
+    records = [
+        {
+            "seq": 0,
+            "iteration": 1,
+            "op": "allreduce",
+            "group": "dp",
+            "ranks": [0, 1],
+            "peer": None,
+            "reduce_op": "SUM",
+            "inputs": [],
+            "tensors": [writer.add_tensor(t) for t in tensors],
+        }
+    ]
+    index = writer.finish(
+        {
+            "role": "first",
+            "rank": 0,
+            "layout": {"world_size": 2},
+            "fingerprint": {},
+            "start_iteration": 0,
+            "iterations": 1,
+            "consumed_samples": 0,
+        },
+        records,
+    )
     rec = Recording(str(tmp_path), "first")
     for i, t in enumerate(tensors):
         got = rec.read_tensor(0, i)
@@ -81,14 +112,27 @@ def _config(argv):
 def test_sandbox_flags_are_wired():
     from trainmover_ext.config import NOT_WIRED
 
-    cfg = _config(["--tm-record-iters", "3", "--tm-record-dir", "/shared/rec", "--tm-compile",
-                   "--tm-record-timeout", "12.5", "--tm-keep-role", "first"])
+    cfg = _config(
+        [
+            "--tm-record-iters",
+            "3",
+            "--tm-record-dir",
+            "/shared/rec",
+            "--tm-compile",
+            "--tm-record-timeout",
+            "12.5",
+            "--tm-keep-role",
+            "first",
+        ]
+    )
     assert (cfg.record_iters, cfg.record_dir, cfg.compile, cfg.record_timeout_s) == (3, "/shared/rec", True, 12.5)
     assert cfg.keep_role == "first" and _config([]).keep_role == "last"
     assert not {"tm_record_iters", "tm_record_dir", "tm_compile"} & set(NOT_WIRED)
-    for bad, flag in ((["--tm-record-iters", "0"], "--tm-record-iters"),
-                      (["--tm-record-timeout", "0"], "--tm-record-timeout"),
-                      (["--tm-record-dir", " "], "--tm-record-dir")):
+    for bad, flag in (
+        (["--tm-record-iters", "0"], "--tm-record-iters"),
+        (["--tm-record-timeout", "0"], "--tm-record-timeout"),
+        (["--tm-record-dir", " "], "--tm-record-dir"),
+    ):
         with pytest.raises(ConfigError, match=flag):
             _config(bad)
 
@@ -113,8 +157,11 @@ def test_benchmark_ratio_is_the_stayers_first_iteration_over_the_iterations_besi
     for k in range(s - 9, s + 13):
         stay = 0.10 if k == s + 1 else (0.06 if k == s + 12 else 0.05)
         its[k] = [(("job", 0), 0, 0.0, stay, 0.0), (("job", 2), 2, 0.0, stay - 0.01, 0.0)]
-        its[k].append((("job", 1), 1, 0.0, 0.5, 0.0) if k <= s else
-                      (("newcomer", 3), 1, 0.0, 0.9 if k == s + 1 else 0.3, 0.02 if k == s + 1 else 0.0))
+        its[k].append(
+            (("job", 1), 1, 0.0, 0.5, 0.0)
+            if k <= s
+            else (("newcomer", 3), 1, 0.0, 0.9 if k == s + 1 else 0.3, 0.02 if k == s + 1 else 0.0)
+        )
     fig = bench.trial_figures(its, {"switch_at": s, "rank": 1, "epoch": 3}, steady_iters=12)
     assert fig["ratio"] == pytest.approx(2.0) and fig["null_ratio"] == pytest.approx(1.0)
     assert fig["own_ratio"] == pytest.approx(3.0) and fig["steady_s"] == pytest.approx(0.05)
@@ -130,11 +177,27 @@ def test_benchmark_isolation_compares_each_probe_window_with_the_quiet_one_after
         t0 = 0.1 * (k - 1)
         slow = 2.0 <= t0 < 4.0
         steps.append({"iteration": k, "t0": t0, "t1": t0 + (0.2 if slow else 0.1)})
-    results = {("job", 0): {"steps": steps},
-               ("probe", 0): {"warm_start": 2.0, "warm_end": 4.0, "nice": 0, "duty": 1.0, "paused_s": 0.0,
-                              "warm_new_sockets": 0, "steps": []},
-               ("probe", 1): {"warm_start": 6.0, "warm_end": 8.0, "nice": 0, "duty": 0.25, "paused_s": 1.5,
-                              "warm_new_sockets": 0, "steps": []}}
+    results = {
+        ("job", 0): {"steps": steps},
+        ("probe", 0): {
+            "warm_start": 2.0,
+            "warm_end": 4.0,
+            "nice": 0,
+            "duty": 1.0,
+            "paused_s": 0.0,
+            "warm_new_sockets": 0,
+            "steps": [],
+        },
+        ("probe", 1): {
+            "warm_start": 6.0,
+            "warm_end": 8.0,
+            "nice": 0,
+            "duty": 0.25,
+            "paused_s": 1.5,
+            "warm_new_sockets": 0,
+            "steps": [],
+        },
+    }
     job_time = {st["iteration"]: st["t1"] - st["t0"] for st in steps}
     probes = [bench.isolation(results, job_time, 2, n) for n in range(2)]
     assert probes[0]["ratio_of_medians"] == pytest.approx(2.0) and probes[1]["ratio_of_medians"] == pytest.approx(1.0)

@@ -35,7 +35,11 @@ def test_one_failure_costs_exactly_downtime_plus_lost_progress_checkpoint():
     at = 2 * HOUR_S + 17 * 60  # 17 minutes after the 2 h checkpoint
     res = simulate(cfg, STRATEGIES["stop_restart"], events=[Interruption(run_s=at, kind=EventKind.UNEXPECTED)])
     m = cfg.downtimes
-    downtime = cfg.infra_cost_s + scaled(m.restart_ref_s, cfg.gpus, m.restart_ref_gpus, m.restart_scale_exp) + cfg.checkpoint_load_s
+    downtime = (
+        cfg.infra_cost_s
+        + scaled(m.restart_ref_s, cfg.gpus, m.restart_ref_gpus, m.restart_scale_exp)
+        + cfg.checkpoint_load_s
+    )
     assert res.downtime_s == pytest.approx(downtime)
     assert res.redone_s == pytest.approx(17 * 60)
     assert res.wall_s - res.work_s == pytest.approx(downtime + 17 * 60)
@@ -81,8 +85,8 @@ def test_rebalance_every_ten_minutes_is_exact():
 def test_seeded_stream_is_deterministic_and_seed_sensitive():
     cfg = SimConfig(gpus=8192)
     first = [next(s) for s in [interruption_stream(cfg, 7)] for _ in range(50)]
-    again = [e for e, _ in zip(interruption_stream(cfg, 7), range(50))]
-    other = [e for e, _ in zip(interruption_stream(cfg, 8), range(50))]
+    again = [e for e, _ in zip(interruption_stream(cfg, 7), range(50), strict=False)]
+    other = [e for e, _ in zip(interruption_stream(cfg, 8), range(50), strict=False)]
     assert first == again
     assert first != other
 
@@ -98,7 +102,7 @@ def test_projection_is_deterministic_under_a_seed():
 
 def test_failure_rate_matches_mttf():
     cfg = SimConfig(gpus=16384, gpu_mttf_hours=LLAMA3_GPU_MTTF_HOURS, unexpected_per_planned=0)
-    events = [e for e, _ in zip(interruption_stream(cfg, 1), range(4000))]
+    events = [e for e, _ in zip(interruption_stream(cfg, 1), range(4000), strict=False)]
     mean_gap_h = events[-1].run_s / len(events) / HOUR_S
     assert mean_gap_h == pytest.approx(54 * 24 / 419, rel=0.05)  # Llama 3: one every ~3.1 h at 16K
 
@@ -159,8 +163,12 @@ def test_downtime_model_errors_name_the_flag():
 def test_trainmover_flat_baselines_grow_with_scale():
     small_cfg, big_cfg = SimConfig(gpus=1024), SimConfig(gpus=131072)
     for name in ("stop_restart", "parcae", "nvrx"):
-        assert (STRATEGIES[name].recover(EventKind.UNEXPECTED, big_cfg, False).downtime_s
-                > STRATEGIES[name].recover(EventKind.UNEXPECTED, small_cfg, False).downtime_s)
+        assert (
+            STRATEGIES[name].recover(EventKind.UNEXPECTED, big_cfg, False).downtime_s
+            > STRATEGIES[name].recover(EventKind.UNEXPECTED, small_cfg, False).downtime_s
+        )
     tm = STRATEGIES["trainmover"]
-    assert (tm.recover(EventKind.UNEXPECTED, big_cfg, True).downtime_s
-            == tm.recover(EventKind.UNEXPECTED, small_cfg, True).downtime_s)
+    assert (
+        tm.recover(EventKind.UNEXPECTED, big_cfg, True).downtime_s
+        == tm.recover(EventKind.UNEXPECTED, small_cfg, True).downtime_s
+    )

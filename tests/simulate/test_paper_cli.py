@@ -64,11 +64,17 @@ def test_cli_plot_and_bad_flag(tmp_path, capsys):
 
 def test_measured_downtimes_json(tmp_path):
     path = tmp_path / "downtime.json"
-    path.write_text(json.dumps({
-        "restart_s": 300.0, "unexpected_s": 4.0, "iteration_s": 0.5,
-        "scale": [{"ranks": 4, "unexpected_s": 4.0}, {"ranks": 16, "unexpected_s": 4.0}],
-        "unknown_key": 1,
-    }))
+    path.write_text(
+        json.dumps(
+            {
+                "restart_s": 300.0,
+                "unexpected_s": 4.0,
+                "iteration_s": 0.5,
+                "scale": [{"ranks": 4, "unexpected_s": 4.0}, {"ranks": 16, "unexpected_s": 4.0}],
+                "unknown_key": 1,
+            }
+        )
+    )
     model, iteration, applied = load_measured_downtimes(path, DowntimeModel())
     assert model.restart_ref_s == 300.0 and model.tm_unexpected_s == 4.0
     assert model.tm_planned_s == DowntimeModel().tm_planned_s  # missing key keeps the default
@@ -90,7 +96,7 @@ def test_scale_fit_recovers_exponent():
 def test_scale_check_is_o_neighbours_not_o_n():
     small, big = run_scale_check(ranks=256), run_scale_check(ranks=1024)
     assert big.ranks >= 1000
-    for s, b in zip(small.migrations, big.migrations):
+    for s, b in zip(small.migrations, big.migrations, strict=False):
         assert s.decided and b.decided
         # what the migration writes and which links it replaces do not grow with the job
         assert b.store_transactions == s.store_transactions
@@ -111,9 +117,14 @@ def test_recovery_work_per_rank_does_not_grow_with_the_job():
     for c in (small, big):
         assert c.per_rank_max_writes == 1 and c.per_rank_max_reads <= 2 and c.per_rank_max_watch_events <= 3, c
         assert c.resume_iteration == 7
-    assert (big.per_rank_max_reads, big.per_rank_max_watch_events) == (small.per_rank_max_reads,
-                                                                        small.per_rank_max_watch_events)
-    assert big.total_writes <= 10 * small.total_writes + 10 and big.total_watch_events <= 10 * small.total_watch_events + 10
+    assert (big.per_rank_max_reads, big.per_rank_max_watch_events) == (
+        small.per_rank_max_reads,
+        small.per_rank_max_watch_events,
+    )
+    assert (
+        big.total_writes <= 10 * small.total_writes + 10
+        and big.total_watch_events <= 10 * small.total_watch_events + 10
+    )
 
 
 def test_recovery_check_catches_a_rank_that_gathers_every_report():

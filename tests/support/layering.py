@@ -15,8 +15,13 @@ from dataclasses import dataclass
 LAYERS: list[tuple[str, ...]] = [
     ("nccl_delta", "megatron.training"),  # the communicator; the training layer on megatron-core
     ("trainmover_ext.errors",),  # the one error tree (re-exports the two layers below)
-    ("trainmover_ext.fsutil", "trainmover_ext.netutil", "trainmover_ext.logconfig", "trainmover_ext.patches",
-     "trainmover_ext.deadline"),
+    (
+        "trainmover_ext.fsutil",
+        "trainmover_ext.netutil",
+        "trainmover_ext.logconfig",
+        "trainmover_ext.patches",
+        "trainmover_ext.deadline",
+    ),
     ("trainmover_ext.kv",),
     ("trainmover_ext.etcd",),
     ("trainmover_ext.control",),
@@ -31,8 +36,12 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 """Bottom to top. Units of one layer must not import each other either."""
 
-SOURCES = {"nccl_delta": "nccl_delta", "megatron/training": "megatron.training", "trainmover_ext": "trainmover_ext",
-           "patches": "trainmover_ext.patches"}
+SOURCES = {
+    "nccl_delta": "nccl_delta",
+    "megatron/training": "megatron.training",
+    "trainmover_ext": "trainmover_ext",
+    "patches": "trainmover_ext.patches",
+}
 """Source folder in the repository -> the module name it is installed as."""
 
 
@@ -58,7 +67,7 @@ def unit_of(module: str) -> str | None:
 def _module_name(rel_path: str) -> str:
     for folder, name in SOURCES.items():
         if rel_path == folder + ".py" or rel_path.startswith(folder + "/"):
-            rest = rel_path[len(folder):-3].replace("/", ".")
+            rest = rel_path[len(folder) : -3].replace("/", ".")
             return (name + rest).removesuffix(".__init__")
     raise ValueError(rel_path)
 

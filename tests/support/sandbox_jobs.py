@@ -18,7 +18,12 @@ def pp3_argv(corpus: str, *extra: str) -> list[str]:
     from harness.jobs import model_args
 
     return model_args(layers=3, hidden=64, heads=4, seq=32, mbs=1, gbs=4, iters=10, lr=1e-3) + [
-        "--pipeline-model-parallel-size", "3", "--data-path", corpus + "_text_document", *extra]
+        "--pipeline-model-parallel-size",
+        "3",
+        "--data-path",
+        corpus + "_text_document",
+        *extra,
+    ]
 
 
 @dataclass
@@ -37,17 +42,16 @@ def record_job(tmp_path, argv: list[str], timeout: float = 300, comm: str = "glo
 
     record_dir = str(tmp_path / "recordings")
     store = harness.host_store()
-    kids = harness.fork_children({r: (harness.job_rank, r, 3, store.port, argv, record_dir, RECORD_ITERS, ITERS,
-                                      True, comm) for r in range(3)})
+    kids = harness.fork_children(
+        {r: (harness.job_rank, r, 3, store.port, argv, record_dir, RECORD_ITERS, ITERS, True, comm) for r in range(3)}
+    )
     return RecordedJob(argv=argv, record_dir=record_dir, ranks=kids.results(timeout))
-
-
 
 
 def warm_one_role(argv: list[str], record_dir: str, role: str) -> dict:
     """Child: warm ``role`` from ``record_dir``; returns the error it raised (type and message), if any."""
-    from trainmover_ext.errors import TrainMoverError
     from harness import sandbox as harness
+    from trainmover_ext.errors import TrainMoverError
     from trainmover_ext.sandbox.recording import Recording
     from trainmover_ext.sandbox.shadow import warm_up
 

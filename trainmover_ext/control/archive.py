@@ -3,7 +3,8 @@
 Contract:
 - :meth:`RunArchive.start` runs :meth:`RunArchive.poll` on a daemon thread of
   the agent every ``interval_s`` while ``is_leader()`` (its controller leads),
-  and once more at :meth:`RunArchive.close`. A poll appends each ``events/`` record not yet copied to ``RUN_DIR/events.jsonl``,
+  and once more at :meth:`RunArchive.close`. A poll appends each ``events/`` record not yet copied
+  to ``RUN_DIR/events.jsonl``,
   and each migration plan once it finished (status ``done`` or ``aborted``)
   to ``RUN_DIR/migrations.jsonl``, with its per-step timestamps.
 - Lines are the records' own JSON (:class:`~trainmover_ext.control.records.Event`,
@@ -22,7 +23,8 @@ import json
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from trainmover_ext.control.records import Event, MigrationPlan
 from trainmover_ext.errors import MalformedValue
@@ -65,7 +67,7 @@ class RunArchive:
         self._events = {r.get("key") for r in read_jsonl(self.events_path)}
         self._epochs = {r.get("epoch") for r in read_jsonl(self.migrations_path)}
 
-    def start(self, space: JobSpace, is_leader: Callable[[], bool], interval_s: float = 1.0) -> "RunArchive":
+    def start(self, space: JobSpace, is_leader: Callable[[], bool], interval_s: float = 1.0) -> RunArchive:
         """Poll ``space`` on a daemon thread while ``is_leader()``; see the module docstring."""
         self._space, self._is_leader = space, is_leader
         self._stop = threading.Event()

@@ -16,13 +16,13 @@ Example::
 from __future__ import annotations
 
 import argparse
-import sys
 import datetime as _dt
 import os
 import signal
+import sys
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from trainmover_ext.control.decide import warm_standbys
 from trainmover_ext.control.membership import request_migration
@@ -36,25 +36,53 @@ from trainmover_ext.kv.job import JobSpace, job_login
 def add_connection_flags(p: argparse.ArgumentParser) -> None:
     """The flags that locate a job in etcd (shared with other subcommands that need it)."""
     g = p.add_argument_group("job and etcd")
-    g.add_argument("--tm-etcd-endpoints", default=os.environ.get("TRAINMOVER_ETCD_ENDPOINTS"),
-                   help="comma-separated etcd host:port list (env TRAINMOVER_ETCD_ENDPOINTS); "
-                        "`trainmover launch` prints it when it starts an embedded etcd")
-    g.add_argument("--tm-job", default=os.environ.get("TRAINMOVER_JOB"),
-                   help="job name, the <job> in /trainmover/<job>/ (env TRAINMOVER_JOB)")
-    g.add_argument("--tm-job-token", default=os.environ.get("TRAINMOVER_JOB_TOKEN"),
-                   help="the job token printed by `trainmover launch` (env TRAINMOVER_JOB_TOKEN)")
-    g.add_argument("--tm-etcd-ca", default=os.environ.get("TRAINMOVER_ETCD_CA"),
-                   help="CA certificate of the etcd servers; enables TLS (env TRAINMOVER_ETCD_CA)")
-    g.add_argument("--tm-etcd-cert", default=os.environ.get("TRAINMOVER_ETCD_CERT"),
-                   help="client certificate for etcd --client-cert-auth (env TRAINMOVER_ETCD_CERT)")
-    g.add_argument("--tm-etcd-key", default=os.environ.get("TRAINMOVER_ETCD_KEY"),
-                   help="private key of --tm-etcd-cert (env TRAINMOVER_ETCD_KEY)")
-    g.add_argument("--tm-etcd-user", default=os.environ.get("TRAINMOVER_ETCD_USER"),
-                   help="etcd user for password auth (env TRAINMOVER_ETCD_USER)")
-    g.add_argument("--tm-etcd-password", default=os.environ.get("TRAINMOVER_ETCD_PASSWORD"),
-                   help="password of --tm-etcd-user (env TRAINMOVER_ETCD_PASSWORD)")
-    g.add_argument("--tm-etcd-timeout", type=float, default=5.0,
-                   help="seconds to wait for etcd on each call before giving up (default 5)")
+    g.add_argument(
+        "--tm-etcd-endpoints",
+        default=os.environ.get("TRAINMOVER_ETCD_ENDPOINTS"),
+        help="comma-separated etcd host:port list (env TRAINMOVER_ETCD_ENDPOINTS); "
+        "`trainmover launch` prints it when it starts an embedded etcd",
+    )
+    g.add_argument(
+        "--tm-job",
+        default=os.environ.get("TRAINMOVER_JOB"),
+        help="job name, the <job> in /trainmover/<job>/ (env TRAINMOVER_JOB)",
+    )
+    g.add_argument(
+        "--tm-job-token",
+        default=os.environ.get("TRAINMOVER_JOB_TOKEN"),
+        help="the job token printed by `trainmover launch` (env TRAINMOVER_JOB_TOKEN)",
+    )
+    g.add_argument(
+        "--tm-etcd-ca",
+        default=os.environ.get("TRAINMOVER_ETCD_CA"),
+        help="CA certificate of the etcd servers; enables TLS (env TRAINMOVER_ETCD_CA)",
+    )
+    g.add_argument(
+        "--tm-etcd-cert",
+        default=os.environ.get("TRAINMOVER_ETCD_CERT"),
+        help="client certificate for etcd --client-cert-auth (env TRAINMOVER_ETCD_CERT)",
+    )
+    g.add_argument(
+        "--tm-etcd-key",
+        default=os.environ.get("TRAINMOVER_ETCD_KEY"),
+        help="private key of --tm-etcd-cert (env TRAINMOVER_ETCD_KEY)",
+    )
+    g.add_argument(
+        "--tm-etcd-user",
+        default=os.environ.get("TRAINMOVER_ETCD_USER"),
+        help="etcd user for password auth (env TRAINMOVER_ETCD_USER)",
+    )
+    g.add_argument(
+        "--tm-etcd-password",
+        default=os.environ.get("TRAINMOVER_ETCD_PASSWORD"),
+        help="password of --tm-etcd-user (env TRAINMOVER_ETCD_PASSWORD)",
+    )
+    g.add_argument(
+        "--tm-etcd-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to wait for etcd on each call before giving up (default 5)",
+    )
 
 
 def client_config(args: argparse.Namespace) -> EtcdClientConfig:
@@ -62,8 +90,13 @@ def client_config(args: argparse.Namespace) -> EtcdClientConfig:
     if not args.tm_etcd_endpoints:
         raise ConfigError("no etcd endpoints: pass --tm-etcd-endpoints host:port or set TRAINMOVER_ETCD_ENDPOINTS")
     config = EtcdClientConfig(
-        endpoints=args.tm_etcd_endpoints, ca_cert=args.tm_etcd_ca, client_cert=args.tm_etcd_cert, client_key=args.tm_etcd_key,
-        user=args.tm_etcd_user, password=args.tm_etcd_password, timeout_s=args.tm_etcd_timeout,
+        endpoints=args.tm_etcd_endpoints,
+        ca_cert=args.tm_etcd_ca,
+        client_cert=args.tm_etcd_cert,
+        client_key=args.tm_etcd_key,
+        user=args.tm_etcd_user,
+        password=args.tm_etcd_password,
+        timeout_s=args.tm_etcd_timeout,
         connect_timeout_s=args.tm_etcd_timeout,
     )
     if getattr(args, "tm_job", None):  # the job's own etcd user (see kv.job.job_login)
@@ -86,39 +119,64 @@ def _ts(t: float | None) -> str:
 def _table(headers: list[str], rows: Sequence[Sequence[object]]) -> str:
     cells = [headers] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in cells)
 
 
 def format_status(view: View, job: str) -> str:
     """The ``trainmover status`` report (a pure function of the view, so tests can check it)."""
-    out = [f"job {job}   epoch {view.epoch if view.epoch is not None else '?'}   controller {view.leader or '(none elected)'}   etcd revision {view.revision}", ""]
+    out = [
+        f"job {job}   epoch {view.epoch if view.epoch is not None else '?'}   "
+        f"controller {view.leader or '(none elected)'}   etcd revision {view.revision}",
+        "",
+    ]
     rows = []
     for r, rec in sorted(view.ranks.items()):
         state = "alive" if rec.member_id in view.members else "LOST"
         if any(rep.rank == r and rep.member_id == rec.member_id for rep in view.reports.values()):
             state = "REPORTED"
         rows.append([r, rec.member_id, rec.role, rec.host or "-", rec.since_epoch, state])
-    out.append(_table(["rank", "member", "stage role", "host", "since epoch", "state"], rows) if rows else "no ranks assigned yet")
+    out.append(
+        _table(["rank", "member", "stage role", "host", "since epoch", "state"], rows)
+        if rows
+        else "no ranks assigned yet"
+    )
     serving = {rec.member_id for rec in view.ranks.values()}
     standbys = [m for m in view.members.values() if m.kind == "standby" and m.member_id not in serving]
     out += ["", "standbys:"]
-    out.append(_table(["member", "host", "warm roles", "health", "kept model"],
-                      [[m.member_id, m.host, ",".join(m.warm_roles) or "(warming)", m.health,
-                        "-" if m.kept_rank is None else f"rank {m.kept_rank}"]
-                       for m in sorted(standbys, key=lambda m: m.member_id)])
-               if standbys else "  none")
+    out.append(
+        _table(
+            ["member", "host", "warm roles", "health", "kept model"],
+            [
+                [
+                    m.member_id,
+                    m.host,
+                    ",".join(m.warm_roles) or "(warming)",
+                    m.health,
+                    "-" if m.kept_rank is None else f"rank {m.kept_rank}",
+                ]
+                for m in sorted(standbys, key=lambda m: m.member_id)
+            ],
+        )
+        if standbys
+        else "  none"
+    )
     plan = view.last_plan
     out += ["", "last migration:"]
     if plan is None:
         out.append("  none")
     else:
-        out.append(f"  epoch {plan.epoch} ({plan.reason}, {plan.status}) decided by {plan.decided_by or '?'}; resume iteration "
-                   f"{plan.resume_iteration if plan.resume_iteration is not None else 'at next boundary'}")
+        out.append(
+            f"  epoch {plan.epoch} ({plan.reason}, {plan.status}) decided by {plan.decided_by or '?'}; "
+            "resume iteration "
+            f"{plan.resume_iteration if plan.resume_iteration is not None else 'at next boundary'}"
+        )
         for rep in plan.replacement_list():
             src = rep.state_source
-            src_names: dict[str | None, str] = {"replica": f"replica rank {src.get('rank')}",
-                                                "checkpoint": f"checkpoint (iteration {src.get('iteration')})",
-                                                "leaver": "the leaver"}
+            src_names: dict[str | None, str] = {
+                "replica": f"replica rank {src.get('rank')}",
+                "checkpoint": f"checkpoint (iteration {src.get('iteration')})",
+                "leaver": "the leaver",
+            }
             src_s = src_names.get(src.get("kind"), str(src))
             out.append(f"  rank {rep.rank}: {rep.leaver} -> {rep.joiner} ({rep.role}), state from {src_s}")
         if plan.unserved:
@@ -149,11 +207,19 @@ def _archived_events(args: argparse.Namespace) -> int:
 
     path = os.path.join(args.run_dir, EVENTS_FILE)
     if not os.path.exists(path):
-        raise ConfigError(f"{path} does not exist: give the job's --run-dir (the launcher prints it), or query the "
-                          "live job with --tm-etcd-endpoints/--tm-job/--tm-job-token")
+        raise ConfigError(
+            f"{path} does not exist: give the job's --run-dir (the launcher prints it), or query the "
+            "live job with --tm-etcd-endpoints/--tm-job/--tm-job-token"
+        )
     records = list(read_jsonl(path))
-    rows = [[_ts(r.get("time", 0)), r.get("what", "?"), " ".join(f"{k}={v}" for k, v in sorted((r.get("detail") or {}).items()))]
-            for r in (records[-args.limit:] if args.limit else records)]
+    rows = [
+        [
+            _ts(r.get("time", 0)),
+            r.get("what", "?"),
+            " ".join(f"{k}={v}" for k, v in sorted((r.get("detail") or {}).items())),
+        ]
+        for r in (records[-args.limit :] if args.limit else records)
+    ]
     print(_table(["time", "event", "detail"], rows) if rows else "no events yet")
     return 0
 
@@ -165,7 +231,7 @@ def cmd_events(args: argparse.Namespace) -> int:
     try:
         entries = space.kv.get_prefix(space.key("events/")).entries
         rows = []
-        for e in entries[-args.limit:] if args.limit else entries:
+        for e in entries[-args.limit :] if args.limit else entries:
             try:
                 ev = Event.from_bytes(e.value, key=e.key)
                 rows.append([_ts(ev.time), ev.what, " ".join(f"{k}={v}" for k, v in sorted(ev.detail.items()))])
@@ -189,8 +255,10 @@ def cmd_migrate(args: argparse.Namespace) -> int:
             _check_target(view, space.job, args.rank, args.to)
         epoch = view.epoch or 0
         rid = request_migration(space, rank=args.rank, to=args.to, requested_by=f"cli@{os.uname().nodename}")
-        print(f"requested planned migration {rid}: rank {args.rank} -> {args.to or 'a standby chosen by the controller'}",
-              flush=True)
+        print(
+            f"requested planned migration {rid}: rank {args.rank} -> {args.to or 'a standby chosen by the controller'}",
+            flush=True,
+        )
         if args.wait <= 0:
             print("not waiting for the decision (--wait 0): follow it with `trainmover status` or `trainmover events`")
             return 0
@@ -209,9 +277,11 @@ def _check_target(view: View, job: str, rank: int, to: str) -> None:
         return
     which = f"for rank {rank} (stage role {role!r})" if role is not None else "of any stage role"
     listed = f"the warm standbys {which} are: {', '.join(warm)}" if warm else f"job {job!r} has no warm standby {which}"
-    raise ConfigError(f"--to {to} is not an idle warm standby of job {job!r}; {listed}. Pick one of them, leave --to out to "
-                      "let the controller choose, or start a standby (`trainmover launch --tm-role standby`) and wait "
-                      "until `trainmover status` shows it warm")
+    raise ConfigError(
+        f"--to {to} is not an idle warm standby of job {job!r}; {listed}. Pick one of them, leave --to out to "
+        "let the controller choose, or start a standby (`trainmover launch --tm-role standby`) and wait "
+        "until `trainmover status` shows it warm"
+    )
 
 
 def _await_decision(space: JobSpace, request_id: str, rank: int, epoch: int, wait_s: float) -> int:
@@ -226,19 +296,26 @@ def _await_decision(space: JobSpace, request_id: str, rank: int, epoch: int, wai
                 except MalformedValue:
                     continue
                 if ev.what == "request_rejected" and ev.detail.get("request") == request_id:
-                    print(f"trainmover migrate: the controller rejected the move: {ev.detail.get('reason')}",
-                          file=sys.stderr)
+                    print(
+                        f"trainmover migrate: the controller rejected the move: {ev.detail.get('reason')}",
+                        file=sys.stderr,
+                    )
                     return 1
             view = read_view(space)
             plan = view.last_plan
             if plan is not None and plan.epoch > epoch and plan.reason == "planned":
                 rep = plan.replacement_list()[0]
-                print(f"planned: epoch {plan.epoch}, rank {rep.rank} -> {rep.joiner}; follow it with "
-                      "`trainmover status` or `trainmover events`")
+                print(
+                    f"planned: epoch {plan.epoch}, rank {rep.rank} -> {rep.joiner}; follow it with "
+                    "`trainmover status` or `trainmover events`"
+                )
                 return 0
         time.sleep(0.1)
-    print(f"trainmover migrate: no decision within {wait_s:.0f}s: is a controller running (an agent, or "
-          "`trainmover controller`)? The request stays queued; see `trainmover status`", file=sys.stderr)
+    print(
+        f"trainmover migrate: no decision within {wait_s:.0f}s: is a controller running (an agent, or "
+        "`trainmover controller`)? The request stays queued; see `trainmover status`",
+        file=sys.stderr,
+    )
     return 3
 
 
@@ -261,8 +338,10 @@ def cmd_controller(args: argparse.Namespace) -> int:
     if args.tm_lease_ttl < 1:
         raise ConfigError("--tm-lease-ttl must be at least 1 second")
     if not args.tm_job or not args.tm_job_token:
-        raise ConfigError("a controller needs the job and its token: pass --tm-job NAME and --tm-job-token TOKEN "
-                          "(the same ones the launchers use)")
+        raise ConfigError(
+            "a controller needs the job and its token: pass --tm-job NAME and --tm-job-token TOKEN "
+            "(the same ones the launchers use)"
+        )
     cid = args.id or f"controller-{os.uname().nodename}-{os.getpid()}"
     kv = EtcdKV(client_config(args))
     stop = threading.Event()
@@ -272,8 +351,9 @@ def cmd_controller(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         ctl = Controller(space, ControllerConfig(controller_id=cid, ttl_s=round(args.tm_lease_ttl))).start()
-        print(f"[trainmover] controller {cid} stands for job {space.job}; Ctrl-C (SIGTERM) resigns and exits",
-              flush=True)
+        print(
+            f"[trainmover] controller {cid} stands for job {space.job}; Ctrl-C (SIGTERM) resigns and exits", flush=True
+        )
         leading, next_check = False, time.monotonic() + args.tm_lease_ttl
         while not stop.wait(0.2):
             if ctl.is_leader != leading:
@@ -291,8 +371,12 @@ def cmd_controller(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sub(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help_: str,
-         func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+def _sub(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    help_: str,
+    func: Callable[[argparse.Namespace], int],
+) -> argparse.ArgumentParser:
     p = subparsers.add_parser(name, help=help_, description=help_)
     add_connection_flags(p)
     p.set_defaults(func=func)
@@ -301,27 +385,53 @@ def _sub(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], name: 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     """Register ``status``, ``events`` and ``migrate``; returns the ``status`` parser."""
-    status = _sub(subparsers, "status", "show ranks -> members, standbys, epoch and the last migration of a job", cmd_status)
+    status = _sub(
+        subparsers, "status", "show ranks -> members, standbys, epoch and the last migration of a job", cmd_status
+    )
     events = _sub(subparsers, "events", "show the timeline of membership and migration events of a job", cmd_events)
     events.add_argument("--limit", type=int, default=0, help="show only the last N events (default: all)")
-    events.add_argument("--run-dir", default=None,
-                        help="read the events the leading agent copied to RUN_DIR/events.jsonl instead of etcd "
-                             "(they outlive the job's etcd)")
+    events.add_argument(
+        "--run-dir",
+        default=None,
+        help="read the events the leading agent copied to RUN_DIR/events.jsonl instead of etcd "
+        "(they outlive the job's etcd)",
+    )
     migrate = _sub(subparsers, "migrate", "request a planned migration of one rank to a warm standby", cmd_migrate)
     migrate.add_argument("--rank", type=int, required=True, help="the logical rank to move (see `trainmover status`)")
-    migrate.add_argument("--to", default=None, metavar="MEMBER_ID",
-                         help="the standby to move the rank to: the member id of an idle, healthy standby that has "
-                              "warmed the rank's stage role (`trainmover status` lists them under 'standbys'); any "
-                              "other id is refused before a request is written (default: the controller picks one)")
-    migrate.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
-                         help="how long to wait for the controller's decision: exit 0 once the move is planned, 1 when "
-                              "the controller rejected it (the reason is printed), 3 when nothing was decided in time "
-                              "(the request stays queued). Default 60; 0 returns as soon as the request is written")
-    controller = _sub(subparsers, "controller", "run one more leader-elected controller candidate for a job (e.g. on a "
-                      "node without ranks); it exits when the job has finished", cmd_controller)
-    controller.add_argument("--id", default=None,
-                            help="this candidate's id, shown as the job's controller (default: controller-<host>-<pid>)")
-    controller.add_argument("--tm-lease-ttl", type=float, default=2.0,
-                            help="leader lease TTL in seconds, as the job's --tm-lease-ttl: a successor takes over "
-                                 "within about this long after this process dies (default 2)")
+    migrate.add_argument(
+        "--to",
+        default=None,
+        metavar="MEMBER_ID",
+        help="the standby to move the rank to: the member id of an idle, healthy standby that has "
+        "warmed the rank's stage role (`trainmover status` lists them under 'standbys'); any "
+        "other id is refused before a request is written (default: the controller picks one)",
+    )
+    migrate.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="how long to wait for the controller's decision: exit 0 once the move is planned, 1 when "
+        "the controller rejected it (the reason is printed), 3 when nothing was decided in time "
+        "(the request stays queued). Default 60; 0 returns as soon as the request is written",
+    )
+    controller = _sub(
+        subparsers,
+        "controller",
+        "run one more leader-elected controller candidate for a job (e.g. on a "
+        "node without ranks); it exits when the job has finished",
+        cmd_controller,
+    )
+    controller.add_argument(
+        "--id",
+        default=None,
+        help="this candidate's id, shown as the job's controller (default: controller-<host>-<pid>)",
+    )
+    controller.add_argument(
+        "--tm-lease-ttl",
+        type=float,
+        default=2.0,
+        help="leader lease TTL in seconds, as the job's --tm-lease-ttl: a successor takes over "
+        "within about this long after this process dies (default 2)",
+    )
     return status

@@ -60,6 +60,7 @@ class ControlObserver(Protocol):
     def observe_alert(self) -> None:
         """An alert was raised (a rank left with no standby to take it)."""
 
+
 _TRIGGERS = ("members", "ranks", "reports", "requests", "epoch", "leader", "checkpoint", "recovery")
 
 
@@ -98,11 +99,14 @@ class Controller:
         self._watch: WatchHandle | None = None
 
     # -- lifecycle --
-    def start(self) -> "Controller":
+    def start(self) -> Controller:
         start = self.space.kv.get_prefix(self.space.key("leader")).revision + 1
-        self._watch = self.space.kv.watch_prefix(self.space.root, self._on_events, start_revision=start,
-                                                  end=self.space.control_end)
-        self._thread = threading.Thread(target=self._run, name=f"tm-controller-{self.config.controller_id}", daemon=True)
+        self._watch = self.space.kv.watch_prefix(
+            self.space.root, self._on_events, start_revision=start, end=self.space.control_end
+        )
+        self._thread = threading.Thread(
+            target=self._run, name=f"tm-controller-{self.config.controller_id}", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -127,12 +131,12 @@ class Controller:
         root = self.space.root
         relevant = False
         for ev in events:
-            head = ev.key[len(root):].partition("/")[0]
+            head = ev.key[len(root) :].partition("/")[0]
             if head in _TRIGGERS:
                 relevant = True
                 if head == "members" and ev.kind == "delete":
                     # When the lease-expiry was observed: the start of slow-path detection latency.
-                    self._gone_at[ev.key[len(root) + len("members/"):]] = time.time()
+                    self._gone_at[ev.key[len(root) + len("members/") :]] = time.time()
         if relevant:
             self._wake.set()
 

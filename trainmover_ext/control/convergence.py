@@ -69,8 +69,7 @@ class ConvergencePlan:
     reason: str = ""
 
 
-def plan_convergence(rings: dict[int, list[int]], iterations: dict[int, int],
-                     joiners: set[int]) -> ConvergencePlan:
+def plan_convergence(rings: dict[int, list[int]], iterations: dict[int, int], joiners: set[int]) -> ConvergencePlan:
     """Decide the resume point.
 
     ``rings`` maps every rank of the job to its shard's ring (itself included, data-parallel
@@ -87,8 +86,11 @@ def plan_convergence(rings: dict[int, list[int]], iterations: dict[int, int],
         best[shard] = max(best.get(shard, -1), it)
     lost = sorted(set(shard_of.values()) - set(best))
     if lost:
-        return ConvergencePlan(resume_iteration=-1, from_checkpoint=True,
-                               reason=f"no live replica of the state of rank(s) {sorted(r for s in lost for r in s)}")
+        return ConvergencePlan(
+            resume_iteration=-1,
+            from_checkpoint=True,
+            reason=f"no live replica of the state of rank(s) {sorted(r for s in lost for r in s)}",
+        )
     k = min(best.values())
     copies = []
     for target in sorted(rings):
@@ -96,8 +98,11 @@ def plan_convergence(rings: dict[int, list[int]], iterations: dict[int, int],
             continue
         sources = [r for r in rings[target] if r in iterations and iterations[r] == k]
         if not sources:
-            return ConvergencePlan(resume_iteration=-1, from_checkpoint=True,
-                                   reason=f"no live replica of rank {target}'s state is at iteration {k}")
+            return ConvergencePlan(
+                resume_iteration=-1,
+                from_checkpoint=True,
+                reason=f"no live replica of rank {target}'s state is at iteration {k}",
+            )
         copies.append((nearest_in_ring(rings[target], target, sources), target))
     return ConvergencePlan(resume_iteration=k, copies=copies)
 

@@ -111,8 +111,9 @@ class RepairEpoch:
     garbage: str
 
 
-Action = (PlanMigration | DropStaleReport | RaiseAlert | RejectRequest | CommitConvergence | CommitSwitchPoint
-          | RepairEpoch)
+Action = (
+    PlanMigration | DropStaleReport | RaiseAlert | RejectRequest | CommitConvergence | CommitSwitchPoint | RepairEpoch
+)
 
 
 @dataclass(kw_only=True)
@@ -128,8 +129,13 @@ class _Failure:
 def _handover_pending(view: View) -> Replacement | None:
     """The move of the current epoch's planned plan while its leaver has not handed its state over."""
     plan = view.last_plan
-    if (plan is None or plan.reason != "planned" or plan.epoch != view.epoch
-            or "handed_over" in plan.steps or "transferred" in plan.steps):
+    if (
+        plan is None
+        or plan.reason != "planned"
+        or plan.epoch != view.epoch
+        or "handed_over" in plan.steps
+        or "transferred" in plan.steps
+    ):
         return None
     reps = plan.replacement_list()
     # A move whose joiner is its leaver moves nothing (only a forged plan says so): its leaver's failure
@@ -153,15 +159,22 @@ def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
     if moving is not None and moving.rank in view.ranks and moving.rank not in view.finished:
         rec = view.ranks[moving.rank]
         if rec.member_id == moving.joiner:
-            leaver_lost = _Failure(rank=dataclasses.replace(rec, member_id=moving.leaver),
-                                   reason="the leaver of a planned move was lost before its hand-over",
-                                   detected_at=view.gone_at.get(moving.leaver), keep_joiner=moving.joiner)
+            leaver_lost = _Failure(
+                rank=dataclasses.replace(rec, member_id=moving.leaver),
+                reason="the leaver of a planned move was lost before its hand-over",
+                detected_at=view.gone_at.get(moving.leaver),
+                keep_joiner=moving.joiner,
+            )
             if moving.leaver not in view.members:
                 failed.setdefault(moving.rank, leaver_lost)
     for key, rep in sorted(view.reports.items()):
         rec = view.ranks.get(rep.rank)
-        if (leaver_lost is not None and moving is not None  # leaver_lost is set only with moving
-                and rep.rank == leaver_lost.rank.rank and rep.member_id == moving.leaver):
+        if (
+            leaver_lost is not None
+            and moving is not None  # leaver_lost is set only with moving
+            and rep.rank == leaver_lost.rank.rank
+            and rep.member_id == moving.leaver
+        ):
             f = failed.setdefault(rep.rank, leaver_lost)
             f.consumed.append(key)
             if f.detected_at is None or rep.reported_at < f.detected_at:
@@ -170,7 +183,9 @@ def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
         if rec is None or rec.member_id != rep.member_id or rep.rank in view.finished:
             actions.append(DropStaleReport(key=key, reason=f"rank {rep.rank} is no longer served by {rep.member_id}"))
             continue
-        f = failed.setdefault(rep.rank, _Failure(rank=rec, reason=f"link broken: {rep.reason}", detected_at=rep.reported_at))
+        f = failed.setdefault(
+            rep.rank, _Failure(rank=rec, reason=f"link broken: {rep.reason}", detected_at=rep.reported_at)
+        )
         f.consumed.append(key)
         if f.detected_at is None or rep.reported_at < f.detected_at:
             f.detected_at = rep.reported_at
@@ -180,8 +195,11 @@ def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
 def _available_standbys(view: View, excluded: set[str]) -> list[str]:
     serving = {rec.member_id for rec in view.ranks.values()}
     return sorted(
-        (m.member_id for m in view.members.values()
-         if m.kind == "standby" and m.health == "ok" and m.member_id not in serving and m.member_id not in excluded),
+        (
+            m.member_id
+            for m in view.members.values()
+            if m.kind == "standby" and m.health == "ok" and m.member_id not in serving and m.member_id not in excluded
+        ),
         key=lambda mid: (view.members[mid].registered_at, mid),
     )
 
@@ -189,8 +207,11 @@ def _available_standbys(view: View, excluded: set[str]) -> list[str]:
 def warm_standbys(view: View, role: str | None = None) -> list[str]:
     """The standbys a move may name as joiner: idle (serving no rank), healthy and warm for ``role`` (for
     some role when None), oldest first. ``trainmover migrate --to`` checks its target against this list."""
-    return [c for c in _available_standbys(view, set())
-            if (role in view.members[c].warm_roles if role is not None else view.members[c].warm_roles)]
+    return [
+        c
+        for c in _available_standbys(view, set())
+        if (role in view.members[c].warm_roles if role is not None else view.members[c].warm_roles)
+    ]
 
 
 def _pick_standby(view: View, candidates: list[str], rec: RankRecord) -> str | None:
@@ -230,8 +251,15 @@ def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by:
             unserved.append(f)
             continue
         taken.add(joiner)
-        replacements.append(Replacement(rank=f.rank.rank, leaver=f.rank.member_id, joiner=joiner, role=f.rank.role,
-                                        state_source=_state_source(view, f.rank, failed_ranks)))
+        replacements.append(
+            Replacement(
+                rank=f.rank.rank,
+                leaver=f.rank.member_id,
+                joiner=joiner,
+                role=f.rank.role,
+                state_source=_state_source(view, f.rank, failed_ranks),
+            )
+        )
         host = view.members[joiner].host if joiner in view.members else view.ranks[f.rank.rank].host
         updates.append(dataclasses.replace(f.rank, member_id=joiner, host=host, since_epoch=view.epoch + 1))
         consumed += f.consumed
@@ -241,34 +269,57 @@ def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by:
     for f in unserved:
         old = view.alerts.get(f.rank.rank)
         if old is None or old.member_id != f.rank.member_id:
-            actions.append(RaiseAlert(alert=Alert(
-                rank=f.rank.rank, member_id=f.rank.member_id, epoch=view.epoch, raised_at=now,
-                reason=f"{f.reason}; no warm standby with role {f.rank.role!r} is left: start one "
-                       "(`trainmover launch --tm-role standby`) or restart the job from its checkpoint",
-            )))
+            actions.append(
+                RaiseAlert(
+                    alert=Alert(
+                        rank=f.rank.rank,
+                        member_id=f.rank.member_id,
+                        epoch=view.epoch,
+                        raised_at=now,
+                        reason=f"{f.reason}; no warm standby with role {f.rank.role!r} is left: start one "
+                        "(`trainmover launch --tm-role standby`) or restart the job from its checkpoint",
+                    )
+                )
+            )
     if not replacements:
         return actions
     # Known now only when the checkpoint pulls every rank back; otherwise the convergence decision
     # names it once the stayers reported.
     resume = view.checkpoint_iteration if any(r.state_source["kind"] == "checkpoint" for r in replacements) else None
-    detected = [f.detected_at for f in failures if f.detected_at is not None and f.rank.rank in {r.rank for r in replacements}]
+    detected = [
+        f.detected_at for f in failures if f.detected_at is not None and f.rank.rank in {r.rank for r in replacements}
+    ]
     detected_at = min(detected) if detected else now
     plan = MigrationPlan(
-        epoch=view.epoch + 1, reason="failure", replacements=[dataclasses.asdict(r) for r in replacements],
-        resume_iteration=resume, unserved=[f.rank.rank for f in unserved], detected_at=detected_at,
-        decided_at=now, decided_by=decided_by, steps={"detected": detected_at, "decided": now},
+        epoch=view.epoch + 1,
+        reason="failure",
+        replacements=[dataclasses.asdict(r) for r in replacements],
+        resume_iteration=resume,
+        unserved=[f.rank.rank for f in unserved],
+        detected_at=detected_at,
+        decided_at=now,
+        decided_by=decided_by,
+        steps={"detected": detected_at, "decided": now},
     )
     # Reports of an epoch this plan supersedes are moot: the stayers report again for the new one.
     consumed += [k for e, keys in view.recovery_keys.items() if e <= view.epoch for k in keys]
-    actions.append(PlanMigration(plan=plan, expected_epoch=view.epoch, expected_epoch_rev=view.epoch_rev,
-                                 rank_updates=tuple(updates), consumed=tuple(consumed)))
+    actions.append(
+        PlanMigration(
+            plan=plan,
+            expected_epoch=view.epoch,
+            expected_epoch_rev=view.epoch_rev,
+            rank_updates=tuple(updates),
+            consumed=tuple(consumed),
+        )
+    )
     return actions
 
 
 def _recovery_under_way(view: View) -> bool:
     plan = view.last_plan
-    return (plan is not None and plan.reason == "failure" and plan.epoch == view.epoch
-            and plan.epoch not in view.converged)
+    return (
+        plan is not None and plan.reason == "failure" and plan.epoch == view.epoch and plan.epoch not in view.converged
+    )
 
 
 def _decide_convergence(view: View, now: float, decided_by: str) -> list[Action]:
@@ -287,11 +338,20 @@ def _decide_convergence(view: View, now: float, decided_by: str) -> list[Action]
     holding = {r: it for r in stayers if (it := reported[r]) is not None}
     rings = {r: sorted({r, *rec.replicas}) for r, rec in view.ranks.items()}
     cplan = plan_convergence(rings, holding, set(view.ranks) - set(holding))
-    record = ConvergenceRecord(epoch=plan.epoch, resume_iteration=cplan.resume_iteration,
-                               copies=[list(pair) for pair in cplan.copies], from_checkpoint=cplan.from_checkpoint,
-                               reason=cplan.reason, decided_at=now, decided_by=decided_by)
-    return [CommitConvergence(record=record, expected_epoch_rev=view.epoch_rev,
-                              consumed=tuple(view.recovery_keys.get(plan.epoch, [])))]
+    record = ConvergenceRecord(
+        epoch=plan.epoch,
+        resume_iteration=cplan.resume_iteration,
+        copies=[list(pair) for pair in cplan.copies],
+        from_checkpoint=cplan.from_checkpoint,
+        reason=cplan.reason,
+        decided_at=now,
+        decided_by=decided_by,
+    )
+    return [
+        CommitConvergence(
+            record=record, expected_epoch_rev=view.epoch_rev, consumed=tuple(view.recovery_keys.get(plan.epoch, []))
+        )
+    ]
 
 
 def _decide_switch_point(view: View) -> list[Action]:
@@ -299,12 +359,23 @@ def _decide_switch_point(view: View) -> list[Action]:
     next boundary (no rank can complete the iteration after the leaver's boundary without it), or the
     last one when the leaver waits there."""
     plan = view.last_plan
-    if (plan is None or plan.reason != "planned" or plan.epoch != view.epoch or plan.switch_at is not None
-            or plan.leaver_at is None or "ready" not in plan.steps):
+    if (
+        plan is None
+        or plan.reason != "planned"
+        or plan.epoch != view.epoch
+        or plan.switch_at is not None
+        or plan.leaver_at is None
+        or "ready" not in plan.steps
+    ):
         return []
     last = plan.last_boundary if plan.last_boundary is not None else plan.leaver_at
-    return [CommitSwitchPoint(epoch=plan.epoch, switch_at=min(plan.leaver_at + 1, max(last, plan.leaver_at)),
-                              expected_plan_rev=view.last_plan_rev)]
+    return [
+        CommitSwitchPoint(
+            epoch=plan.epoch,
+            switch_at=min(plan.leaver_at + 1, max(last, plan.leaver_at)),
+            expected_plan_rev=view.last_plan_rev,
+        )
+    ]
 
 
 def _alert_key(view: View, rank: int) -> str:
@@ -324,31 +395,63 @@ def _plan_request(view: View, now: float, decided_by: str) -> list[Action]:
         standbys = _available_standbys(view, set())
         if req.to is not None:
             if req.to not in standbys:
-                actions.append(RejectRequest(key=key, request_id=req.request_id,
-                                             reason=f"{req.to} is not an idle standby (see `trainmover status`)"))
+                actions.append(
+                    RejectRequest(
+                        key=key,
+                        request_id=req.request_id,
+                        reason=f"{req.to} is not an idle standby (see `trainmover status`)",
+                    )
+                )
                 continue
             if rec.role not in view.members[req.to].warm_roles:
-                actions.append(RejectRequest(key=key, request_id=req.request_id,
-                                             reason=f"{req.to} has not warmed role {rec.role!r}"))
+                actions.append(
+                    RejectRequest(
+                        key=key, request_id=req.request_id, reason=f"{req.to} has not warmed role {rec.role!r}"
+                    )
+                )
                 continue
             joiner: str | None = req.to
         else:
             joiner = _pick_standby(view, standbys, rec)
         if joiner is None:
-            actions.append(RejectRequest(key=key, request_id=req.request_id,
-                                         reason=f"no idle standby has warmed role {rec.role!r}; start one and retry"))
+            actions.append(
+                RejectRequest(
+                    key=key,
+                    request_id=req.request_id,
+                    reason=f"no idle standby has warmed role {rec.role!r}; start one and retry",
+                )
+            )
             continue
-        rep = Replacement(rank=rec.rank, leaver=rec.member_id, joiner=joiner, role=rec.role,
-                          state_source={"kind": "leaver", "member": rec.member_id})
+        rep = Replacement(
+            rank=rec.rank,
+            leaver=rec.member_id,
+            joiner=joiner,
+            role=rec.role,
+            state_source={"kind": "leaver", "member": rec.member_id},
+        )
         plan = MigrationPlan(
-            epoch=view.epoch + 1, reason="planned", replacements=[dataclasses.asdict(rep)], resume_iteration=None,
-            detected_at=req.requested_at, decided_at=now, decided_by=decided_by,
+            epoch=view.epoch + 1,
+            reason="planned",
+            replacements=[dataclasses.asdict(rep)],
+            resume_iteration=None,
+            detected_at=req.requested_at,
+            decided_at=now,
+            decided_by=decided_by,
             steps={"requested": req.requested_at, "decided": now},
         )
-        actions.append(PlanMigration(
-            plan=plan, expected_epoch=view.epoch, expected_epoch_rev=view.epoch_rev,
-            rank_updates=(dataclasses.replace(rec, member_id=joiner, host=view.members[joiner].host, since_epoch=view.epoch + 1),), consumed=(key,),
-        ))
+        actions.append(
+            PlanMigration(
+                plan=plan,
+                expected_epoch=view.epoch,
+                expected_epoch_rev=view.epoch_rev,
+                rank_updates=(
+                    dataclasses.replace(
+                        rec, member_id=joiner, host=view.members[joiner].host, since_epoch=view.epoch + 1
+                    ),
+                ),
+                consumed=(key,),
+            )
+        )
         break  # at most one migration per epoch; the next request waits for the next round
     return actions
 
@@ -363,8 +466,13 @@ def decide(view: View, now: float, *, decided_by: str = "") -> list[Action]:
             return [RepairEpoch(epoch=newest, expected_epoch_rev=view.epoch_rev, garbage=view.malformed[key][:200])]
         return []
     if view.epoch < newest:
-        return [RepairEpoch(epoch=newest, expected_epoch_rev=view.epoch_rev,
-                            garbage=f"epoch {view.epoch}, behind the plan of epoch {newest}")]
+        return [
+            RepairEpoch(
+                epoch=newest,
+                expected_epoch_rev=view.epoch_rev,
+                garbage=f"epoch {view.epoch}, behind the plan of epoch {newest}",
+            )
+        ]
     failures, actions = _failures(view)
     if failures:
         return actions + _plan_failures(view, now, failures, decided_by)

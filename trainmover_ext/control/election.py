@@ -57,10 +57,13 @@ class LeaderElection:
         # The lease id makes the value unique per term, so the fencing guard of an old term never matches a new one.
         self._value = encode("leader", {"id": self.candidate_id, "lease": self._keeper.lease_id})
         now = time.time()
-        self._won = self.space.commit([Guard.absent(self.key)], [
-            Put(self.key, self._value, self._keeper.lease_id),
-            event_put(self.space, "leader_elected", {"controller": self.candidate_id}, now),
-        ])
+        self._won = self.space.commit(
+            [Guard.absent(self.key)],
+            [
+                Put(self.key, self._value, self._keeper.lease_id),
+                event_put(self.space, "leader_elected", {"controller": self.candidate_id}, now),
+            ],
+        )
         if self._won:
             logger.info("controller %s leads job %s", self.candidate_id, self.space.job)
         return self._won

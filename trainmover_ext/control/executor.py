@@ -29,7 +29,13 @@ import logging
 from typing import Any
 
 from trainmover_ext.control.decide import (
-    Action, CommitConvergence, CommitSwitchPoint, DropStaleReport, PlanMigration, RaiseAlert, RejectRequest,
+    Action,
+    CommitConvergence,
+    CommitSwitchPoint,
+    DropStaleReport,
+    PlanMigration,
+    RaiseAlert,
+    RejectRequest,
     RepairEpoch,
 )
 from trainmover_ext.control.records import Event, MigrationPlan, convergence_key, event_key_suffix, migration_key_suffix
@@ -66,7 +72,9 @@ class Executor:
         if self.space.commit(self._guards(*guards), ops):
             return Outcome.APPLIED
         if self.leader_guard is not None and not self.space.kv.commit([self.leader_guard], []):
-            raise LeadershipLost(f"controller lost the leader key of job {self.space.job!r}; another controller decides now")
+            raise LeadershipLost(
+                f"controller lost the leader key of job {self.space.job!r}; another controller decides now"
+            )
         return Outcome.CONFLICT
 
     def apply(self, action: Action) -> Outcome:
@@ -79,23 +87,47 @@ class Executor:
             ]
             ops += [Put(s.key("ranks", rec.rank), rec.to_bytes()) for rec in action.rank_updates]
             ops += [Delete(k) for k in action.consumed]
-            ops.append(event_put(s, "migration_planned", {
-                "epoch": plan.epoch, "reason": plan.reason, "unserved": plan.unserved,
-                "replacements": [{k: r[k] for k in ("rank", "leaver", "joiner")} for r in plan.replacements],
-            }, plan.decided_at))
-            guards = [Guard.mod_revision(s.key("epoch"), action.expected_epoch_rev),
-                      Guard.absent(s.key("migrations", migration_key_suffix(plan.epoch)))]
+            ops.append(
+                event_put(
+                    s,
+                    "migration_planned",
+                    {
+                        "epoch": plan.epoch,
+                        "reason": plan.reason,
+                        "unserved": plan.unserved,
+                        "replacements": [{k: r[k] for k in ("rank", "leaver", "joiner")} for r in plan.replacements],
+                    },
+                    plan.decided_at,
+                )
+            )
+            guards = [
+                Guard.mod_revision(s.key("epoch"), action.expected_epoch_rev),
+                Guard.absent(s.key("migrations", migration_key_suffix(plan.epoch))),
+            ]
             outcome = self._commit(guards, ops)
             logger.info("plan for epoch %d (%s): %s", plan.epoch, plan.reason, outcome.value)
             return outcome
         if isinstance(action, CommitConvergence):
             rec = action.record
             key = convergence_key(s, rec.epoch)
-            ops = [Put(key, rec.to_bytes()), *[Delete(k) for k in action.consumed],
-                   event_put(s, "convergence_decided", {"epoch": rec.epoch, "resume_iteration": rec.resume_iteration,
-                                                        "copies": rec.copies, "from_checkpoint": rec.from_checkpoint},
-                             rec.decided_at)]
-            outcome = self._commit([Guard.mod_revision(s.key("epoch"), action.expected_epoch_rev), Guard.absent(key)], ops)
+            ops = [
+                Put(key, rec.to_bytes()),
+                *[Delete(k) for k in action.consumed],
+                event_put(
+                    s,
+                    "convergence_decided",
+                    {
+                        "epoch": rec.epoch,
+                        "resume_iteration": rec.resume_iteration,
+                        "copies": rec.copies,
+                        "from_checkpoint": rec.from_checkpoint,
+                    },
+                    rec.decided_at,
+                ),
+            ]
+            outcome = self._commit(
+                [Guard.mod_revision(s.key("epoch"), action.expected_epoch_rev), Guard.absent(key)], ops
+            )
             logger.info("convergence of epoch %d: %s", rec.epoch, outcome.value)
             return outcome
         if isinstance(action, CommitSwitchPoint):
@@ -105,33 +137,54 @@ class Executor:
                 return Outcome.CONFLICT
             plan = MigrationPlan.from_bytes(entry.value, key=key)
             plan.switch_at = action.switch_at
-            outcome = self._commit([Guard.mod_revision(key, entry.mod_revision)],
-                                   [Put(key, plan.to_bytes()),
-                                    event_put(s, "switch_point", {"epoch": action.epoch, "switch_at": action.switch_at},
-                                              _now())])
+            outcome = self._commit(
+                [Guard.mod_revision(key, entry.mod_revision)],
+                [
+                    Put(key, plan.to_bytes()),
+                    event_put(s, "switch_point", {"epoch": action.epoch, "switch_at": action.switch_at}, _now()),
+                ],
+            )
             logger.info("switch point of epoch %d at %d: %s", action.epoch, action.switch_at, outcome.value)
             return outcome
         if isinstance(action, RepairEpoch):
-            return self._commit([Guard.mod_revision(s.key("epoch"), action.expected_epoch_rev)],
-                                [Put(s.key("epoch"), epoch_value(action.epoch)),
-                                 event_put(s, "epoch_repaired", {"epoch": action.epoch, "garbage": action.garbage},
-                                           _now())])
+            return self._commit(
+                [Guard.mod_revision(s.key("epoch"), action.expected_epoch_rev)],
+                [
+                    Put(s.key("epoch"), epoch_value(action.epoch)),
+                    event_put(s, "epoch_repaired", {"epoch": action.epoch, "garbage": action.garbage}, _now()),
+                ],
+            )
         if isinstance(action, DropStaleReport):
             entry = s.kv.get(action.key)
             if entry is None:
                 return Outcome.CONFLICT
-            return self._commit([Guard.mod_revision(action.key, entry.mod_revision)],
-                                [Delete(action.key), event_put(s, "stale_report_dropped", {"key": action.key, "reason": action.reason}, _now())])
+            return self._commit(
+                [Guard.mod_revision(action.key, entry.mod_revision)],
+                [
+                    Delete(action.key),
+                    event_put(s, "stale_report_dropped", {"key": action.key, "reason": action.reason}, _now()),
+                ],
+            )
         if isinstance(action, RaiseAlert):
             a = action.alert
-            return self._commit([], [Put(s.key("alerts", a.rank), a.to_bytes()),
-                                     event_put(s, "alert", {"rank": a.rank, "member": a.member_id, "reason": a.reason}, a.raised_at)])
+            return self._commit(
+                [],
+                [
+                    Put(s.key("alerts", a.rank), a.to_bytes()),
+                    event_put(s, "alert", {"rank": a.rank, "member": a.member_id, "reason": a.reason}, a.raised_at),
+                ],
+            )
         if isinstance(action, RejectRequest):
             entry = s.kv.get(action.key)
             if entry is None:
                 return Outcome.CONFLICT
-            return self._commit([Guard.mod_revision(action.key, entry.mod_revision)],
-                                [Delete(action.key), event_put(s, "request_rejected", {"request": action.request_id, "reason": action.reason}, _now())])
+            return self._commit(
+                [Guard.mod_revision(action.key, entry.mod_revision)],
+                [
+                    Delete(action.key),
+                    event_put(s, "request_rejected", {"request": action.request_id, "reason": action.reason}, _now()),
+                ],
+            )
         raise TypeError(f"unknown action {action!r}")
 
 

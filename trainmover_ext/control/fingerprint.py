@@ -28,7 +28,7 @@ import hashlib
 import importlib.metadata
 import json
 import time
-from typing import Any, Optional
+from typing import Any
 
 from trainmover_ext.control.executor import event_put
 from trainmover_ext.control.records import Event, FingerprintRecord
@@ -43,16 +43,38 @@ REFUSAL_EVENT = "standby_refused"
 
 FINGERPRINT_FIELDS: tuple[str, ...] = (
     # model shape, vocabulary and tokenizer
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "num_query_groups",
-    "seq_length", "max_position_embeddings", "vocab_size", "padded_vocab_size", "tokenizer_type",
-    "position_embedding_type", "normalization", "swiglu", "untie_embeddings_and_output_weights",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "kv_channels",
+    "num_query_groups",
+    "seq_length",
+    "max_position_embeddings",
+    "vocab_size",
+    "padded_vocab_size",
+    "tokenizer_type",
+    "position_embedding_type",
+    "normalization",
+    "swiglu",
+    "untie_embeddings_and_output_weights",
     # precision
-    "bf16", "fp16", "params_dtype",
+    "bf16",
+    "fp16",
+    "params_dtype",
     # parallel layout
-    "world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
-    "virtual_pipeline_model_parallel_size", "sequence_parallel",
+    "world_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "data_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "sequence_parallel",
     # optimizer, batch geometry, seed
-    "optimizer", "use_distributed_optimizer", "micro_batch_size", "global_batch_size", "seed",
+    "optimizer",
+    "use_distributed_optimizer",
+    "micro_batch_size",
+    "global_batch_size",
+    "seed",
     # library
     "megatron_core_version",
 )
@@ -80,14 +102,21 @@ def model_fingerprint(args: Any) -> dict[str, Any]:
     # Unset sizes as megatron derives them, so that spelling the default out changes nothing.
     fields["ffn_hidden_size"] = fields["ffn_hidden_size"] or 4 * hidden
     fields["kv_channels"] = fields["kv_channels"] or hidden // heads
-    fields["num_query_groups"] = (fields["num_query_groups"] if getattr(args, "group_query_attention", False)
-                                  else None) or heads
+    fields["num_query_groups"] = (
+        fields["num_query_groups"] if getattr(args, "group_query_attention", False) else None
+    ) or heads
     # Flags pretrain_gpt.py does not have: what it builds (see the module docstring).
     fields["position_embedding_type"] = fields["position_embedding_type"] or "learned_absolute"
     fields["normalization"] = fields["normalization"] or "LayerNorm"
     fields["optimizer"] = fields["optimizer"] or "adam"
-    for flag in ("swiglu", "bf16", "fp16", "sequence_parallel", "use_distributed_optimizer",
-                 "untie_embeddings_and_output_weights"):
+    for flag in (
+        "swiglu",
+        "bf16",
+        "fp16",
+        "sequence_parallel",
+        "use_distributed_optimizer",
+        "untie_embeddings_and_output_weights",
+    ):
         fields[flag] = bool(fields[flag])
     fields["params_dtype"] = _params_dtype(args)
     fields["megatron_core_version"] = _version("megatron-core")
@@ -99,11 +128,15 @@ def fingerprint_digest(fields: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def fingerprint_record(args: Any, *, published_by: str, now: Optional[float] = None) -> FingerprintRecord:
+def fingerprint_record(args: Any, *, published_by: str, now: float | None = None) -> FingerprintRecord:
     """The record a worker publishes for ``args``."""
     fields = model_fingerprint(args)
-    return FingerprintRecord(fields=fields, digest=fingerprint_digest(fields), published_by=published_by,
-                             published_at=time.time() if now is None else now)
+    return FingerprintRecord(
+        fields=fields,
+        digest=fingerprint_digest(fields),
+        published_by=published_by,
+        published_at=time.time() if now is None else now,
+    )
 
 
 def fingerprint_diff(job: dict[str, Any], mine: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -122,9 +155,12 @@ def check_standby(job: dict[str, Any], mine: dict[str, Any], *, member: str) -> 
     diff = fingerprint_diff(job, mine)
     if diff:
         raise StandbyRefused(
-            f"standby {member} refused by the job: its model fingerprint differs from the job's ({describe_diff(diff)}). "
+            f"standby {member} refused by the job: its model fingerprint differs from the job's "
+            f"({describe_diff(diff)}). "
             "It never advertises a warm role and is not restarted; start standbys with the job's exact model, "
-            "precision, parallel, optimizer and batch flags and the same megatron-core.", diff)
+            "precision, parallel, optimizer and batch flags and the same megatron-core.",
+            diff,
+        )
 
 
 # --- the one key, and the refusal in the timeline ---------------------------------------
@@ -147,7 +183,8 @@ def publish_fingerprint(space: JobSpace, record: FingerprintRecord) -> Fingerpri
             f"this worker's model fingerprint differs from the one job {space.job!r} published "
             f"({describe_diff(diff, other='this worker')}; written by {job.published_by or 'another worker'}): every "
             f"worker of a job runs with the same flags. If an earlier run under this --tm-job left it in an external "
-            f"etcd, pick a new --tm-job or delete {key}.")
+            f"etcd, pick a new --tm-job or delete {key}."
+        )
     return job
 
 
@@ -160,20 +197,21 @@ def wait_job_fingerprint(space: JobSpace, timeout_s: float) -> FingerprintRecord
         raise StoreTimeout(
             f"job {space.job!r} published no model fingerprint ({key}) within {timeout_s:.0f}s: its workers write it "
             "once their model is built. Start the standby against a running job (same --tm-job and etcd) or raise "
-            "--tm-fingerprint-timeout.")
+            "--tm-fingerprint-timeout."
+        )
     return FingerprintRecord.from_bytes(values[key], key=key)
 
 
-def refusal_event(space: JobSpace, member: str, diff: dict[str, tuple[Any, Any]], now: Optional[float] = None) -> Put:
+def refusal_event(space: JobSpace, member: str, diff: dict[str, tuple[Any, Any]], now: float | None = None) -> Put:
     """The timeline event (:data:`REFUSAL_EVENT`) of standby ``member`` refused for ``diff``."""
     detail = {"member": member, "fields": {k: list(v) for k, v in diff.items()}}
     return event_put(space, REFUSAL_EVENT, detail, time.time() if now is None else now)
 
 
-def read_refusal(space: JobSpace, member: str) -> Optional[dict[str, tuple[Any, Any]]]:
+def read_refusal(space: JobSpace, member: str) -> dict[str, tuple[Any, Any]] | None:
     """The differing fields of standby ``member``'s refusal, from the job's timeline; None if it has none."""
     prefix = space.key("events") + "/"
-    found: Optional[dict[str, tuple[Any, Any]]] = None
+    found: dict[str, tuple[Any, Any]] | None = None
     for entry in space.kv.get_prefix(prefix).entries:
         try:
             event = Event.from_bytes(entry.value, key=entry.key)

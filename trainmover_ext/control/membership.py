@@ -34,11 +34,17 @@ import socket
 import threading
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 from trainmover_ext.control.executor import event_put
 from trainmover_ext.control.records import (
-    ConvergenceRecord, FailureReport, MemberRecord, MigrationPlan, MigrationRequest, RankRecord, convergence_key,
+    ConvergenceRecord,
+    FailureReport,
+    MemberRecord,
+    MigrationPlan,
+    MigrationRequest,
+    RankRecord,
+    convergence_key,
     recovery_key,
 )
 from trainmover_ext.control.view import epoch_value
@@ -58,7 +64,9 @@ def new_member_id(kind: str) -> str:
 class LeaseKeeper:
     """One lease kept alive on a daemon thread; see the module docstring."""
 
-    def __init__(self, space: JobSpace, ttl_s: int, *, on_lost: Callable[[], None] | None = None, name: str = "lease") -> None:
+    def __init__(
+        self, space: JobSpace, ttl_s: int, *, on_lost: Callable[[], None] | None = None, name: str = "lease"
+    ) -> None:
         if int(ttl_s) < 1:
             raise ConfigError("--tm-lease-ttl must be at least 1 second (etcd grants whole seconds)")
         self.space, self.ttl_s, self.on_lost, self.name = space, int(ttl_s), on_lost, name
@@ -111,8 +119,9 @@ class LeaseKeeper:
 class Membership:
     """A registered member of the job; see the module docstring."""
 
-    def __init__(self, space: JobSpace, record: MemberRecord, *, ttl_s: int = 2,
-                 on_lost: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, space: JobSpace, record: MemberRecord, *, ttl_s: int = 2, on_lost: Callable[[], None] | None = None
+    ) -> None:
         self.space, self.record, self.ttl_s, self.on_lost = space, record, ttl_s, on_lost
         self.keeper: LeaseKeeper | None = None
 
@@ -120,19 +129,33 @@ class Membership:
     def key(self) -> str:
         return self.space.key("members", self.record.member_id)
 
-    def register(self) -> "Membership":
+    def register(self) -> Membership:
         """Write ``members/<id>`` on a fresh lease; :class:`StoreError` if the id is already taken."""
         self.keeper = LeaseKeeper(self.space, self.ttl_s, on_lost=self.on_lost, name=f"member {self.record.member_id}")
         if not self.record.registered_at:
             self.record.registered_at = time.time()
-        ok = self.space.commit([Guard.absent(self.key)], [
-            Put(self.key, self.record.to_bytes(), self.keeper.lease_id),
-            event_put(self.space, "member_joined", {"member": self.record.member_id, "kind": self.record.kind,
-                                                    "host": self.record.host, "pid": self.record.pid}, time.time()),
-        ])
+        ok = self.space.commit(
+            [Guard.absent(self.key)],
+            [
+                Put(self.key, self.record.to_bytes(), self.keeper.lease_id),
+                event_put(
+                    self.space,
+                    "member_joined",
+                    {
+                        "member": self.record.member_id,
+                        "kind": self.record.kind,
+                        "host": self.record.host,
+                        "pid": self.record.pid,
+                    },
+                    time.time(),
+                ),
+            ],
+        )
         if not ok:
             self.keeper.close()
-            raise StoreError(f"member id {self.record.member_id} is already registered in job {self.space.job!r}: use a unique id")
+            raise StoreError(
+                f"member id {self.record.member_id} is already registered in job {self.space.job!r}: use a unique id"
+            )
         return self
 
     def update(self, **changes: object) -> None:
@@ -146,8 +169,10 @@ class Membership:
     def check(self) -> None:
         """Raise :class:`MembershipLost` if the lease is gone."""
         if self.keeper is None or self.keeper.lost.is_set():
-            raise MembershipLost(f"member {self.record.member_id} lost its lease in job {self.space.job!r}: "
-                                 "it was declared dead; exit and let a standby take its place")
+            raise MembershipLost(
+                f"member {self.record.member_id} lost its lease in job {self.space.job!r}: "
+                "it was declared dead; exit and let a standby take its place"
+            )
 
     def close(self) -> None:
         """Leave the job cleanly (revokes the lease). Idempotent."""
@@ -164,7 +189,9 @@ def init_job(space: JobSpace, ranks: list[RankRecord]) -> None:
 
 def report_failure(space: JobSpace, *, rank: int, member_id: str, reporter: str, reason: str, epoch: int) -> None:
     """Fast path: say that the link to ``rank`` (served by ``member_id``) broke."""
-    rep = FailureReport(rank=rank, member_id=member_id, reporter=reporter, reason=reason, epoch=epoch, reported_at=time.time())
+    rep = FailureReport(
+        rank=rank, member_id=member_id, reporter=reporter, reason=reason, epoch=epoch, reported_at=time.time()
+    )
     space.put(space.key("reports", rank, reporter), rep.to_bytes())
 
 
@@ -172,13 +199,19 @@ def report_recovery(space: JobSpace, *, epoch: int, rank: int, iteration: int | 
     """Stayer ``rank`` of failure epoch ``epoch``: say how many steps it completed, or ``None`` when
     its state is unusable (a copy into it was cut short by this newer epoch): it then receives a copy
     like a joiner. One write; the controller decides the resume point from every stayer's report."""
-    space.put(recovery_key(space, epoch, rank),
-              encode("recovery", {"iteration": None if iteration is None else int(iteration)}))
+    space.put(
+        recovery_key(space, epoch, rank),
+        encode("recovery", {"iteration": None if iteration is None else int(iteration)}),
+    )
 
 
-def wait_convergence(space: JobSpace, epoch: int, timeout_s: float,
-                     superseded: Callable[[], bool] = lambda: False,
-                     recheck_s: float | None = None) -> ConvergenceRecord | None:
+def wait_convergence(
+    space: JobSpace,
+    epoch: int,
+    timeout_s: float,
+    superseded: Callable[[], bool] = lambda: False,
+    recheck_s: float | None = None,
+) -> ConvergenceRecord | None:
     """Block until the controller committed ``convergence/<epoch>`` and return it; None when
     ``superseded()`` turns true first (a newer plan: this epoch will never converge) or after
     ``timeout_s``. One key: a rank's etcd work does not grow with the job (one read, one watch
@@ -192,9 +225,18 @@ def wait_convergence(space: JobSpace, epoch: int, timeout_s: float,
 
 def request_migration(space: JobSpace, *, rank: int, to: str | None = None, requested_by: str = "cli") -> str:
     """Record a planned-migration request; returns its id."""
-    req = MigrationRequest(request_id=uuid.uuid4().hex[:12], rank=rank, to=to, requested_by=requested_by, requested_at=time.time())
-    space.commit([], [Put(space.key("requests", req.request_id), req.to_bytes()),
-                      event_put(space, "migration_requested", {"request": req.request_id, "rank": rank, "to": to}, req.requested_at)])
+    req = MigrationRequest(
+        request_id=uuid.uuid4().hex[:12], rank=rank, to=to, requested_by=requested_by, requested_at=time.time()
+    )
+    space.commit(
+        [],
+        [
+            Put(space.key("requests", req.request_id), req.to_bytes()),
+            event_put(
+                space, "migration_requested", {"request": req.request_id, "rank": rank, "to": to}, req.requested_at
+            ),
+        ],
+    )
     return req.request_id
 
 
@@ -227,8 +269,13 @@ class DecisionWatcher:
             except Exception as exc:  # noqa: BLE001 - etcd trouble: the watch may still deliver; read again later
                 logger.info("plan resync failed: %s", exc)
                 continue
-            self._on_events([WatchEvent(kind="put", key=e.key, value=e.value, mod_revision=e.mod_revision)
-                             for e in entries if e.mod_revision >= self._start])
+            self._on_events(
+                [
+                    WatchEvent(kind="put", key=e.key, value=e.value, mod_revision=e.mod_revision)
+                    for e in entries
+                    if e.mod_revision >= self._start
+                ]
+            )
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         for ev in events:

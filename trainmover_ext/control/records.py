@@ -28,7 +28,7 @@ key                     value                                          written b
 ``recordings/<role>``   the sandbox's recording index                  the recording rank          standbys
 ``links/<e>/...``       phase-1 link rendezvous (scale check only)     the scale check             the scale check
 ``leader``              the controller leader's id, on its lease       the election                candidates, ``status``
-``events/<ns>-<id>``    :class:`Event`, the job's timeline             controller, CLI             ``events``, the run archive
+``events/<ns>-<id>``    :class:`Event`, the job's timeline             controller, CLI, agents     ``events``, the run archive
 ``~store/<g>/...``      the ranks' rendezvous store, start number g    ranks (torch, nccl_delta)   ranks
 ======================  =============================================  ==========================  ==============================
 
@@ -79,11 +79,15 @@ class Record:
         try:
             record = cls(**{k: v for k, v in data.items() if k in names})
         except TypeError as exc:
-            raise MalformedValue(f"{key} is a {cls.KIND!r} record with missing fields ({exc}); the value is left untouched") from exc
+            raise MalformedValue(
+                f"{key} is a {cls.KIND!r} record with missing fields ({exc}); the value is left untouched"
+            ) from exc
         problems = record.problems() if strict else []
         if problems:
-            raise MalformedValue(f"{key} is a {cls.KIND!r} record with fields of the wrong type "
-                                 f"({'; '.join(problems)[:300]}); the value is left untouched")
+            raise MalformedValue(
+                f"{key} is a {cls.KIND!r} record with fields of the wrong type "
+                f"({'; '.join(problems)[:300]}); the value is left untouched"
+            )
         return record
 
     def problems(self) -> list[str]:
@@ -97,8 +101,11 @@ def field_type_problems(obj: object) -> list[str]:
     JSON has one number type, so an integral value is a valid ``float``; a ``bool`` is never an
     ``int``, and a ``float`` field must be finite (``Infinity``/``NaN`` parse, but no writer means them)."""
     cls: type = type(obj)  # a plain `type`: mypy does not take type[object] as Hashable (functools.cache)
-    return [f"{name} is {getattr(obj, name)!r:.40}, not {_type_name(hint)}"
-            for name, hint in _field_types(cls).items() if not _has_type(getattr(obj, name), hint)]
+    return [
+        f"{name} is {getattr(obj, name)!r:.40}, not {_type_name(hint)}"
+        for name, hint in _field_types(cls).items()
+        if not _has_type(getattr(obj, name), hint)
+    ]
 
 
 def _type_name(hint: Any) -> str:
@@ -124,13 +131,17 @@ def _has_type(value: object, hint: Any) -> bool:
     if hint is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if hint is float:
-        return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and math.isfinite(value))
+        return (isinstance(value, int) and not isinstance(value, bool)) or (
+            isinstance(value, float) and math.isfinite(value)
+        )
     if hint is str:
         return isinstance(value, str)
     if origin is list:
         return isinstance(value, list) and all(_has_type(v, args[0]) for v in value)
     if origin is dict:
-        return isinstance(value, dict) and all(_has_type(k, args[0]) and _has_type(v, args[1]) for k, v in value.items())
+        return isinstance(value, dict) and all(
+            _has_type(k, args[0]) and _has_type(v, args[1]) for k, v in value.items()
+        )
     raise TypeError(f"no JSON type check for the annotation {hint!r}")
 
 
@@ -214,7 +225,7 @@ class Replacement:
     or, for a planned move, ``{"kind": "leaver", "member": m}``."""
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Replacement":
+    def from_dict(cls, data: dict[str, Any]) -> Replacement:
         """One entry of :attr:`MigrationPlan.replacements`; unknown fields from newer writers are ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})

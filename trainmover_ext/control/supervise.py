@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from trainmover_ext.control.membership import report_failure
 from trainmover_ext.errors import TrainMoverError
@@ -30,9 +31,24 @@ logger = logging.getLogger(__name__)
 class ChildExitReporter:
     """See the module docstring."""
 
-    def __init__(self, space: JobSpace, proc: subprocess.Popen[Any], *, rank: int, member_id: str, reporter: str,
-                 epoch: Callable[[], int] = lambda: 0) -> None:
-        self.space, self.proc, self.rank, self.member_id, self.reporter, self.epoch = space, proc, rank, member_id, reporter, epoch
+    def __init__(
+        self,
+        space: JobSpace,
+        proc: subprocess.Popen[Any],
+        *,
+        rank: int,
+        member_id: str,
+        reporter: str,
+        epoch: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self.space, self.proc, self.rank, self.member_id, self.reporter, self.epoch = (
+            space,
+            proc,
+            rank,
+            member_id,
+            reporter,
+            epoch,
+        )
         self._expected = threading.Event()
         self.reported = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"tm-child-exit-{rank}", daemon=True)
@@ -48,7 +64,14 @@ class ChildExitReporter:
             return
         reason = f"process {self.proc.pid} exited with code {code}"
         try:
-            report_failure(self.space, rank=self.rank, member_id=self.member_id, reporter=self.reporter, reason=reason, epoch=self.epoch())
+            report_failure(
+                self.space,
+                rank=self.rank,
+                member_id=self.member_id,
+                reporter=self.reporter,
+                reason=reason,
+                epoch=self.epoch(),
+            )
             self.reported.set()
         except TrainMoverError as exc:  # etcd down: the child's lease expiry is the fallback
             logger.error("could not report exit of rank %d: %s", self.rank, exc)

@@ -22,7 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trainmover_ext.control.records import (
-    MAX_EPOCH, Alert, FailureReport, MemberRecord, MigrationPlan, MigrationRequest, RankRecord, migration_key_suffix,
+    MAX_EPOCH,
+    Alert,
+    FailureReport,
+    MemberRecord,
+    MigrationPlan,
+    MigrationRequest,
+    RankRecord,
+    migration_key_suffix,
 )
 from trainmover_ext.errors import MalformedValue
 from trainmover_ext.kv.base import Snapshot
@@ -86,7 +93,7 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
     root = space.root
     for entry in snap.entries:
         key = entry.key
-        rel = key[len(root):]
+        rel = key[len(root) :]
         head, _, rest = rel.partition("/")
         try:
             if rel == "epoch":
@@ -122,7 +129,9 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
             elif head == "finished" and rest:
                 view.finished.add(_number(rest, key))
             elif rel == "checkpoint":
-                view.checkpoint_iteration = _count(decode(entry.value, kind="checkpoint", key=key).get("iteration"), key)
+                view.checkpoint_iteration = _count(
+                    decode(entry.value, kind="checkpoint", key=key).get("iteration"), key
+                )
             elif head == "migrations" and rest:
                 if len(rest) == 10 and rest.isascii() and rest.isdigit():
                     # The executor writes migrations/<e> in the transaction that moves epoch to e: the key
@@ -136,7 +145,9 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
             elif rel == "leader":
                 leader = decode(entry.value, kind="leader", key=key).get("id")
                 if leader is not None and not isinstance(leader, str):
-                    raise MalformedValue(f"{key} names leader {leader!r:.40}, not a member id; the value is left untouched")
+                    raise MalformedValue(
+                        f"{key} names leader {leader!r:.40}, not a member id; the value is left untouched"
+                    )
                 view.leader = leader
         # RecursionError: json's answer to deeply nested garbage; ValueError: to a number of > 4300 digits.
         except (MalformedValue, KeyError, ValueError, TypeError, RecursionError) as exc:
@@ -148,15 +159,18 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
 
 def _epoch(value: object, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_EPOCH:
-        raise MalformedValue(f"{key} holds epoch {value!r:.40}, not a whole number from 0 to {MAX_EPOCH}; "
-                             "the value is left untouched")
+        raise MalformedValue(
+            f"{key} holds epoch {value!r:.40}, not a whole number from 0 to {MAX_EPOCH}; the value is left untouched"
+        )
     return value
 
 
 def _count(value: object, key: str) -> int:
     """An iteration count: a whole number >= 0."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise MalformedValue(f"{key} holds iteration {value!r:.40}, not a whole number >= 0; the value is left untouched")
+        raise MalformedValue(
+            f"{key} holds iteration {value!r:.40}, not a whole number >= 0; the value is left untouched"
+        )
     return value
 
 
@@ -169,8 +183,9 @@ def _number(text: str, key: str) -> int:
 
 def _own_key(rest: str, expected: str, key: str) -> None:
     if rest != expected:
-        raise MalformedValue(f"{key} holds the record of {expected!r:.40}, which belongs under its own key; "
-                             "the value is left untouched")
+        raise MalformedValue(
+            f"{key} holds the record of {expected!r:.40}, which belongs under its own key; the value is left untouched"
+        )
 
 
 def read_view(space: JobSpace) -> View:

@@ -31,7 +31,6 @@ import ssl
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Optional
 
 from trainmover_ext.errors import AuthError, EtcdUnavailable
 from trainmover_ext.fsutil import write_private
@@ -49,8 +48,8 @@ class GatewayTLS:
     the server wants client certificates."""
 
     ca_cert: str
-    client_cert: Optional[str] = None
-    client_key: Optional[str] = None
+    client_cert: str | None = None
+    client_key: str | None = None
 
     def context(self) -> ssl.SSLContext:
         ctx = ssl.create_default_context(cafile=self.ca_cert)
@@ -60,18 +59,19 @@ class GatewayTLS:
 
 
 class _Gateway:
-    def __init__(self, url: str, tls: Optional[GatewayTLS]) -> None:
+    def __init__(self, url: str, tls: GatewayTLS | None) -> None:
         self.url = url.rstrip("/")
         self.ctx = tls.context() if tls else None
-        self.token: Optional[str] = None
+        self.token: str | None = None
 
-    def call(self, path: str, body: dict, *, exists_ok: bool = False) -> Optional[dict]:
+    def call(self, path: str, body: dict, *, exists_ok: bool = False) -> dict | None:
         """POST ``body`` to ``/v3/<path>``; None when ``exists_ok`` and the thing already existed."""
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = self.token
-        req = urllib.request.Request(f"{self.url}/v3/{path}", data=json.dumps(body).encode(), headers=headers,
-                                     method="POST")
+        req = urllib.request.Request(
+            f"{self.url}/v3/{path}", data=json.dumps(body).encode(), headers=headers, method="POST"
+        )
         try:
             with urllib.request.urlopen(req, timeout=TIMEOUT_S, context=self.ctx) as resp:
                 return json.loads(resp.read() or b"{}")
@@ -106,20 +106,31 @@ def _error(exc: urllib.error.HTTPError) -> str:
         return str(exc.reason)
 
 
-def provision_job(url: str, job: str, token: str, *, enable: bool = False,
-                  admin: Optional[tuple[str, str]] = None, tls: Optional[GatewayTLS] = None) -> Optional[str]:
+def provision_job(
+    url: str,
+    job: str,
+    token: str,
+    *,
+    enable: bool = False,
+    admin: tuple[str, str] | None = None,
+    tls: GatewayTLS | None = None,
+) -> str | None:
     """Create the job's etcd user and role (see the module docstring); returns the new root
     password when this call enabled auth, else None."""
     gw = _Gateway(url, tls)
     root_password = None
     if gw.auth_enabled():
         if admin is None:
-            raise AuthError(f"etcd at {url} has auth on: creating job {job!r}'s etcd user needs an admin login "
-                            "(--tm-etcd-user root with its password in TRAINMOVER_ETCD_PASSWORD)")
+            raise AuthError(
+                f"etcd at {url} has auth on: creating job {job!r}'s etcd user needs an admin login "
+                "(--tm-etcd-user root with its password in TRAINMOVER_ETCD_PASSWORD)"
+            )
         gw.login(*admin)
     elif admin is not None:
-        raise AuthError(f"etcd at {url} has auth off, yet an admin login was given: turn auth on first "
-                        "(`etcdctl auth enable`), or omit --tm-etcd-user to let the launcher do it")
+        raise AuthError(
+            f"etcd at {url} has auth off, yet an admin login was given: turn auth on first "
+            "(`etcdctl auth enable`), or omit --tm-etcd-user to let the launcher do it"
+        )
     elif enable:
         root_password = secrets.token_hex(32)
         gw.call("auth/role/add", {"name": ROOT_USER}, exists_ok=True)
@@ -127,8 +138,10 @@ def provision_job(url: str, job: str, token: str, *, enable: bool = False,
         gw.call("auth/user/grant", {"user": ROOT_USER, "role": ROOT_USER})
     user, root = job_user(job), job_root(job)
     gw.call("auth/role/add", {"name": user}, exists_ok=True)
-    gw.call("auth/role/grant", {"name": user, "perm": {"permType": "READWRITE", "key": _b64(root),
-                                                       "range_end": _b64(prefix_end(root))}})
+    gw.call(
+        "auth/role/grant",
+        {"name": user, "perm": {"permType": "READWRITE", "key": _b64(root), "range_end": _b64(prefix_end(root))}},
+    )
     password = job_password(job, token)
     if gw.call("auth/user/add", {"name": user, "password": password}, exists_ok=True) is None:
         gw.call("auth/user/changepw", {"name": user, "password": password})
@@ -138,7 +151,7 @@ def provision_job(url: str, job: str, token: str, *, enable: bool = False,
     return root_password
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m trainmover_ext.etcd.auth``: turn auth on for a job's fresh etcd (the Slurm script's).
 
     The token comes from ``TRAINMOVER_JOB_TOKEN``, never the command line."""
@@ -146,12 +159,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     import os
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m trainmover_ext.etcd.auth",
-                                     description="Create a job's etcd user and role and turn etcd's auth on.")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainmover_ext.etcd.auth",
+        description="Create a job's etcd user and role and turn etcd's auth on.",
+    )
     parser.add_argument("--url", required=True, help="the etcd client URL, http(s)://host:port")
     parser.add_argument("--job", required=True, help="the job name (--tm-job)")
-    parser.add_argument("--root-password-file", required=True,
-                        help="where to write the new root password (created with mode 600)")
+    parser.add_argument(
+        "--root-password-file", required=True, help="where to write the new root password (created with mode 600)"
+    )
     parser.add_argument("--ca", default=None, help="CA certificate of an https etcd")
     parser.add_argument("--cert", default=None, help="client certificate, where etcd wants one")
     parser.add_argument("--key", default=None, help="private key of --cert")
@@ -166,8 +182,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"trainmover etcd auth: {exc}", file=sys.stderr)
         return 1
     write_private(args.root_password_file, f"{root_password}\n")
-    print(f"etcd auth on: user {job_user(args.job)} may use /trainmover/{args.job}/ only; "
-          f"root password in {args.root_password_file}")
+    print(
+        f"etcd auth on: user {job_user(args.job)} may use /trainmover/{args.job}/ only; "
+        f"root password in {args.root_password_file}"
+    )
     return 0
 
 

@@ -25,8 +25,15 @@ from trainmover_ext.netutil import free_ports
 class LocalEtcdCluster:
     """See the module docstring."""
 
-    def __init__(self, *, base_dir: Path, size: int = 3, heartbeat_ms: int = 10, election_ms: int = 100,
-                 binary: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        base_dir: Path,
+        size: int = 3,
+        heartbeat_ms: int = 10,
+        election_ms: int = 100,
+        binary: str | None = None,
+    ) -> None:
         if size < 1:
             raise ConfigError("a cluster needs at least one member")
         base_dir = Path(base_dir)
@@ -34,10 +41,18 @@ class LocalEtcdCluster:
         peers = {f"m{i}": ports[2 * i] for i in range(size)}
         initial = ",".join(f"{name}=http://127.0.0.1:{port}" for name, port in peers.items())
         self.members = [
-            EmbeddedEtcd(EmbeddedEtcdConfig(
-                data_dir=base_dir / name, name=name, peer_port=port, client_port=ports[2 * i + 1],
-                initial_cluster=initial, heartbeat_ms=heartbeat_ms, election_ms=election_ms, binary=binary,
-            ))
+            EmbeddedEtcd(
+                EmbeddedEtcdConfig(
+                    data_dir=base_dir / name,
+                    name=name,
+                    peer_port=port,
+                    client_port=ports[2 * i + 1],
+                    initial_cluster=initial,
+                    heartbeat_ms=heartbeat_ms,
+                    election_ms=election_ms,
+                    binary=binary,
+                )
+            )
             for i, (name, port) in enumerate(peers.items())
         ]
 
@@ -45,7 +60,7 @@ class LocalEtcdCluster:
     def endpoints(self) -> list[str]:
         return [ep for m in self.members for ep in m.endpoints]
 
-    def start(self, timeout: float = 20.0) -> "LocalEtcdCluster":
+    def start(self, timeout: float = 20.0) -> LocalEtcdCluster:
         # All members must be running before any can elect a leader and report healthy.
         for m in self.members:
             m.launch()
@@ -63,7 +78,7 @@ class LocalEtcdCluster:
         for m in self.members:
             m.stop()
 
-    def __enter__(self) -> "LocalEtcdCluster":
+    def __enter__(self) -> LocalEtcdCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

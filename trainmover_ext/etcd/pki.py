@@ -58,32 +58,58 @@ def make_job_certs(directory: str | os.PathLike, *, job: str, hosts: list[str], 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(d, 0o700)
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
 
     def name(cn: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
     def key_pem(key) -> bytes:
-        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                 serialization.NoEncryption())
+        return key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = name(f"trainmover job {job} CA")
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
-          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
-                                       data_encipherment=False, key_agreement=False, key_cert_sign=True,
-                                       crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start)
+        .not_valid_after(end)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
 
     def leaf(cn: str, usages: list, sans: list | None) -> tuple[bytes, bytes]:
         key = ec.generate_private_key(ec.SECP256R1())
-        builder = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca_name).public_key(key.public_key())
-                   .serial_number(x509.random_serial_number()).not_valid_before(start).not_valid_after(end)
-                   .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                   .add_extension(x509.ExtendedKeyUsage(usages), critical=False))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(name(cn))
+            .issuer_name(ca_name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(start)
+            .not_valid_after(end)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        )
         if sans:
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         cert = builder.sign(ca_key, hashes.SHA256())
@@ -95,8 +121,9 @@ def make_job_certs(directory: str | os.PathLike, *, job: str, hosts: list[str], 
             sans.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:
             sans.append(x509.DNSName(host))
-    server_cert, server_key = leaf(f"trainmover job {job} etcd", [ExtendedKeyUsageOID.SERVER_AUTH,
-                                                                   ExtendedKeyUsageOID.CLIENT_AUTH], sans)
+    server_cert, server_key = leaf(
+        f"trainmover job {job} etcd", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], sans
+    )
     client_cert, client_key = leaf(MEMBER_SUBJECT, [ExtendedKeyUsageOID.CLIENT_AUTH], None)
     return JobCerts(
         ca_cert=write_private(d / "ca.pem", ca.public_bytes(serialization.Encoding.PEM), 0o644),
@@ -112,12 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m trainmover_ext.etcd.pki",
-                                     description="Write a job's CA, etcd server and member certificates.")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainmover_ext.etcd.pki", description="Write a job's CA, etcd server and member certificates."
+    )
     parser.add_argument("--dir", required=True, help="directory to create (mode 700) for the PEM files")
     parser.add_argument("--job", required=True, help="the job name (--tm-job), named in the certificates")
-    parser.add_argument("--host", action="append", required=True,
-                        help="a name or address the etcd server is reached at (repeat for several)")
+    parser.add_argument(
+        "--host",
+        action="append",
+        required=True,
+        help="a name or address the etcd server is reached at (repeat for several)",
+    )
     parser.add_argument("--days", type=int, default=30, help="validity in days (default 30)")
     args = parser.parse_args(argv)
     try:

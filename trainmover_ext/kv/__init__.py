@@ -13,7 +13,19 @@ from trainmover_ext.kv.memory import MemoryKV
 if TYPE_CHECKING:  # loaded lazily at run time by __getattr__ below (they need grpc)
     from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
 
-__all__ = ["KV", "Delete", "Entry", "EtcdClientConfig", "EtcdKV", "Guard", "MemoryKV", "Put", "Snapshot", "WatchEvent", "WatchHandle"]
+__all__ = [
+    "KV",
+    "Delete",
+    "Entry",
+    "EtcdClientConfig",
+    "EtcdKV",
+    "Guard",
+    "MemoryKV",
+    "Put",
+    "Snapshot",
+    "WatchEvent",
+    "WatchHandle",
+]
 
 
 def __getattr__(name: str) -> object:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,17 +85,17 @@ class Guard:
     expected: int | bytes
 
     @staticmethod
-    def mod_revision(key: str, revision: int) -> "Guard":
+    def mod_revision(key: str, revision: int) -> Guard:
         """Holds when ``key`` was last written at ``revision`` (0: the key is absent)."""
         return Guard(key, "mod", int(revision))
 
     @staticmethod
-    def absent(key: str) -> "Guard":
+    def absent(key: str) -> Guard:
         """Holds when ``key`` does not exist."""
         return Guard(key, "mod", 0)
 
     @staticmethod
-    def value(key: str, value: bytes) -> "Guard":
+    def value(key: str, value: bytes) -> Guard:
         """Holds when ``key`` exists and holds exactly ``value``."""
         return Guard(key, "value", bytes(value))
 
@@ -170,8 +170,9 @@ class KV(abc.ABC):
         """End a lease now; its keys are deleted. Unknown ids are ignored."""
 
     @abc.abstractmethod
-    def watch_prefix(self, prefix: str, callback: WatchCallback, *, start_revision: int = 0,
-                     end: str | None = None) -> WatchHandle:
+    def watch_prefix(
+        self, prefix: str, callback: WatchCallback, *, start_revision: int = 0, end: str | None = None
+    ) -> WatchHandle:
         """Call ``callback`` with every change under ``prefix`` (and below ``end``, if given) from
         ``start_revision`` (0: from now).
 
@@ -187,10 +188,10 @@ class KV(abc.ABC):
         """Create ``key`` only if it does not exist; returns whether it was created."""
         return self.commit([Guard.absent(key)], [Put(key, value, lease)])
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional to override: a store without client resources
         """Release client resources; the default does nothing."""
 
-    def __enter__(self) -> "KV":
+    def __enter__(self) -> KV:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -215,8 +216,9 @@ waiter would never hear of its key (seen once: a 16-rank start, two ranks waitin
 timeout for a key their peer had written)."""
 
 
-def wait_prefix(kv: KV, prefix: str, ready: Callable[[dict[str, bytes]], bool], timeout_s: float,
-                recheck_s: float | None = None) -> dict[str, bytes] | None:
+def wait_prefix(
+    kv: KV, prefix: str, ready: Callable[[dict[str, bytes]], bool], timeout_s: float, recheck_s: float | None = None
+) -> dict[str, bytes] | None:
     """Block until ``ready(values)`` holds for the keys under ``prefix``; returns ``{key: value}``.
 
     One read, then a watch from the revision after it (no change is missed), plus one read every

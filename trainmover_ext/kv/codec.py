@@ -42,13 +42,18 @@ def decode(raw: bytes, *, kind: str, key: str) -> dict[str, Any]:
             f"untouched; inspect it with `etcdctl get {key}` and delete it if it is garbage"
         ) from exc
     if not isinstance(doc, dict) or "tm" not in doc or "v" not in doc or not isinstance(doc.get("data"), dict):
-        raise MalformedValue(f"{key} holds JSON without the TrainMover envelope (tm/v/data); the value is left untouched")
+        raise MalformedValue(
+            f"{key} holds JSON without the TrainMover envelope (tm/v/data); the value is left untouched"
+        )
     if doc["tm"] != kind:
-        raise MalformedValue(f"{key} holds a {doc['tm']!r} record where a {kind!r} record was expected; the value is left untouched")
+        raise MalformedValue(
+            f"{key} holds a {doc['tm']!r} record where a {kind!r} record was expected; the value is left untouched"
+        )
     if doc["v"] not in READABLE_VERSIONS:
         raise SchemaVersionError(
             f"{key} holds a {kind!r} record of schema version {doc['v']}, but this TrainMover reads versions "
-            f"{list(READABLE_VERSIONS)}: run the same TrainMover version as the job that wrote it. The value is left untouched"
+            f"{list(READABLE_VERSIONS)}: run the same TrainMover version as the job that wrote it. "
+            "The value is left untouched"
         )
     data: dict[str, Any] = doc["data"]
     return data

@@ -33,13 +33,25 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from trainmover_ext.errors import AuthError, ConfigError, EtcdUnavailable, StoreError
-from trainmover_ext.kv.base import KV, Delete, Entry, Guard, Put, Snapshot, WatchCallback, WatchEvent, WatchHandle, prefix_end
+from trainmover_ext.kv.base import (
+    KV,
+    Delete,
+    Entry,
+    Guard,
+    Put,
+    Snapshot,
+    WatchCallback,
+    WatchEvent,
+    WatchHandle,
+    prefix_end,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +97,11 @@ class EtcdClientConfig:
             raise ConfigError("--tm-etcd-cert needs --tm-etcd-ca (the CA that signed the server certificate)")
         if (self.user is None) != (self.password is None):
             raise ConfigError("--tm-etcd-user and --tm-etcd-password must be given together")
-        for flag, path in (("--tm-etcd-ca", self.ca_cert), ("--tm-etcd-cert", self.client_cert), ("--tm-etcd-key", self.client_key)):
+        for flag, path in (
+            ("--tm-etcd-ca", self.ca_cert),
+            ("--tm-etcd-cert", self.client_cert),
+            ("--tm-etcd-key", self.client_key),
+        ):
             if path and not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path}: no such file")
         if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
@@ -103,17 +119,29 @@ def _is_unavailable(exc: BaseException) -> bool:
     import pyetcd.exceptions as pe
 
     # WatchTimedOut: the server did not confirm a new watch in time (seen on an overloaded host).
-    if isinstance(exc, (pe.ConnectionFailedError, pe.ConnectionTimeoutError, pe.NoServerAvailableError,
-                        pe.InternalServerError, pe.WatchTimedOut)):
+    if isinstance(
+        exc,
+        (
+            pe.ConnectionFailedError,
+            pe.ConnectionTimeoutError,
+            pe.NoServerAvailableError,
+            pe.InternalServerError,
+            pe.WatchTimedOut,
+        ),
+    ):
         return True
-    return isinstance(exc, grpc.RpcError) and exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    return isinstance(exc, grpc.RpcError) and exc.code() in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    )
 
 
 class _EtcdWatch(WatchHandle):
     """A prefix watch that re-subscribes after stream loss, from the last revision seen."""
 
-    def __init__(self, kv: "EtcdKV", prefix: str, callback: WatchCallback, start_revision: int,
-                 end: str | None = None) -> None:
+    def __init__(
+        self, kv: EtcdKV, prefix: str, callback: WatchCallback, start_revision: int, end: str | None = None
+    ) -> None:
         self.kv, self.prefix, self.callback = kv, prefix, callback
         self.end = end or prefix_end(prefix)
         self.next_revision = start_revision
@@ -127,13 +155,17 @@ class _EtcdWatch(WatchHandle):
         if isinstance(response, Exception):
             # The stream died (server restart, network). Re-subscribe from where we stopped
             # on another thread: this callback runs on the dying watcher thread.
-            logger.info("etcd watch on %s lost (%s); re-subscribing from revision %d", self.prefix, response, self.next_revision)
+            logger.info(
+                "etcd watch on %s lost (%s); re-subscribing from revision %d", self.prefix, response, self.next_revision
+            )
             threading.Thread(target=self._resubscribe, name="tm-etcd-rewatch", daemon=True).start()
             return
         events = []
         for ev in response.events:
             kind = "delete" if type(ev).__name__ == "DeleteEvent" else "put"
-            events.append(WatchEvent(kind=kind, key=ev.key.decode(), value=bytes(ev.value), mod_revision=ev.mod_revision))
+            events.append(
+                WatchEvent(kind=kind, key=ev.key.decode(), value=bytes(ev.value), mod_revision=ev.mod_revision)
+            )
         if not events:
             return
         self.next_revision = events[-1].mod_revision + 1
@@ -205,9 +237,15 @@ class EtcdKV(KV):
         # a restarted single etcd out for five minutes, so retry it almost at once.
         # gRPC backs off reconnects up to 120 s by default: a restarted etcd would stay unreachable
         # for minutes. Reconnect quickly instead; loopback and LAN attempts are cheap.
-        opts = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
-                ("grpc.max_reconnect_backoff_ms", 500)]
-        eps = [pyetcd.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=0.2, opts=opts) for h, p in cfg.host_ports()]
+        opts = [
+            ("grpc.initial_reconnect_backoff_ms", 50),
+            ("grpc.min_reconnect_backoff_ms", 50),
+            ("grpc.max_reconnect_backoff_ms", 500),
+        ]
+        eps = [
+            pyetcd.Endpoint(h, p, secure=creds is not None, creds=creds, time_retry=0.2, opts=opts)
+            for h, p in cfg.host_ports()
+        ]
         # Each RPC attempt gets a slice of the call deadline, so an attempt stuck on a dead or
         # leaderless member leaves time to retry on another member before timeout_s runs out.
         attempt_s = max(0.25, min(2.0, cfg.timeout_s / 3))
@@ -226,18 +264,26 @@ class EtcdKV(KV):
         deadline = time.monotonic() + cfg.connect_timeout_s
         while True:
             try:
-                resp = client.authstub.Authenticate(etcdrpc.AuthenticateRequest(name=cfg.user, password=cfg.password),
-                                                    client.timeout)
+                resp = client.authstub.Authenticate(
+                    etcdrpc.AuthenticateRequest(name=cfg.user, password=cfg.password), client.timeout
+                )
                 break
             except grpc.RpcError as exc:
                 details = exc.details() or ""
                 if cfg.login_if_enabled and "not enabled" in details:
                     return  # the server has no auth: nothing to log in to
-                if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
-                                  grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
-                    hint = ("the job token is wrong (its etcd password is derived from the token: pass the token "
-                            "`trainmover launch` printed)" if cfg.login_if_enabled
-                            else "check --tm-etcd-user/--tm-etcd-password")
+                if exc.code() in (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ):
+                    hint = (
+                        "the job token is wrong (its etcd password is derived from the token: pass the token "
+                        "`trainmover launch` printed)"
+                        if cfg.login_if_enabled
+                        else "check --tm-etcd-user/--tm-etcd-password"
+                    )
                     raise AuthError(f"etcd refused the login of user {cfg.user!r}: {details}; {hint}") from exc
                 if not _is_unavailable(exc):
                     raise self._translate(exc, "login") from exc
@@ -257,8 +303,12 @@ class EtcdKV(KV):
 
     def _auth_turned_on(self, exc: BaseException) -> bool:
         """The server's auth came on after this client found it off (``login_if_enabled``)."""
-        return (self.config.login_if_enabled and not self.logged_in and isinstance(exc, grpc.RpcError)
-                and "user name is empty" in (exc.details() or ""))
+        return (
+            self.config.login_if_enabled
+            and not self.logged_in
+            and isinstance(exc, grpc.RpcError)
+            and "user name is empty" in (exc.details() or "")
+        )
 
     def _relogin(self) -> None:
         """Log in again after :meth:`_stale_login` (at most twice a second across threads)."""
@@ -289,9 +339,12 @@ class EtcdKV(KV):
         raise self._unreachable() from last
 
     def _unreachable(self) -> EtcdUnavailable:
-        tls_hint = " (TLS: check --tm-etcd-ca/--tm-etcd-cert/--tm-etcd-key match the server)" if self.config.ca_cert else ""
+        tls_hint = (
+            " (TLS: check --tm-etcd-ca/--tm-etcd-cert/--tm-etcd-key match the server)" if self.config.ca_cert else ""
+        )
         return EtcdUnavailable(
-            f"no etcd answered at {','.join(self.config.endpoints)} within {self.config.connect_timeout_s:.1f}s{tls_hint}: "
+            f"no etcd answered at {','.join(self.config.endpoints)} within "
+            f"{self.config.connect_timeout_s:.1f}s{tls_hint}: "
             "start etcd, fix --tm-etcd-endpoints, or omit it to let `trainmover launch` start an embedded etcd"
         )
 
@@ -324,17 +377,22 @@ class EtcdKV(KV):
         if isinstance(exc, grpc.RpcError):
             code, details = exc.code(), exc.details()
             if code == grpc.StatusCode.INVALID_ARGUMENT and "user name is empty" in (details or ""):
-                return AuthError(f"etcd refused {what}: its auth is on and this client did not log in; pass the "
-                                 "job's --tm-job and --tm-job-token (its etcd login is derived from the token), "
-                                 "or --tm-etcd-user with TRAINMOVER_ETCD_PASSWORD")
+                return AuthError(
+                    f"etcd refused {what}: its auth is on and this client did not log in; pass the "
+                    "job's --tm-job and --tm-job-token (its etcd login is derived from the token), "
+                    "or --tm-etcd-user with TRAINMOVER_ETCD_PASSWORD"
+                )
             if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                return AuthError(f"etcd refused {what}: {details}; check --tm-etcd-user/--tm-etcd-password and certificates")
+                return AuthError(
+                    f"etcd refused {what}: {details}; check --tm-etcd-user/--tm-etcd-password and certificates"
+                )
             if code == grpc.StatusCode.NOT_FOUND and "lease" in (details or ""):
                 return StoreError(f"etcd {what}: lease not found (expired); the member must re-register")
             return StoreError(f"etcd {what} failed: {code.name} {details}")
         if _is_unavailable(exc):
             return EtcdUnavailable(
-                f"etcd at {','.join(self.config.endpoints)} unreachable during {what} for {self.config.timeout_s:.1f}s: "
+                f"etcd at {','.join(self.config.endpoints)} unreachable during {what} for "
+                f"{self.config.timeout_s:.1f}s: "
                 "check the etcd servers are running (`trainmover status` shows the endpoints in use)"
             )
         return StoreError(f"etcd {what} failed: {exc!r}")
@@ -369,16 +427,24 @@ class EtcdKV(KV):
 
     @staticmethod
     def _entry(kv: Any) -> Entry:
-        return Entry(key=kv.key.decode(), value=bytes(kv.value), mod_revision=kv.mod_revision,
-                     create_revision=kv.create_revision, lease=kv.lease)
+        return Entry(
+            key=kv.key.decode(),
+            value=bytes(kv.value),
+            mod_revision=kv.mod_revision,
+            create_revision=kv.create_revision,
+            lease=kv.lease,
+        )
 
     def get_prefix(self, prefix: str, *, end: str | None = None) -> Snapshot:
         if end is None:
-            resp = self._call(f"get prefix {prefix}",
-                              lambda c: c.get_prefix_response(prefix, sort_order="ascend", sort_target="key"))
+            resp = self._call(
+                f"get prefix {prefix}", lambda c: c.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
+            )
         else:
-            resp = self._call(f"get range {prefix}..{end}",
-                              lambda c: c.get_range_response(prefix, end, sort_order="ascend", sort_target="key"))
+            resp = self._call(
+                f"get range {prefix}..{end}",
+                lambda c: c.get_range_response(prefix, end, sort_order="ascend", sort_target="key"),
+            )
         return Snapshot(revision=resp.header.revision, entries=[self._entry(kv) for kv in resp.kvs])
 
     def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
@@ -400,7 +466,12 @@ class EtcdKV(KV):
                 if isinstance(op, Put):
                     success.append(t.put(op.key, op.value, lease=op.lease or None))
                 else:
-                    success.append(t.delete(op.key, range_end=prefix_end(op.key).encode("utf-8", "surrogateescape") if op.prefix else None))
+                    success.append(
+                        t.delete(
+                            op.key,
+                            range_end=prefix_end(op.key).encode("utf-8", "surrogateescape") if op.prefix else None,
+                        )
+                    )
             ok, _ = c.transaction(compare=compare, success=success, failure=[])
             return bool(ok)
 
@@ -426,8 +497,9 @@ class EtcdKV(KV):
             if "not found" not in str(exc):
                 raise
 
-    def watch_prefix(self, prefix: str, callback: WatchCallback, *, start_revision: int = 0,
-                     end: str | None = None) -> WatchHandle:
+    def watch_prefix(
+        self, prefix: str, callback: WatchCallback, *, start_revision: int = 0, end: str | None = None
+    ) -> WatchHandle:
         watch = _EtcdWatch(self, prefix, callback, start_revision, end)
         try:
             self._call(f"watch {prefix}", lambda c: watch.subscribe())

@@ -35,7 +35,8 @@ import hmac
 import re
 import secrets
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from trainmover_ext.errors import AuthError, ConfigError, StoreError
 from trainmover_ext.kv.base import KV, Delete, Guard, Put
@@ -83,7 +84,9 @@ def job_password(job: str, token: str) -> str:
     Not the token itself, and not the digest stored in the job record: etcd keeps only a bcrypt
     hash of it, and reading the job record does not reveal it."""
     if not token:
-        raise AuthError(f"job {job!r} needs its token to log in to etcd: pass --tm-job-token or set TRAINMOVER_JOB_TOKEN")
+        raise AuthError(
+            f"job {job!r} needs its token to log in to etcd: pass --tm-job-token or set TRAINMOVER_JOB_TOKEN"
+        )
     return hmac.new(token.encode(), f"trainmover etcd password of job {job}".encode(), hashlib.sha256).hexdigest()
 
 
@@ -125,7 +128,7 @@ class JobSpace:
         return self.root + "~"
 
     @classmethod
-    def create(cls, kv: KV, job: str, token: str | None = None) -> "JobSpace":
+    def create(cls, kv: KV, job: str, token: str | None = None) -> JobSpace:
         """Register ``job`` (or join it with the same token); see the module docstring."""
         token = token or new_token()
         root = job_root(job)
@@ -135,17 +138,22 @@ class JobSpace:
         return cls.open(kv, job, token)
 
     @classmethod
-    def open(cls, kv: KV, job: str, token: str | None) -> "JobSpace":
+    def open(cls, kv: KV, job: str, token: str | None) -> JobSpace:
         """Join an existing job; :class:`AuthError` on a wrong token, :class:`StoreError` if there is no such job."""
         root = job_root(job)
         if not token:
             raise AuthError(f"job {job!r} needs its token: pass --tm-job-token or set TRAINMOVER_JOB_TOKEN")
         entry = kv.get(root + "job")
         if entry is None:
-            raise StoreError(f"no job {job!r} in etcd: check --tm-job and --tm-etcd-endpoints, or start it with `trainmover launch`")
+            raise StoreError(
+                f"no job {job!r} in etcd: check --tm-job and --tm-etcd-endpoints, or start it with `trainmover launch`"
+            )
         data = decode(entry.value, kind="job", key=root + "job")
         if not hmac.compare_digest(str(data.get("token_sha256", "")), _digest(token)):
-            raise AuthError(f"wrong job token for job {job!r}: use the token printed by `trainmover launch` (--tm-job-token / TRAINMOVER_JOB_TOKEN)")
+            raise AuthError(
+                f"wrong job token for job {job!r}: use the token printed by `trainmover launch` "
+                "(--tm-job-token / TRAINMOVER_JOB_TOKEN)"
+            )
         return cls(kv, job, token, entry.value)
 
     def token_guard(self) -> Guard:

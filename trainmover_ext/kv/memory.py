@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from trainmover_ext.errors import StoreError
 from trainmover_ext.kv.base import KV, Delete, Entry, Guard, Put, Snapshot, WatchCallback, WatchEvent, WatchHandle
 
 
 class _MemoryWatch(WatchHandle):
-    def __init__(self, owner: "MemoryKV", prefix: str, callback: WatchCallback, end: str | None = None) -> None:
+    def __init__(self, owner: MemoryKV, prefix: str, callback: WatchCallback, end: str | None = None) -> None:
         self.owner, self.prefix, self.callback, self.end = owner, prefix, callback, end
 
     def covers(self, key: str) -> bool:
@@ -93,9 +93,11 @@ class MemoryKV(KV):
     def _check_disjoint(ops: Sequence[Put | Delete]) -> None:
         # etcd rejects a transaction that writes one key twice (or puts inside a deleted range).
         for i, a in enumerate(ops):
-            for b in ops[i + 1:]:
+            for b in ops[i + 1 :]:
+
                 def covers(d: Put | Delete, k: str) -> bool:
                     return k.startswith(d.key) if isinstance(d, Delete) and d.prefix else k == d.key
+
                 if covers(a, b.key) or covers(b, a.key):
                     raise StoreError(f"duplicate key given in txn request: {a.key} / {b.key}")
 
@@ -116,8 +118,11 @@ class MemoryKV(KV):
                         raise StoreError(f"lease {op.lease:x} not found while writing {op.key}: re-register")
                     old = self._data.get(op.key)
                     self._data[op.key] = Entry(
-                        key=op.key, value=bytes(op.value), mod_revision=rev,
-                        create_revision=old.create_revision if old else rev, lease=op.lease,
+                        key=op.key,
+                        value=bytes(op.value),
+                        mod_revision=rev,
+                        create_revision=old.create_revision if old else rev,
+                        lease=op.lease,
                     )
                     events.append(WatchEvent(kind="put", key=op.key, value=bytes(op.value), mod_revision=rev))
                 else:
@@ -168,8 +173,9 @@ class MemoryKV(KV):
             return expired
 
     # -- watches --
-    def watch_prefix(self, prefix: str, callback: WatchCallback, *, start_revision: int = 0,
-                     end: str | None = None) -> WatchHandle:
+    def watch_prefix(
+        self, prefix: str, callback: WatchCallback, *, start_revision: int = 0, end: str | None = None
+    ) -> WatchHandle:
         with self._lock:
             watch = _MemoryWatch(self, prefix, callback, end)
             if start_revision:

@@ -56,8 +56,14 @@ class EtcdStore(c10d.Store):  # = torch.distributed.Store, which torch does not 
 
     timeout: timedelta  # the store timeout: a property of torch's Store that its stub omits
 
-    def __init__(self, config: EtcdClientConfig | list[str], prefix: str, timeout: timedelta | float = 300.0,
-                 *, kv: KV | None = None) -> None:
+    def __init__(
+        self,
+        config: EtcdClientConfig | list[str],
+        prefix: str,
+        timeout: timedelta | float = 300.0,
+        *,
+        kv: KV | None = None,
+    ) -> None:
         super().__init__()
         self.config = config if isinstance(config, EtcdClientConfig) else EtcdClientConfig(endpoints=list(config))
         if not prefix.endswith("/"):
@@ -117,7 +123,9 @@ class EtcdStore(c10d.Store):  # = torch.distributed.Store, which torch does not 
             entry = kv.get(full)
             current = int(entry.value) if entry else 0
             new = current + int(amount)
-            if kv.commit([Guard.mod_revision(full, entry.mod_revision if entry else 0)], [Put(full, str(new).encode())]):
+            if kv.commit(
+                [Guard.mod_revision(full, entry.mod_revision if entry else 0)], [Put(full, str(new).encode())]
+            ):
                 return new
             if time.monotonic() > deadline:  # only under pathological contention
                 raise StoreTimeout(f"add({key!r}) lost every compare-and-swap race for {self._timeout_s():.0f}s")
@@ -172,7 +180,9 @@ class EtcdStore(c10d.Store):  # = torch.distributed.Store, which torch does not 
         return True
 
     # -- waiting --
-    def _wait_one(self, key: str, remaining: float, *, total: float | None = None, all_keys: list[str] | None = None) -> None:
+    def _wait_one(
+        self, key: str, remaining: float, *, total: float | None = None, all_keys: list[str] | None = None
+    ) -> None:
         full = self._full(key)
         # One read, then a watch, plus a read every RECHECK_S in case the watch never fires.
         if wait_prefix(self._kv(), full, lambda values: full in values, remaining) is None:

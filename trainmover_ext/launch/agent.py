@@ -19,21 +19,20 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 from trainmover_ext.errors import ConfigError, LaunchError
 from trainmover_ext.etcd.auth import ROOT_USER
+from trainmover_ext.fsutil import write_private
 from trainmover_ext.launch.config import LaunchConfig
 from trainmover_ext.launch.process import RankProcess, fork_rank, preimport_for_fork, spawn_rank
-from trainmover_ext.fsutil import write_private
 from trainmover_ext.netutil import free_port
-
 
 ENV_NODE_NAME = "TRAINMOVER_NODE_NAME"
 
 
 def node_name(environ=None) -> str:
-    """This node's name in member records: ``TRAINMOVER_NODE_NAME``, else Slurm's ``SLURMD_NODENAME``, else the host name.
+    """This node's name in member records: ``TRAINMOVER_NODE_NAME``, else Slurm's ``SLURMD_NODENAME``, else the
+    host name.
 
     Under Slurm several slurmd may share one machine (emulated nodes), so the
     Slurm node name, not ``hostname``, tells the controller which members share
@@ -51,7 +50,7 @@ class MetricsEndpoint:
     """``--metrics-port``: TCP port; 0 picks a free one (printed at start), -1 serves nothing."""
     host: str = "127.0.0.1"
     """``--metrics-host``: address to bind; 0.0.0.0 lets a Prometheus server on another host scrape."""
-    metrics_file: Optional[str] = None
+    metrics_file: str | None = None
     """The workers' ``--tm-metrics-file`` the agent tails for iteration metrics (set by :meth:`Agent.run`)."""
     tokens_per_iteration: int = 0
     """Global batch size x sequence length, for tokens/s (0: not exported)."""
@@ -73,8 +72,9 @@ def _describe(code: int) -> str:
 class Agent:
     """Starts and supervises one node's ranks; see the module docstring."""
 
-    def __init__(self, config: LaunchConfig, log=None, *, write_token_file: bool = False,
-                 metrics: Optional[MetricsEndpoint] = None):
+    def __init__(
+        self, config: LaunchConfig, log=None, *, write_token_file: bool = False, metrics: MetricsEndpoint | None = None
+    ):
         self.config = config
         self.endpoint = metrics or MetricsEndpoint(port=-1)
         self.metrics = self.metrics_feed = None
@@ -82,7 +82,7 @@ class Agent:
         """The agent generated the job token: save it in the run dir so `trainmover status` can use it."""
         self.procs: list[RankProcess] = []
         self.restarts = 0
-        self._stop_signal: Optional[int] = None
+        self._stop_signal: int | None = None
         self.log = log or (lambda msg: print(f"[trainmover launch] {msg}", file=sys.stderr, flush=True))
         self.events: list[dict] = []
         self.etcd = None
@@ -114,10 +114,18 @@ class Agent:
         self.procs = []
         for i in range(cfg.nproc_per_node):
             rank = cfg.node_rank * cfg.nproc_per_node + i
-            self.procs.append(start(rank, self._env(i, port), cfg.script, cfg.script_args,
-                                    cfg.logs.open(str(rank), i, self.restarts)))
-        self.events.append({"event": "start", "t": time.time(), "method": method, "restart": self.restarts,
-                            "pids": [p.pid for p in self.procs]})
+            self.procs.append(
+                start(rank, self._env(i, port), cfg.script, cfg.script_args, cfg.logs.open(str(rank), i, self.restarts))
+            )
+        self.events.append(
+            {
+                "event": "start",
+                "t": time.time(),
+                "method": method,
+                "restart": self.restarts,
+                "pids": [p.pid for p in self.procs],
+            }
+        )
         self.log(f"started {len(self.procs)} ranks ({method}), pids {[p.pid for p in self.procs]}")
 
     def stop_ranks(self) -> None:
@@ -133,7 +141,7 @@ class Agent:
             while proc.poll() is None:
                 time.sleep(0.01)
 
-    def _run_trainmover(self) -> Optional[int]:
+    def _run_trainmover(self) -> int | None:
         """Supervise with warm standbys; returns an exit code, or None to fall back to stop-restart
         (all processes already stopped, restarts then start fresh ranks)."""
         from trainmover_ext.launch.tm_supervisor import TrainMoverSupervisor
@@ -163,13 +171,13 @@ class Agent:
     def _on_signal(self, signum, frame) -> None:
         self._stop_signal = signum
 
-    def _wait(self) -> tuple[Optional[RankProcess], bool]:
+    def _wait(self) -> tuple[RankProcess | None, bool]:
         """Block until a rank fails (returns it) or all succeed (returns None)."""
         while True:
             if self._stop_signal is not None:
                 return None, False
             codes = [p.poll() for p in self.procs]
-            for proc, code in zip(self.procs, codes):
+            for proc, code in zip(self.procs, codes, strict=False):
                 if code not in (None, 0):
                     return proc, False
             if all(code == 0 for code in codes):
@@ -188,16 +196,23 @@ class Agent:
         if self.config.etcd_tls:
             from trainmover_ext.etcd.pki import make_job_certs
 
-            certs = make_job_certs(os.path.join(run_dir, "etcd-tls"), job=plan.job,
-                                   hosts=["127.0.0.1", "localhost", socket.gethostname()])
-            tls = {"cert_file": certs.server_cert, "key_file": certs.server_key, "trusted_ca_file": certs.ca_cert,
-                   "client_cert_auth": True}
+            certs = make_job_certs(
+                os.path.join(run_dir, "etcd-tls"), job=plan.job, hosts=["127.0.0.1", "localhost", socket.gethostname()]
+            )
+            tls = {
+                "cert_file": certs.server_cert,
+                "key_file": certs.server_key,
+                "trusted_ca_file": certs.ca_cert,
+                "client_cert_auth": True,
+            }
             plan.tls.update(ca_cert=certs.ca_cert, client_cert=certs.client_cert, client_key=certs.client_key)
         self.etcd = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=data_dir, die_with_parent=True, **tls)).start()
         plan.endpoints = list(self.etcd.endpoints)
         self._lock_etcd(run_dir)  # before the address is printed: no client connects to it unlocked
-        self.log(f"embedded etcd at {','.join(plan.endpoints)} (data {data_dir}"
-                 + (f"; TLS with client certificates from {os.path.dirname(tls['trusted_ca_file'])})" if tls else ")"))
+        self.log(
+            f"embedded etcd at {','.join(plan.endpoints)} (data {data_dir}"
+            + (f"; TLS with client certificates from {os.path.dirname(tls['trusted_ca_file'])})" if tls else ")")
+        )
 
     def _lock_etcd(self, run_dir: str) -> None:
         """Turn the embedded etcd's auth on, with the job's own user (see ``etcd.auth``): from now on
@@ -210,8 +225,10 @@ class Agent:
         root_password = provision_job(self.etcd.client_url, plan.job, plan.token, enable=True, tls=self._gateway_tls())
         path = os.path.join(run_dir, "etcd-root-password")
         write_private(path, f"{root_password}\n")
-        self.log(f"etcd auth on: the job's user {job_user(plan.job)} reads and writes only /trainmover/{plan.job}/ "
-                 f"(root password in {path})")
+        self.log(
+            f"etcd auth on: the job's user {job_user(plan.job)} reads and writes only /trainmover/{plan.job}/ "
+            f"(root password in {path})"
+        )
 
     def _provision_external_etcd(self) -> None:
         """``--tm-etcd-user root``: create the job's user on the external etcd (its auth must be on), then
@@ -222,11 +239,18 @@ class Agent:
         plan = self.config.rendezvous
         tls = plan.tls
         scheme = "https" if tls.get("ca_cert") else "http"
-        provision_job(f"{scheme}://{plan.endpoints[0].split('://')[-1]}", plan.job, plan.token,
-                      admin=(tls["user"], tls.get("password") or ""), tls=self._gateway_tls())
+        provision_job(
+            f"{scheme}://{plan.endpoints[0].split('://')[-1]}",
+            plan.job,
+            plan.token,
+            admin=(tls["user"], tls.get("password") or ""),
+            tls=self._gateway_tls(),
+        )
         plan.tls = {k: v for k, v in tls.items() if k not in ("user", "password")}
-        self.log(f"etcd: the job's user {job_user(plan.job)} may read and write /trainmover/{plan.job}/ only; "
-                 "every process of the job logs in as it (the root login stays with this launcher)")
+        self.log(
+            f"etcd: the job's user {job_user(plan.job)} may read and write /trainmover/{plan.job}/ only; "
+            "every process of the job logs in as it (the root login stays with this launcher)"
+        )
 
     def _gateway_tls(self):
         """How the launcher's own admin calls (``etcd.auth``) reach an https etcd, or None."""
@@ -251,8 +275,9 @@ class Agent:
             os.makedirs(self._run_dir(), exist_ok=True)
             cfg.script_args = list(cfg.script_args) + ["--tm-metrics-file", ep.metrics_file]
         self.metrics = AgentMetrics(job=cfg.rendezvous.job)
-        self.metrics_feed = MetricsFeed(self.metrics, metrics_file=ep.metrics_file,
-                                        tokens_per_iteration=ep.tokens_per_iteration)
+        self.metrics_feed = MetricsFeed(
+            self.metrics, metrics_file=ep.metrics_file, tokens_per_iteration=ep.tokens_per_iteration
+        )
 
     def _serve_metrics(self) -> None:
         """Serve /metrics and start the feed thread. Called only after ranks are forked: a forked rank
@@ -263,12 +288,16 @@ class Agent:
         try:
             port = self.metrics.serve(ep.port, ep.host)
         except OSError as exc:
-            raise LaunchError(f"cannot serve /metrics on {ep.host}:{ep.port} ({exc}): pick another --metrics-port, "
-                              "or 0 for a free one") from exc
+            raise LaunchError(
+                f"cannot serve /metrics on {ep.host}:{ep.port} ({exc}): pick another --metrics-port, "
+                "or 0 for a free one"
+            ) from exc
         self.metrics_feed.start()
         shown = socket.gethostname() if ep.host in ("0.0.0.0", "::") else ep.host
-        self.log(f"metrics: http://{shown}:{port}/metrics"
-                 + ("" if ep.metrics_file else " (no iteration series: the script has no --tm-metrics-file)"))
+        self.log(
+            f"metrics: http://{shown}:{port}/metrics"
+            + ("" if ep.metrics_file else " (no iteration series: the script has no --tm-metrics-file)")
+        )
 
     def _count_restart(self) -> None:
         if self.metrics is not None:
@@ -292,10 +321,15 @@ class Agent:
             token_file = os.path.join(run_dir, "job-token")
             write_private(token_file, plan.token + "\n")
             token_ref = f"$(cat {token_file})"
-        tls = "".join(f" --tm-etcd-{flag} {plan.tls[name]}" for flag, name in
-                      (("ca", "ca_cert"), ("cert", "client_cert"), ("key", "client_key")) if plan.tls.get(name))
-        self.log(f"status: trainmover status --tm-etcd-endpoints {','.join(plan.endpoints)} --tm-job {plan.job} "
-                 f"--tm-job-token {token_ref}{tls}")
+        tls = "".join(
+            f" --tm-etcd-{flag} {plan.tls[name]}"
+            for flag, name in (("ca", "ca_cert"), ("cert", "client_cert"), ("key", "client_key"))
+            if plan.tls.get(name)
+        )
+        self.log(
+            f"status: trainmover status --tm-etcd-endpoints {','.join(plan.endpoints)} --tm-job {plan.job} "
+            f"--tm-job-token {token_ref}{tls}"
+        )
 
     def _stop_embedded_etcd(self) -> None:
         if self.etcd is not None:
@@ -342,8 +376,10 @@ class Agent:
                     return 128 - code if code < 0 else code
                 self.restarts += 1
                 self._count_restart()
-                self.log(f"restart {self.restarts}/{self.config.max_restarts}: all ranks start again and "
-                         "resume from the latest checkpoint")
+                self.log(
+                    f"restart {self.restarts}/{self.config.max_restarts}: all ranks start again and "
+                    "resume from the latest checkpoint"
+                )
                 self.start_ranks(self.config.restart_start_method)
         finally:
             if any(p.poll() is None for p in self.procs):

@@ -23,63 +23,131 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     # torchrun's spellings are accepted too (--nproc_per_node ...), so that a launch script written for
     # torchrun runs with `torchrun` replaced by `trainmover launch`.
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", default="1", metavar="N|gpu|cpu|auto",
-                        help="Ranks to start on this node: a number, 'gpu' (one per visible GPU), 'cpu' (one per "
-                        "core) or 'auto' (gpu when CUDA is present, else cpu).")
-    parser.add_argument("--nnodes", default="1", metavar="N",
-                        help="Number of nodes in the job (torchrun's MIN:MAX form is accepted when MIN = MAX).")
+    parser.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        default="1",
+        metavar="N|gpu|cpu|auto",
+        help="Ranks to start on this node: a number, 'gpu' (one per visible GPU), 'cpu' (one per "
+        "core) or 'auto' (gpu when CUDA is present, else cpu).",
+    )
+    parser.add_argument(
+        "--nnodes",
+        default="1",
+        metavar="N",
+        help="Number of nodes in the job (torchrun's MIN:MAX form is accepted when MIN = MAX).",
+    )
     parser.add_argument("--node-rank", "--node_rank", type=int, default=0, help="This node's index in [0, nnodes).")
-    parser.add_argument("--master-addr", "--master_addr", default="127.0.0.1",
-                        help="Rendezvous host (node 0's address).")
-    parser.add_argument("--master-port", "--master_port", type=int, default=0,
-                        help="Rendezvous port (default: a free port; required with --nnodes > 1).")
-    parser.add_argument("--standalone", action="store_true",
-                        help="torchrun's single-node mode: one node, a local rendezvous on a free port.")
-    parser.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST[:PORT]",
-                        help="torchrun's rendezvous endpoint: the same as --master-addr HOST --master-port PORT.")
-    parser.add_argument("--rdzv-id", "--rdzv_id", default=None,
-                        help="torchrun's job id: names the job (--tm-job) unless --tm-job is given.")
-    parser.add_argument("--log-dir", "--log_dir", default=None,
-                        help="Write each started process's stdout and stderr to LOG_DIR/attempt_<restart>/<rank or "
-                        "standby id>/{stdout,stderr}.log (the console still shows them unless --redirects).")
-    parser.add_argument("--redirects", "-r", default=None, metavar="0-3|LOCAL:0-3,...",
-                        help="With --log-dir, send these streams to the files only: 0 none, 1 stdout, 2 stderr, "
-                        "3 both; e.g. 3, or 0:3,1:2 per local rank.")
-    parser.add_argument("--tee", "-t", default=None, metavar="0-3|LOCAL:0-3,...",
-                        help="With --log-dir, send these streams to the files and the console (same values as "
-                        "--redirects).")
-    parser.add_argument("--max-restarts", "--max_restarts", type=int, default=0,
-                        help="On a rank failure, restart all ranks from the latest checkpoint up to K times "
-                        "(the classic stop-restart baseline). 0 = fail the job.")
-    parser.add_argument("--start-method", choices=["fork", "spawn"], default="fork",
-                        help="'fork' forks ranks from this already-warm process (fast start on few cores); "
-                        "'spawn' starts fresh interpreters. Restarts spawn unless --restart-start-method fork.")
-    parser.add_argument("--restart-start-method", choices=["spawn", "fork"], default="spawn",
-                        help="How --max-restarts starts ranks again: 'spawn' (default) fresh interpreters, as a "
-                        "real stop-restart pays; 'fork' from this warm process (a lower bound for benchmarks).")
-    parser.add_argument("--term-timeout", type=float, default=5.0,
-                        help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
-    parser.add_argument("--rdzv-backend", "--rdzv_backend", choices=["etcd", "tcp", "c10d", "static"],
-                        default="etcd",
-                        help="Rendezvous store: 'etcd' (default; no rank hosts a store the job depends on) or "
-                        "'tcp' (torch's TCPStore on rank 0, a single point of failure; torchrun's 'c10d' and "
-                        "'static' mean the same here).")
-    parser.add_argument("--tm-etcd-tls", action="store_true",
-                        help="Serve the embedded etcd over TLS with client certificates: a CA made for this job "
-                        "signs the server and member certificates (in <run dir>/etcd-tls, keys mode 600), and a "
-                        "client without the member certificate cannot connect. For an external etcd use "
-                        "--tm-etcd-ca/--tm-etcd-cert/--tm-etcd-key instead.")
-    parser.add_argument("--run-dir", default=None,
-                        help="Job directory for the embedded etcd's data and logs (default runs/<job>).")
-    parser.add_argument("--metrics-port", type=int, default=0,
-                        help="Serve this agent's Prometheus /metrics on this port (0, the default: a free port; "
-                        "-1: none). The URL is printed at start. Series: iteration, tokens/s, iteration time "
-                        "(tailed from the workers' --tm-metrics-file, which the agent adds under --trainmover), "
-                        "members, standbys ready, epoch, migrations by kind, migration phase and downtime "
-                        "histograms, detection latency.")
-    parser.add_argument("--metrics-host", default="127.0.0.1",
-                        help="Address /metrics binds to (default loopback; 0.0.0.0 for a Prometheus server on "
-                        "another host).")
+    parser.add_argument(
+        "--master-addr", "--master_addr", default="127.0.0.1", help="Rendezvous host (node 0's address)."
+    )
+    parser.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=0,
+        help="Rendezvous port (default: a free port; required with --nnodes > 1).",
+    )
+    parser.add_argument(
+        "--standalone",
+        action="store_true",
+        help="torchrun's single-node mode: one node, a local rendezvous on a free port.",
+    )
+    parser.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        default=None,
+        metavar="HOST[:PORT]",
+        help="torchrun's rendezvous endpoint: the same as --master-addr HOST --master-port PORT.",
+    )
+    parser.add_argument(
+        "--rdzv-id",
+        "--rdzv_id",
+        default=None,
+        help="torchrun's job id: names the job (--tm-job) unless --tm-job is given.",
+    )
+    parser.add_argument(
+        "--log-dir",
+        "--log_dir",
+        default=None,
+        help="Write each started process's stdout and stderr to LOG_DIR/attempt_<restart>/<rank or "
+        "standby id>/{stdout,stderr}.log (the console still shows them unless --redirects).",
+    )
+    parser.add_argument(
+        "--redirects",
+        "-r",
+        default=None,
+        metavar="0-3|LOCAL:0-3,...",
+        help="With --log-dir, send these streams to the files only: 0 none, 1 stdout, 2 stderr, "
+        "3 both; e.g. 3, or 0:3,1:2 per local rank.",
+    )
+    parser.add_argument(
+        "--tee",
+        "-t",
+        default=None,
+        metavar="0-3|LOCAL:0-3,...",
+        help="With --log-dir, send these streams to the files and the console (same values as --redirects).",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="On a rank failure, restart all ranks from the latest checkpoint up to K times "
+        "(the classic stop-restart baseline). 0 = fail the job.",
+    )
+    parser.add_argument(
+        "--start-method",
+        choices=["fork", "spawn"],
+        default="fork",
+        help="'fork' forks ranks from this already-warm process (fast start on few cores); "
+        "'spawn' starts fresh interpreters. Restarts spawn unless --restart-start-method fork.",
+    )
+    parser.add_argument(
+        "--restart-start-method",
+        choices=["spawn", "fork"],
+        default="spawn",
+        help="How --max-restarts starts ranks again: 'spawn' (default) fresh interpreters, as a "
+        "real stop-restart pays; 'fork' from this warm process (a lower bound for benchmarks).",
+    )
+    parser.add_argument(
+        "--term-timeout", type=float, default=5.0, help="Seconds between SIGTERM and SIGKILL when stopping ranks."
+    )
+    parser.add_argument(
+        "--rdzv-backend",
+        "--rdzv_backend",
+        choices=["etcd", "tcp", "c10d", "static"],
+        default="etcd",
+        help="Rendezvous store: 'etcd' (default; no rank hosts a store the job depends on) or "
+        "'tcp' (torch's TCPStore on rank 0, a single point of failure; torchrun's 'c10d' and "
+        "'static' mean the same here).",
+    )
+    parser.add_argument(
+        "--tm-etcd-tls",
+        action="store_true",
+        help="Serve the embedded etcd over TLS with client certificates: a CA made for this job "
+        "signs the server and member certificates (in <run dir>/etcd-tls, keys mode 600), and a "
+        "client without the member certificate cannot connect. For an external etcd use "
+        "--tm-etcd-ca/--tm-etcd-cert/--tm-etcd-key instead.",
+    )
+    parser.add_argument(
+        "--run-dir", default=None, help="Job directory for the embedded etcd's data and logs (default runs/<job>)."
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Serve this agent's Prometheus /metrics on this port (0, the default: a free port; "
+        "-1: none). The URL is printed at start. Series: iteration, tokens/s, iteration time "
+        "(tailed from the workers' --tm-metrics-file, which the agent adds under --trainmover), "
+        "members, standbys ready, epoch, migrations by kind, migration phase and downtime "
+        "histograms, detection latency.",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="Address /metrics binds to (default loopback; 0.0.0.0 for a Prometheus server on another host).",
+    )
     add_connection_flags(parser)
     parser.add_argument("script", help="Training script, e.g. pretrain_gpt.py.")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Arguments for the training script.")
@@ -148,8 +216,10 @@ def nnodes(value: str) -> int:
     low, _, high = text.partition(":")
     if low.isdigit() and (not high or high == low):
         return int(low)
-    raise ConfigError(f"--nnodes {value!r}: give a number of nodes (an elastic MIN:MAX range is not supported; "
-                      "TrainMover replaces failed nodes with standbys instead)")
+    raise ConfigError(
+        f"--nnodes {value!r}: give a number of nodes (an elastic MIN:MAX range is not supported; "
+        "TrainMover replaces failed nodes with standbys instead)"
+    )
 
 
 def torchrun_compat(args: argparse.Namespace) -> None:
@@ -163,7 +233,9 @@ def torchrun_compat(args: argparse.Namespace) -> None:
             raise ConfigError("--standalone runs one node: drop --nnodes or --standalone")
         args.master_addr, args.master_port = "127.0.0.1", 0
     elif args.rdzv_endpoint:
-        host, _, port = args.rdzv_endpoint.rpartition(":") if ":" in args.rdzv_endpoint else (args.rdzv_endpoint, "", "")
+        host, _, port = (
+            args.rdzv_endpoint.rpartition(":") if ":" in args.rdzv_endpoint else (args.rdzv_endpoint, "", "")
+        )
         args.master_addr = host or args.master_addr
         if port:
             if not port.isdigit():
@@ -182,8 +254,13 @@ def run(args: argparse.Namespace) -> int:
         endpoints=endpoints,
         job=args.tm_job or tm["tm_job"] or "trainmover",
         token=job_token(args),
-        tls={"ca_cert": args.tm_etcd_ca, "client_cert": args.tm_etcd_cert, "client_key": args.tm_etcd_key,
-             "user": args.tm_etcd_user, "password": args.tm_etcd_password},
+        tls={
+            "ca_cert": args.tm_etcd_ca,
+            "client_cert": args.tm_etcd_cert,
+            "client_key": args.tm_etcd_key,
+            "user": args.tm_etcd_user,
+            "password": args.tm_etcd_password,
+        },
     )
     config = LaunchConfig(
         rendezvous=plan,
@@ -206,9 +283,16 @@ def run(args: argparse.Namespace) -> int:
         start_method=args.start_method,
         restart_start_method=args.restart_start_method,
         term_timeout_s=args.term_timeout,
-        logs=LogConfig(log_dir=args.log_dir, redirects=parse_std_spec(args.redirects, "--redirects"),
-                       tee=parse_std_spec(args.tee, "--tee")),
+        logs=LogConfig(
+            log_dir=args.log_dir,
+            redirects=parse_std_spec(args.redirects, "--redirects"),
+            tee=parse_std_spec(args.tee, "--tee"),
+        ),
     )
-    metrics = MetricsEndpoint(port=args.metrics_port, host=args.metrics_host, metrics_file=tm["tm_metrics_file"],
-                              tokens_per_iteration=tm["seq_length"] * tm["global_batch_size"])
+    metrics = MetricsEndpoint(
+        port=args.metrics_port,
+        host=args.metrics_host,
+        metrics_file=tm["tm_metrics_file"],
+        tokens_per_iteration=tm["seq_length"] * tm["global_batch_size"],
+    )
     return Agent(config, write_token_file=not args.tm_job_token, metrics=metrics).run()

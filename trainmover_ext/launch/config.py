@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Optional
 
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.launch.logs import LogConfig
@@ -57,7 +56,7 @@ class LaunchConfig:
     """``--tm-standby-nice`` of the script: niceness of standbys until promotion (see ``launch.priority``)."""
     etcd_tls: bool = False
     """``--tm-etcd-tls``: the embedded etcd serves TLS with client certificates from a job CA (``etcd.pki``)."""
-    run_dir: Optional[str] = None
+    run_dir: str | None = None
     """``--run-dir``: the job's working directory (embedded etcd data, logs); default runs/<job>."""
 
     def __post_init__(self) -> None:
@@ -78,8 +77,10 @@ class LaunchConfig:
         if self.nnodes > 1 and self.master_port == 0:
             raise ConfigError("--master-port is required with --nnodes > 1")
         if self.etcd_tls and (self.rendezvous.endpoints or self.rendezvous.backend != "etcd"):
-            raise ConfigError("--tm-etcd-tls secures the embedded etcd; an external etcd brings its own certificates: "
-                              "pass --tm-etcd-ca/--tm-etcd-cert/--tm-etcd-key instead")
+            raise ConfigError(
+                "--tm-etcd-tls secures the embedded etcd; an external etcd brings its own certificates: "
+                "pass --tm-etcd-ca/--tm-etcd-cert/--tm-etcd-key instead"
+            )
         if self.rendezvous.backend == "etcd" and not self.rendezvous.endpoints and self.nnodes > 1:
             raise ConfigError(
                 "a multi-node job needs a shared etcd: pass --tm-etcd-endpoints (e.g. started on the first node "

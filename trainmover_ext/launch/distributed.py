@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -26,13 +25,13 @@ class TrainMoverDistributed:
     collective, e.g. on a thread while it builds its model)."""
 
     delta: bool = False
-    join_epoch: Optional[int] = None
+    join_epoch: int | None = None
     join: bool = True
 
     def prepare(self) -> None:
         patches.install()
 
-    def store(self, timeout: datetime.timedelta) -> Optional[torch.distributed.Store]:
+    def store(self, timeout: datetime.timedelta) -> torch.distributed.Store | None:
         return rank_store(timeout)  # etcd under `trainmover launch`; None = env:// TCPStore
 
     def process_group_backend(self, backend: str, timeout: datetime.timedelta) -> str:

@@ -17,14 +17,13 @@ import os
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
 
 from trainmover_ext.errors import ConfigError
 
 NONE, OUT, ERR, BOTH = 0, 1, 2, 3
 
 
-def parse_std_spec(text: Optional[str], flag: str) -> dict[int, int]:
+def parse_std_spec(text: str | None, flag: str) -> dict[int, int]:
     """``"3"`` -> ``{-1: 3}`` (every local rank); ``"0:3,1:2"`` -> ``{0: 3, 1: 2}``."""
     if text is None or str(text).strip() == "":
         return {}
@@ -39,8 +38,9 @@ def parse_std_spec(text: Optional[str], flag: str) -> dict[int, int]:
                 local, value = part.split(":")
                 spec[int(local)] = int(value)
     except ValueError as exc:
-        raise ConfigError(f"{flag} {text!r}: give 0-3 (0 none, 1 stdout, 2 stderr, 3 both) or LOCAL:VALUE pairs "
-                          "such as 0:3,1:2") from exc
+        raise ConfigError(
+            f"{flag} {text!r}: give 0-3 (0 none, 1 stdout, 2 stderr, 3 both) or LOCAL:VALUE pairs such as 0:3,1:2"
+        ) from exc
     if any(v not in (NONE, OUT, ERR, BOTH) for v in spec.values()) or any(k < -1 for k in spec):
         raise ConfigError(f"{flag} {text!r}: values are 0 (none), 1 (stdout), 2 (stderr) or 3 (both)")
     return spec
@@ -50,7 +50,7 @@ def parse_std_spec(text: Optional[str], flag: str) -> dict[int, int]:
 class LogConfig:
     """Where the started processes write (see the module docstring)."""
 
-    log_dir: Optional[str] = None
+    log_dir: str | None = None
     """``--log-dir``: the root of the per-process log files; None keeps the console."""
     redirects: dict[int, int] = field(default_factory=dict)
     """``--redirects`` by local rank (-1: every rank)."""
@@ -70,7 +70,7 @@ class LogConfig:
             tee = BOTH
         return redirect & ~tee, tee
 
-    def open(self, name: str, local_rank: int, attempt: int) -> "ProcessOutput":
+    def open(self, name: str, local_rank: int, attempt: int) -> ProcessOutput:
         """The output of one process about to start (files created now)."""
         if not self.log_dir:
             return ProcessOutput()
@@ -93,7 +93,7 @@ class LogConfig:
 class ProcessOutput:
     """The descriptors a started process writes to, and the agent's side of any tee."""
 
-    directory: Optional[str] = None
+    directory: str | None = None
     child_fds: dict[str, int] = field(default_factory=dict)
     """``stdout``/``stderr`` -> the descriptor the process writes that stream to (absent: inherit)."""
     copiers: list = field(default_factory=list)

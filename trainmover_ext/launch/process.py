@@ -25,10 +25,10 @@ import signal
 import socket
 import subprocess
 import sys
-import traceback
 import time
+import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
 
 from trainmover_ext.launch.logs import ProcessOutput
 
@@ -47,13 +47,13 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def preimport_for_fork() -> None:
     """Import the heavy modules once in the agent so forked ranks skip 4-10 s of imports."""
-    import torch  # noqa: F401
-
-    import megatron.training  # noqa: F401  (quiets CPU fallback warnings first)
     import megatron.core.distributed  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
+    import torch  # noqa: F401
+
+    import megatron.training  # noqa: F401  (quiets CPU fallback warnings first)
     import trainmover_ext.patches  # noqa: F401
 
 
@@ -63,11 +63,11 @@ class RankProcess:
 
     rank: int
     pid: int
-    popen: Optional[subprocess.Popen] = None
-    returncode: Optional[int] = None
-    _pidfd: Optional[int] = field(default=None, repr=False)
+    popen: subprocess.Popen | None = None
+    returncode: int | None = None
+    _pidfd: int | None = field(default=None, repr=False)
 
-    def poll(self) -> Optional[int]:
+    def poll(self) -> int | None:
         """Return code (negative signal number when killed) once it exited, else None."""
         if self.returncode is not None:
             return self.returncode
@@ -86,7 +86,7 @@ class RankProcess:
             self._pidfd = None
         return self.returncode
 
-    def exit_fd(self) -> Optional[int]:
+    def exit_fd(self) -> int | None:
         """A descriptor that becomes readable when the process exits (Linux pidfd), or None."""
         if self._pidfd is None and self.returncode is None and hasattr(os, "pidfd_open"):
             try:
@@ -121,8 +121,15 @@ def wait_any_exit(procs: Iterable[RankProcess], timeout_s: float) -> None:
         time.sleep(timeout_s)
 
 
-def fork_rank(rank: int, env: dict[str, str], script: str, script_args: list[str],
-              output: Optional[ProcessOutput] = None, *, niceness: int = 0) -> RankProcess:
+def fork_rank(
+    rank: int,
+    env: dict[str, str],
+    script: str,
+    script_args: list[str],
+    output: ProcessOutput | None = None,
+    *,
+    niceness: int = 0,
+) -> RankProcess:
     """Fork a child that runs ``script`` as ``__main__`` with ``env`` applied, writing to ``output``
     (per-process log files, :mod:`.logs`) or to the agent's console, ``niceness`` lower in priority."""
     parent = os.getpid()
@@ -214,7 +221,7 @@ def fork_reserve(*, niceness: int = 0) -> Reserve:
         req = json.loads(data)
 
         def redirect() -> None:
-            for stream, fd in zip(req["streams"], fds):
+            for stream, fd in zip(req["streams"], fds, strict=False):
                 os.dup2(fd, 1 if stream == "stdout" else 2)
                 os.close(fd)
 
@@ -223,8 +230,14 @@ def fork_reserve(*, niceness: int = 0) -> Reserve:
     _run_child(parent, niceness, wait_for_work)
 
 
-def activate(reserve: Reserve, rank: int, env: dict[str, str], script: str, script_args: list[str],
-             output: Optional[ProcessOutput] = None) -> Optional[RankProcess]:
+def activate(
+    reserve: Reserve,
+    rank: int,
+    env: dict[str, str],
+    script: str,
+    script_args: list[str],
+    output: ProcessOutput | None = None,
+) -> RankProcess | None:
     """Wake ``reserve`` to run ``script`` as :func:`fork_rank` would (with ``env`` applied, writing to
     ``output``); the started process, or None when the reserve is gone (``output`` is then unused and
     the caller may start the process another way)."""
@@ -281,8 +294,15 @@ def die_with_parent_from_env() -> None:
         _die_with_parent(int(parent))
 
 
-def spawn_rank(rank: int, env: dict[str, str], script: str, script_args: list[str],
-               output: Optional[ProcessOutput] = None, *, niceness: int = 0) -> RankProcess:
+def spawn_rank(
+    rank: int,
+    env: dict[str, str],
+    script: str,
+    script_args: list[str],
+    output: ProcessOutput | None = None,
+    *,
+    niceness: int = 0,
+) -> RankProcess:
     """Start ``python script args`` as a fresh interpreter, as torchrun does.
 
     No Python runs between fork and exec (no ``preexec_fn``): the agent may hold
@@ -294,8 +314,13 @@ def spawn_rank(rank: int, env: dict[str, str], script: str, script_args: list[st
     full_env[ENV_PARENT_PID] = str(os.getpid())
     fds = output.child_fds if output is not None else {}
     nice = ["nice", "-n", str(niceness)] if niceness > 0 else []  # before the interpreter runs any Python
-    popen = subprocess.Popen([*nice, sys.executable, "-u", script, *script_args], env=full_env, start_new_session=True,
-                             stdout=fds.get("stdout"), stderr=fds.get("stderr"))
+    popen = subprocess.Popen(
+        [*nice, sys.executable, "-u", script, *script_args],
+        env=full_env,
+        start_new_session=True,
+        stdout=fds.get("stdout"),
+        stderr=fds.get("stderr"),
+    )
     if output is not None:
         output.started()
     return RankProcess(rank=rank, pid=popen.pid, popen=popen)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Optional
 
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.kv.job import job_login, store_prefix
@@ -45,7 +44,7 @@ class RendezvousPlan:
     """etcd client endpoints (``host:port``)."""
     job: str = "trainmover"
     """Job name: keys live under ``/trainmover/<job>/``."""
-    token: Optional[str] = None
+    token: str | None = None
     """The job token."""
     tls: dict = field(default_factory=dict)
     """``EtcdClientConfig`` TLS/auth fields (ca_cert, client_cert, client_key, user, password)."""

@@ -43,14 +43,20 @@ import signal
 import threading
 import time
 import uuid
-from typing import Optional
 
-from trainmover_ext.errors import STANDBY_REFUSED_EXIT_CODE
-from trainmover_ext.launch.process import (Reserve, RankProcess, activate, discard, fork_rank, fork_reserve, spawn_rank,
-                                           wait_any_exit)
 from trainmover_ext.control.fingerprint import describe_diff, read_refusal
+from trainmover_ext.errors import STANDBY_REFUSED_EXIT_CODE
 from trainmover_ext.launch.identity import ENV_MEMBER_ID, leaver_standby_id
-
+from trainmover_ext.launch.process import (
+    RankProcess,
+    Reserve,
+    activate,
+    discard,
+    fork_rank,
+    fork_reserve,
+    spawn_rank,
+    wait_any_exit,
+)
 
 MAX_STANDBY_FAILURES = 3
 REPLENISH_AFTER_S = 60.0
@@ -113,8 +119,7 @@ class TrainMoverSupervisor:
         self.standbys[member] = proc
         self.agent.log(f"started standby {member} (pid {proc.pid}, {method})")
         if self.space is not None:  # a refill (the first standbys start before etcd is opened)
-            self._event("standby_started", {"member": member, "pid": proc.pid, "how": method,
-                                            "node": cfg.node_rank})
+            self._event("standby_started", {"member": member, "pid": proc.pid, "how": method, "node": cfg.node_rank})
 
     def _event(self, what: str, detail: dict) -> None:
         """One line of the job's events timeline (``trainmover events``); etcd trouble is logged only."""
@@ -139,23 +144,31 @@ class TrainMoverSupervisor:
         cfg = self.cfg
         self.standby_nice = cfg.standby_nice if cfg.standby_nice > 0 and priority.can_restore() else 0
         if cfg.standby_nice > 0 and not self.standby_nice:
-            self.agent.log("standbys keep normal CPU priority: a promoted one could not raise it back here (needs "
-                           "root, CAP_SYS_NICE or RLIMIT_NICE >= 20); see --tm-standby-nice")
+            self.agent.log(
+                "standbys keep normal CPU priority: a promoted one could not raise it back here (needs "
+                "root, CAP_SYS_NICE or RLIMIT_NICE >= 20); see --tm-standby-nice"
+            )
         self.port = cfg.master_port or free_port(cfg.master_addr)
         preimport_for_fork()
         for i in range(cfg.nproc_per_node):
             rank = cfg.node_rank * cfg.nproc_per_node + i
             member = _member_id("worker", cfg.node_rank, i)
             env = self.agent._env(i, self.port) | {ENV_MEMBER_ID: member}
-            self.serving[rank] = (fork_rank(rank, env, cfg.script, cfg.script_args,
-                                            cfg.logs.open(str(rank), i, self.agent.restarts)), member)
+            self.serving[rank] = (
+                fork_rank(rank, env, cfg.script, cfg.script_args, cfg.logs.open(str(rank), i, self.agent.restarts)),
+                member,
+            )
         for _ in range(cfg.standbys):
             self._start_standby("fork")
         # Last, so that no rank or standby holds a reserve's wake-up line.
-        self.reserves = [fork_reserve(niceness=self.standby_nice) for _ in range(cfg.standby_reserves if cfg.standbys else 0)]
+        self.reserves = [
+            fork_reserve(niceness=self.standby_nice) for _ in range(cfg.standby_reserves if cfg.standbys else 0)
+        ]
         self.agent.procs = [p for p, _ in self.serving.values()] + list(self.standbys.values())
-        self.agent.log(f"started {len(self.serving)} ranks, pids {[p.pid for p, _ in self.serving.values()]}, "
-                       f"and {len(self.standbys)} standby(s)")
+        self.agent.log(
+            f"started {len(self.serving)} ranks, pids {[p.pid for p, _ in self.serving.values()]}, "
+            f"and {len(self.standbys)} standby(s)"
+        )
         self._connect()
 
     def _connect(self) -> None:
@@ -168,15 +181,22 @@ class TrainMoverSupervisor:
 
         plan = self.cfg.rendezvous
         os.environ.update(plan.env(0))
-        ident = Identity(member_id=_member_id("agent", self.cfg.node_rank, 0), job=plan.job, token=plan.token or "",
-                         host=node_name(), pid=os.getpid())
+        ident = Identity(
+            member_id=_member_id("agent", self.cfg.node_rank, 0),
+            job=plan.job,
+            token=plan.token or "",
+            host=node_name(),
+            pid=os.getpid(),
+        )
         self.space = open_space(ident)
         ttl = max(1, round(self.cfg.lease_ttl_s))
-        self.member = Membership(self.space, MemberRecord(member_id=ident.member_id, kind="agent",
-                                                          host=ident.host, pid=ident.pid), ttl_s=ttl).register()
+        self.member = Membership(
+            self.space, MemberRecord(member_id=ident.member_id, kind="agent", host=ident.host, pid=ident.pid), ttl_s=ttl
+        ).register()
         self.agent_id = ident.member_id
-        self.controller = Controller(self.space, ControllerConfig(controller_id=ident.member_id, ttl_s=ttl),
-                                     metrics=self.agent.metrics).start()
+        self.controller = Controller(
+            self.space, ControllerConfig(controller_id=ident.member_id, ttl_s=ttl), metrics=self.agent.metrics
+        ).start()
         if self.agent.metrics_feed is not None:
             controller = self.controller
             self.agent.metrics_feed.attach(self.space, is_leader=lambda: controller.is_leader)
@@ -204,7 +224,7 @@ class TrainMoverSupervisor:
                     self.agent.log(f"teardown: {exc}")
 
     # -- supervision ----------------------------------------------------------------
-    def _apply_plans(self) -> Optional[str]:
+    def _apply_plans(self) -> str | None:
         with self._lock:
             plans, self.plans = self.plans, []
         for plan in plans:
@@ -222,12 +242,19 @@ class TrainMoverSupervisor:
                 old = self.serving.get(rep.rank)
                 if plan.reason == "planned":
                     self.planned_leavers.add(rep.leaver)
-                if (plan.reason == "failure" and rep.leaver in self.planned_leavers and old is not None
-                        and old[1] == rep.joiner and plan.epoch not in self.kept_joiner):
+                if (
+                    plan.reason == "failure"
+                    and rep.leaver in self.planned_leavers
+                    and old is not None
+                    and old[1] == rep.joiner
+                    and plan.epoch not in self.kept_joiner
+                ):
                     self.kept_joiner.add(plan.epoch)
-                    self.agent.log(f"epoch {plan.epoch} (failure): rank {rep.rank}'s planned leaver {rep.leaver} was "
-                                   f"lost before its hand-over; {rep.joiner} keeps the rank, state from "
-                                   f"{rep.state_source.get('kind')}")
+                    self.agent.log(
+                        f"epoch {plan.epoch} (failure): rank {rep.rank}'s planned leaver {rep.leaver} was "
+                        f"lost before its hand-over; {rep.joiner} keeps the rank, state from "
+                        f"{rep.state_source.get('kind')}"
+                    )
                     continue
                 rejoined = False
                 if old is not None and old[1] == rep.leaver:
@@ -239,8 +266,10 @@ class TrainMoverSupervisor:
                         standby = leaver_standby_id(rep.leaver, plan.epoch)
                         self.standbys[standby] = old[0]
                         rejoined = True
-                        self.agent.log(f"epoch {plan.epoch} (planned): the leaver of rank {rep.rank} (pid "
-                                       f"{old[0].pid}) rejoins the pool as {standby}")
+                        self.agent.log(
+                            f"epoch {plan.epoch} (planned): the leaver of rank {rep.rank} (pid "
+                            f"{old[0].pid}) rejoins the pool as {standby}"
+                        )
                     elif plan.reason == "planned":
                         self.leaving[rep.rank] = old
                     else:
@@ -250,12 +279,15 @@ class TrainMoverSupervisor:
                 proc = self.standbys.pop(rep.joiner, None)
                 if proc is None:
                     if old is not None and old[1] == rep.leaver:
-                        self.agent.log(f"epoch {plan.epoch} ({plan.reason}): rank {rep.rank} -> {rep.joiner} "
-                                       "on another node")
+                        self.agent.log(
+                            f"epoch {plan.epoch} ({plan.reason}): rank {rep.rank} -> {rep.joiner} on another node"
+                        )
                     continue
                 self.serving[rep.rank] = (proc, rep.joiner)
-                self.agent.log(f"epoch {plan.epoch} ({plan.reason}): rank {rep.rank} -> {rep.joiner} "
-                               f"(pid {proc.pid}); state from {rep.state_source.get('kind')}")
+                self.agent.log(
+                    f"epoch {plan.epoch} ({plan.reason}): rank {rep.rank} -> {rep.joiner} "
+                    f"(pid {proc.pid}); state from {rep.state_source.get('kind')}"
+                )
                 # Keep the pool at --tm-standbys, once this migration is over (see the module doc),
                 # unless the leaver already refilled it.
                 if not rejoined:
@@ -293,8 +325,14 @@ class TrainMoverSupervisor:
         leaver's report is moot once its hand-over is done, so it is not tracked)."""
         from trainmover_ext.control.membership import report_failure
 
-        report_failure(self.space, rank=rank, member_id=member, reporter=self.agent_id,
-                       reason=f"process exited with code {code}", epoch=self.epoch)
+        report_failure(
+            self.space,
+            rank=rank,
+            member_id=member,
+            reporter=self.agent_id,
+            reason=f"process exited with code {code}",
+            epoch=self.epoch,
+        )
         if track:
             self.reported[rank] = time.time()
         self.agent.log(f"rank {rank} ({member}) exited with code {code}; reported to the controller")
@@ -327,20 +365,28 @@ class TrainMoverSupervisor:
                 if proc.poll() is not None:
                     del self.standbys[member]
                     if proc.returncode == STANDBY_REFUSED_EXIT_CODE:
-                        self.agent.log(f"standby {member} was refused by the job (exit {proc.returncode}): "
-                                       f"{self._refusal(member)}; not restarting it (start standbys with the "
-                                       "job's flags)")
+                        self.agent.log(
+                            f"standby {member} was refused by the job (exit {proc.returncode}): "
+                            f"{self._refusal(member)}; not restarting it (start standbys with the "
+                            "job's flags)"
+                        )
                         continue
                     self.standby_failures = self.standby_failures + 1 if proc.returncode != 0 else 0
                     if self.standby_failures >= MAX_STANDBY_FAILURES:
-                        self.agent.log(f"standby {member} exited ({proc.returncode}); {self.standby_failures} "
-                                       "standbys in a row failed, so no more are started: see the standby's "
-                                       "error above (e.g. a ConfigMismatch) and fix its flags")
+                        self.agent.log(
+                            f"standby {member} exited ({proc.returncode}); {self.standby_failures} "
+                            "standbys in a row failed, so no more are started: see the standby's "
+                            "error above (e.g. a ConfigMismatch) and fix its flags"
+                        )
                         continue
                     self.agent.log(f"standby {member} exited ({proc.returncode}); starting another")
                     self._start_standby("spawn")
-            self.agent.procs = ([p for p, _ in self.serving.values()] + list(self.standbys.values())
-                                + [p for p, _ in self.leaving.values()] + [p for p in self.retired if p.poll() is None])
+            self.agent.procs = (
+                [p for p, _ in self.serving.values()]
+                + list(self.standbys.values())
+                + [p for p, _ in self.leaving.values()]
+                + [p for p in self.retired if p.poll() is None]
+            )
             # An agent whose ranks all moved to other nodes keeps its standbys (and its controller
             # candidacy) until the whole job is done.
             mine_done = all(code == 0 for code, _ in codes.values()) and (bool(codes) or self._job_finished())

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Optional, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from trainmover_ext.control.records import MigrationPlan
 from trainmover_ext.errors import CommLinkError, MembershipLost, RecoverySuperseded
@@ -40,20 +40,27 @@ if TYPE_CHECKING:
     from trainmover_ext.sandbox.adopt import KeptRole
 
 
-def serve_rank(args: argparse.Namespace, config: TrainMoverConfig, providers: Providers, plan: MigrationPlan,
-               ident: Identity, space: JobSpace, member: Membership,
-               kept: Optional["KeptRole"] = None) -> dict[str, Any]:
+def serve_rank(
+    args: argparse.Namespace,
+    config: TrainMoverConfig,
+    providers: Providers,
+    plan: MigrationPlan,
+    ident: Identity,
+    space: JobSpace,
+    member: Membership,
+    kept: KeptRole | None = None,
+) -> dict[str, Any]:
     """Join the communicator as the plan's rank, take the state, and train (see the module docstring).
 
     With ``kept`` (the sandbox role this standby kept) it adopts those parts when they were built
     for this rank, and drops them otherwise, before it builds the rank's model."""
     from megatron.training.initialize import initialize_distributed, shutdown
     from megatron.training.training import MetricsLog, build_session, train_loop
+    from trainmover_ext.launch.distributed import TrainMoverDistributed
     from trainmover_ext.migration.planned import receive_from_leaver
     from trainmover_ext.migration.recovery import converge
     from trainmover_ext.migration.worker import WorkerRuntime
     from trainmover_ext.runtime.quiet_build import no_collectives
-    from trainmover_ext.launch.distributed import TrainMoverDistributed
     from trainmover_ext.sandbox.adopt import adopt_or_build, keep_if_fits
     from trainmover_ext.sandbox.compile import chunk_preparer
 
@@ -66,11 +73,17 @@ def serve_rank(args: argparse.Namespace, config: TrainMoverConfig, providers: Pr
     niceness = os.getpriority(os.PRIO_PROCESS, 0)
     failed = priority.restore()  # a rank at a standby's low priority would hold every other rank back
     now = os.getpriority(os.PRIO_PROCESS, 0)
-    print(f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (epoch {plan.epoch}, "
-          f"{plan.reason}){f'; CPU niceness {niceness} -> {now}' if niceness else ''}", flush=True)
+    print(
+        f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (epoch {plan.epoch}, "
+        f"{plan.reason}){f'; CPU niceness {niceness} -> {now}' if niceness else ''}",
+        flush=True,
+    )
     if failed:
-        print(f"[trainmover] standby {ident.member_id}: could not restore normal CPU priority of {failed} thread(s) "
-              "after promotion; this rank may hold the others back", flush=True)
+        print(
+            f"[trainmover] standby {ident.member_id}: could not restore normal CPU priority of {failed} thread(s) "
+            "after promotion; this rank may hold the others back",
+            flush=True,
+        )
     member.update(kind="worker")
     if config.inject_fault:
         faults.arm(faults.FaultSpec.parse_all(config.inject_fault), int(os.environ["WORLD_SIZE"]))
@@ -80,8 +93,9 @@ def serve_rank(args: argparse.Namespace, config: TrainMoverConfig, providers: Pr
     t_groups = time.time()
     metrics = MetricsLog(config.metrics_file, layout.is_logging_rank)
     # Watching from here on: a newer plan abandons the join, the convergence or the hand-over.
-    runtime = WorkerRuntime(None, config, ident, space, member, epoch=plan.epoch - 1, layout=layout,
-                            state_valid=False, catch_up=True)
+    runtime = WorkerRuntime(
+        None, config, ident, space, member, epoch=plan.epoch - 1, layout=layout, state_valid=False, catch_up=True
+    )
     try:
         # The links come up on a thread while this one builds the model: neither needs the other.
         joining = _Joining(plan.epoch, timeout_s=runtime.timeout_s)
@@ -95,8 +109,11 @@ def serve_rank(args: argparse.Namespace, config: TrainMoverConfig, providers: Pr
         # not_adopted is None only with parts kept, and adopt_or_build reads it only without any
         session, not_adopted, repointed = adopt_or_build(kept, layout, metrics, rep.rank, build, cast(str, not_adopted))
         if not_adopted is None:
-            print(f"[trainmover] standby {ident.member_id} adopted its kept {kept_role} model for rank "
-                  f"{rep.rank} ({repointed} group references re-pointed)", flush=True)
+            print(
+                f"[trainmover] standby {ident.member_id} adopted its kept {kept_role} model for rank "
+                f"{rep.rank} ({repointed} group references re-pointed)",
+                flush=True,
+            )
         t_session = time.time()
         runtime.session = session
         args.iteration, args.consumed_train_samples = 0, 0
@@ -110,14 +127,26 @@ def serve_rank(args: argparse.Namespace, config: TrainMoverConfig, providers: Pr
             else:
                 converge(runtime, session, plan, fresh_joiner=True)
         except (CommLinkError, RecoverySuperseded) as cut:
-            print(f"[trainmover] rank {rep.rank} (joiner of epoch {plan.epoch}): {cut}; recovering at the newest "
-                  "epoch", flush=True)
+            print(
+                f"[trainmover] rank {rep.rank} (joiner of epoch {plan.epoch}): {cut}; recovering at the newest epoch",
+                flush=True,
+            )
             runtime.recover(session, cut)
         runtime.pending_first_iteration = sorted({plan.epoch, runtime.epoch})
-        metrics.write(event="promoted", member=ident.member_id, rank=rep.rank, epoch=plan.epoch,
-                      promoted_at=t_promoted, groups_built=t_groups, session_built=t_session,
-                      links_up=joining.done_at, resumed_iteration=args.iteration, state_ready=time.time(),
-                      adopted_kept_model=not_adopted is None, not_adopted=not_adopted)
+        metrics.write(
+            event="promoted",
+            member=ident.member_id,
+            rank=rep.rank,
+            epoch=plan.epoch,
+            promoted_at=t_promoted,
+            groups_built=t_groups,
+            session_built=t_session,
+            links_up=joining.done_at,
+            resumed_iteration=args.iteration,
+            state_ready=time.time(),
+            adopted_kept_model=not_adopted is None,
+            not_adopted=not_adopted,
+        )
         return train_loop(session, runtime)
     finally:
         runtime.close()
@@ -151,7 +180,9 @@ class _Joining:
         """Block until the links are up (at most ``timeout_s``); a superseded join raises ``CommAbandoned``."""
         self._thread.join(self.timeout_s)
         if self._thread.is_alive():
-            raise MembershipLost(f"the joiner's links were not up within {self.timeout_s:.0f}s; "
-                                 "are the other ranks alive and in the same epoch?")
+            raise MembershipLost(
+                f"the joiner's links were not up within {self.timeout_s:.0f}s; "
+                "are the other ranks alive and in the same epoch?"
+            )
         if self.error is not None:
             raise self.error

@@ -18,7 +18,8 @@ from __future__ import annotations
 import datetime
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from trainmover_ext.control.records import MigrationPlan
 from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
@@ -60,8 +61,9 @@ class HandoverChannel:
         self.pair.close()
 
 
-def open_handover(store: Store, name: str, side: int, timeout_s: float,
-                  cancelled: Callable[[], bool]) -> HandoverChannel:
+def open_handover(
+    store: Store, name: str, side: int, timeout_s: float, cancelled: Callable[[], bool]
+) -> HandoverChannel:
     """Build the hand-over pair ``name`` (both ends call this); gives up when ``cancelled()`` turns true."""
     from nccl_delta.transport_gloo import connect_gloo_pair
 
@@ -128,11 +130,14 @@ def _superseded(rt: WorkerRuntime, epoch: int) -> Callable[[], bool]:
 
 def hand_over(rt: WorkerRuntime, session: Session, plan: MigrationPlan) -> None:
     """The planned leaver, at the agreed boundary: stream state to the joiner, then leave."""
-    channel = open_handover(_handover_store(rt), f"{plan.epoch}/leaver", 0, rt.timeout_s,
-                            _superseded(rt, plan.epoch))
+    channel = open_handover(_handover_store(rt), f"{plan.epoch}/leaver", 0, rt.timeout_s, _superseded(rt, plan.epoch))
     try:
-        _use(rt, channel, plan.epoch,
-             lambda: send_and_report(channel, session, plan.replacement_list()[0].rank, plan.epoch, drill="handover"))
+        _use(
+            rt,
+            channel,
+            plan.epoch,
+            lambda: send_and_report(channel, session, plan.replacement_list()[0].rank, plan.epoch, drill="handover"),
+        )
     except CommLinkError as exc:
         # The joiner is gone: our state went nowhere, and the rank is not ours any more. Leave; the
         # control plane replaces the rank from a replica (the joiner's loss is a failure of it).
@@ -146,9 +151,10 @@ def receive_from_leaver(rt: WorkerRuntime, session: Session, plan: MigrationPlan
 
     Raises :class:`RecoverySuperseded` (or a link error) when a newer failure plan cuts the move
     short; the state is then unusable (``rt.state_valid`` is False) until a recovery copies it."""
-    channel = open_handover(_handover_store(rt), f"{plan.epoch}/leaver", 1, rt.timeout_s,
-                            _superseded(rt, plan.epoch))
-    _use(rt, channel, plan.epoch, lambda: recv_and_report(channel, session, plan.replacement_list()[0].rank, plan.epoch))
+    channel = open_handover(_handover_store(rt), f"{plan.epoch}/leaver", 1, rt.timeout_s, _superseded(rt, plan.epoch))
+    _use(
+        rt, channel, plan.epoch, lambda: recv_and_report(channel, session, plan.replacement_list()[0].rank, plan.epoch)
+    )
     rt.state_valid = True
     from megatron.training import iteration_start
 

@@ -39,7 +39,6 @@ logger = logging.getLogger(__name__)
 def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, *, fresh_joiner: bool) -> None:
     """Bring this rank to ``plan.epoch``'s resume point (see the module docstring)."""
     import nccl_delta
-
     from trainmover_ext.migration.transfer import LinkChannel
 
     layout, args = session.layout, session.args
@@ -71,10 +70,17 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, *, fresh_
                 rt.state_valid = True
                 session.started = iteration_start.capture(args)  # what a later rewind goes back to
         if rt.state_valid is False or args.iteration != cplan.resume_iteration:
-            raise MigrationAborted(f"rank {layout.rank} holds iteration {args.iteration} after the copies of epoch "
-                                   f"{e}, not {cplan.resume_iteration}")
-    mark_step(rt.space, e, "transferred" if not cplan.from_checkpoint else "checkpoint_loaded",
-              only_if=layout.rank in replaced, resume_iteration=args.iteration)
+            raise MigrationAborted(
+                f"rank {layout.rank} holds iteration {args.iteration} after the copies of epoch "
+                f"{e}, not {cplan.resume_iteration}"
+            )
+    mark_step(
+        rt.space,
+        e,
+        "transferred" if not cplan.from_checkpoint else "checkpoint_loaded",
+        only_if=layout.rank in replaced,
+        resume_iteration=args.iteration,
+    )
     session.reset_data()
     rt.epoch = e
 
@@ -84,10 +90,13 @@ def _await_convergence(rt: WorkerRuntime, epoch: int) -> ConvergenceRecord:
     record = wait_convergence(rt.space, epoch, rt.timeout_s, lambda: rt.newest_failure_epoch() > epoch)
     if record is None:
         if rt.newest_failure_epoch() > epoch:
-            raise RecoverySuperseded(f"epoch {epoch} will not converge: epoch {rt.newest_failure_epoch()} "
-                                     "superseded it")
-        raise MigrationAborted(f"epoch {epoch} did not converge: the controller decided nothing within "
-                               f"{rt.timeout_s:.0f}s (did every stayer report?)")
+            raise RecoverySuperseded(
+                f"epoch {epoch} will not converge: epoch {rt.newest_failure_epoch()} superseded it"
+            )
+        raise MigrationAborted(
+            f"epoch {epoch} did not converge: the controller decided nothing within "
+            f"{rt.timeout_s:.0f}s (did every stayer report?)"
+        )
     return record
 
 
@@ -95,8 +104,10 @@ def _load_checkpoint(rt: WorkerRuntime, session: Session, cplan: ConvergenceReco
     args = session.args
     root = args.load or args.save
     if not root or checkpointing.read_latest_iteration(root) is None:
-        raise MigrationAborted(f"epoch {cplan.epoch}: {cplan.reason} and there is no checkpoint to fall back to "
-                               "(give --save/--save-interval)")
+        raise MigrationAborted(
+            f"epoch {cplan.epoch}: {cplan.reason} and there is no checkpoint to fall back to "
+            "(give --save/--save-interval)"
+        )
     rt.state_valid = False
     checkpointing.load_checkpoint(root, session.model, session.optimizer, session.scheduler, args, session.layout)
     args.iteration = checkpointing.read_latest_iteration(root)
@@ -113,14 +124,21 @@ def send_and_report(channel: Channel[Any], session: Session, dst: int, epoch: in
 
     forge = forged_kind(epoch) if drill == "send" else None
     if forge:
-        print(f"[trainmover] fault drill: rank {session.layout.rank} sends rank {dst} a crafted state record "
-              f"({forge}, epoch {epoch})", flush=True)
+        print(
+            f"[trainmover] fault drill: rank {session.layout.rank} sends rank {dst} a crafted state record "
+            f"({forge}, epoch {epoch})",
+            flush=True,
+        )
     with PeakWindow() as mem:
-        sent = send_state(channel, session, after_meta=lambda: faults.at(drill, rank=session.layout.rank,
-                                                                           epoch=epoch), forge=forge)
-    print(f"[trainmover] rank {session.layout.rank} sent {sent / 2**20:.2f} MiB of state to rank {dst} "
-          f"(epoch {epoch}); RSS {mem.start_rss / 2**20:.1f} MiB at the start, peak {mem.peak / 2**20:.1f} MiB "
-          "during", flush=True)
+        sent = send_state(
+            channel, session, after_meta=lambda: faults.at(drill, rank=session.layout.rank, epoch=epoch), forge=forge
+        )
+    print(
+        f"[trainmover] rank {session.layout.rank} sent {sent / 2**20:.2f} MiB of state to rank {dst} "
+        f"(epoch {epoch}); RSS {mem.start_rss / 2**20:.1f} MiB at the start, peak {mem.peak / 2**20:.1f} MiB "
+        "during",
+        flush=True,
+    )
     return sent
 
 
@@ -131,7 +149,10 @@ def recv_and_report(channel: Channel[Any], session: Session, src: int, epoch: in
 
     with PeakWindow() as mem:
         received = recv_state(channel, session)
-    print(f"[trainmover] rank {session.layout.rank} received {received / 2**20:.2f} MiB of state from rank {src} "
-          f"(epoch {epoch}); RSS {mem.start_rss / 2**20:.1f} MiB at the start, peak {mem.peak / 2**20:.1f} MiB "
-          f"during, {mem.end_rss / 2**20:.1f} MiB after", flush=True)
+    print(
+        f"[trainmover] rank {session.layout.rank} received {received / 2**20:.2f} MiB of state from rank {src} "
+        f"(epoch {epoch}); RSS {mem.start_rss / 2**20:.1f} MiB at the start, peak {mem.peak / 2**20:.1f} MiB "
+        f"during, {mem.end_rss / 2**20:.1f} MiB after",
+        flush=True,
+    )
     return received

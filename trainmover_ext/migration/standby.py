@@ -28,12 +28,13 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
+from trainmover_ext.control.fingerprint import check_standby, model_fingerprint, refusal_event, wait_job_fingerprint
 from trainmover_ext.control.membership import DecisionWatcher, Membership
 from trainmover_ext.control.records import ROLES, MigrationPlan
 from trainmover_ext.errors import MembershipLost, StandbyRefused, StoreError
-from trainmover_ext.control.fingerprint import check_standby, model_fingerprint, refusal_event, wait_job_fingerprint
 from trainmover_ext.launch.identity import identity_from_env, open_space
 
 if TYPE_CHECKING:
@@ -65,8 +66,7 @@ def basic_warm_up(args: argparse.Namespace, providers: Providers) -> dict[str, f
     # Exercise the kernels of one transformer layer of the job's width: a forward, a backward
     # and an Adam step, without megatron's parallel state (which only the real rank may set).
     width, seq = args.hidden_size, args.seq_length
-    layer = torch.nn.TransformerEncoderLayer(width, args.num_attention_heads, 4 * width, dropout=0.0,
-                                             batch_first=True)
+    layer = torch.nn.TransformerEncoderLayer(width, args.num_attention_heads, 4 * width, dropout=0.0, batch_first=True)
     opt = torch.optim.Adam(layer.parameters(), lr=1e-4)
     x = torch.randn(args.micro_batch_size, seq, width)
     layer(x).float().pow(2).mean().backward()
@@ -83,10 +83,10 @@ def preload_rank_code(args: argparse.Namespace) -> float:
     ``initialize_distributed`` and ``build_session`` would otherwise pay them after the plan, on
     the downtime's critical path, competing with every stayer for the node's cores."""
     t0 = time.time()
-    import trainmover_ext.patches as patches
-    import trainmover_ext.runtime.quiet_build  # noqa: F401
     import trainmover_ext.migration.transfer  # noqa: F401
     import trainmover_ext.migration.worker  # noqa: F401
+    import trainmover_ext.patches as patches
+    import trainmover_ext.runtime.quiet_build  # noqa: F401
     from megatron.training.model import gpt_layer_spec
 
     patches.install()
@@ -94,8 +94,9 @@ def preload_rank_code(args: argparse.Namespace) -> float:
     return time.time() - t0
 
 
-def refuse_unless_fingerprint_matches(args: argparse.Namespace, config: TrainMoverConfig, space: JobSpace,
-                                      member: Membership) -> None:
+def refuse_unless_fingerprint_matches(
+    args: argparse.Namespace, config: TrainMoverConfig, space: JobSpace, member: Membership
+) -> None:
     """Compare this standby's model fingerprint with the job's (waiting for the job to publish it);
     on a difference, record the refusal in the job's timeline, log it and raise :class:`StandbyRefused`."""
     job = wait_job_fingerprint(space, config.fingerprint_timeout_s)
@@ -111,9 +112,15 @@ def refuse_unless_fingerprint_matches(args: argparse.Namespace, config: TrainMov
         raise
 
 
-def warm_up(args: argparse.Namespace, config: TrainMoverConfig, providers: Providers, space: JobSpace,
-            member: Membership, should_stop: Callable[[], bool],
-            pacer: "Pacer") -> tuple[dict[str, Any], Optional["KeptRole"]]:
+def warm_up(
+    args: argparse.Namespace,
+    config: TrainMoverConfig,
+    providers: Providers,
+    space: JobSpace,
+    member: Membership,
+    should_stop: Callable[[], bool],
+    pacer: Pacer,
+) -> tuple[dict[str, Any], KeptRole | None]:
     """Warm this standby and report it on its member record; returns the warm-up report and the
     parts of the role it keeps (``--tm-keep-role``; None without the sandbox).
 
@@ -136,26 +143,36 @@ def warm_up(args: argparse.Namespace, config: TrainMoverConfig, providers: Provi
 
         refuse_unless_fingerprint_matches(args, config, space, member)
         try:
-            return warm_general_standby(args, config, providers, space=space, member=member, pacer=pacer,
-                                        should_stop=should_stop)
+            return warm_general_standby(
+                args, config, providers, space=space, member=member, pacer=pacer, should_stop=should_stop
+            )
         except (RecordingNotFound, RecordingCorrupt) as exc:
             reason = str(exc)
-            print(f"[trainmover] standby {member.record.member_id}: sandbox warm-up impossible, falling back to "
-                  f"the basic warm-up: {reason}", flush=True)
+            print(
+                f"[trainmover] standby {member.record.member_id}: sandbox warm-up impossible, falling back to "
+                f"the basic warm-up: {reason}",
+                flush=True,
+            )
     timings = {"preload_s": preload_s, **basic_warm_up(args, providers)}  # also while the workers start
     pacer.pace()
     if not config.record_dir:
         t_check = time.time()
         refuse_unless_fingerprint_matches(args, config, space, member)  # before any role is advertised
         timings["fingerprint_s"] = time.time() - t_check
-    report = {"mode": "basic", "reason": reason, **{k: round(v, 4) for k, v in timings.items()},
-              "total_s": round(sum(timings.values()) + pacer.paused_s, 4), "paused_s": round(pacer.paused_s, 4)}
+    report = {
+        "mode": "basic",
+        "reason": reason,
+        **{k: round(v, 4) for k, v in timings.items()},
+        "total_s": round(sum(timings.values()) + pacer.paused_s, 4),
+        "paused_s": round(pacer.paused_s, 4),
+    }
     member.update(warm_roles=list(ROLES), warmup=report)
     return report, None
 
 
-def run_standby(args: argparse.Namespace, config: TrainMoverConfig, providers: Providers,
-                t_process: float) -> dict[str, Any]:
+def run_standby(
+    args: argparse.Namespace, config: TrainMoverConfig, providers: Providers, t_process: float
+) -> dict[str, Any]:
     """The standby's whole life; returns the training summary once it served a rank."""
     from trainmover_ext.sandbox.pacing import Pacer
     from trainmover_ext.sandbox.standby import StandbyMemberRecord
@@ -163,9 +180,11 @@ def run_standby(args: argparse.Namespace, config: TrainMoverConfig, providers: P
     ident = identity_from_env()
     space = open_space(ident)
     # Registered with no warm role: the controller picks it only once warm_up reports roles.
-    member = Membership(space, StandbyMemberRecord(member_id=ident.member_id, kind="standby", host=ident.host,
-                                                   pid=ident.pid, warm_roles=[]),
-                        ttl_s=max(1, round(config.lease_ttl_s))).register()
+    member = Membership(
+        space,
+        StandbyMemberRecord(member_id=ident.member_id, kind="standby", host=ident.host, pid=ident.pid, warm_roles=[]),
+        ttl_s=max(1, round(config.lease_ttl_s)),
+    ).register()
     promoted: list[MigrationPlan] = []
     cond = threading.Condition()
     pacer = Pacer(config.standby_duty)
@@ -179,17 +198,22 @@ def run_standby(args: argparse.Namespace, config: TrainMoverConfig, providers: P
 
     watcher = DecisionWatcher(space, on_plan)
     try:
-        report, kept = warm_up(args, config, providers, space, member, should_stop=lambda: bool(promoted),
-                               pacer=pacer)
+        report, kept = warm_up(args, config, providers, space, member, should_stop=lambda: bool(promoted), pacer=pacer)
     except BaseException:
         watcher.close()
         member.close()
         raise
-    parts = ", ".join(f"{k.removesuffix('_s')} {v:.2f}s" for k, v in report.items()
-                      if k.endswith("_s") and k != "total_s" and isinstance(v, (int, float)))
-    print(f"[trainmover] standby {ident.member_id} warm in {report['total_s']:.2f}s ({report['mode']}, roles "
-          f"{member.record.warm_roles}); waiting to be promoted [{parts}; {time.time() - t_process:.2f}s since "
-          "its process started]", flush=True)
+    parts = ", ".join(
+        f"{k.removesuffix('_s')} {v:.2f}s"
+        for k, v in report.items()
+        if k.endswith("_s") and k != "total_s" and isinstance(v, (int, float))
+    )
+    print(
+        f"[trainmover] standby {ident.member_id} warm in {report['total_s']:.2f}s ({report['mode']}, roles "
+        f"{member.record.warm_roles}); waiting to be promoted [{parts}; {time.time() - t_process:.2f}s since "
+        "its process started]",
+        flush=True,
+    )
     parent = os.getppid()
     with cond:
         while not promoted:
@@ -206,8 +230,9 @@ def run_standby(args: argparse.Namespace, config: TrainMoverConfig, providers: P
     return serve_rank(args, config, providers, plan, ident, space, member, kept=kept)
 
 
-def rejoin_as_standby(args: argparse.Namespace, config: TrainMoverConfig, providers: Providers, t_process: float,
-                      leaver: str, epoch: int) -> dict[str, Any]:
+def rejoin_as_standby(
+    args: argparse.Namespace, config: TrainMoverConfig, providers: Providers, t_process: float, leaver: str, epoch: int
+) -> dict[str, Any]:
     """A planned leaver of ``epoch`` (``--tm-leaver-becomes-standby``) serves the pool again.
 
     Called by the worker's process after its state went to the joiner and its groups, links,
@@ -228,7 +253,9 @@ def rejoin_as_standby(args: argparse.Namespace, config: TrainMoverConfig, provid
 
     if priority.can_restore():
         priority.lower(config.standby_nice)  # as the launcher starts any standby
-    print(f"[trainmover] {leaver} left its rank at epoch {epoch}; rejoining the pool as standby "
-          f"{os.environ[ENV_MEMBER_ID]} (pid {os.getpid()}, CPU niceness {os.getpriority(os.PRIO_PROCESS, 0)})",
-          flush=True)
+    print(
+        f"[trainmover] {leaver} left its rank at epoch {epoch}; rejoining the pool as standby "
+        f"{os.environ[ENV_MEMBER_ID]} (pid {os.getpid()}, CPU niceness {os.getpriority(os.PRIO_PROCESS, 0)})",
+        flush=True,
+    )
     return run_standby(args, config, providers, t_process)

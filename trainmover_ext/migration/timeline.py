@@ -23,9 +23,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def mark_step(space: JobSpace, epoch: int, step: str, *, only_if: bool = True, status: str | None = None,
-              at: float | None = None, resume_iteration: int | None = None,
-              fields: dict[str, Any] | None = None) -> bool:
+def mark_step(
+    space: JobSpace,
+    epoch: int,
+    step: str,
+    *,
+    only_if: bool = True,
+    status: str | None = None,
+    at: float | None = None,
+    resume_iteration: int | None = None,
+    fields: dict[str, Any] | None = None,
+) -> bool:
     """Record ``step`` at ``at`` (default now) in the plan of ``epoch``, optionally with the
     resume iteration, other plan ``fields`` and a new status. Returns True when written."""
     if not only_if:

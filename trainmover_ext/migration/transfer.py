@@ -34,7 +34,8 @@ import datetime
 import io
 import os
 import pickle
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch.distributed import ProcessGroupGloo
@@ -125,7 +126,7 @@ class LinkChannel:
         wait_sends(works)  # one link: one wait
 
 
-def open_transfer_link(store: Store, name: str, side: int, timeout_s: float, host: Optional[str] = None) -> PairChannel:
+def open_transfer_link(store: Store, name: str, side: int, timeout_s: float, host: str | None = None) -> PairChannel:
     """A channel over a 2-rank gloo group named ``name`` on ``store``; side 0 sends, side 1 receives."""
     opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # c10d binds _Options; torch's stub omits it
     opts._timeout = datetime.timedelta(seconds=timeout_s)
@@ -134,8 +135,12 @@ def open_transfer_link(store: Store, name: str, side: int, timeout_s: float, hos
     opts._threads = 1
     try:
         # c10d binds send/recv on ProcessGroupGloo; torch's stub omits them, hence the ignore
-        pg: _PairGroup = ProcessGroupGloo(PrefixStore(f"transfer/{name}/", store), side, 2,  # type: ignore[assignment]
-                                          opts)
+        pg: _PairGroup = ProcessGroupGloo(
+            PrefixStore(f"transfer/{name}/", store),
+            side,
+            2,  # type: ignore[assignment]
+            opts,
+        )
         return PairChannel(pg)
     except RuntimeError as exc:
         raise MigrationAborted(f"state-transfer link {name!r} could not be built: {exc}") from exc
@@ -169,7 +174,9 @@ def _optimizer_layout(session: Session) -> list[list[dict[str, tuple[Any, ...]]]
                 entry: dict[str, tuple[Any, ...]] = {}
                 for key in sorted(state.get(p, {})):
                     v = state[p][key]
-                    entry[key] = ("tensor", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("value", v)
+                    entry[key] = (
+                        ("tensor", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("value", v)
+                    )
                 per_param.append(entry)
         layout.append(per_param)
     return layout
@@ -193,8 +200,9 @@ def _recv_blob(channel: Channel[Any]) -> dict[str, Any]:
     channel.recv(size, 0).wait()
     n = int(size.item())
     if not 0 < n <= MAX_META_BYTES:
-        raise MigrationAborted(f"the state source announced {n} bytes of metadata (at most {MAX_META_BYTES}); "
-                               "refusing it")
+        raise MigrationAborted(
+            f"the state source announced {n} bytes of metadata (at most {MAX_META_BYTES}); refusing it"
+        )
     buf = torch.empty(n, dtype=torch.uint8)
     channel.recv(buf, 1).wait()
     try:
@@ -205,8 +213,10 @@ def _recv_blob(channel: Channel[Any]) -> dict[str, Any]:
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
         raise MigrationAborted("the state source's metadata is not a TrainMover state record")
     if meta.get("version") != META_VERSION:
-        raise MigrationAborted(f"the state source speaks state-record version {meta.get('version')}, this process "
-                               f"{META_VERSION}: run the same TrainMover version on every process")
+        raise MigrationAborted(
+            f"the state source speaks state-record version {meta.get('version')}, this process "
+            f"{META_VERSION}: run the same TrainMover version on every process"
+        )
     return meta
 
 
@@ -218,14 +228,21 @@ def _manifest(tensors: list[torch.Tensor]) -> list[list[Any]]:
 def check_manifest(theirs: list[list[Any]], ours: list[list[Any]], rank: int) -> None:
     """Raise :class:`MigrationAborted` naming what differs between the source's tensors and the target's."""
     if len(theirs) != len(ours):
-        raise MigrationAborted(f"rank {rank}: the state source sends {len(theirs)} tensors, this process holds "
-                               f"{len(ours)} (a different model or optimizer); nothing was received")
-    diffs = [f"tensor {i}: {a[0]} {a[1]} sent, {b[0]} {b[1]} here" for i, (a, b) in enumerate(zip(theirs, ours))
-             if list(a) != list(b)]
+        raise MigrationAborted(
+            f"rank {rank}: the state source sends {len(theirs)} tensors, this process holds "
+            f"{len(ours)} (a different model or optimizer); nothing was received"
+        )
+    diffs = [
+        f"tensor {i}: {a[0]} {a[1]} sent, {b[0]} {b[1]} here"
+        for i, (a, b) in enumerate(zip(theirs, ours, strict=False))
+        if list(a) != list(b)
+    ]
     if diffs:
         more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
-        raise MigrationAborted(f"rank {rank}: the state source's tensors differ from this process's: "
-                               f"{'; '.join(diffs[:3])}{more}; nothing was received")
+        raise MigrationAborted(
+            f"rank {rank}: the state source's tensors differ from this process's: "
+            f"{'; '.join(diffs[:3])}{more}; nothing was received"
+        )
 
 
 DRILL_EXTRA_COPY_ENV = "TRAINMOVER_DRILL_EXTRA_STATE_COPY"
@@ -241,7 +258,7 @@ fewer. The target must refuse it, and the job recovers through the next plan."""
 FORGED_KINDS = ("pickle", "shapes", "count")
 
 
-def forged_kind(epoch: int) -> Optional[str]:
+def forged_kind(epoch: int) -> str | None:
     """The crafted record this process's state source must send at ``epoch``, if a drill says so."""
     spec = os.environ.get(DRILL_FORGED_STATE_ENV, "")
     parts = spec.split(":")
@@ -261,12 +278,17 @@ class _RunsCode:
 
 
 def _send_raw(channel: Channel[_S], data: bytes) -> None:
-    channel.wait_sends([channel.send(torch.tensor([len(data)], dtype=torch.int64), 0),
-                        channel.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), 1)])
+    channel.wait_sends(
+        [
+            channel.send(torch.tensor([len(data)], dtype=torch.int64), 0),
+            channel.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), 1),
+        ]
+    )
 
 
-def send_state(channel: Channel[_S], session: Session, after_meta: Optional[Callable[[], object]] = None,
-               forge: Optional[str] = None) -> int:
+def send_state(
+    channel: Channel[_S], session: Session, after_meta: Callable[[], object] | None = None, forge: str | None = None
+) -> int:
     """Source side (``channel``: :class:`PairChannel` or :class:`LinkChannel`); returns the bytes sent.
 
     Every tensor's send is posted before any is waited for: one round of waits, not one per tensor.
@@ -314,13 +336,17 @@ def send_state(channel: Channel[_S], session: Session, after_meta: Optional[Call
 
 def _check_optimizer_layout(meta: dict[str, Any], session: Session) -> None:
     """The source's optimizer state must fit this process's parameters before it is materialised."""
-    ours = [[p for g in opt.optimizer.param_groups for p in g["params"]]
-            for opt in checkpointing._optimizers(session.optimizer)]
+    ours = [
+        [p for g in opt.optimizer.param_groups for p in g["params"]]
+        for opt in checkpointing._optimizers(session.optimizer)
+    ]
     theirs = meta["optimizer_layout"]
-    if len(theirs) != len(ours) or any(len(a) != len(b) for a, b in zip(theirs, ours)):
-        raise MigrationAborted(f"rank {session.layout.rank}: the state source's optimizer holds "
-                               f"{[len(a) for a in theirs]} parameters per optimizer, this process "
-                               f"{[len(b) for b in ours]}; nothing was received")
+    if len(theirs) != len(ours) or any(len(a) != len(b) for a, b in zip(theirs, ours, strict=False)):
+        raise MigrationAborted(
+            f"rank {session.layout.rank}: the state source's optimizer holds "
+            f"{[len(a) for a in theirs]} parameters per optimizer, this process "
+            f"{[len(b) for b in ours]}; nothing was received"
+        )
 
 
 def recv_state(channel: Channel[Any], session: Session) -> int:
@@ -329,10 +355,11 @@ def recv_state(channel: Channel[Any], session: Session) -> int:
     _check_optimizer_layout(meta, session)
     # Materialise the optimizer state with the source's structure so that the
     # tensor order below matches; values are overwritten by the receives.
-    for opt, per_param, groups in zip(checkpointing._optimizers(session.optimizer), meta["optimizer_layout"],
-                                      meta["param_groups"]):
+    for opt, per_param, groups in zip(
+        checkpointing._optimizers(session.optimizer), meta["optimizer_layout"], meta["param_groups"], strict=False
+    ):
         params = [p for g in opt.optimizer.param_groups for p in g["params"]]
-        for p, entry in zip(params, per_param):
+        for p, entry in zip(params, per_param, strict=False):
             st = opt.optimizer.state.setdefault(p, {})
             for key, spec in entry.items():
                 if spec[0] == "tensor":
@@ -340,7 +367,7 @@ def recv_state(channel: Channel[Any], session: Session) -> int:
                     st[key] = torch.zeros(spec[1], dtype=dtype, device=p.device if spec[1] else "cpu")
                 else:
                     st[key] = spec[1]
-        for group, saved in zip(opt.optimizer.param_groups, groups):
+        for group, saved in zip(opt.optimizer.param_groups, groups, strict=False):
             group.update(saved)
     tensors = _tensor_list(session)
     check_manifest(meta["manifest"], _manifest(tensors), session.layout.rank)

@@ -29,7 +29,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Optional, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 from megatron.training.training import Runtime, Session
 from trainmover_ext.config import TrainMoverConfig
@@ -38,11 +39,11 @@ from trainmover_ext.control.membership import DecisionWatcher, Membership, init_
 from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord, migration_key_suffix
 from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
 from trainmover_ext.kv.codec import encode
+from trainmover_ext.launch.identity import Identity, identity_from_env, open_space
 from trainmover_ext.migration.planned import HandoverChannel, hand_over
 from trainmover_ext.migration.recovery import converge
 from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults
-from trainmover_ext.launch.identity import Identity, identity_from_env, open_space
 
 if TYPE_CHECKING:
     from megatron.training.initialize import ParallelLayout
@@ -65,9 +66,19 @@ class WorkerRuntime(Runtime):
 
     recoverable = (CommLinkError,)
 
-    def __init__(self, session: Session | None, config: TrainMoverConfig, ident: Identity, space: JobSpace,
-                 member: Membership, epoch: int = 0, *, layout: ParallelLayout | None = None, state_valid: bool = True,
-                 catch_up: bool = False) -> None:
+    def __init__(
+        self,
+        session: Session | None,
+        config: TrainMoverConfig,
+        ident: Identity,
+        space: JobSpace,
+        member: Membership,
+        epoch: int = 0,
+        *,
+        layout: ParallelLayout | None = None,
+        state_valid: bool = True,
+        catch_up: bool = False,
+    ) -> None:
         self.session, self.config, self.ident, self.space, self.member = session, config, ident, space, member
         # Without a layout the caller passes the session it comes from.
         self.layout = layout if layout is not None else cast(Session, session).layout
@@ -107,20 +118,35 @@ class WorkerRuntime(Runtime):
 
     # -- construction --------------------------------------------------------
     @classmethod
-    def for_session(cls, session: Session, config: TrainMoverConfig) -> "WorkerRuntime":
+    def for_session(cls, session: Session, config: TrainMoverConfig) -> WorkerRuntime:
         """Register this rank and start watching decisions."""
         ident = identity_from_env()
         space = open_space(ident)
         layout = session.layout
-        replicas = [] if session.args.use_distributed_optimizer else [
-            r for r in grid_of(layout).replicas_of(layout.rank) if r != layout.rank
-        ]
+        replicas = (
+            []
+            if session.args.use_distributed_optimizer
+            else [r for r in grid_of(layout).replicas_of(layout.rank) if r != layout.rank]
+        )
         # Register before naming ourselves in ranks/<r>: a rank whose member is not registered
         # looks orphaned to the controller, which would replace it.
-        member = Membership(space, MemberRecord(member_id=ident.member_id, kind="worker", host=ident.host,
-                                                pid=ident.pid), ttl_s=max(1, round(config.lease_ttl_s))).register()
-        init_job(space, [RankRecord(rank=layout.rank, member_id=ident.member_id, host=ident.host,
-                                    role=stage_role(layout), replicas=replicas)])
+        member = Membership(
+            space,
+            MemberRecord(member_id=ident.member_id, kind="worker", host=ident.host, pid=ident.pid),
+            ttl_s=max(1, round(config.lease_ttl_s)),
+        ).register()
+        init_job(
+            space,
+            [
+                RankRecord(
+                    rank=layout.rank,
+                    member_id=ident.member_id,
+                    host=ident.host,
+                    role=stage_role(layout),
+                    replicas=replicas,
+                )
+            ],
+        )
         return cls(session, config, ident, space, member)
 
     def close(self) -> None:
@@ -134,15 +160,16 @@ class WorkerRuntime(Runtime):
             # The controller names this iteration in a plan whose lost state has no replica.
             self.space.put(self.space.key("checkpoint"), encode("checkpoint", {"iteration": session.args.iteration}))
 
-    def after_iteration(self, session: Session, loss: Optional[float]) -> None:
+    def after_iteration(self, session: Session, loss: float | None) -> None:
         for epoch in self.pending_first_iteration:
             mark_step(self.space, epoch, "first_iteration", status="done")
         self.pending_first_iteration = []
 
     def after_training(self, session: Session) -> None:
         """Say this rank is done before the lease goes, so the controller does not replace it."""
-        self.space.put(self.space.key("finished", session.layout.rank),
-                       encode("finished", {"iteration": session.args.iteration}))
+        self.space.put(
+            self.space.key("finished", session.layout.rank), encode("finished", {"iteration": session.args.iteration})
+        )
 
     # -- decisions (watch thread) -------------------------------------------
     def _on_plan(self, plan: MigrationPlan) -> None:
@@ -159,8 +186,7 @@ class WorkerRuntime(Runtime):
                 # Abandon before waking the main thread: it rebuilds the links next, and an
                 # abandon arriving after that would sever the new links.
                 if world.epoch < plan.epoch:
-                    world.abandon(plan.epoch, f"rank(s) {[r.rank for r in reps]} failed",
-                                  dead={r.rank for r in reps})
+                    world.abandon(plan.epoch, f"rank(s) {[r.rank for r in reps]} failed", dead={r.rank for r in reps})
         with self._cond:
             self._plans[plan.epoch] = plan
             self._cond.notify_all()
@@ -203,12 +229,20 @@ class WorkerRuntime(Runtime):
             try:
                 converge(self, session, plan, fresh_joiner=False)
             except (CommLinkError, RecoverySuperseded) as cut:
-                print(f"[trainmover] rank {layout.rank}: recovery of epoch {plan.epoch} cut short ({cut}); "
-                      "restarting at the newest epoch", flush=True)
+                print(
+                    f"[trainmover] rank {layout.rank}: recovery of epoch {plan.epoch} cut short ({cut}); "
+                    "restarting at the newest epoch",
+                    flush=True,
+                )
                 after, exc = plan.epoch, cut
                 continue
-            session.metrics.write(event="recovered", epoch=plan.epoch, reason=plan.reason, t=time.time(),
-                                  resumed_iteration=session.args.iteration)
+            session.metrics.write(
+                event="recovered",
+                epoch=plan.epoch,
+                reason=plan.reason,
+                t=time.time(),
+                resumed_iteration=session.args.iteration,
+            )
             return
 
     # -- planned migration ----------------------------------------------------
@@ -234,13 +268,19 @@ class WorkerRuntime(Runtime):
                 return None  # the joiner still builds its links and model: train on meanwhile
             # The last boundary: the hand-over cannot come later, so wait for the joiner here.
             if not self._wait_plan_field(e, lambda p: "ready" in p.steps, self.timeout_s):
-                logger.warning("rank %d: the joiner of epoch %d was not ready within %.0fs; finishing without the "
-                               "planned move", self.layout.rank, e, self.timeout_s)
+                logger.warning(
+                    "rank %d: the joiner of epoch %d was not ready within %.0fs; finishing without the planned move",
+                    self.layout.rank,
+                    e,
+                    self.timeout_s,
+                )
                 return None
             mark_step(self.space, e, "leaver_waits", fields={"leaver_at": args.iteration, "last_boundary": last})
             if not self._wait_plan_field(e, lambda p: p.switch_at is not None, self.timeout_s):
-                raise MigrationAborted(f"rank {self.layout.rank}: the controller committed no switch point for the "
-                                       f"planned move of epoch {e} within {self.timeout_s:.0f}s")
+                raise MigrationAborted(
+                    f"rank {self.layout.rank}: the controller committed no switch point for the "
+                    f"planned move of epoch {e} within {self.timeout_s:.0f}s"
+                )
             switch_at = self._plans[e].switch_at
             assert switch_at is not None  # the wait above saw it set, and a plan's switch_at is never unset
         else:
@@ -252,8 +292,12 @@ class WorkerRuntime(Runtime):
                 if switch_at is not None or not at_last:
                     break
                 if time.monotonic() > deadline:  # the last boundary: the move cannot come later
-                    logger.warning("rank %d: no switch point for epoch %d within %.0fs; finishing without the "
-                                   "planned move", self.layout.rank, e, self.timeout_s)
+                    logger.warning(
+                        "rank %d: no switch point for epoch %d within %.0fs; finishing without the planned move",
+                        self.layout.rank,
+                        e,
+                        self.timeout_s,
+                    )
                     return None
                 time.sleep(0.05)
             if switch_at is None:
@@ -289,14 +333,22 @@ class WorkerRuntime(Runtime):
             try:
                 hand_over(self, session, plan)
             except RecoverySuperseded as exc:
-                raise MembershipLost(f"rank {layout.rank}: the planned move of epoch {plan.epoch} was superseded by a "
-                                     f"failure; the rank's joiner takes its state from a replica ({exc})") from exc
+                raise MembershipLost(
+                    f"rank {layout.rank}: the planned move of epoch {plan.epoch} was superseded by a "
+                    f"failure; the rank's joiner takes its state from a replica ({exc})"
+                ) from exc
             self.handed_over = plan.epoch
             return False
         import nccl_delta
 
         report = nccl_delta.current_world().switch(plan.epoch, timeout_s=self.timeout_s)
         self.epoch = plan.epoch
-        session.metrics.write(event="recovered", epoch=plan.epoch, reason=plan.reason, t=time.time(),
-                              resumed_iteration=args.iteration, links_touched=report.links_touched)
+        session.metrics.write(
+            event="recovered",
+            epoch=plan.epoch,
+            reason=plan.reason,
+            t=time.time(),
+            resumed_iteration=args.iteration,
+            links_touched=report.links_touched,
+        )
         return True

@@ -49,7 +49,7 @@ TRAINING_PHASES = ("forward", "backward", "allreduce", "clip", "step", "log", "s
 MIGRATION_PHASES = ("join", "recover", "send", "prepare", "handover")
 PHASES = TRAINING_PHASES + MIGRATION_PHASES
 
-_armed: list["FaultSpec"] = []
+_armed: list[FaultSpec] = []
 """The migration-phase drills of this process (see :func:`arm` and :func:`at`)."""
 
 
@@ -63,7 +63,7 @@ class FaultSpec:
     sig: int = signal.SIGKILL
 
     @classmethod
-    def parse(cls, text: str) -> "FaultSpec":
+    def parse(cls, text: str) -> FaultSpec:
         parts = text.split(":")
         try:
             if len(parts) not in (3, 4):
@@ -79,7 +79,7 @@ class FaultSpec:
         return spec
 
     @classmethod
-    def parse_all(cls, text: str) -> list["FaultSpec"]:
+    def parse_all(cls, text: str) -> list[FaultSpec]:
         """Every comma-separated drill of ``--tm-inject-fault``."""
         return [cls.parse(part.strip()) for part in text.split(",") if part.strip()]
 
@@ -89,9 +89,13 @@ def arm(specs: list[FaultSpec], world_size: int) -> None:
     for spec in specs:
         if spec.phase in MIGRATION_PHASES:
             if not 0 <= spec.rank < world_size:
-                raise ConfigError(f"--tm-inject-fault names rank {spec.rank}, but the job has ranks 0..{world_size - 1}")
+                raise ConfigError(
+                    f"--tm-inject-fault names rank {spec.rank}, but the job has ranks 0..{world_size - 1}"
+                )
             if spec.iteration < 1:
-                raise ConfigError(f"--tm-inject-fault phase {spec.phase} names epoch {spec.iteration}; epochs start at 1")
+                raise ConfigError(
+                    f"--tm-inject-fault phase {spec.phase} names epoch {spec.iteration}; epochs start at 1"
+                )
             _armed.append(spec)
 
 
@@ -99,8 +103,10 @@ def at(phase: str, *, rank: int, epoch: int) -> None:
     """A migration-phase point: the process dies here if a drill names it (see the module docstring)."""
     for spec in _armed:
         if spec.phase == phase and spec.rank == rank and spec.iteration == epoch:
-            print(f"[trainmover] fault drill: rank {rank} sends itself {spec.sig.name} ({phase}, epoch {epoch})",
-                  flush=True)
+            print(
+                f"[trainmover] fault drill: rank {rank} sends itself {spec.sig.name} ({phase}, epoch {epoch})",
+                flush=True,
+            )
             os.kill(os.getpid(), spec.sig)
 
 
@@ -121,8 +127,10 @@ def _install_one(spec: FaultSpec, session) -> None:
     if not 0 <= spec.rank < world:
         raise ConfigError(f"--tm-inject-fault names rank {spec.rank}, but the job has ranks 0..{world - 1}")
     if not 1 <= spec.iteration <= iters:
-        raise ConfigError(f"--tm-inject-fault names iteration {spec.iteration}, but the job trains iterations "
-                          f"1..{iters} (--train-iters)")
+        raise ConfigError(
+            f"--tm-inject-fault names iteration {spec.iteration}, but the job trains iterations "
+            f"1..{iters} (--train-iters)"
+        )
     if session.layout.rank != spec.rank:
         return
     args = session.args

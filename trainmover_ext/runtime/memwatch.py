@@ -51,7 +51,7 @@ class PeakWindow:
     end_rss: int = 0
     measured: bool = False
 
-    def __enter__(self) -> "PeakWindow":
+    def __enter__(self) -> PeakWindow:
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # 5: reset the peak RSS to the current RSS

@@ -19,15 +19,38 @@ and ``benchmarks/warmup.py``). See ``docs/sandbox.md``.
 """
 
 from .fingerprint import check_compatible, job_fingerprint
+from .parts import state_digest
 from .recorder import Recorder, RecordingHandle, maybe_start_recording, recorder_role
 from .recording import Recording, load_recordings
 from .replay import ReplayProcessGroup, ReplaySession, replay_world
-from .parts import state_digest
-from .shadow import (ShadowProgram, ShadowProgress, WarmResult, default_program, program_from_providers,
-                     warm_standby, warm_up)
+from .shadow import (
+    ShadowProgram,
+    ShadowProgress,
+    WarmResult,
+    default_program,
+    program_from_providers,
+    warm_standby,
+    warm_up,
+)
 
 __all__ = [
-    "Recorder", "RecordingHandle", "maybe_start_recording", "recorder_role", "Recording", "load_recordings",
-    "ReplayProcessGroup", "ReplaySession", "replay_world", "ShadowProgram", "ShadowProgress", "WarmResult",
-    "state_digest", "default_program", "program_from_providers", "warm_standby", "warm_up", "check_compatible", "job_fingerprint",
+    "Recorder",
+    "RecordingHandle",
+    "maybe_start_recording",
+    "recorder_role",
+    "Recording",
+    "load_recordings",
+    "ReplayProcessGroup",
+    "ReplaySession",
+    "replay_world",
+    "ShadowProgram",
+    "ShadowProgress",
+    "WarmResult",
+    "state_digest",
+    "default_program",
+    "program_from_providers",
+    "warm_standby",
+    "warm_up",
+    "check_compatible",
+    "job_fingerprint",
 ]

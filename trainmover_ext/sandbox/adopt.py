@@ -34,8 +34,9 @@ import functools
 import gc
 import types
 import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,8 +44,25 @@ import torch.distributed as dist
 from trainmover_ext.errors import KeptRoleUnusable
 
 # Objects the walk never enters: they cannot hold a group the kept session uses.
-_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray, range, type, types.ModuleType,
-           types.CodeType, types.BuiltinFunctionType, types.FrameType, weakref.ref, torch.dtype, torch.device)
+_LEAVES = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    bytearray,
+    range,
+    type,
+    types.ModuleType,
+    types.CodeType,
+    types.BuiltinFunctionType,
+    types.FrameType,
+    weakref.ref,
+    torch.dtype,
+    torch.device,
+)
 WALK_LIMIT = 2_000_000
 """Objects a walk may visit before it gives up (a kept session of the tiny GPT has about 20 000)."""
 
@@ -75,7 +93,7 @@ class KeptRole:
         self.replay_groups.clear()
 
 
-def release_kept(kept: Optional[KeptRole]) -> None:
+def release_kept(kept: KeptRole | None) -> None:
     """Free a kept role's parts and give their pages back, before another model is built.
 
     The warm-up froze everything but the kept parts (``warm_standby``), so one collection frees
@@ -93,8 +111,11 @@ def real_groups() -> dict[str, tuple]:
     """Name -> (group, global ranks) for every group of this process's (real) world."""
     from torch.distributed import distributed_c10d as c10d
 
-    return {name: (pg, list(dist.get_process_group_ranks(pg))) for pg, name in c10d._world.pg_names.items()
-            if isinstance(pg, dist.ProcessGroup)}
+    return {
+        name: (pg, list(dist.get_process_group_ranks(pg)))
+        for pg, name in c10d._world.pg_names.items()
+        if isinstance(pg, dist.ProcessGroup)
+    }
 
 
 def adopt(kept: KeptRole, layout, metrics, rank: int) -> tuple[Any, int]:
@@ -119,13 +140,21 @@ def adopt(kept: KeptRole, layout, metrics, rank: int) -> tuple[Any, int]:
     if stuck:
         raise KeptRoleUnusable(f"replay groups are held where they cannot be replaced: {sorted(set(stuck))}")
     s = kept.session
-    session = Session(args=s.args, layout=layout, model=s.model, optimizer=s.optimizer, scheduler=s.scheduler,
-                      dataset=s.dataset, forward_step_func=s.forward_step_func, metrics=metrics)
+    session = Session(
+        args=s.args,
+        layout=layout,
+        model=s.model,
+        optimizer=s.optimizer,
+        scheduler=s.scheduler,
+        dataset=s.dataset,
+        forward_step_func=s.forward_step_func,
+        metrics=metrics,
+    )
     kept.drop()
     return session, replaced
 
 
-def keep_if_fits(kept: Optional[KeptRole], rank: int) -> tuple[Optional[KeptRole], Optional[str]]:
+def keep_if_fits(kept: KeptRole | None, rank: int) -> tuple[KeptRole | None, str | None]:
     """Before ``rank``'s world and model are built: the kept parts if they fit ``rank``; otherwise
     they are freed now (never two models in memory). Returns (parts or None, why not kept or None)."""
     if kept is None:
@@ -137,8 +166,9 @@ def keep_if_fits(kept: Optional[KeptRole], rank: int) -> tuple[Optional[KeptRole
     return None, why
 
 
-def adopt_or_build(kept: Optional[KeptRole], layout, metrics, rank: int, build: Callable[[str], Any],
-                   why_not: str = "no kept model") -> tuple[Any, Optional[str], int]:
+def adopt_or_build(
+    kept: KeptRole | None, layout, metrics, rank: int, build: Callable[[str], Any], why_not: str = "no kept model"
+) -> tuple[Any, str | None, int]:
     """``rank``'s session: the kept parts adopted (see :func:`adopt`), or ``build(why_not)`` when there
     are none (``why_not`` from :func:`keep_if_fits`) or they cannot be adopted (then freed first).
     Returns (session, None if adopted else why not, group references re-pointed). Call
@@ -205,8 +235,11 @@ def walk(roots: Iterable, mapping: dict[int, Any], *, rewrite: bool) -> tuple[in
             if isinstance(attrs, dict):
                 stack.append(attrs)
             for name in _slot_names(type(obj)):  # cached per class
-                reference(getattr(obj, name, None), f"{type(obj).__name__}.{name}",
-                          lambda new, o=obj, n=name: setattr(o, n, new))
+                reference(
+                    getattr(obj, name, None),
+                    f"{type(obj).__name__}.{name}",
+                    lambda new, o=obj, n=name: setattr(o, n, new),
+                )
         else:
             # Other containers (tuples, sets, partials, C objects): their referents cannot be set.
             for value in gc.get_referents(obj):
@@ -217,7 +250,7 @@ def walk(roots: Iterable, mapping: dict[int, Any], *, rewrite: bool) -> tuple[in
     return replaced, stuck
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _slot_names(cls: type) -> tuple[str, ...]:
     names: list[str] = []
     for klass in cls.__mro__:
@@ -230,7 +263,7 @@ def kept_from(session, role: str, rank: int, groups: Iterable, members: dict[int
     """A :class:`KeptRole` of ``session``, with the replay world's ``groups`` (``members``: id -> global ranks)."""
     named = {}
     for pg in groups:
-        name: Optional[str] = getattr(pg, "_group_name", None)
+        name: str | None = getattr(pg, "_group_name", None)
         if name is not None:
             named[name] = (pg, list(members.get(id(pg), [])))
     return KeptRole(role=role, rank=rank, session=session, replay_groups=named)

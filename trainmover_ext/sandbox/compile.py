@@ -22,16 +22,29 @@ Compiled regions are the compute between collectives.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
 _EAGER = False
 
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "all_gather_object",
-    "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "broadcast_object_list",
-    "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "barrier",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "all_gather_object",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
 )
 """``torch.distributed`` functions that stay out of compiled graphs under ``--tm-compile`` (megatron calls
 point-to-point ops only from the schedules, outside the model)."""
@@ -76,7 +89,7 @@ def compile_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def chunk_preparer(args) -> Optional[Callable[[torch.nn.Module], object]]:
+def chunk_preparer(args) -> Callable[[torch.nn.Module], object] | None:
     """What ``build_session`` runs on each model chunk for these flags: :func:`compile_chunk` under
     ``--tm-compile``, else nothing."""
     return compile_chunk if getattr(args, "tm_compile", None) else None

@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 
-from trainmover_ext.errors import ConfigMismatch
 from trainmover_ext.control.fingerprint import FINGERPRINT_FIELDS as MODEL_FIELDS
 from trainmover_ext.control.fingerprint import describe_diff, fingerprint_diff, model_fingerprint
+from trainmover_ext.errors import ConfigMismatch
 
 REPLAY_FIELDS: tuple[str, ...] = (
-    "transformer_impl", "num_microbatches", "overlap_grad_reduce",
+    "transformer_impl",
+    "num_microbatches",
+    "overlap_grad_reduce",
     # compiled code changes the numerics (fused kernels), and it is part of what a standby must warm
     "tm_compile",
 )

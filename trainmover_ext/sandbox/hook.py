@@ -23,7 +23,6 @@ because of the sandbox.
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from trainmover_ext.errors import TrainMoverError
 
@@ -38,7 +37,7 @@ class RecordingRuntime:
 
     def __init__(self, inner, handle: RecordingHandle, record_dir: str):
         self.inner, self.handle, self.record_dir = inner, handle, record_dir
-        self.published: Optional[dict] = None
+        self.published: dict | None = None
 
     @property
     def recoverable(self) -> tuple:
@@ -68,8 +67,9 @@ class RecordingRuntime:
         if index is None:
             return
         overhead = self.handle.recorder.overhead_s if self.handle.recorder is not None else None
-        logger.info("sealed recording of role %s: %d calls, %d bytes", index["role"], len(index["records"]),
-                    index["data_bytes"])
+        logger.info(
+            "sealed recording of role %s: %d calls, %d bytes", index["role"], len(index["records"]), index["data_bytes"]
+        )
         space = getattr(self.inner, "space", None)
         if space is not None:
             self.published = publish(space, index["role"], self.record_dir, record_overhead_s=overhead)
@@ -88,8 +88,9 @@ def attach_recorder(session, runtime, config):
     """``runtime`` wrapped for recording when this rank records (``config.record_dir`` set), else ``runtime``."""
     if not getattr(config, "record_dir", None):
         return runtime
-    handle = maybe_start_recording(session.args, session.layout, record_dir=config.record_dir,
-                                   record_iters=config.record_iters)
+    handle = maybe_start_recording(
+        session.args, session.layout, record_dir=config.record_dir, record_iters=config.record_iters
+    )
     if handle.recorder is None:
         return runtime
     return RecordingRuntime(runtime, handle, config.record_dir)

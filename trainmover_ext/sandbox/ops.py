@@ -14,8 +14,9 @@ of a point-to-point op, and the reduction.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,13 +66,13 @@ class OpCall:
     """Tensors the op writes and the caller reads afterwards (recorded / replayed)."""
     inputs: list[torch.Tensor] = field(default_factory=list)
     """Tensors the op only reads (their shapes are still checked on replay)."""
-    peer: Optional[int] = None
+    peer: int | None = None
     """Group rank of the other side of a send/recv."""
-    reduce_op: Optional[str] = None
+    reduce_op: str | None = None
     """Reduction name (``SUM``, ``MAX`` ...) for reducing ops."""
 
 
-def reduce_op_name(opts: Any) -> Optional[str]:
+def reduce_op_name(opts: Any) -> str | None:
     """Name of the reduction carried by a torch options object, or None."""
     red = getattr(opts, "reduceOp", None)
     if red is None:
@@ -103,24 +104,36 @@ def _decode_inplace(op: str, a: tuple, k: dict) -> OpCall:
 
 def _decode_gather_lists(op: str, a: tuple, k: dict) -> OpCall:
     # allgather / allgather_coalesced / gather: (output_lists, input_tensors, opts)
-    return OpCall(op=op, results=_flat(_arg(a, k, 0, "output_tensors")), inputs=_as_list(_arg(a, k, 1, "input_tensors")))
+    return OpCall(
+        op=op, results=_flat(_arg(a, k, 0, "output_tensors")), inputs=_as_list(_arg(a, k, 1, "input_tensors"))
+    )
 
 
 def _decode_out_in(op: str, a: tuple, k: dict) -> OpCall:
     # *_single(_coalesced) / alltoall / all_to_all_single: (output(s), input(s), ..., opts)
     opts = a[-1] if a and not isinstance(a[-1], (torch.Tensor, list, tuple)) else k.get("opts")
-    return OpCall(op=op, results=_as_list(_arg(a, k, 0, "output")), inputs=_as_list(_arg(a, k, 1, "input")),
-                  reduce_op=reduce_op_name(opts))
+    return OpCall(
+        op=op,
+        results=_as_list(_arg(a, k, 0, "output")),
+        inputs=_as_list(_arg(a, k, 1, "input")),
+        reduce_op=reduce_op_name(opts),
+    )
 
 
 def _decode_reduce_scatter_lists(op: str, a: tuple, k: dict) -> OpCall:
     # reduce_scatter: (outputs, input_lists, opts)
-    return OpCall(op=op, results=_as_list(_arg(a, k, 0, "output_tensors")), inputs=_flat(_arg(a, k, 1, "input_tensors")),
-                  reduce_op=reduce_op_name(_arg(a, k, 2, "opts")))
+    return OpCall(
+        op=op,
+        results=_as_list(_arg(a, k, 0, "output_tensors")),
+        inputs=_flat(_arg(a, k, 1, "input_tensors")),
+        reduce_op=reduce_op_name(_arg(a, k, 2, "opts")),
+    )
 
 
 def _decode_scatter(op: str, a: tuple, k: dict) -> OpCall:
-    return OpCall(op=op, results=_as_list(_arg(a, k, 0, "output_tensors")), inputs=_flat(_arg(a, k, 1, "input_tensors") or []))
+    return OpCall(
+        op=op, results=_as_list(_arg(a, k, 0, "output_tensors")), inputs=_flat(_arg(a, k, 1, "input_tensors") or [])
+    )
 
 
 def _decode_send(op: str, a: tuple, k: dict) -> OpCall:

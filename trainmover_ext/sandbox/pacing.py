@@ -24,14 +24,20 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class Pacer:
     """Keeps this process's CPU use at most ``duty`` of the wall time (see the module docstring)."""
 
-    def __init__(self, duty: float, *, clock: Callable[[], float] = time.monotonic,
-                 cpu_clock: Callable[[], float] = time.process_time, max_pause_s: float = 60.0):
+    def __init__(
+        self,
+        duty: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] = time.process_time,
+        max_pause_s: float = 60.0,
+    ):
         if duty <= 0:
             raise ValueError(f"duty={duty} must be > 0 (1 = unpaced)")
         self.duty = duty

@@ -10,7 +10,6 @@ construction (``megatron.training.training.build_session``: seeds,
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
 
 import torch
 
@@ -25,8 +24,15 @@ def build_parts(args, layout, program, *, consumed_samples: int, iteration: int 
 
     from .compile import chunk_preparer
 
-    session = build_session(args, layout, program.model_provider, program.dataset_provider,
-                            program.forward_step_func, MetricsLog(None, False), chunk_preparer(args))
+    session = build_session(
+        args,
+        layout,
+        program.model_provider,
+        program.dataset_provider,
+        program.forward_step_func,
+        MetricsLog(None, False),
+        chunk_preparer(args),
+    )
     args.iteration, args.consumed_train_samples = iteration, consumed_samples
     session.reset_data()
     for chunk in session.model:
@@ -45,7 +51,7 @@ def state_digest(model: list) -> dict[str, str]:
         for name, param in chunk.named_parameters():
             params.update(name.encode())
             params.update(param.detach().contiguous().view(torch.uint8).numpy().tobytes())
-            grad: Optional[torch.Tensor] = getattr(param, "main_grad", None)
+            grad: torch.Tensor | None = getattr(param, "main_grad", None)
             if grad is None:
                 grad = param.grad
             if grad is not None:

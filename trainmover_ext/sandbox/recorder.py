@@ -30,7 +30,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,11 +43,11 @@ from .recording import RecordingWriter, dtype_name
 
 logger = logging.getLogger(__name__)
 
-_ACTIVE: Optional["Recorder"] = None  # one recorder per process: the class hooks are process-wide
+_ACTIVE: Recorder | None = None  # one recorder per process: the class hooks are process-wide
 _NESTED = threading.local()
 
 
-def recorder_role(layout) -> Optional[str]:
+def recorder_role(layout) -> str | None:
     """The role this rank records, or None: TP rank 0 and DP rank 0 of pipeline stages 0, 1 and PP-1."""
     if layout.tp_rank != 0 or layout.dp_rank != 0:
         return None
@@ -60,8 +61,21 @@ def recorder_role(layout) -> Optional[str]:
 
 
 def layout_dict(layout) -> dict:
-    return {k: getattr(layout, k, None) for k in ("rank", "world_size", "tp_size", "pp_size", "dp_size", "tp_rank",
-                                                  "pp_rank", "dp_rank", "backend", "comm")}
+    return {
+        k: getattr(layout, k, None)
+        for k in (
+            "rank",
+            "world_size",
+            "tp_size",
+            "pp_size",
+            "dp_size",
+            "tp_rank",
+            "pp_rank",
+            "dp_rank",
+            "backend",
+            "comm",
+        )
+    }
 
 
 class RecordingWork(dist.Work):
@@ -70,7 +84,7 @@ class RecordingWork(dist.Work):
     def __init__(self, inner: dist.Work, on_done: Callable[[], None]):
         super().__init__()
         self._inner = inner
-        self._on_done: Optional[Callable[[], None]] = on_done
+        self._on_done: Callable[[], None] | None = on_done
 
     def _finish(self) -> None:
         if self._on_done is not None:
@@ -78,7 +92,7 @@ class RecordingWork(dist.Work):
             done()
 
     @torch.compiler.disable
-    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         ok = self._inner.wait() if timeout is None else self._inner.wait(timeout)
         self._finish()
         return ok if isinstance(ok, bool) else True
@@ -113,8 +127,17 @@ class Recorder:
     index (a JSON-able dict) from that call.
     """
 
-    def __init__(self, record_dir: str, role: str, layout, iters: int, *, fingerprint: dict,
-                 start_iteration: int = 0, consumed_samples: int = 0):
+    def __init__(
+        self,
+        record_dir: str,
+        role: str,
+        layout,
+        iters: int,
+        *,
+        fingerprint: dict,
+        start_iteration: int = 0,
+        consumed_samples: int = 0,
+    ):
         if iters < 1:
             raise ValueError("--tm-record-iters must be >= 1")
         self.record_dir = record_dir
@@ -126,14 +149,14 @@ class Recorder:
         self.consumed_samples = consumed_samples
         self.iteration = start_iteration + 1
         self.records: list[dict] = []
-        self.index: Optional[dict] = None
+        self.index: dict | None = None
         self.overhead_s = 0.0
-        self._writer: Optional[RecordingWriter] = None
+        self._writer: RecordingWriter | None = None
         self._pending: list[RecordingWork] = []
         self._groups: dict[int, tuple[str, list[int]]] = {}
         self._patched: list[tuple[type, str, Any]] = []  # (class, method, original __dict__ entry or None)
         self._lock = threading.Lock()
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
 
     # --- lifecycle ------------------------------------------------------------------
     def start(self) -> None:
@@ -150,8 +173,14 @@ class Recorder:
                 if hasattr(cls, method):
                     self._patch(cls, method)
         _ACTIVE = self
-        logger.info("recording role %s (rank %d): %d groups, iterations %d..%d", self.role, self.layout.rank,
-                    len(self._groups), self.iteration, self.start_iteration + self.iters)
+        logger.info(
+            "recording role %s (rank %d): %d groups, iterations %d..%d",
+            self.role,
+            self.layout.rank,
+            len(self._groups),
+            self.iteration,
+            self.start_iteration + self.iters,
+        )
 
     def _patch(self, cls: type, method: str) -> None:
         own = cls.__dict__.get(method)
@@ -181,7 +210,7 @@ class Recorder:
         if _ACTIVE is self:
             _ACTIVE = None
 
-    def mark_iteration_done(self, iteration: int) -> Optional[dict]:
+    def mark_iteration_done(self, iteration: int) -> dict | None:
         """Iteration ``iteration`` finished; returns the index when it was the last recorded one."""
         if self._error is not None:
             self.close()
@@ -206,15 +235,19 @@ class Recorder:
             self.close()
             raise self._error
         header = {
-            "role": self.role, "rank": self.layout.rank, "layout": layout_dict(self.layout),
-            "fingerprint": self.fingerprint, "start_iteration": self.start_iteration,
-            "iterations": self.iters, "consumed_samples": self.consumed_samples, "recorded_at": time.time(),
+            "role": self.role,
+            "rank": self.layout.rank,
+            "layout": layout_dict(self.layout),
+            "fingerprint": self.fingerprint,
+            "start_iteration": self.start_iteration,
+            "iterations": self.iters,
+            "consumed_samples": self.consumed_samples,
+            "recorded_at": time.time(),
         }
         assert self._writer is not None
         self.index = self._writer.finish(header, self.records)
         self.overhead_s += time.perf_counter() - t0
-        logger.info("recorded role %s: %d calls, %d bytes", self.role, len(self.records),
-                    self.index["data_bytes"])
+        logger.info("recorded role %s: %d calls, %d bytes", self.role, len(self.records), self.index["data_bytes"])
         return self.index
 
     def close(self) -> None:
@@ -230,9 +263,16 @@ class Recorder:
         call = decode(method, args, kwargs)
         kind, ranks = self._groups[id(pg)]
         record = {
-            "seq": len(self.records), "iteration": self.iteration, "op": call.op, "method": method,
-            "group": kind, "ranks": ranks, "peer": call.peer, "reduce_op": call.reduce_op,
-            "inputs": [[list(t.shape), dtype_name(t.dtype)] for t in call.inputs], "tensors": [],
+            "seq": len(self.records),
+            "iteration": self.iteration,
+            "op": call.op,
+            "method": method,
+            "group": kind,
+            "ranks": ranks,
+            "peer": call.peer,
+            "reduce_op": call.reduce_op,
+            "inputs": [[list(t.shape), dtype_name(t.dtype)] for t in call.inputs],
+            "tensors": [],
         }
         with self._lock:
             self.records.append(record)
@@ -280,15 +320,15 @@ def hooks_installed() -> list[str]:
 class RecordingHandle:
     """What the training loop holds: ``after_iteration(k)`` after every iteration, ``close()`` at exit."""
 
-    def __init__(self, recorder: Optional[Recorder] = None):
+    def __init__(self, recorder: Recorder | None = None):
         self.recorder = recorder
-        self.index: Optional[dict] = None
+        self.index: dict | None = None
 
     @property
     def active(self) -> bool:
         return self.recorder is not None and self.index is None
 
-    def after_iteration(self, iteration: int) -> Optional[dict]:
+    def after_iteration(self, iteration: int) -> dict | None:
         """Returns the sealed index once, after the last recorded iteration; else None (and costs nothing)."""
         if self.recorder is None or self.index is not None:
             return None
@@ -307,8 +347,9 @@ class RecordingHandle:
             self.recorder.close()
 
 
-def maybe_start_recording(args, layout, *, record_dir: Optional[str] = None,
-                          record_iters: Optional[int] = None) -> RecordingHandle:
+def maybe_start_recording(
+    args, layout, *, record_dir: str | None = None, record_iters: int | None = None
+) -> RecordingHandle:
     """Start recording on this rank if it is its role's recorder and recording is asked for.
 
     ``record_dir`` / ``record_iters`` default to ``args.tm_record_dir`` /
@@ -324,8 +365,14 @@ def maybe_start_recording(args, layout, *, record_dir: Optional[str] = None,
         return RecordingHandle()
     if os.path.isfile(os.path.join(record_dir, role, "index.json")):
         return RecordingHandle()  # identical roles are stored once, across restarts too
-    recorder = Recorder(record_dir, role, layout, record_iters, fingerprint=job_fingerprint(args),
-                        start_iteration=getattr(args, "iteration", 0) or 0,
-                        consumed_samples=getattr(args, "consumed_train_samples", 0) or 0)
+    recorder = Recorder(
+        record_dir,
+        role,
+        layout,
+        record_iters,
+        fingerprint=job_fingerprint(args),
+        start_iteration=getattr(args, "iteration", 0) or 0,
+        consumed_samples=getattr(args, "consumed_train_samples", 0) or 0,
+    )
     recorder.start()
     return RecordingHandle(recorder)

@@ -28,7 +28,7 @@ import hashlib
 import json
 import os
 import zlib
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -38,10 +38,22 @@ INDEX_VERSION = 1
 INDEX_FILE = "index.json"
 DATA_FILE = "tensors.bin"
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-    torch.int32, torch.int64, torch.bool, torch.complex64,
-)}
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+    )
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -72,8 +84,13 @@ class RecordingWriter:
     def add_tensor(self, tensor: torch.Tensor) -> dict:
         """Append one tensor; returns its index entry (shape, dtype, offset, nbytes, crc32)."""
         raw = tensor_bytes(tensor)
-        entry = {"shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype), "offset": self.bytes_written,
-                 "nbytes": len(raw), "crc32": zlib.crc32(raw)}
+        entry = {
+            "shape": list(tensor.shape),
+            "dtype": dtype_name(tensor.dtype),
+            "offset": self.bytes_written,
+            "nbytes": len(raw),
+            "crc32": zlib.crc32(raw),
+        }
         self._data.write(raw)
         self._sha.update(raw)
         self.bytes_written += len(raw)
@@ -85,8 +102,14 @@ class RecordingWriter:
         os.fsync(self._data.fileno())
         self._data.close()
         os.replace(self._tmp_data, os.path.join(self.dir, DATA_FILE))
-        index = dict(header, version=INDEX_VERSION, data_file=DATA_FILE, data_bytes=self.bytes_written,
-                     data_sha256=self._sha.hexdigest(), records=records)
+        index = dict(
+            header,
+            version=INDEX_VERSION,
+            data_file=DATA_FILE,
+            data_bytes=self.bytes_written,
+            data_sha256=self._sha.hexdigest(),
+            records=records,
+        )
         tmp_index = os.path.join(self.dir, f".{INDEX_FILE}.{os.getpid()}.tmp")
         with open(tmp_index, "w") as f:
             json.dump(index, f)
@@ -110,7 +133,7 @@ class Recording:
     ``index.json``; the tensors always come from ``<record_dir>/<role>/tensors.bin``.
     """
 
-    def __init__(self, record_dir: str, role: str, *, index: Optional[dict] = None, verify: bool = True):
+    def __init__(self, record_dir: str, role: str, *, index: dict | None = None, verify: bool = True):
         self.dir = role_dir(record_dir, role)
         self.role = role
         if index is None:
@@ -125,11 +148,14 @@ class Recording:
                 with open(path) as f:
                     index = json.load(f)
             except (OSError, ValueError) as exc:
-                raise RecordingCorrupt(f"{path} is not a readable recording index ({exc}); delete "
-                                       f"{self.dir} and let the job record again") from exc
+                raise RecordingCorrupt(
+                    f"{path} is not a readable recording index ({exc}); delete {self.dir} and let the job record again"
+                ) from exc
         if index.get("version") != INDEX_VERSION or not isinstance(index.get("records"), list):
-            raise RecordingCorrupt(f"{self.dir}: index version {index.get('version')!r} is not {INDEX_VERSION} "
-                                   "or has no records; record again with this TrainMover version")
+            raise RecordingCorrupt(
+                f"{self.dir}: index version {index.get('version')!r} is not {INDEX_VERSION} "
+                "or has no records; record again with this TrainMover version"
+            )
         self.index = index
         self.records: list[dict] = index["records"]
         self.data_path = os.path.join(self.dir, index.get("data_file", DATA_FILE))
@@ -160,11 +186,14 @@ class Recording:
         try:
             size = os.path.getsize(self.data_path)
         except OSError as exc:
-            raise RecordingCorrupt(f"{self.data_path} is missing ({exc}); the recording is incomplete: "
-                                   "record again") from exc
+            raise RecordingCorrupt(
+                f"{self.data_path} is missing ({exc}); the recording is incomplete: record again"
+            ) from exc
         if size != self.data_bytes:
-            raise RecordingCorrupt(f"{self.data_path} has {size} bytes, the index says {self.data_bytes}: "
-                                   "the recording is truncated or was overwritten; record again")
+            raise RecordingCorrupt(
+                f"{self.data_path} has {size} bytes, the index says {self.data_bytes}: "
+                "the recording is truncated or was overwritten; record again"
+            )
         sha = hashlib.sha256()
         with open(self.data_path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
@@ -202,7 +231,7 @@ class Recording:
         return {"role": self.role, "records": len(self.records), "data_bytes": self.data_bytes, "ops": ops}
 
 
-def load_recordings(record_dir: str, roles: Optional[list[str]] = None, verify: bool = True) -> dict[str, Recording]:
+def load_recordings(record_dir: str, roles: list[str] | None = None, verify: bool = True) -> dict[str, Recording]:
     """Every sealed recording under ``record_dir`` (or the named ``roles``), keyed by role."""
     if roles is None:
         roles = sorted(r for r in os.listdir(record_dir) if os.path.isfile(os.path.join(record_dir, r, INDEX_FILE)))

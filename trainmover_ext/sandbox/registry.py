@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from trainmover_ext.errors import ConfigError, RecordingCorrupt, RecordingNotFound
 
@@ -69,8 +69,12 @@ def index_sha256(index: dict) -> str:
 def published_summary(index: dict, record_dir: str) -> dict:
     """What goes to ``recordings/<role>``: the index without its per-call list, plus where it lives."""
     summary = {k: v for k, v in index.items() if k != "records"}
-    summary.update(record_dir=os.path.abspath(record_dir), index_file=os.path.join(index["role"], INDEX_FILE),
-                   index_sha256=index_sha256(index), calls=len(index["records"]))
+    summary.update(
+        record_dir=os.path.abspath(record_dir),
+        index_file=os.path.join(index["role"], INDEX_FILE),
+        index_sha256=index_sha256(index),
+        calls=len(index["records"]),
+    )
     calls = json.dumps(index["records"])
     if len(calls) <= MAX_CALLS_IN_ETCD:
         summary["records"] = index["records"]
@@ -90,7 +94,7 @@ def publish(space, role: str, record_dir: str, **extra) -> dict:
     return summary
 
 
-def read_published(space, role: str) -> Optional[dict]:
+def read_published(space, role: str) -> dict | None:
     """The summary at ``recordings/<role>``, or None."""
     from trainmover_ext.kv.codec import decode
 
@@ -99,7 +103,7 @@ def read_published(space, role: str) -> Optional[dict]:
     return None if entry is None else decode(entry.value, kind=RECORDING_KIND, key=key)
 
 
-def open_published(summary: dict, record_dir: Optional[str] = None) -> Recording:
+def open_published(summary: dict, record_dir: str | None = None) -> Recording:
     """Open and verify the recording ``summary`` names; its ``index.json`` must be the one etcd pinned."""
     role = summary["role"]
     recording = Recording(record_dir or summary["record_dir"], role)
@@ -113,8 +117,15 @@ def open_published(summary: dict, record_dir: Optional[str] = None) -> Recording
     return recording
 
 
-def wait_for_recordings(*, record_dir: str, roles: list[str], timeout_s: float, space=None, poll_s: float = 0.25,
-                        should_stop: Optional[Callable[[], bool]] = None) -> dict[str, Recording]:
+def wait_for_recordings(
+    *,
+    record_dir: str,
+    roles: list[str],
+    timeout_s: float,
+    space=None,
+    poll_s: float = 0.25,
+    should_stop: Callable[[], bool] | None = None,
+) -> dict[str, Recording]:
     """Every role in ``roles``, opened and verified, once all are sealed; see the module docstring."""
     deadline = time.monotonic() + timeout_s
     found: dict[str, dict] = {}
@@ -141,7 +152,7 @@ def wait_for_recordings(*, record_dir: str, roles: list[str], timeout_s: float, 
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
-def _summary_from_disk(record_dir: str, role: str) -> Optional[dict]:
+def _summary_from_disk(record_dir: str, role: str) -> dict | None:
     path = os.path.join(record_dir, role, INDEX_FILE)
     if not os.path.isfile(path):
         return None
@@ -149,6 +160,8 @@ def _summary_from_disk(record_dir: str, role: str) -> Optional[dict]:
         with open(path) as f:
             index = json.load(f)
     except (OSError, ValueError) as exc:
-        raise RecordingCorrupt(f"{path} is not a readable recording index ({exc}); delete "
-                               f"{os.path.dirname(path)} and let the job record again") from exc
+        raise RecordingCorrupt(
+            f"{path} is not a readable recording index ({exc}); delete "
+            f"{os.path.dirname(path)} and let the job record again"
+        ) from exc
     return published_summary(index, record_dir)

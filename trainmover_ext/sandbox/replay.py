@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -52,7 +52,7 @@ from .recording import Recording, dtype_name
 
 BACKEND_NAME = "tm_replay"
 
-_SESSION: Optional["ReplaySession"] = None  # the backend creator has no other way to reach it
+_SESSION: ReplaySession | None = None  # the backend creator has no other way to reach it
 
 
 class ReplaySession:
@@ -61,7 +61,7 @@ class ReplaySession:
     def __init__(self, recording: Recording):
         self.recording = recording
         self.phase = "setup"
-        self.iteration: Optional[int] = None
+        self.iteration: int | None = None
         self.cursor = 0
         self.setup_calls = 0
         self.replayed_calls = 0
@@ -70,7 +70,7 @@ class ReplaySession:
         self.members: dict[int, list[int]] = {}
         """``id(group) -> global ranks`` of every replay group of this session."""
         self.groups: list = []
-        self.group_class: Optional[type] = None
+        self.group_class: type | None = None
         """The job's group class the replay groups are made of (None: :class:`ReplayProcessGroup`)."""
         first = recording.index["start_iteration"] + 1
         self.iterations = list(range(first, first + recording.index["iterations"]))
@@ -79,8 +79,9 @@ class ReplaySession:
     def begin_iteration(self, iteration: int) -> None:
         """Enter strict replay for recorded iteration ``iteration``."""
         if iteration not in self.iterations:
-            raise ReplayMismatch(f"iteration {iteration} was not recorded (recorded: {self.iterations}) "
-                                 f"for role {self.recording.role!r}")
+            raise ReplayMismatch(
+                f"iteration {iteration} was not recorded (recorded: {self.iterations}) for role {self.recording.role!r}"
+            )
         if self.phase == "setup":
             self._kinds = megatron_group_kinds()
         self.phase, self.iteration = "replay", iteration
@@ -89,7 +90,7 @@ class ReplaySession:
         """Check every recorded call of ``iteration`` was replayed; back to setup semantics."""
         nxt = self._peek()
         if nxt is not None and nxt["iteration"] == iteration:
-            left = sum(1 for r in self.recording.records[self.cursor:] if r["iteration"] == iteration)
+            left = sum(1 for r in self.recording.records[self.cursor :] if r["iteration"] == iteration)
             raise ReplayMismatch(
                 f"shadow iteration {iteration} of role {self.recording.role!r} ended with {left} recorded calls "
                 f"not replayed; next expected: {_describe(nxt)}"
@@ -100,12 +101,12 @@ class ReplaySession:
         """Start the recording over (warm-up longer than the recording repeats it)."""
         self.cursor = 0
 
-    def _peek(self) -> Optional[dict]:
+    def _peek(self) -> dict | None:
         records = self.recording.records
         return records[self.cursor] if self.cursor < len(records) else None
 
     # --- one call -------------------------------------------------------------------------
-    def handle(self, pg: "ReplayProcessGroup", method: str, args: tuple, kwargs: dict) -> DoneWork:
+    def handle(self, pg: ReplayProcessGroup, method: str, args: tuple, kwargs: dict) -> DoneWork:
         call = decode(method, args, kwargs)
         if self.phase == "setup":
             self.setup_calls += 1
@@ -114,12 +115,15 @@ class ReplaySession:
         record = self._peek()
         where = f"shadow iteration {self.iteration}, call #{self.cursor} ({call.op} on group {self._kind(pg)})"
         if record is None or record["iteration"] != self.iteration:
-            raise ReplayMismatch(f"{where}: the recording of role {self.recording.role!r} has no more calls "
-                                 f"in this iteration; the shadow iteration makes more calls than the job did")
+            raise ReplayMismatch(
+                f"{where}: the recording of role {self.recording.role!r} has no more calls "
+                f"in this iteration; the shadow iteration makes more calls than the job did"
+            )
         diffs = self._compare(pg, call, record)
         if diffs:
-            raise ReplayMismatch(f"{where} differs from the recording: {'; '.join(diffs)} "
-                                 f"(recorded: {_describe(record)})")
+            raise ReplayMismatch(
+                f"{where} differs from the recording: {'; '.join(diffs)} (recorded: {_describe(record)})"
+            )
         for i, out in enumerate(call.results):
             value = self.recording.read_tensor(self.cursor, i)
             with torch.no_grad():
@@ -129,10 +133,10 @@ class ReplaySession:
         self.replayed_calls += 1
         return DoneWork(call.results)
 
-    def _kind(self, pg: "ReplayProcessGroup") -> str:
+    def _kind(self, pg: ReplayProcessGroup) -> str:
         return self._kinds.get(id(pg), "other")
 
-    def _compare(self, pg: "ReplayProcessGroup", call: OpCall, record: dict) -> list[str]:
+    def _compare(self, pg: ReplayProcessGroup, call: OpCall, record: dict) -> list[str]:
         diffs = []
         if call.op != record["op"]:
             return [f"op {call.op!r} != recorded {record['op']!r}"]
@@ -157,11 +161,13 @@ class ReplaySession:
 
 def _describe(record: dict) -> str:
     shapes = [e["shape"] for e in record["tensors"]] or [s for s, _ in record["inputs"]]
-    return (f"#{record['seq']} {record['op']} on {record['group']} {record['ranks']} iteration "
-            f"{record['iteration']} shapes {shapes}")
+    return (
+        f"#{record['seq']} {record['op']} on {record['group']} {record['ranks']} iteration "
+        f"{record['iteration']} shapes {shapes}"
+    )
 
 
-def _answer_locally(pg: "ReplayProcessGroup", call: OpCall) -> None:
+def _answer_locally(pg: ReplayProcessGroup, call: OpCall) -> None:
     """Setup-phase answer: every peer is assumed to hold this rank's values."""
     with torch.no_grad():
         if call.op in ("allgather", "allgather_coalesced", "gather"):
@@ -169,14 +175,16 @@ def _answer_locally(pg: "ReplayProcessGroup", call: OpCall) -> None:
             for k, out in enumerate(call.results):
                 out.copy_(call.inputs[k // pg.size()].view_as(out))
         elif call.op in ("all_gather_single", "all_gather_single_coalesced"):
-            for out, inp in zip(call.results, call.inputs):
+            for out, inp in zip(call.results, call.inputs, strict=False):
                 out.copy_(inp.reshape(-1).repeat(pg.size()).view_as(out))
         elif call.op in ("reduce_scatter_single", "reduce_scatter_single_coalesced"):
-            for out, inp in zip(call.results, call.inputs):
+            for out, inp in zip(call.results, call.inputs, strict=False):
                 out.copy_(inp.reshape(-1).chunk(pg.size())[pg.rank()].view_as(out))
         elif call.op in ("recv", "recv_anysource", "alltoall", "all_to_all_single", "scatter", "reduce_scatter"):
-            raise ReplayMismatch(f"{call.op} outside a shadow iteration: it was not recorded and has no local "
-                                 "answer; call session.begin_iteration(k) first")
+            raise ReplayMismatch(
+                f"{call.op} outside a shadow iteration: it was not recorded and has no local "
+                "answer; call session.begin_iteration(k) first"
+            )
         # allreduce / broadcast / reduce / send / barrier: the local buffer already is the answer
 
 
@@ -262,8 +270,10 @@ def replay_world(recording: Recording, timeout_s: float = 600.0) -> Iterator[Rep
     """Init WORLD on ``tm_replay`` as the recorded rank, alone; destroy it (and megatron's state) on exit."""
     global _SESSION
     if dist.is_initialized():
-        raise RuntimeError("a process group is already initialised; the sandbox needs this process's own world: "
-                           "warm up before joining the job, or call megatron.training.initialize.shutdown() first")
+        raise RuntimeError(
+            "a process group is already initialised; the sandbox needs this process's own world: "
+            "warm up before joining the job, or call megatron.training.initialize.shutdown() first"
+        )
     register()
     session = ReplaySession(recording)
     saved: list = []
@@ -274,8 +284,13 @@ def replay_world(recording: Recording, timeout_s: float = 600.0) -> Iterator[Rep
         saved = _route_class(DeltaProcessGroup, session)
     _SESSION = session
     try:
-        dist.init_process_group(backend=BACKEND_NAME, store=dist.HashStore(), rank=recording.rank,
-                                world_size=recording.world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend=BACKEND_NAME,
+            store=dist.HashStore(),
+            rank=recording.rank,
+            world_size=recording.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         yield session
     finally:
         from megatron.training.initialize import shutdown

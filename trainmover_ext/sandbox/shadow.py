@@ -28,8 +28,9 @@ import gc
 import importlib.util
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -60,8 +61,9 @@ class ShadowProgram:
 def program_from_providers(providers: tuple) -> ShadowProgram:
     """From ``pretrain``'s ``(model_provider, dataset_provider, forward_step_func)`` tuple."""
     model_provider, dataset_provider, forward_step_func = providers
-    return ShadowProgram(model_provider=model_provider, forward_step_func=forward_step_func,
-                         dataset_provider=dataset_provider)
+    return ShadowProgram(
+        model_provider=model_provider, forward_step_func=forward_step_func, dataset_provider=dataset_provider
+    )
 
 
 def default_program() -> ShadowProgram:
@@ -73,8 +75,11 @@ def default_program() -> ShadowProgram:
     module = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(module)
-    return ShadowProgram(model_provider=module.model_provider, forward_step_func=module.forward_step,
-                         dataset_provider=module.train_valid_test_datasets_provider)
+    return ShadowProgram(
+        model_provider=module.model_provider,
+        forward_step_func=module.forward_step,
+        dataset_provider=module.train_valid_test_datasets_provider,
+    )
 
 
 @dataclass(kw_only=True)
@@ -84,7 +89,7 @@ class ShadowProgress:
     role: str
     iteration: int
     """The recorded job iteration this shadow iteration replayed."""
-    loss: Optional[float]
+    loss: float | None
     """DP-averaged loss (last stage only), exactly as the job's ``train_step`` returns it."""
     iteration_s: float
     model: list = field(repr=False)
@@ -103,7 +108,7 @@ class WarmResult:
     """Replay world + model + optimizer + data iterator build."""
     iteration_s: list[float]
     """Each shadow iteration's wall time; the first one carries the lazy initialisation."""
-    losses: list[Optional[float]]
+    losses: list[float | None]
     total_s: float
     setup_calls: int
     """Collectives answered locally while building (not recorded by the job)."""
@@ -112,7 +117,7 @@ class WarmResult:
     compiled: bool
     peak_rss_bytes: int
     """This process's peak resident set size so far."""
-    kept: Optional[KeptRole] = field(default=None, repr=False)
+    kept: KeptRole | None = field(default=None, repr=False)
     """The role's parts, when kept (they hold the destroyed replay groups until :func:`~.adopt.adopt`)."""
 
     def to_dict(self) -> dict:
@@ -138,22 +143,35 @@ def _ensure_globals(args) -> None:
 
 def _layout_from_mpu(args, recording: Recording):
     from megatron.core import parallel_state as mpu
+
     from megatron.training.initialize import ParallelLayout
 
     return ParallelLayout(
-        rank=recording.rank, world_size=recording.world_size, local_rank=0,
-        tp_size=args.tensor_model_parallel_size, pp_size=args.pipeline_model_parallel_size,
-        dp_size=args.data_parallel_size, tp_rank=mpu.get_tensor_model_parallel_rank(),
-        pp_rank=mpu.get_pipeline_model_parallel_rank(), dp_rank=mpu.get_data_parallel_rank(),
+        rank=recording.rank,
+        world_size=recording.world_size,
+        local_rank=0,
+        tp_size=args.tensor_model_parallel_size,
+        pp_size=args.pipeline_model_parallel_size,
+        dp_size=args.data_parallel_size,
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
         device=torch.device("cpu"),
         # The job's backend decides megatron's p2p batching; replay the job's choice, not ours.
         backend=recording.index["layout"]["backend"],
     )
 
 
-def warm_up(args, role: str, recording: Recording, iters: Optional[int] = None,
-            on_progress: Optional[Callable[[ShadowProgress], None]] = None, *,
-            program: Optional[ShadowProgram] = None, keep_model: bool = False) -> WarmResult:
+def warm_up(
+    args,
+    role: str,
+    recording: Recording,
+    iters: int | None = None,
+    on_progress: Callable[[ShadowProgress], None] | None = None,
+    *,
+    program: ShadowProgram | None = None,
+    keep_model: bool = False,
+) -> WarmResult:
     """Run ``iters`` shadow iterations of ``role`` (default: every recorded one) in this process.
 
     ``args`` are the job's parsed flags (``parse_args``), ``recording`` the
@@ -181,20 +199,24 @@ def warm_up(args, role: str, recording: Recording, iters: Optional[int] = None,
         args.iteration, args.consumed_train_samples = saved_position  # train_step advances them
 
 
-def _shadow_iterations(args, role, recording, iters, on_progress, program, compile, keep_model,
-                       t_start) -> WarmResult:
+def _shadow_iterations(args, role, recording, iters, on_progress, program, compile, keep_model, t_start) -> WarmResult:
     from megatron.training.initialize import initialize_model_parallel
     from megatron.training.training import train_step
 
     with replay_world(recording, timeout_s=60.0 * args.distributed_timeout_minutes) as replay:
         initialize_model_parallel(args)
         layout = _layout_from_mpu(args, recording)
-        session = build_parts(args, layout, program, consumed_samples=recording.index["consumed_samples"],
-                              iteration=recording.index["start_iteration"])
+        session = build_parts(
+            args,
+            layout,
+            program,
+            consumed_samples=recording.index["consumed_samples"],
+            iteration=recording.index["start_iteration"],
+        )
         model, optimizer = session.model, session.optimizer
         build_s = time.perf_counter() - t_start
         times: list[float] = []
-        losses: list[Optional[float]] = []
+        losses: list[float | None] = []
         for step in range(iters):
             # Beyond the recording, repeat it: same shapes and call order, values no longer the job's.
             iteration = replay.iterations[step % len(replay.iterations)]
@@ -208,12 +230,23 @@ def _shadow_iterations(args, role, recording, iters, on_progress, program, compi
             times.append(dt)
             losses.append(loss)
             if on_progress is not None:
-                on_progress(ShadowProgress(role=role, iteration=iteration, loss=loss, iteration_s=dt, model=model,
-                                           optimizer=optimizer))
+                on_progress(
+                    ShadowProgress(
+                        role=role, iteration=iteration, loss=loss, iteration_s=dt, model=model, optimizer=optimizer
+                    )
+                )
         result = WarmResult(
-            role=role, rank=recording.rank, build_s=build_s, iteration_s=times, losses=losses, total_s=0.0,
-            setup_calls=replay.setup_calls, replayed_calls=replay.replayed_calls,
-            replayed_bytes=replay.replayed_bytes, compiled=compile, peak_rss_bytes=0,
+            role=role,
+            rank=recording.rank,
+            build_s=build_s,
+            iteration_s=times,
+            losses=losses,
+            total_s=0.0,
+            setup_calls=replay.setup_calls,
+            replayed_calls=replay.replayed_calls,
+            replayed_bytes=replay.replayed_bytes,
+            compiled=compile,
+            peak_rss_bytes=0,
             kept=kept_from(session, role, recording.rank, replay.groups, replay.members) if keep_model else None,
         )
         del session, optimizer, model
@@ -242,12 +275,18 @@ def release_free_memory() -> bool:
     return bool(trim(0))
 
 
-def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[str] = None,
-                 iters: Optional[int] = None, program: Optional[ShadowProgram] = None,
-                 on_progress: Optional[Callable[[ShadowProgress], None]] = None,
-                 on_role_done: Optional[Callable[[WarmResult], None]] = None,
-                 should_stop: Optional[Callable[[], bool]] = None,
-                 pacer: Optional["Pacer"] = None) -> list[WarmResult]:
+def warm_standby(
+    args,
+    recordings: dict[str, Recording],
+    *,
+    keep_role: str | None = None,
+    iters: int | None = None,
+    program: ShadowProgram | None = None,
+    on_progress: Callable[[ShadowProgress], None] | None = None,
+    on_role_done: Callable[[WarmResult], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    pacer: Pacer | None = None,
+) -> list[WarmResult]:
     """The general standby: warm every recorded role (first, middle, last order) in turn.
 
     Each role's model is dropped before the next is built, and the freed
@@ -277,10 +316,12 @@ def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[
         check_compatible(recordings[role].fingerprint, mine, role=role)
     program = program or default_program()
     if pacer is not None:
+
         def on_progress(progress: ShadowProgress, _user=on_progress) -> None:
             if _user is not None:
                 _user(progress)
             pacer.pace()
+
     results = []
     for i, role in enumerate(order):
         if should_stop is not None and should_stop():
@@ -294,8 +335,7 @@ def warm_standby(args, recordings: dict[str, Recording], *, keep_role: Optional[
             # thawing the whole warm-up (0.1-1 s holding the GIL, on the critical path).
             gc.collect()
             freeze_warm_objects()
-        results.append(warm_up(args, role, recordings[role], iters, on_progress, program=program,
-                               keep_model=keep))
+        results.append(warm_up(args, role, recordings[role], iters, on_progress, program=program, keep_model=keep))
         if not keep:
             freeze_warm_objects()
         if pacer is not None:

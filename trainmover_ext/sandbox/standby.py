@@ -26,8 +26,9 @@ another program than the job: the caller refuses to serve.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 from trainmover_ext.control.records import MemberRecord
 
@@ -50,16 +51,21 @@ def role_timings(result: WarmResult) -> dict:
     """One role's warm-up figures for the member record (seconds, bytes)."""
     its = result.iteration_s
     return {
-        "role": result.role, "rank": result.rank, "build_s": round(result.build_s, 4),
+        "role": result.role,
+        "rank": result.rank,
+        "build_s": round(result.build_s, 4),
         "first_iteration_s": round(its[0], 4) if its else None,
         "steady_iteration_s": round(min(its[1:]), 4) if len(its) > 1 else None,
-        "total_s": round(result.total_s, 4), "replayed_calls": result.replayed_calls,
-        "replayed_bytes": result.replayed_bytes, "compiled": result.compiled,
+        "total_s": round(result.total_s, 4),
+        "replayed_calls": result.replayed_calls,
+        "replayed_bytes": result.replayed_bytes,
+        "compiled": result.compiled,
     }
 
 
-def warm_general_standby(args, config, providers, *, space, member, pacer: Pacer,
-                         should_stop: Optional[Callable[[], bool]] = None) -> tuple[dict, Optional[KeptRole]]:
+def warm_general_standby(
+    args, config, providers, *, space, member, pacer: Pacer, should_stop: Callable[[], bool] | None = None
+) -> tuple[dict, KeptRole | None]:
     """Warm every role of the job from its recordings; returns the warm-up report and the kept role's
     parts (None when ``--tm-keep-role none`` or a promotion stopped the warm-up first). ``pacer``
     (``--tm-standby-duty``) pauses after every shadow iteration and role as its budget needs."""
@@ -67,8 +73,13 @@ def warm_general_standby(args, config, providers, *, space, member, pacer: Pacer
     roles = roles_of_job(args.pipeline_model_parallel_size)
     keep = keep_role_of_job(config.keep_role, args.pipeline_model_parallel_size)
     member.update(warmup={"mode": "warming", "waiting_for": roles})
-    recordings = wait_for_recordings(record_dir=config.record_dir, roles=roles, timeout_s=config.record_timeout_s,
-                                     space=space, should_stop=should_stop)
+    recordings = wait_for_recordings(
+        record_dir=config.record_dir,
+        roles=roles,
+        timeout_s=config.record_timeout_s,
+        space=space,
+        should_stop=should_stop,
+    )
     report: dict[str, Any] = {"mode": "sandbox", "wait_s": round(time.time() - t0, 4), "roles": []}
 
     def on_role_done(result: WarmResult) -> None:
@@ -79,8 +90,15 @@ def warm_general_standby(args, config, providers, *, space, member, pacer: Pacer
         warm = [control_role(r["role"]) for r in report["roles"]]
         member.update(warm_roles=warm, warmup=dict(report))
 
-    results = warm_standby(args, recordings, program=program_from_providers(providers), on_role_done=on_role_done,
-                           should_stop=should_stop, keep_role=keep, pacer=pacer)
+    results = warm_standby(
+        args,
+        recordings,
+        program=program_from_providers(providers),
+        on_role_done=on_role_done,
+        should_stop=should_stop,
+        keep_role=keep,
+        pacer=pacer,
+    )
     kept = next((r.kept for r in results if r.kept is not None), None)
     report["kept_role"] = None if kept is None else {"role": kept.role, "rank": kept.rank}
     # kept_rank: the controller prefers this standby for that rank (it adopts the model, no build).

@@ -46,17 +46,34 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     job = p.add_argument_group("job and failure model")
     job.add_argument("--gpus", type=int, default=8192, help="GPUs in the job (default 8192)")
     job.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per machine (default 8)")
-    job.add_argument("--gpu-mttf-hours", type=float, default=SimConfig.gpu_mttf_hours,
-                     help="per-GPU MTTF in GPU-hours (default 24576: 3 h at 8K GPUs, the paper's "
-                          "operating point; 50676 is the raw Llama 3 count)")
-    job.add_argument("--mttf-hours", type=float, default=None,
-                     help="job-level MTTF in hours; overrides --gpu-mttf-hours")
-    job.add_argument("--unexpected-per-planned", type=float, default=SimConfig.unexpected_per_planned,
-                     help="unexpected interruptions per planned one (default 8.9, Llama 3's 419:47; 0 = none planned)")
-    job.add_argument("--rebalance-minutes", type=float, default=0.0,
-                     help="rebalance every M minutes of running time (default 0 = never)")
-    job.add_argument("--infra-cost-min", type=float, default=2.0,
-                     help="infrastructure minutes added to each unexpected/planned interruption (default 2)")
+    job.add_argument(
+        "--gpu-mttf-hours",
+        type=float,
+        default=SimConfig.gpu_mttf_hours,
+        help="per-GPU MTTF in GPU-hours (default 24576: 3 h at 8K GPUs, the paper's "
+        "operating point; 50676 is the raw Llama 3 count)",
+    )
+    job.add_argument(
+        "--mttf-hours", type=float, default=None, help="job-level MTTF in hours; overrides --gpu-mttf-hours"
+    )
+    job.add_argument(
+        "--unexpected-per-planned",
+        type=float,
+        default=SimConfig.unexpected_per_planned,
+        help="unexpected interruptions per planned one (default 8.9, Llama 3's 419:47; 0 = none planned)",
+    )
+    job.add_argument(
+        "--rebalance-minutes",
+        type=float,
+        default=0.0,
+        help="rebalance every M minutes of running time (default 0 = never)",
+    )
+    job.add_argument(
+        "--infra-cost-min",
+        type=float,
+        default=2.0,
+        help="infrastructure minutes added to each unexpected/planned interruption (default 2)",
+    )
     job.add_argument("--iteration-s", type=float, default=None, help="steady iteration seconds (default 6)")
     ckpt = p.add_argument_group("checkpointing")
     ckpt.add_argument("--checkpoint-interval-min", type=float, default=30.0, help="checkpoint interval (default 30)")
@@ -65,12 +82,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sb = p.add_argument_group("standbys")
     sb.add_argument("--standbys", type=int, default=None, help="fixed standby machines (default: search the best)")
     sb.add_argument("--max-standbys", type=int, default=512, help="upper bound of the search (default 512)")
-    sb.add_argument("--standby-replace-hours", type=float, default=SimConfig.standby_replace_hours,
-                    help="hours before a consumed standby slot is warm again (default 48)")
+    sb.add_argument(
+        "--standby-replace-hours",
+        type=float,
+        default=SimConfig.standby_replace_hours,
+        help="hours before a consumed standby slot is warm again (default 48)",
+    )
     dt = p.add_argument_group("downtime models (override the paper defaults)")
-    dt.add_argument("--downtimes-json", default=None,
-                    help="JSON from benchmarks/downtime.py (restart_s, unexpected_s, planned_s, "
-                         "nvrx_inprocess_s, iteration_s, scale); missing keys keep the defaults")
+    dt.add_argument(
+        "--downtimes-json",
+        default=None,
+        help="JSON from benchmarks/downtime.py (restart_s, unexpected_s, planned_s, "
+        "nvrx_inprocess_s, iteration_s, scale); missing keys keep the defaults",
+    )
     for flag, (_, kind, text) in _DOWNTIME_FLAGS.items():
         dt.add_argument("--" + flag.replace("_", "-"), type=kind, default=None, help=text)
     run_group = p.add_argument_group("run and output")
@@ -80,16 +104,30 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     run_group.add_argument("--seed", type=int, default=0, help="seed of the interruption streams (default 0)")
     run_group.add_argument("--replicas", type=int, default=2, help="seeded runs averaged per point (default 2)")
     run_group.add_argument("--json", default=None, metavar="OUT", help="write the projection as JSON to OUT")
-    run_group.add_argument("--plot", default=None, metavar="FILE", help="sweep 1K-128K GPUs and plot to FILE (PNG/PDF/SVG)")
-    run_group.add_argument("--paper", action="store_true",
-                           help="also print the paper's figures beside ours (8K/64K/128K, 10-min rebalance)")
+    run_group.add_argument(
+        "--plot", default=None, metavar="FILE", help="sweep 1K-128K GPUs and plot to FILE (PNG/PDF/SVG)"
+    )
+    run_group.add_argument(
+        "--paper",
+        action="store_true",
+        help="also print the paper's figures beside ours (8K/64K/128K, 10-min rebalance)",
+    )
     run_group.add_argument("--check", action="store_true", help="with --paper: exit 1 if a figure is off by > 5 pp")
-    run_group.add_argument("--scale-check", type=int, default=None, metavar="RANKS",
-                           help="also run the membership-scale check with RANKS logical ranks (e.g. 1024), and count "
-                                "one recovery's etcd work per rank at each --recovery-ranks size")
-    run_group.add_argument("--recovery-ranks", default="100,1000,4000", metavar="N,N,...",
-                           help="job sizes of the per-rank recovery count that --scale-check runs (multiples of 20: "
-                                "TP4 x PP5); JSON key recovery[]")
+    run_group.add_argument(
+        "--scale-check",
+        type=int,
+        default=None,
+        metavar="RANKS",
+        help="also run the membership-scale check with RANKS logical ranks (e.g. 1024), and count "
+        "one recovery's etcd work per rank at each --recovery-ranks size",
+    )
+    run_group.add_argument(
+        "--recovery-ranks",
+        default="100,1000,4000",
+        metavar="N,N,...",
+        help="job sizes of the per-rank recovery count that --scale-check runs (multiples of 20: "
+        "TP4 x PP5); JSON key recovery[]",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -104,7 +142,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, list[str]]:
     if args.downtimes_json:
         model, iteration_s, applied = load_measured_downtimes(args.downtimes_json, model)
         sources = [f"{args.downtimes_json}:{key}" for key in applied]
-    explicit = {field: getattr(args, flag) for flag, (field, _, _) in _DOWNTIME_FLAGS.items() if getattr(args, flag) is not None}
+    explicit = {
+        field: getattr(args, flag) for flag, (field, _, _) in _DOWNTIME_FLAGS.items() if getattr(args, flag) is not None
+    }
     if explicit:
         model = replace(model, **explicit)
         sources += [f"--{flag.replace('_', '-')}" for flag in _DOWNTIME_FLAGS if getattr(args, flag) is not None]
@@ -165,7 +205,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             sizes = [int(n) for n in args.recovery_ranks.split(",") if n.strip()]
         except ValueError as exc:
-            raise ConfigError(f"--recovery-ranks {args.recovery_ranks!r}: give job sizes such as 100,1000,4000") from exc
+            raise ConfigError(
+                f"--recovery-ranks {args.recovery_ranks!r}: give job sizes such as 100,1000,4000"
+            ) from exc
         counts = [scale_check.run_recovery_check(n) for n in sizes]
         print()
         print(scale_check.format_recovery(counts))

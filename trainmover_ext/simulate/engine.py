@@ -119,7 +119,9 @@ def simulate(
     ``events`` replaces the seeded stream (tests inject exact interruptions); rebalances
     still come from ``cfg.rebalance_minutes``.
     """
-    pool = StandbyPool(standbys if strategy.standby_capable else 0, cfg.standby_replace_hours * HOUR_S, cfg.gpus_per_node)
+    pool = StandbyPool(
+        standbys if strategy.standby_capable else 0, cfg.standby_replace_hours * HOUR_S, cfg.gpus_per_node
+    )
     stream = iter(events) if events is not None else interruption_stream(cfg, seed)
     pending = next(stream, None)
     interval = cfg.checkpoint_interval_min * 60.0

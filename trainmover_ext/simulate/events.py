@@ -71,7 +71,7 @@ def interruption_stream(cfg: SimConfig, seed: int) -> Iterator[Interruption]:
         gaps = rng.exponential(1.0 / total_rate, _BLOCK)
         kinds = rng.random(_BLOCK)
         fractions = rng.random(_BLOCK)
-        for gap, kind_draw, fraction in zip(gaps, kinds, fractions):
+        for gap, kind_draw, fraction in zip(gaps, kinds, fractions, strict=False):
             clock += float(gap)
             kind = EventKind.PLANNED if kind_draw < planned_share else EventKind.UNEXPECTED
             yield Interruption(run_s=clock, kind=kind, inflight_fraction=float(fraction))

@@ -88,9 +88,10 @@ def read_64k_statement(projection) -> dict:
     saved = projection.saved_gpu_hours_per_week()
     readings = {}
     for baseline in reductions:
-        err = abs(reductions[baseline] - PAPER_64K["reduction_pct"]) / PAPER_64K["reduction_pct"] + abs(
-            saved[baseline] - PAPER_64K["saved_gpu_hours_per_week"]
-        ) / PAPER_64K["saved_gpu_hours_per_week"]
+        err = (
+            abs(reductions[baseline] - PAPER_64K["reduction_pct"]) / PAPER_64K["reduction_pct"]
+            + abs(saved[baseline] - PAPER_64K["saved_gpu_hours_per_week"]) / PAPER_64K["saved_gpu_hours_per_week"]
+        )
         readings[baseline] = {
             "reduction_pct": reductions[baseline],
             "saved_gpu_hours_per_week": saved[baseline],
@@ -117,7 +118,9 @@ def rebalance_check(base: SimConfig | None = None, minutes: float = 10.0, scales
                 "gpus": gpus,
                 "stop_restart_ettr": stop.ettr,
                 "paper_stop_restart_ettr": paper,
-                "stop_restart_within_tolerance": None if paper is None else abs(stop.ettr - paper) * 100 <= TOLERANCE_PP,
+                "stop_restart_within_tolerance": None
+                if paper is None
+                else abs(stop.ettr - paper) * 100 <= TOLERANCE_PP,
                 "trainmover_ettr": ours.ettr,
                 "trainmover_loss_pct": 100.0 * (1.0 - ours.ettr),
                 "trainmover_under_3pct": 1.0 - ours.ettr < TRAINMOVER_REBALANCE_MAX_LOSS,

@@ -34,7 +34,11 @@ from dataclasses import asdict, dataclass, field
 from trainmover_ext.control.decide import PlanMigration, decide
 from trainmover_ext.control.executor import Executor, Outcome
 from trainmover_ext.control.membership import (
-    DecisionWatcher, init_job, report_recovery, request_migration, wait_convergence,
+    DecisionWatcher,
+    init_job,
+    report_recovery,
+    request_migration,
+    wait_convergence,
 )
 from trainmover_ext.control.records import ROLES, MemberRecord, RankRecord
 from trainmover_ext.control.view import read_view
@@ -158,8 +162,15 @@ def run_scale_check(ranks: int = 1024, tp: int = 8, pp: int = 8, standbys: int =
         for d in range(dp):
             for t in range(tp):
                 r = t + tp * (d + dp * p)
-                records.append(RankRecord(rank=r, member_id=f"w{r}", host=f"node{r // 8}", role=_role(p, pp),
-                                          replicas=[q for q in dp_peers[r] if q != r]))
+                records.append(
+                    RankRecord(
+                        rank=r,
+                        member_id=f"w{r}",
+                        host=f"node{r // 8}",
+                        role=_role(p, pp),
+                        replicas=[q for q in dp_peers[r] if q != r],
+                    )
+                )
     init_job(space, records)
     leases = {}
     for rec in records:
@@ -167,8 +178,9 @@ def run_scale_check(ranks: int = 1024, tp: int = 8, pp: int = 8, standbys: int =
         member = MemberRecord(member_id=rec.member_id, kind="worker", host=rec.host, pid=rec.rank)
         space.put(space.key("members", rec.member_id), member.to_bytes(), lease=leases[rec.member_id])
     for i in range(standbys):
-        sb = MemberRecord(member_id=f"s{i}", kind="standby", host=f"spare{i}", pid=i, warm_roles=list(ROLES),
-                          registered_at=float(i))
+        sb = MemberRecord(
+            member_id=f"s{i}", kind="standby", host=f"spare{i}", pid=i, warm_roles=list(ROLES), registered_at=float(i)
+        )
         space.put(space.key("members", sb.member_id), sb.to_bytes(), lease=kv.grant_lease(10))
     heard: list[int] = []
     watchers = [DecisionWatcher(space, on_plan=lambda plan, r=r: heard.append(r)) for r in range(ranks)]
@@ -197,17 +209,26 @@ def run_scale_check(ranks: int = 1024, tp: int = 8, pp: int = 8, standbys: int =
                         peers = ring_neighbours(members, rank)
                         by_group[name] = len(peers)
                         neighbours.update(peers)
-                        link_puts += [Put(space.key("links", epoch, f"{name}{index}", f"{min(rank, q)}-{max(rank, q)}"), b"{}")
-                                      for q in peers]
+                        link_puts += [
+                            Put(space.key("links", epoch, f"{name}{index}", f"{min(rank, q)}-{max(rank, q)}"), b"{}")
+                            for q in peers
+                        ]
             if committed and link_puts:
                 space.commit([], link_puts)  # phase 1: the joiner's link rendezvous, one txn
-            migrations.append(MigrationCount(
-                kind=kind, rank=rank, decided=committed,
-                store_transactions=kv.transactions - tx0,
-                store_keys_written=kv.keys_written - keys0,
-                controller_keys_read=read, plan_notifications=len(heard) - heard0,
-                ranks_acting=len(neighbours), links_replaced=sum(by_group.values()), links_by_group=by_group,
-            ))
+            migrations.append(
+                MigrationCount(
+                    kind=kind,
+                    rank=rank,
+                    decided=committed,
+                    store_transactions=kv.transactions - tx0,
+                    store_keys_written=kv.keys_written - keys0,
+                    controller_keys_read=read,
+                    plan_notifications=len(heard) - heard0,
+                    ranks_acting=len(neighbours),
+                    links_replaced=sum(by_group.values()),
+                    links_by_group=by_group,
+                )
+            )
             if committed and kind == "unexpected":
                 # Let that recovery finish before the planned move (the controller holds requests
                 # while one is under way): every stayer reports, and the controller converges.
@@ -232,7 +253,8 @@ def format_result(result: ScaleCheckResult) -> str:
     ]
     for m in result.migrations:
         lines.append(
-            f"{m.kind:<11} {m.rank:>5} {m.store_transactions:>5} {m.store_keys_written:>13} {m.controller_keys_read:>14,} "
+            f"{m.kind:<11} {m.rank:>5} {m.store_transactions:>5} {m.store_keys_written:>13} "
+            f"{m.controller_keys_read:>14,} "
             f"{m.plan_notifications:>13,} {m.ranks_acting:>13} {m.links_replaced:>15}"
             + ("" if m.decided else "  (NOT decided)")
         )
@@ -265,6 +287,7 @@ class RankClient:
         def counted(events):
             self.watch_events += len(events)
             callback(events)
+
         handle = self._kv.watch_prefix(prefix, counted, start_revision=start_revision, end=end)
         self.watches += 1
         return handle
@@ -289,8 +312,7 @@ class RecoveryCount:
     resume_iteration: int
 
 
-def run_recovery_check(ranks: int, tp: int = 4, pp: int = 5, timeout_s: float = 600.0,
-                       wait=None) -> RecoveryCount:
+def run_recovery_check(ranks: int, tp: int = 4, pp: int = 5, timeout_s: float = 600.0, wait=None) -> RecoveryCount:
     """One unexpected failure's recovery on the real control plane, counted per rank (module doc).
 
     ``wait(space, epoch, timeout_s, ranks)`` replaces what a rank does after reporting (default: the
@@ -304,18 +326,30 @@ def run_recovery_check(ranks: int, tp: int = 4, pp: int = 5, timeout_s: float = 
     dp_peers = {r: g for g in groups["dp"] for r in g}
     kv = CountingKV()
     space = JobSpace.create(kv, "recovery-check", "token")
-    records = [RankRecord(rank=r, member_id=f"w{r}", host=f"node{r // 8}",
-                          role=_role(r // (ranks // pp), pp), replicas=[q for q in dp_peers[r] if q != r])
-               for r in range(ranks)]
+    records = [
+        RankRecord(
+            rank=r,
+            member_id=f"w{r}",
+            host=f"node{r // 8}",
+            role=_role(r // (ranks // pp), pp),
+            replicas=[q for q in dp_peers[r] if q != r],
+        )
+        for r in range(ranks)
+    ]
     init_job(space, records)
     leases = {}
     for rec in records:
         leases[rec.member_id] = kv.grant_lease(10)
-        space.put(space.key("members", rec.member_id),
-                  MemberRecord(member_id=rec.member_id, kind="worker", host=rec.host, pid=rec.rank).to_bytes(),
-                  lease=leases[rec.member_id])
-    space.put(space.key("members", "s0"), MemberRecord(member_id="s0", kind="standby", host="spare", pid=0,
-                                                       warm_roles=list(ROLES)).to_bytes(), lease=kv.grant_lease(10))
+        space.put(
+            space.key("members", rec.member_id),
+            MemberRecord(member_id=rec.member_id, kind="worker", host=rec.host, pid=rec.rank).to_bytes(),
+            lease=leases[rec.member_id],
+        )
+    space.put(
+        space.key("members", "s0"),
+        MemberRecord(member_id="s0", kind="standby", host="spare", pid=0, warm_roles=list(ROLES)).to_bytes(),
+        lease=kv.grant_lease(10),
+    )
     clients = [RankClient(kv) for _ in range(ranks)]
     spaces = [JobSpace(client, space.job, space.token, space._record) for client in clients]
     watchers = [DecisionWatcher(sp, on_plan=lambda plan: None, resync_s=3600) for sp in spaces]
@@ -358,19 +392,27 @@ def run_recovery_check(ranks: int, tp: int = 4, pp: int = 5, timeout_s: float = 
             w.close()
     return RecoveryCount(
         ranks=ranks,
-        per_rank_max_reads=max(c.reads for c in clients), per_rank_max_writes=max(c.writes for c in clients),
+        per_rank_max_reads=max(c.reads for c in clients),
+        per_rank_max_writes=max(c.writes for c in clients),
         per_rank_max_watch_events=max(c.watch_events for c in clients),
-        total_reads=sum(c.reads for c in clients), total_writes=sum(c.writes for c in clients),
-        total_watch_events=sum(c.watch_events for c in clients), controller_keys_read=controller_read,
-        resume_iteration=getattr(records_seen[0], "resume_iteration", -1))
+        total_reads=sum(c.reads for c in clients),
+        total_writes=sum(c.writes for c in clients),
+        total_watch_events=sum(c.watch_events for c in clients),
+        controller_keys_read=controller_read,
+        resume_iteration=getattr(records_seen[0], "resume_iteration", -1),
+    )
 
 
 def format_recovery(counts: list[RecoveryCount]) -> str:
-    lines = ["Recovery after one SIGKILL, etcd work per rank (real report/wait code, real convergence decision):",
-             f"{'ranks':>6} {'max reads':>10} {'max writes':>11} {'max watch events':>17} {'total writes':>13} "
-             f"{'total watch events':>19} {'controller keys read':>21}"]
+    lines = [
+        "Recovery after one SIGKILL, etcd work per rank (real report/wait code, real convergence decision):",
+        f"{'ranks':>6} {'max reads':>10} {'max writes':>11} {'max watch events':>17} {'total writes':>13} "
+        f"{'total watch events':>19} {'controller keys read':>21}",
+    ]
     for c in counts:
-        lines.append(f"{c.ranks:>6} {c.per_rank_max_reads:>10} {c.per_rank_max_writes:>11} "
-                     f"{c.per_rank_max_watch_events:>17} {c.total_writes:>13} {c.total_watch_events:>19} "
-                     f"{c.controller_keys_read:>21}")
+        lines.append(
+            f"{c.ranks:>6} {c.per_rank_max_reads:>10} {c.per_rank_max_writes:>11} "
+            f"{c.per_rank_max_watch_events:>17} {c.total_writes:>13} {c.total_watch_events:>19} "
+            f"{c.controller_keys_read:>21}"
+        )
     return "\n".join(lines)

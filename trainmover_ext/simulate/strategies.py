@@ -128,7 +128,7 @@ def fit_scale_exponent(points: list[tuple[int, float]]) -> float:
     mean_x = sum(xs) / len(xs)
     mean_y = sum(ys) / len(ys)
     var = sum((x - mean_x) ** 2 for x in xs)
-    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var
+    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=False)) / var
 
 
 def _positive(doc: dict, key: str, path: Path) -> float | None:
