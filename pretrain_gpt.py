@@ -17,11 +17,13 @@ import os
 import sys
 from functools import partial
 
+from megatron.training import get_args, get_tokenizer, pretrain  # first: quiets CPU fallback warnings
+
+# isort: split
 import torch
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 
-from megatron.training import get_args, get_tokenizer, pretrain  # first: quiets CPU fallback warnings
 from megatron.training.data import build_dataset
 from megatron.training.model import gpt_layer_spec, transformer_config_from_args
 from trainmover_ext.config import add_trainmover_args

@@ -47,13 +47,15 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def preimport_for_fork() -> None:
     """Import the heavy modules once in the agent so forked ranks skip 4-10 s of imports."""
+    import megatron.training  # noqa: F401  (first: it quiets megatron-core's CPU fallback warnings)
+
+    # isort: split
     import megatron.core.distributed  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
     import torch  # noqa: F401
 
-    import megatron.training  # noqa: F401  (quiets CPU fallback warnings first)
     import trainmover_ext.patches  # noqa: F401
 
 
