@@ -25,11 +25,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.member import reap, spawn_member  # noqa: E402
+from harness.member import (  # noqa: E402
+    ExitWatch,  # noqa: E402
+    reap,
+    spawn_member,
+)
 from trainmover_ext.control.controller import Controller, ControllerConfig  # noqa: E402
 from trainmover_ext.control.membership import init_job  # noqa: E402
 from trainmover_ext.control.records import RankRecord  # noqa: E402
-from trainmover_ext.control.supervise import ChildExitReporter  # noqa: E402
 from trainmover_ext.control.view import read_view  # noqa: E402
 from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig  # noqa: E402
 from trainmover_ext.kv import EtcdClientConfig, EtcdKV  # noqa: E402
@@ -43,7 +46,7 @@ def one_trial(etcd: EmbeddedEtcd, kv: EtcdKV, job: str, sig: int, ttl: int) -> f
     init_job(space, [RankRecord(rank=r, member_id=f"w{r}", host=f"h{r}", role="middle") for r in range(2)])
     ctl = Controller(space, ControllerConfig(controller_id="bench", ttl_s=2)).start()
     try:
-        reporter = ChildExitReporter(space, workers[1], rank=1, member_id="w1", reporter="agent")
+        reporter = ExitWatch(space, workers[1], rank=1, member_id="w1", reporter="agent")
         time.sleep(0.2)  # let the controller win its election and settle
         t0 = time.time()
         os.kill(workers[1].pid, sig)

@@ -122,3 +122,26 @@ def reap(*procs):
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+class ExitWatch:
+    """What a launcher's supervisor does for a child, on a thread: once ``proc`` exits, report it through
+    :func:`~trainmover_ext.control.supervise.report_exit` unless :meth:`expected_exit` was called."""
+
+    def __init__(self, space, proc, *, rank: int, member_id: str, reporter: str, epoch: int = 0) -> None:
+        from trainmover_ext.control.supervise import report_exit
+
+        self._expected = threading.Event()
+        self.reported = threading.Event()
+
+        def watch() -> None:
+            code = proc.wait()
+            if not self._expected.is_set():
+                report_exit(space, rank=rank, member_id=member_id, reporter=reporter, code=code, epoch=epoch)
+                self.reported.set()
+
+        threading.Thread(target=watch, name=f"exit-watch-{rank}", daemon=True).start()
+
+    def expected_exit(self) -> None:
+        """The child is being stopped on purpose: do not report its exit."""
+        self._expected.set()

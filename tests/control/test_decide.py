@@ -258,12 +258,12 @@ def test_plan_record_round_trips():
     assert MigrationPlan.from_bytes(plan.to_bytes(), key="k") == plan
 
 
-def test_decision_watcher_delivers_each_plan_write_once_even_when_its_watch_is_deaf():
+def test_plan_inbox_delivers_each_plan_write_once_even_when_its_watch_is_deaf():
     """The watch delivers plans; a backstop read every resync_s delivers what a deaf watch missed, and a
     write both saw is delivered once."""
     import time
 
-    from trainmover_ext.control.membership import DecisionWatcher
+    from trainmover_ext.control.membership import PlanInbox
 
     class DeafKV(MemoryKV):
         def watch_prefix(self, prefix, callback, *, start_revision=0):
@@ -278,7 +278,7 @@ def test_decision_watcher_delivers_each_plan_write_once_even_when_its_watch_is_d
         space = JobSpace.create(kv_class(), "j", "tok")
         space.put(space.key("migrations", 1), plan(1))  # before the watcher: never delivered
         got = []
-        watcher = DecisionWatcher(space, lambda p, got=got: got.append((p.epoch, sorted(p.steps))), resync_s=resync_s)
+        watcher = PlanInbox(space, lambda p, got=got: got.append((p.epoch, sorted(p.steps))), resync_s=resync_s)
         try:
             space.put(space.key("migrations", 2), plan(2))
             space.put(space.key("migrations", 2), plan(2, "joined"))  # a step marked: a new write
@@ -290,6 +290,58 @@ def test_decision_watcher_delivers_each_plan_write_once_even_when_its_watch_is_d
             assert got[-1] == (2, ["joined"])
         finally:
             watcher.close()
+
+
+def test_plan_inbox_keeps_the_newest_write_of_each_epoch_and_wakes_waiters():
+    """One inbox serves every process: ``latest`` holds each epoch's newest write, ``take`` what arrived
+    since the last call, ``wait_until`` blocks until a pick finds something (None after its timeout),
+    ``since_start`` adds the plans committed before the inbox opened, and ``on_plan`` runs before the
+    plan is visible to waiters while ``after_plan`` runs after."""
+    import threading
+    import time
+
+    from trainmover_ext.control.membership import PlanInbox
+
+    def plan(epoch, reason="failure", step=None):
+        return MigrationPlan(
+            epoch=epoch, reason=reason, replacements=[], resume_iteration=0, steps={step: 1.0} if step else {}
+        ).to_bytes()
+
+    space = JobSpace.create(MemoryKV(), "j", "tok")
+    space.put(space.key("migrations", 1), plan(1))
+    seen_by_waiters = []
+    inbox: PlanInbox | None = None
+
+    def on_plan(p):  # the plan is not yet visible: a waiter could not have acted on it
+        seen_by_waiters.append(("on", inbox is not None and inbox.latest.get(p.epoch) is p))
+
+    def after_plan(p):
+        seen_by_waiters.append(("after", inbox.latest.get(p.epoch) is p))
+
+    inbox = PlanInbox(space, on_plan, after_plan=after_plan, resync_s=3600)
+    late = PlanInbox(space, since_start=True, resync_s=3600)
+    try:
+        assert inbox.latest == {} and inbox.wait_until(lambda latest: latest.get(2), 0.05) is None
+        assert sorted(late.latest) == [1]
+        threading.Timer(0.1, lambda: space.put(space.key("migrations", 2), plan(2, "planned"))).start()
+        t0 = time.monotonic()
+        got = inbox.wait_until(lambda latest: latest.get(2), 5.0)
+        assert got is not None and got.reason == "planned" and time.monotonic() - t0 < 4.0
+        space.put(space.key("migrations", 2), plan(2, "planned", "ready"))
+        space.put(space.key("migrations", 3), plan(3))
+        ready = inbox.wait_until(lambda latest: latest[2] if "ready" in latest[2].steps else None, 5.0)
+        assert ready is not None
+        assert inbox.wait_until(lambda latest: latest.get(3), 5.0) is not None
+        assert [(p.epoch, sorted(p.steps)) for p in inbox.take()] == [(2, []), (2, ["ready"]), (3, [])]
+        assert inbox.take() == []
+        assert inbox.newest().epoch == 3 and inbox.newest("planned").epoch == 2
+        assert ("on", True) not in seen_by_waiters and ("after", False) not in seen_by_waiters
+        assert seen_by_waiters.count(("on", False)) == 3 and seen_by_waiters.count(("after", True)) == 3
+        with pytest.raises(TimeoutError, match="epoch 9"):
+            inbox.wait_for_epoch(9, 0.05)
+    finally:
+        inbox.close()
+        late.close()
 
 
 # -- convergence: the controller alone decides where every rank resumes ---------------------

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
+from harness.member import ExitWatch
 from trainmover_ext.control.controller import Controller, ControllerConfig
-from trainmover_ext.control.membership import DecisionWatcher, init_job
+from trainmover_ext.control.membership import PlanInbox, init_job
 from trainmover_ext.control.records import RankRecord
-from trainmover_ext.control.supervise import ChildExitReporter
 from trainmover_ext.control.view import read_view
 from trainmover_ext.kv import EtcdClientConfig, EtcdKV
 from trainmover_ext.kv.job import JobSpace
@@ -55,9 +55,9 @@ def test_sigkill_is_detected_by_the_fast_path(etcd, kv, space):
     # A second client stands for another rank that must learn of the decision through its watch.
     other = EtcdKV(EtcdClientConfig(endpoints=etcd.endpoints))
     received: list[float] = []
-    watcher = DecisionWatcher(JobSpace.open(other, "det", space.token), lambda plan: received.append(time.time()))
+    watcher = PlanInbox(JobSpace.open(other, "det", space.token), lambda plan: received.append(time.time()))
     try:
-        ChildExitReporter(space, workers[1], rank=1, member_id="w1", reporter="agent-h1")
+        ExitWatch(space, workers[1], rank=1, member_id="w1", reporter="agent-h1")
         t_kill = time.time()
         os.kill(workers[1].pid, signal.SIGKILL)
         view = wait_plan(space, 1, timeout=ttl)

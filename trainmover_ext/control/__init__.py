@@ -4,9 +4,9 @@ Entry points for the launcher/agent:
 
 - :class:`trainmover_ext.control.membership.Membership` - register a member, lease kept alive.
 - :class:`trainmover_ext.control.controller.Controller` - election + watch + decide + execute.
-- :class:`trainmover_ext.control.supervise.ChildExitReporter` - report a child's exit (fast path).
+- :func:`trainmover_ext.control.supervise.report_exit` - report a child's exit (fast path).
 - :func:`trainmover_ext.control.membership.report_failure` - a rank reports a broken link (fast path).
-- :class:`trainmover_ext.control.membership.DecisionWatcher` - learn of each migration plan.
+- :class:`trainmover_ext.control.membership.PlanInbox` - learn of each migration plan.
 - :mod:`trainmover_ext.control.fingerprint` - standby admission: a standby's model fingerprint
   against the one its job published.
 

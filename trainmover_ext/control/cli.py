@@ -28,6 +28,7 @@ from trainmover_ext.control.decide import warm_standbys
 from trainmover_ext.control.membership import request_migration
 from trainmover_ext.control.records import Event
 from trainmover_ext.control.view import View, read_view
+from trainmover_ext.deadline import Deadline
 from trainmover_ext.errors import ConfigError, MalformedValue
 from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
 from trainmover_ext.kv.job import JobSpace, job_login
@@ -286,9 +287,9 @@ def _check_target(view: View, job: str, rank: int, to: str) -> None:
 
 def _await_decision(space: JobSpace, request_id: str, rank: int, epoch: int, wait_s: float) -> int:
     """0 once the controller planned the move, 1 with its reason when it rejected it, 3 on no decision."""
-    deadline = time.monotonic() + wait_s
+    deadline = Deadline(wait_s)
     key = space.key("requests", request_id)
-    while time.monotonic() < deadline:
+    while not deadline.expired:
         if space.kv.get(key) is None:  # the controller settled it: planned or rejected
             for entry in reversed(space.kv.get_prefix(space.key("events/")).entries):
                 try:

@@ -37,6 +37,7 @@ from trainmover_ext.control.decide import PlanMigration, RaiseAlert, decide
 from trainmover_ext.control.election import LeaderElection
 from trainmover_ext.control.executor import Executor, Outcome
 from trainmover_ext.control.view import read_view
+from trainmover_ext.deadline import RecoveryTimeouts
 from trainmover_ext.errors import ConfigError, LeadershipLost, TrainMoverError
 from trainmover_ext.kv.base import WatchEvent, WatchHandle
 from trainmover_ext.kv.job import JobSpace
@@ -141,7 +142,7 @@ class Controller:
             self._wake.set()
 
     def _run(self) -> None:
-        backstop = self.config.ttl_s / 3.0
+        backstop = RecoveryTimeouts(self.config.ttl_s).renew_every_s
         while not self._stop.is_set():
             try:
                 if self.election.campaign():

@@ -12,18 +12,18 @@ Contract:
 - :func:`report_failure` is the fast detection path: a process whose link to
   rank r broke writes ``reports/<r>/<reporter>``; the controller acts on it
   without waiting for r's lease.
-- :class:`DecisionWatcher` calls back on every new ``migrations/<e>`` within
-  milliseconds of the controller's commit.
+- :class:`PlanInbox` is every process's one inbox of ``migrations/<e>``: it hears of each plan
+  within milliseconds of the controller's commit, keeps the newest write of each, and wakes waiters.
 
 Example (an agent or worker)::
 
     member = Membership(space, MemberRecord(member_id=mid, kind="worker", host=host, pid=os.getpid()), ttl_s=2)
     member.register()
-    watcher = DecisionWatcher(space, on_plan=lambda plan: abandon_iteration(plan))
+    inbox = PlanInbox(space, on_plan=lambda plan: abandon_iteration(plan))
     ...
     report_failure(space, rank=3, member_id=ranks[3], reporter=mid, reason=str(exc), epoch=epoch)
     ...
-    watcher.close(); member.close()
+    inbox.close(); member.close()
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from typing import TypeVar
 
 from trainmover_ext.control.executor import event_put
 from trainmover_ext.control.records import (
@@ -48,12 +49,15 @@ from trainmover_ext.control.records import (
     recovery_key,
 )
 from trainmover_ext.control.view import epoch_value
+from trainmover_ext.deadline import Deadline, RecoveryTimeouts
 from trainmover_ext.errors import ConfigError, MalformedValue, MembershipLost, StoreError
 from trainmover_ext.kv.base import Guard, Put, WatchEvent, wait_prefix
 from trainmover_ext.kv.codec import encode
 from trainmover_ext.kv.job import JobSpace
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def new_member_id(kind: str) -> str:
@@ -78,7 +82,7 @@ class LeaseKeeper:
         self._thread.start()
 
     def _run(self) -> None:
-        interval = self.ttl_s / 3.0
+        interval = RecoveryTimeouts(self.ttl_s).renew_every_s
         while not self._stop.wait(interval):
             try:
                 remaining = self.space.kv.refresh_lease(self.lease_id)
@@ -240,25 +244,53 @@ def request_migration(space: JobSpace, *, rank: int, to: str | None = None, requ
     return req.request_id
 
 
-class DecisionWatcher:
-    """Calls ``on_plan(plan)`` for every migration plan committed after it started (once per write of
-    it: a plan is written again each time a step is marked on it); see the module docstring.
+class PlanInbox:
+    """Every process's one inbox of migration plans: it holds the newest write of each epoch's plan and
+    wakes whoever waits on them; see the module docstring.
+
+    - ``on_plan(plan)``, if given, runs on the watch thread for every write of a plan committed after
+      the inbox opened (once per write: a plan is written again each time a step is marked on it), in
+      revision order per plan, before waiters wake. Use it only for what must happen at once
+      (abandoning a communicator, ending a pause); everything else waits with :meth:`wait_until`.
+      ``after_plan(plan)`` runs likewise, once waiters can see the plan (severing a channel whose
+      owner then looks for the plan that severed it).
+    - ``since_start``: also deliver the plans committed before the inbox opened (a joiner whose
+      promotion and inbox are not one instant).
+    - :attr:`latest` maps each epoch to the newest write of its plan; :meth:`take` returns the writes
+      delivered since the last call, in delivery order (for a caller that polls).
 
     The watch delivers plans at once. A backstop thread also reads the plans every ``resync_s`` and
     delivers any write the watch did not: pyetcd can bind a watch created right after a timed-out
     create to the wrong stream (see ``kv.base.RECHECK_S``), and a rank that never hears of a failure
     plan would hang in its recovery."""
 
-    def __init__(self, space: JobSpace, on_plan: Callable[[MigrationPlan], None], *, resync_s: float = 2.0) -> None:
-        self.space, self.on_plan = space, on_plan
-        self.plans: list[MigrationPlan] = []
+    def __init__(
+        self,
+        space: JobSpace,
+        on_plan: Callable[[MigrationPlan], None] | None = None,
+        *,
+        after_plan: Callable[[MigrationPlan], None] | None = None,
+        resync_s: float = 2.0,
+        since_start: bool = False,
+    ) -> None:
+        self.space, self.on_plan, self.after_plan = space, on_plan, after_plan
+        self.latest: dict[int, MigrationPlan] = {}
+        self._queue: list[MigrationPlan] = []
         self._cond = threading.Condition()
         self._seen: dict[str, int] = {}
         self._seen_lock = threading.Lock()
         self._prefix = space.key("migrations/")
-        self._start = space.kv.get_prefix(self._prefix).revision + 1
+        snapshot = space.kv.get_prefix(self._prefix)
+        self._start = 1 if since_start else snapshot.revision + 1
         self._closed = threading.Event()
-        self._watch = space.kv.watch_prefix(self._prefix, self._on_events, start_revision=self._start)
+        if since_start:
+            self._on_events(
+                [
+                    WatchEvent(kind="put", key=e.key, value=e.value, mod_revision=e.mod_revision)
+                    for e in snapshot.entries
+                ]
+            )
+        self._watch = space.kv.watch_prefix(self._prefix, self._on_events, start_revision=snapshot.revision + 1)
         self._backstop = threading.Thread(target=self._resync, args=(resync_s,), name="tm-plan-resync", daemon=True)
         self._backstop.start()
 
@@ -282,8 +314,8 @@ class DecisionWatcher:
             if ev.kind != "put":
                 continue
             # Each write once, whichever of the watch and the backstop saw it first, and the check and
-            # the delivery under one lock: a plan's writes reach on_plan in revision order (an older
-            # write delivered after a newer one would hide the newer one's steps).
+            # the delivery under one lock: a plan's writes arrive in revision order (an older write
+            # delivered after a newer one would hide the newer one's steps).
             with self._seen_lock:
                 if ev.mod_revision <= self._seen.get(ev.key, 0):
                     continue
@@ -293,17 +325,49 @@ class DecisionWatcher:
                 except MalformedValue as exc:
                     logger.error("ignoring unreadable plan: %s", exc)
                     continue
+                if self.on_plan is not None:
+                    self.on_plan(plan)
                 with self._cond:
-                    self.plans.append(plan)
+                    self.latest[plan.epoch] = plan
+                    self._queue.append(plan)
                     self._cond.notify_all()
-                self.on_plan(plan)
+                if self.after_plan is not None:
+                    self.after_plan(plan)
+
+    def wait_until(self, pick: Callable[[dict[int, MigrationPlan]], T | None], timeout_s: float) -> T | None:
+        """Block until ``pick(latest)`` returns something other than None, and return it; None after
+        ``timeout_s``. ``pick`` runs under the inbox's lock: it must only read."""
+        deadline = Deadline(timeout_s)
+        with self._cond:
+            while True:
+                found = pick(self.latest)
+                if found is not None or deadline.expired:
+                    return found
+                self._cond.wait(deadline.remaining())
+
+    def newest(self, reason: str | None = None) -> MigrationPlan | None:
+        """The plan of the newest epoch (of that ``reason``, if given), or None."""
+        with self._cond:
+            epochs = [e for e, p in self.latest.items() if reason is None or p.reason == reason]
+            return self.latest[max(epochs)] if epochs else None
+
+    def snapshot(self) -> dict[int, MigrationPlan]:
+        """A copy of :attr:`latest`."""
+        with self._cond:
+            return dict(self.latest)
+
+    def take(self) -> list[MigrationPlan]:
+        """The plan writes delivered since the last call, oldest first."""
+        with self._cond:
+            taken, self._queue = self._queue, []
+            return taken
 
     def wait_for_epoch(self, epoch: int, timeout: float) -> MigrationPlan:
         """Block until the plan opening ``epoch`` arrives; ``TimeoutError`` after ``timeout`` seconds."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: any(p.epoch == epoch for p in self.plans), timeout):
-                raise TimeoutError(f"no migration plan for epoch {epoch} within {timeout:.1f}s")
-            return next(p for p in self.plans if p.epoch == epoch)
+        plan = self.wait_until(lambda latest: latest.get(epoch), timeout)
+        if plan is None:
+            raise TimeoutError(f"no migration plan for epoch {epoch} within {timeout:.1f}s")
+        return plan
 
     def close(self) -> None:
         self._closed.set()

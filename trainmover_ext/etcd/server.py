@@ -33,6 +33,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainmover_ext.deadline import Deadline
 from trainmover_ext.errors import ConfigError, EtcdNotFound, LaunchError
 from trainmover_ext.netutil import free_ports
 
@@ -262,7 +263,7 @@ class EmbeddedEtcd:
         raise AssertionError("unreachable")
 
     def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = Deadline(timeout)
         while True:
             if self.proc is not None and self.proc.poll() is not None:
                 raise LaunchError(
@@ -271,7 +272,7 @@ class EmbeddedEtcd:
                 )
             if self.healthy():
                 return
-            if time.monotonic() >= deadline:
+            if deadline.expired:
                 raise LaunchError(
                     f"etcd at {self.client_url} not healthy after {timeout:.1f}s; its log ({self.log_path}) ends:\n"
                     f"{self.log_tail()}"

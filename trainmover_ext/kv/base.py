@@ -27,9 +27,10 @@ Example::
 from __future__ import annotations
 
 import abc
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from trainmover_ext.deadline import Deadline
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,18 +246,18 @@ def wait_prefix(
             cond.notify_all()
 
     watch = kv.watch_prefix(prefix, on_events, start_revision=snap.revision + 1)
-    deadline = time.monotonic() + timeout_s
+    deadline = Deadline(timeout_s)
     try:
         while True:
             with cond:
                 interval = RECHECK_S if recheck_s is None else recheck_s
-                if cond.wait_for(lambda: ready(state["values"]), max(0.0, min(interval, deadline - time.monotonic()))):
+                if cond.wait_for(lambda: ready(state["values"]), max(0.0, min(interval, deadline.remaining()))):
                     return state["values"]
             # The safety net under the watch (see RECHECK_S): read the prefix itself.
             values = {e.key: e.value for e in kv.get_prefix(prefix).entries}
             if ready(values):
                 return values
-            if time.monotonic() >= deadline:
+            if deadline.expired:
                 return None
     finally:
         watch.cancel()

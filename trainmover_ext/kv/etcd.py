@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from trainmover_ext.deadline import Deadline
 from trainmover_ext.errors import AuthError, ConfigError, EtcdUnavailable, StoreError
 from trainmover_ext.kv.base import (
     KV,
@@ -261,7 +262,7 @@ class EtcdKV(KV):
         from pyetcd import etcdrpc
 
         cfg = self.config
-        deadline = time.monotonic() + cfg.connect_timeout_s
+        deadline = Deadline(cfg.connect_timeout_s)
         while True:
             try:
                 resp = client.authstub.Authenticate(
@@ -287,7 +288,7 @@ class EtcdKV(KV):
                     raise AuthError(f"etcd refused the login of user {cfg.user!r}: {details}; {hint}") from exc
                 if not _is_unavailable(exc):
                     raise self._translate(exc, "login") from exc
-                if time.monotonic() >= deadline:
+                if deadline.expired:
                     raise self._unreachable() from exc
                 time.sleep(0.05)
         client.metadata = (("token", resp.token),)
@@ -320,7 +321,7 @@ class EtcdKV(KV):
                 self._login(self._etcd)
 
     def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.config.connect_timeout_s
+        deadline = Deadline(self.config.connect_timeout_s)
         last: BaseException | None = None
         while True:
             try:
@@ -332,7 +333,7 @@ class EtcdKV(KV):
                     return  # a user limited to its job's prefix: the server answered
                 if not _is_unavailable(exc):
                     raise self._translate(exc, "connect") from exc
-            if time.monotonic() >= deadline:
+            if deadline.expired:
                 break
             time.sleep(0.05)
         self._etcd.close()
@@ -398,7 +399,7 @@ class EtcdKV(KV):
         return StoreError(f"etcd {what} failed: {exc!r}")
 
     def _call(self, what: str, fn: Callable[[Any], _T]) -> _T:
-        deadline = time.monotonic() + self.config.timeout_s
+        deadline = Deadline(self.config.timeout_s)
         delay = 0.02
         while True:
             try:
@@ -406,13 +407,13 @@ class EtcdKV(KV):
             except StoreError:
                 raise
             except Exception as exc:
-                if self._stale_login(exc) and time.monotonic() + delay < deadline:
+                if self._stale_login(exc) and delay < deadline.remaining():
                     self._relogin()
                     continue
-                if self._auth_turned_on(exc) and time.monotonic() + delay < deadline:
+                if self._auth_turned_on(exc) and delay < deadline.remaining():
                     self._login(self._etcd)  # a job's etcd whose auth came on after this client connected
                     continue
-                if not _is_unavailable(exc) or time.monotonic() + delay >= deadline:
+                if not _is_unavailable(exc) or delay >= deadline.remaining():
                     raise self._translate(exc, what) from exc
                 self._rotate()
             time.sleep(delay)

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from datetime import timedelta
 
 import torch.distributed.distributed_c10d as c10d
 
+from trainmover_ext.deadline import Deadline
 from trainmover_ext.errors import ConfigError, StoreTimeout
 from trainmover_ext.kv.base import KV, Guard, Put, wait_prefix
 from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
@@ -118,7 +118,7 @@ class EtcdStore(c10d.Store):  # = torch.distributed.Store, which torch does not 
 
     def add(self, key: str, amount: int) -> int:
         kv, full = self._kv(), self._full(key)
-        deadline = time.monotonic() + self._timeout_s()
+        deadline = Deadline(self._timeout_s())
         while True:
             entry = kv.get(full)
             current = int(entry.value) if entry else 0
@@ -127,7 +127,7 @@ class EtcdStore(c10d.Store):  # = torch.distributed.Store, which torch does not 
                 [Guard.mod_revision(full, entry.mod_revision if entry else 0)], [Put(full, str(new).encode())]
             ):
                 return new
-            if time.monotonic() > deadline:  # only under pathological contention
+            if deadline.expired:  # only under pathological contention
                 raise StoreTimeout(f"add({key!r}) lost every compare-and-swap race for {self._timeout_s():.0f}s")
 
     def compare_set(self, key: str, expected_value: object, desired_value: object) -> bytes:
@@ -158,9 +158,9 @@ class EtcdStore(c10d.Store):  # = torch.distributed.Store, which torch does not 
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         budget = self._timeout_s(timeout)
-        deadline = time.monotonic() + budget
+        deadline = Deadline(budget)
         for key in keys:
-            self._wait_one(key, max(0.0, deadline - time.monotonic()), total=budget, all_keys=keys)
+            self._wait_one(key, deadline.remaining(), total=budget, all_keys=keys)
 
     def append(self, key: str, value: object) -> None:
         kv, full = self._kv(), self._full(key)

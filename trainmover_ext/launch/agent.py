@@ -20,6 +20,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from trainmover_ext.deadline import Deadline
 from trainmover_ext.errors import ConfigError, LaunchError
 from trainmover_ext.etcd.auth import ROOT_USER
 from trainmover_ext.fsutil import write_private
@@ -132,8 +133,8 @@ class Agent:
         """SIGTERM every live rank, SIGKILL what is left after the grace period, reap all."""
         for proc in self.procs:
             proc.signal(signal.SIGTERM)
-        deadline = time.time() + self.config.term_timeout_s
-        while time.time() < deadline and any(p.poll() is None for p in self.procs):
+        deadline = Deadline(self.config.term_timeout_s)
+        while not deadline.expired and any(p.poll() is None for p in self.procs):
             time.sleep(0.02)
         for proc in self.procs:
             proc.signal(signal.SIGKILL)

@@ -13,6 +13,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from trainmover_ext.deadline import Deadline
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.launch import rendezvous
 
@@ -58,11 +59,11 @@ def open_space(ident: Identity, timeout_s: float = 30.0):
     from trainmover_ext.kv.etcd import EtcdKV
     from trainmover_ext.kv.job import JobSpace
 
-    deadline = time.time() + timeout_s
+    deadline = Deadline(timeout_s)
     while True:
         try:
             return JobSpace.create(EtcdKV(rendezvous.etcd_config_from_env()), ident.job, ident.token or None)
         except StoreError:
-            if time.time() > deadline:
+            if deadline.expired:
                 raise
             time.sleep(0.2)

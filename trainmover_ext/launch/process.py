@@ -30,6 +30,7 @@ import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from trainmover_ext.deadline import Deadline
 from trainmover_ext.launch.logs import ProcessOutput
 
 _PR_SET_PDEATHSIG = 1
@@ -263,7 +264,7 @@ def activate(
 def discard(reserve: Reserve, timeout_s: float = 2.0) -> None:
     """End an unused reserve: close its line (it exits 0), SIGKILL it after ``timeout_s``, reap it."""
     _forget(reserve)
-    deadline = time.monotonic() + timeout_s
+    deadline = Deadline(timeout_s)
     while True:
         try:
             pid, _ = os.waitpid(reserve.pid, os.WNOHANG)
@@ -271,12 +272,12 @@ def discard(reserve: Reserve, timeout_s: float = 2.0) -> None:
             return
         if pid:
             return
-        if time.monotonic() > deadline:
+        if deadline.expired:
             try:
                 os.kill(reserve.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            deadline = float("inf")
+            deadline = Deadline(float("inf"))
         time.sleep(0.01)
 
 

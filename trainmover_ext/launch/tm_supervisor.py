@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 import uuid
 
 from trainmover_ext.control.fingerprint import describe_diff, read_refusal
+from trainmover_ext.deadline import RecoveryTimeouts
 from trainmover_ext.errors import STANDBY_REFUSED_EXIT_CODE
 from trainmover_ext.launch.identity import ENV_MEMBER_ID, leaver_standby_id
 from trainmover_ext.launch.process import (
@@ -83,9 +83,7 @@ class TrainMoverSupervisor:
         self.kept_joiner: set[int] = set()
         """Failure epochs whose planned joiner kept its rank (logged once)."""
         self.reported: dict[int, float] = {}
-        self.plans: list = []
-        self._lock = threading.Lock()
-        self.space = self.controller = self.member = self.watcher = self.archive = None
+        self.space = self.controller = self.member = self.inbox = self.archive = None
         self.epoch = 0
         self.standbys_started = 0
         self.reserves: list[Reserve] = []
@@ -96,7 +94,6 @@ class TrainMoverSupervisor:
         """Standbys that exited non-zero in a row; replenishing stops at ``MAX_STANDBY_FAILURES``."""
         self.replenish: list[tuple[int, float]] = []
         """One ``(epoch, latest time)`` per consumed standby still to be replaced."""
-        self.settled: set[int] = set()
         """Epochs whose migration finished (the joiner's first iteration is done)."""
 
     # -- processes -------------------------------------------------------------
@@ -174,7 +171,7 @@ class TrainMoverSupervisor:
     def _connect(self) -> None:
         """Open etcd only now: a gRPC channel must not be inherited by forked ranks."""
         from trainmover_ext.control.controller import Controller, ControllerConfig
-        from trainmover_ext.control.membership import DecisionWatcher, Membership
+        from trainmover_ext.control.membership import Membership, PlanInbox
         from trainmover_ext.control.records import MemberRecord
         from trainmover_ext.launch.agent import node_name
         from trainmover_ext.launch.identity import Identity, open_space
@@ -200,23 +197,17 @@ class TrainMoverSupervisor:
         if self.agent.metrics_feed is not None:
             controller = self.controller
             self.agent.metrics_feed.attach(self.space, is_leader=lambda: controller.is_leader)
-        self.watcher = DecisionWatcher(self.space, self._on_plan)
+        self.inbox = PlanInbox(self.space)
         from trainmover_ext.control.archive import RunArchive
 
         controller = self.controller
         self.archive = RunArchive(self.agent._run_dir()).start(self.space, lambda: controller.is_leader)
 
-    def _on_plan(self, plan) -> None:
-        with self._lock:
-            self.plans.append(plan)
-            if "first_iteration" in plan.steps:
-                self.settled.add(plan.epoch)
-
     def close(self) -> None:
         reserves, self.reserves = self.reserves, []
         for reserve in reserves:
             discard(reserve)
-        for obj in (self.archive, self.watcher, self.controller, self.member):
+        for obj in (self.archive, self.inbox, self.controller, self.member):
             if obj is not None:
                 try:
                     obj.close()
@@ -225,8 +216,7 @@ class TrainMoverSupervisor:
 
     # -- supervision ----------------------------------------------------------------
     def _apply_plans(self) -> str | None:
-        with self._lock:
-            plans, self.plans = self.plans, []
+        plans = self.inbox.take()
         for plan in plans:
             self.epoch = max(self.epoch, plan.epoch)
             if plan.unserved:
@@ -295,8 +285,13 @@ class TrainMoverSupervisor:
         return None
 
     def _replenish(self) -> None:
-        with self._lock:
-            due = [(e, t) for e, t in self.replenish if e in self.settled or time.time() > t]
+        latest = self.inbox.snapshot()
+        # settled: the epoch's first iteration ran (its joiners no longer need the cores)
+        due = [
+            (e, t)
+            for e, t in self.replenish
+            if (e in latest and "first_iteration" in latest[e].steps) or time.time() > t
+        ]
         for entry in due:
             self.replenish.remove(entry)
             self._start_standby("spawn")
@@ -323,23 +318,16 @@ class TrainMoverSupervisor:
     def _report(self, rank: int, member: str, code: int, *, track: bool = True) -> None:
         """Report ``member``'s exit; ``track``: expect a plan for the rank within the deadline (a planned
         leaver's report is moot once its hand-over is done, so it is not tracked)."""
-        from trainmover_ext.control.membership import report_failure
+        from trainmover_ext.control.supervise import report_exit
 
-        report_failure(
-            self.space,
-            rank=rank,
-            member_id=member,
-            reporter=self.agent_id,
-            reason=f"process exited with code {code}",
-            epoch=self.epoch,
-        )
+        report_exit(self.space, rank=rank, member_id=member, reporter=self.agent_id, code=code, epoch=self.epoch)
         if track:
             self.reported[rank] = time.time()
         self.agent.log(f"rank {rank} ({member}) exited with code {code}; reported to the controller")
 
     def supervise(self) -> tuple[bool, int]:
         """Block until done. Returns (finished_ok, exit code); (False, code) asks for the classic fallback."""
-        deadline_s = max(10.0, 5 * self.cfg.lease_ttl_s)
+        deadline_s = RecoveryTimeouts(self.cfg.lease_ttl_s).replacement_s
         while True:
             if self.agent._stop_signal is not None:
                 return False, 128 + self.agent._stop_signal

@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trainmover_ext.control.fingerprint import check_standby, model_fingerprint, refusal_event, wait_job_fingerprint
-from trainmover_ext.control.membership import DecisionWatcher, Membership
+from trainmover_ext.control.membership import Membership, PlanInbox
 from trainmover_ext.control.records import ROLES, MigrationPlan
 from trainmover_ext.errors import MembershipLost, StandbyRefused, StoreError
 from trainmover_ext.launch.identity import identity_from_env, open_space
@@ -185,22 +184,31 @@ def run_standby(
         StandbyMemberRecord(member_id=ident.member_id, kind="standby", host=ident.host, pid=ident.pid, warm_roles=[]),
         ttl_s=max(1, round(config.lease_ttl_s)),
     ).register()
-    promoted: list[MigrationPlan] = []
-    cond = threading.Condition()
     pacer = Pacer(config.standby_duty)
 
-    def on_plan(plan: MigrationPlan) -> None:
-        if any(r.joiner == ident.member_id for r in plan.replacement_list()):
-            pacer.stop()  # a pause in progress ends now: the rank waits for us
-            with cond:
-                promoted.append(plan)
-                cond.notify_all()
+    def names_me(plan: MigrationPlan) -> bool:
+        return any(r.joiner == ident.member_id for r in plan.replacement_list())
 
-    watcher = DecisionWatcher(space, on_plan)
+    def promotion(latest: dict[int, MigrationPlan]) -> MigrationPlan | None:
+        return next((p for _, p in sorted(latest.items()) if names_me(p)), None)
+
+    def end_pause(plan: MigrationPlan) -> None:
+        if names_me(plan):
+            pacer.stop()  # a pause in progress ends now: the rank waits for us
+
+    inbox = PlanInbox(space, end_pause)
     try:
-        report, kept = warm_up(args, config, providers, space, member, should_stop=lambda: bool(promoted), pacer=pacer)
+        report, kept = warm_up(
+            args,
+            config,
+            providers,
+            space,
+            member,
+            should_stop=lambda: promotion(inbox.snapshot()) is not None,
+            pacer=pacer,
+        )
     except BaseException:
-        watcher.close()
+        inbox.close()
         member.close()
         raise
     parts = ", ".join(
@@ -215,16 +223,13 @@ def run_standby(
         flush=True,
     )
     parent = os.getppid()
-    with cond:
-        while not promoted:
-            cond.wait(timeout=0.5)
-            if os.getppid() != parent:
-                watcher.close()
-                member.close()
-                raise MembershipLost("the standby's agent is gone; exiting")
-            member.check()
-    watcher.close()
-    plan = promoted[0]
+    while (plan := inbox.wait_until(promotion, 0.5)) is None:
+        if os.getppid() != parent:
+            inbox.close()
+            member.close()
+            raise MembershipLost("the standby's agent is gone; exiting")
+        member.check()
+    inbox.close()
     from trainmover_ext.migration.joiner import serve_rank
 
     return serve_rank(args, config, providers, plan, ident, space, member, kept=kept)

@@ -27,7 +27,6 @@ Contract (every rank, main thread unless noted):
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
@@ -35,8 +34,9 @@ from typing import TYPE_CHECKING, cast
 from megatron.training.training import Runtime, Session
 from trainmover_ext.config import TrainMoverConfig
 from trainmover_ext.control.convergence import GridShape
-from trainmover_ext.control.membership import DecisionWatcher, Membership, init_job
+from trainmover_ext.control.membership import Membership, PlanInbox, init_job
 from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord, migration_key_suffix
+from trainmover_ext.deadline import Deadline, RecoveryTimeouts
 from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
 from trainmover_ext.kv.codec import encode
 from trainmover_ext.launch.identity import Identity, identity_from_env, open_space
@@ -89,9 +89,7 @@ class WorkerRuntime(Runtime):
         under way: one cut short leaves it unusable until a later recovery copies it again)."""
         self.handover: HandoverChannel | None = None
         """The planned hand-over's channel while in use (a newer failure plan severs it)."""
-        self.timeout_s = max(30.0, 10 * config.lease_ttl_s)
-        self._plans: dict[int, MigrationPlan] = {}
-        self._cond = threading.Condition()
+        self.timeout_s = RecoveryTimeouts(config.lease_ttl_s).decision_s
         self._switch_at: dict[int, int] = {}
         self._replaced = False
         self.handed_over: int | None = None
@@ -101,20 +99,9 @@ class WorkerRuntime(Runtime):
         grid = grid_of(self.layout)
         if grid.shard_of(self.layout.rank) != (self.layout.tp_rank, self.layout.pp_rank):
             raise MigrationAborted("megatron's rank order is not tp-dp-pp; the convergence logic does not apply")
-        self.watcher = DecisionWatcher(space, self._on_plan)
-        if catch_up:
-            self._catch_up()
-
-    def _catch_up(self) -> None:
-        """Deliver plans newer than our epoch committed before the watch began (a joiner's promotion
-        and its runtime's watch are not one instant)."""
-        for entry in self.space.kv.get_prefix(self.space.key("migrations") + "/").entries:
-            try:
-                plan = MigrationPlan.from_bytes(entry.value, key=entry.key)
-            except Exception:  # noqa: BLE001 - an unreadable plan is the watcher's to log
-                continue
-            if plan.epoch > self.epoch:
-                self._on_plan(plan)
+        # ``catch_up``: also the plans committed before the inbox opened (a joiner's promotion and its
+        # runtime's inbox are not one instant).
+        self.inbox = PlanInbox(space, self._abandon_at_once, after_plan=self._sever_handover, since_start=catch_up)
 
     # -- construction --------------------------------------------------------
     @classmethod
@@ -151,7 +138,7 @@ class WorkerRuntime(Runtime):
 
     def close(self) -> None:
         try:
-            self.watcher.close()
+            self.inbox.close()
         finally:
             self.member.close()
 
@@ -172,42 +159,46 @@ class WorkerRuntime(Runtime):
         )
 
     # -- decisions (watch thread) -------------------------------------------
-    def _on_plan(self, plan: MigrationPlan) -> None:
-        if plan.epoch <= self.epoch:
+    def _abandon_at_once(self, plan: MigrationPlan) -> None:
+        """A failure plan newer than this rank's epoch abandons the communicator before any waiter wakes:
+        the main thread rebuilds the links next, and an abandon arriving after that would sever them."""
+        if plan.epoch <= self.epoch or plan.reason != "failure":
             return
         reps = plan.replacement_list()
-        if plan.reason == "failure":
-            if any(rep.rank == self.layout.rank and rep.leaver == self.ident.member_id for rep in reps):
-                self._replaced = True  # we were declared dead (e.g. hung): never rejoin
-            if self.layout.comm == "nccl_delta":
-                import nccl_delta
+        if any(rep.rank == self.layout.rank and rep.leaver == self.ident.member_id for rep in reps):
+            self._replaced = True  # we were declared dead (e.g. hung): never rejoin
+        if self.layout.comm == "nccl_delta":
+            import nccl_delta
 
-                world = nccl_delta.current_world()
-                # Abandon before waking the main thread: it rebuilds the links next, and an
-                # abandon arriving after that would sever the new links.
-                if world.epoch < plan.epoch:
-                    world.abandon(plan.epoch, f"rank(s) {[r.rank for r in reps]} failed", dead={r.rank for r in reps})
-        with self._cond:
-            self._plans[plan.epoch] = plan
-            self._cond.notify_all()
+            world = nccl_delta.current_world()
+            if world.epoch < plan.epoch:
+                world.abandon(plan.epoch, f"rank(s) {[r.rank for r in reps]} failed", dead={r.rank for r in reps})
+
+    def _sever_handover(self, plan: MigrationPlan) -> None:
+        """A newer failure plan severs a planned hand-over in progress (its owner then finds the plan)."""
         channel = self.handover
-        if plan.reason == "failure" and channel is not None:
+        if plan.epoch > self.epoch and plan.reason == "failure" and channel is not None:
             channel.sever()
 
     def newest_failure_epoch(self) -> int:
         """The newest failure plan's epoch this rank has heard of (0: none)."""
-        with self._cond:
-            return max((e for e, p in self._plans.items() if p.reason == "failure"), default=0)
+        plan = self.inbox.newest("failure")
+        return plan.epoch if plan is not None else 0
 
     def _wait_failure_plan(self, after: int, timeout_s: float) -> MigrationPlan:
         """The newest failure plan newer than epoch ``after``, once there is one (at most ``timeout_s``)."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self.newest_failure_epoch() > after, timeout_s):
-                raise MigrationAborted(
-                    f"rank {self.layout.rank}: no migration plan within {timeout_s:.0f}s after a "
-                    "communication failure; is the controller (the launcher's agent) running?"
-                )
-            return self._plans[self.newest_failure_epoch()]
+
+        def newer(latest: dict[int, MigrationPlan]) -> MigrationPlan | None:
+            epochs = [e for e, p in latest.items() if p.reason == "failure" and e > after]
+            return latest[max(epochs)] if epochs else None
+
+        plan = self.inbox.wait_until(newer, timeout_s)
+        if plan is None:
+            raise MigrationAborted(
+                f"rank {self.layout.rank}: no migration plan within {timeout_s:.0f}s after a "
+                "communication failure; is the controller (the launcher's agent) running?"
+            )
+        return plan
 
     # -- unexpected failure ---------------------------------------------------
     def recover(self, session: Session, exc: BaseException) -> None:
@@ -247,9 +238,8 @@ class WorkerRuntime(Runtime):
 
     # -- planned migration ----------------------------------------------------
     def _wait_plan_field(self, epoch: int, ready: Callable[[MigrationPlan], bool], timeout_s: float) -> bool:
-        """Block until ``ready(plan)`` holds for the plan of ``epoch`` as the watch delivers it."""
-        with self._cond:
-            return self._cond.wait_for(lambda: ready(self._plans[epoch]), timeout_s)
+        """Block until ``ready(plan)`` holds for the plan of ``epoch`` as the inbox holds it."""
+        return self.inbox.wait_until(lambda latest: True if ready(latest[epoch]) else None, timeout_s) is not None
 
     def _switch_point(self, session: Session, plan: MigrationPlan, leaver: bool) -> int | None:
         """The boundary of the planned move ``plan`` once the controller committed it; None: train on.
@@ -281,17 +271,17 @@ class WorkerRuntime(Runtime):
                     f"rank {self.layout.rank}: the controller committed no switch point for the "
                     f"planned move of epoch {e} within {self.timeout_s:.0f}s"
                 )
-            switch_at = self._plans[e].switch_at
+            switch_at = self.inbox.latest[e].switch_at
             assert switch_at is not None  # the wait above saw it set, and a plan's switch_at is never unset
         else:
             key = self.space.key("migrations", migration_key_suffix(e))
-            deadline = time.monotonic() + self.timeout_s
+            deadline = Deadline(self.timeout_s)
             while True:
                 entry = self.space.kv.get(key)
                 switch_at = None if entry is None else MigrationPlan.from_bytes(entry.value, key=key).switch_at
                 if switch_at is not None or not at_last:
                     break
-                if time.monotonic() > deadline:  # the last boundary: the move cannot come later
+                if deadline.expired:  # the last boundary: the move cannot come later
                     logger.warning(
                         "rank %d: no switch point for epoch %d within %.0fs; finishing without the planned move",
                         self.layout.rank,
@@ -308,8 +298,8 @@ class WorkerRuntime(Runtime):
     def before_iteration(self, session: Session) -> bool:
         if self._replaced:
             raise MembershipLost(f"rank {session.layout.rank} was replaced by the control plane")
-        with self._cond:
-            pending = [p for e, p in sorted(self._plans.items()) if e > self.epoch and p.reason == "planned"]
+        latest = self.inbox.snapshot()
+        pending = [p for e, p in sorted(latest.items()) if e > self.epoch and p.reason == "planned"]
         if not pending:
             return True
         plan = pending[0]

@@ -24,6 +24,7 @@ import os
 import time
 from collections.abc import Callable
 
+from trainmover_ext.deadline import Deadline
 from trainmover_ext.errors import ConfigError, RecordingCorrupt, RecordingNotFound
 
 from .recording import INDEX_FILE, Recording
@@ -127,7 +128,7 @@ def wait_for_recordings(
     should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, Recording]:
     """Every role in ``roles``, opened and verified, once all are sealed; see the module docstring."""
-    deadline = time.monotonic() + timeout_s
+    deadline = Deadline(timeout_s)
     found: dict[str, dict] = {}
     while True:
         for role in roles:
@@ -141,7 +142,7 @@ def wait_for_recordings(
                 found[role] = summary
         if len(found) == len(roles):
             return {role: open_published(found[role], record_dir) for role in roles}
-        if time.monotonic() >= deadline or (should_stop is not None and should_stop()):
+        if deadline.expired or (should_stop is not None and should_stop()):
             missing = [r for r in roles if r not in found]
             where = "etcd (recordings/<role>)" if space is not None else record_dir
             raise RecordingNotFound(
@@ -149,7 +150,7 @@ def wait_for_recordings(
                 "--tm-record-iters iterations into --tm-record-dir once it trains; check that the job and the "
                 "standby name the same shared directory, or raise --tm-record-timeout"
             )
-        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(poll_s, deadline.remaining()))
 
 
 def _summary_from_disk(record_dir: str, role: str) -> dict | None:

@@ -3,7 +3,7 @@
 Contract: :func:`run_scale_check` builds a whole job in one process, with the REAL
 control plane: :class:`~trainmover_ext.kv.memory.MemoryKV` (the in-memory etcd
 fake), :class:`~trainmover_ext.kv.job.JobSpace`, ``init_job``, one
-:class:`~trainmover_ext.control.membership.DecisionWatcher` per rank, the pure
+:class:`~trainmover_ext.control.membership.PlanInbox` per rank, the pure
 ``decide(view, now)`` and the CAS :class:`~trainmover_ext.control.executor.Executor`.
 It then kills one rank (its lease is revoked, as when a machine dies) and, in a
 second round, requests a planned move of another rank, and counts:
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from trainmover_ext.control.decide import PlanMigration, decide
 from trainmover_ext.control.executor import Executor, Outcome
 from trainmover_ext.control.membership import (
-    DecisionWatcher,
+    PlanInbox,
     init_job,
     report_recovery,
     request_migration,
@@ -183,7 +183,7 @@ def run_scale_check(ranks: int = 1024, tp: int = 8, pp: int = 8, standbys: int =
         )
         space.put(space.key("members", sb.member_id), sb.to_bytes(), lease=kv.grant_lease(10))
     heard: list[int] = []
-    watchers = [DecisionWatcher(space, on_plan=lambda plan, r=r: heard.append(r)) for r in range(ranks)]
+    watchers = [PlanInbox(space, on_plan=lambda plan, r=r: heard.append(r)) for r in range(ranks)]
     all_links = {name: [ring_links(g) for g in gs] for name, gs in groups.items()}
     links_total = sum(len(links) for per_group in all_links.values() for links in per_group)
     migrations = []
@@ -352,7 +352,7 @@ def run_recovery_check(ranks: int, tp: int = 4, pp: int = 5, timeout_s: float = 
     )
     clients = [RankClient(kv) for _ in range(ranks)]
     spaces = [JobSpace(client, space.job, space.token, space._record) for client in clients]
-    watchers = [DecisionWatcher(sp, on_plan=lambda plan: None, resync_s=3600) for sp in spaces]
+    watchers = [PlanInbox(sp, on_plan=lambda plan: None, resync_s=3600) for sp in spaces]
     try:
         for c in clients:  # count from the failure on
             c.reads = c.writes = c.watch_events = 0
