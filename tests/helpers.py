@@ -266,7 +266,7 @@ def trainmover_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProce
 
 @dataclass(frozen=True)
 class TransferReport:
-    """One side of a state transfer as a rank reported it (sizes in MiB)."""
+    """One side of a state transfer as a rank recorded it (sizes in MiB)."""
 
     side: str  # "sent" or "received"
     rank: int
@@ -282,25 +282,20 @@ class TransferReport:
         return self.peak_mib - (self.start_mib if self.side == "sent" else self.end_mib)
 
 
-_TRANSFER_RE = re.compile(
-    r"rank (\d+) (sent|received) ([\d.]+) MiB of state (?:to|from) rank (\d+) \(epoch \d+\); RSS ([\d.]+) MiB at "
-    r"the start, peak ([\d.]+) MiB during(?:, ([\d.]+) MiB after)?"
-)
-
-
 def transfers(job: LaunchedJob) -> list[TransferReport]:
-    """Every state transfer the job's ranks reported, both sides."""
+    """Every state transfer the job's ranks recorded in its timeline (``state_transfer`` events), both sides."""
+    mib = 2**20
     return [
         TransferReport(
-            side=m[1],
-            rank=int(m[0]),
-            peer=int(m[3]),
-            state_mib=float(m[2]),
-            start_mib=float(m[4]),
-            peak_mib=float(m[5]),
-            end_mib=float(m[6]) if m[6] else None,
+            side=d["side"],
+            rank=d["rank"],
+            peer=d["peer"],
+            state_mib=d["bytes"] / mib,
+            start_mib=d["start_rss"] / mib,
+            peak_mib=d["peak_rss"] / mib,
+            end_mib=d["end_rss"] / mib if "end_rss" in d else None,
         )
-        for m in _TRANSFER_RE.findall(job.stdout())
+        for d in (e["detail"] for e in job.events("state_transfer"))
     ]
 
 

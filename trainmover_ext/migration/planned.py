@@ -136,7 +136,9 @@ def hand_over(rt: WorkerRuntime, session: Session, plan: MigrationPlan) -> None:
             rt,
             channel,
             plan.epoch,
-            lambda: send_and_report(channel, session, plan.replacement_list()[0].rank, plan.epoch, drill="handover"),
+            lambda: send_and_report(
+                channel, session, plan.replacement_list()[0].rank, plan.epoch, drill="handover", space=rt.space
+            ),
         )
     except CommLinkError as exc:
         # The joiner is gone: our state went nowhere, and the rank is not ours any more. Leave; the
@@ -153,7 +155,10 @@ def receive_from_leaver(rt: WorkerRuntime, session: Session, plan: MigrationPlan
     short; the state is then unusable (``rt.state_valid`` is False) until a recovery copies it."""
     channel = open_handover(_handover_store(rt), f"{plan.epoch}/leaver", 1, rt.timeout_s, _superseded(rt, plan.epoch))
     _use(
-        rt, channel, plan.epoch, lambda: recv_and_report(channel, session, plan.replacement_list()[0].rank, plan.epoch)
+        rt,
+        channel,
+        plan.epoch,
+        lambda: recv_and_report(channel, session, plan.replacement_list()[0].rank, plan.epoch, space=rt.space),
     )
     rt.state_valid = True
     from megatron.training import iteration_start

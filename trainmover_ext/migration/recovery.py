@@ -19,12 +19,15 @@ Contract (every rank of the epoch, main thread):
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from megatron.training import checkpointing, iteration_start
+from trainmover_ext.control.executor import event_put
 from trainmover_ext.control.membership import report_recovery, wait_convergence
 from trainmover_ext.control.records import ConvergenceRecord, MigrationPlan
-from trainmover_ext.errors import MigrationAborted, RecoverySuperseded
+from trainmover_ext.errors import MigrationAborted, RecoverySuperseded, TrainMoverError
+from trainmover_ext.kv.job import JobSpace
 from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults
 
@@ -63,10 +66,10 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, *, fresh_
         # qualifies (the controller picks it), so nothing is set up on the critical path.
         for src, dst in cplan.copies:
             if layout.rank == src:
-                send_and_report(LinkChannel(dst), session, dst, e, drill="send")
+                send_and_report(LinkChannel(dst), session, dst, e, drill="send", space=rt.space)
             elif layout.rank == dst:
                 rt.state_valid = False  # until every tensor has landed
-                recv_and_report(LinkChannel(src), session, src, e)
+                recv_and_report(LinkChannel(src), session, src, e, space=rt.space)
                 rt.state_valid = True
                 session.started = iteration_start.capture(args)  # what a later rewind goes back to
         if rt.state_valid is False or args.iteration != cplan.resume_iteration:
@@ -116,9 +119,24 @@ def _load_checkpoint(rt: WorkerRuntime, session: Session, cplan: ConvergenceReco
     session.started = iteration_start.capture(args)
 
 
-def send_and_report(channel: Channel[Any], session: Session, dst: int, epoch: int, drill: str) -> int:
-    """Send this rank's state and say how much, and what it cost in memory (must be ~nothing).
-    ``drill`` names the fault-drill phase that fires after the metadata (``send`` or ``handover``)."""
+def record_transfer(space: JobSpace | None, detail: dict[str, Any]) -> None:
+    """One side of a state transfer, as a ``state_transfer`` event of the job's timeline (``trainmover
+    events``, the run archive): what was moved and what it cost in memory. etcd trouble is logged only:
+    the record is not a step of the recovery."""
+    if space is None:
+        return
+    try:
+        space.kv.commit([], [event_put(space, "state_transfer", detail, time.time())])
+    except TrainMoverError as exc:
+        logger.warning("could not record the state transfer of rank %s: %s", detail.get("rank"), exc)
+
+
+def send_and_report(
+    channel: Channel[Any], session: Session, dst: int, epoch: int, drill: str, space: JobSpace | None = None
+) -> int:
+    """Send this rank's state and say how much, and what it cost in memory (must be ~nothing), in the
+    log and in the timeline (:func:`record_transfer`). ``drill`` names the fault-drill phase that fires
+    after the metadata (``send`` or ``handover``)."""
     from trainmover_ext.migration.transfer import forged_kind, send_state
     from trainmover_ext.runtime.memwatch import PeakWindow
 
@@ -139,11 +157,26 @@ def send_and_report(channel: Channel[Any], session: Session, dst: int, epoch: in
         "during",
         flush=True,
     )
+    record_transfer(
+        space,
+        {
+            "side": "sent",
+            "rank": session.layout.rank,
+            "peer": dst,
+            "epoch": epoch,
+            "bytes": sent,
+            "start_rss": mem.start_rss,
+            "peak_rss": mem.peak,
+        },
+    )
     return sent
 
 
-def recv_and_report(channel: Channel[Any], session: Session, src: int, epoch: int) -> int:
-    """Receive a rank's state and say how much, and whether it allocated anything it does not keep."""
+def recv_and_report(
+    channel: Channel[Any], session: Session, src: int, epoch: int, space: JobSpace | None = None
+) -> int:
+    """Receive a rank's state and say how much, and whether it allocated anything it does not keep, in
+    the log and in the timeline (:func:`record_transfer`)."""
     from trainmover_ext.migration.transfer import recv_state
     from trainmover_ext.runtime.memwatch import PeakWindow
 
@@ -154,5 +187,18 @@ def recv_and_report(channel: Channel[Any], session: Session, src: int, epoch: in
         f"(epoch {epoch}); RSS {mem.start_rss / 2**20:.1f} MiB at the start, peak {mem.peak / 2**20:.1f} MiB "
         f"during, {mem.end_rss / 2**20:.1f} MiB after",
         flush=True,
+    )
+    record_transfer(
+        space,
+        {
+            "side": "received",
+            "rank": session.layout.rank,
+            "peer": src,
+            "epoch": epoch,
+            "bytes": received,
+            "start_rss": mem.start_rss,
+            "peak_rss": mem.peak,
+            "end_rss": mem.end_rss,
+        },
     )
     return received
