@@ -73,6 +73,7 @@ def test_rank_orphaned_by_lease_expiry_is_planned_with_replica_source():
     assert rep.state_source == {"kind": "replica"}
     assert plan.resume_iteration is None, "the convergence decision names it once the stayers reported"
     assert act.rank_updates[0].member_id == "s2" and act.rank_updates[0].since_epoch == 4
+    assert act.why == ((1, "lease expired"),), "the timeline says how the loss was detected"
 
 
 def test_member_dead_by_report_is_planned_before_lease_expiry():
@@ -81,6 +82,8 @@ def test_member_dead_by_report_is_planned_before_lease_expiry():
     assert act.plan.replacement_list()[0].leaver == "w2"
     assert act.plan.detected_at == 99.5 and act.plan.steps["decided"] == 100.0
     assert act.consumed == (ROOT + "reports/2/w3",)
+    ((rank, why),) = act.why
+    assert rank == 2 and why.startswith("link broken: "), why
 
 
 def test_stale_report_is_dropped_without_a_plan():

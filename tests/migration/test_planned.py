@@ -11,7 +11,9 @@ from helpers import (
     ITERS,
     assert_transfer_memory,
     control_flags,
+    fell_back,
     read_metrics,
+    replaced,
     start_job,
     tm_args,
     trainmover_cli,
@@ -72,8 +74,8 @@ def _migrate_and_check(tmp_path, corpus, reference, nproc, args, ref_key, rank):
         job.popen.kill()
         raise
     err = _finish(job)
-    assert f"(planned): rank {rank} -> standby" in err, err[-3000:]
-    assert "falling back" not in err and "exited with code" not in err, err[-3000:]
+    assert [(r["rank"], r["joiner"][:7]) for r in replaced(job)] == [(rank, "standby")], err[-3000:]
+    assert replaced(job)[0]["reason"] == "planned" and not fell_back(job), err[-3000:]
     got = trajectory(job.metrics_path)
     assert sorted(got) == list(range(1, ITERS + 1))
     assert got == ref, "the trajectory differs from the run without a migration"
@@ -134,14 +136,11 @@ def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, referen
         rank1_pid = job.rank_pids()[0][1]
         _wait_warm(job, "first")
         _migrate(job, "--rank", "1")
-        m = wait_for(
-            lambda: re.search(r"the leaver of rank 1 \(pid (\d+)\) rejoins the pool as (\S+)", job.stderr()),
-            120,
-            interval=0.1,
-            what="the leaver to rejoin the pool",
+        (back,) = wait_for(
+            lambda: job.events("standby_rejoined"), 120, interval=0.1, what="the leaver to rejoin the pool"
         )
-        assert int(m.group(1)) == rank1_pid
-        rejoined = m.group(2)
+        assert (back["detail"]["pid"], back["detail"]["rank"]) == (rank1_pid, 1)
+        rejoined = back["detail"]["member"]
         # rank 6 is on the last stage: `migrate --to` accepts only a standby warm for its role
         _wait_warm(job, "last", rejoined)
         _migrate(job, "--rank", "6", "--to", rejoined)
@@ -149,15 +148,16 @@ def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, referen
         job.popen.kill()
         raise
     err = _finish(job)
-    assert f"(planned): rank 6 -> {rejoined} (pid {rank1_pid})" in err, err[-3000:]
-    assert "the leaver of rank 6" in err and "rejoins the pool" in err, err[-3000:]
-    assert "spawn)" not in err, "a new standby was started although the leaver refilled the pool"
+    moves = [(r["rank"], r["joiner"], r["reason"]) for r in replaced(job)]
+    assert moves[1] == (6, rejoined, "planned") and len(moves) == 2, moves
+    assert [e["detail"]["rank"] for e in job.events("standby_rejoined")] == [1, 6], err[-3000:]
+    assert job.events("standby_started") == [], "a new standby was started although the leaver refilled the pool"
     if priority.can_restore():  # as root, or with CAP_SYS_NICE: the launcher lowers its standbys' priority
         out = job.stdout()
         promotions = re.findall(r"promoted to rank (\d) \(epoch \d, planned\); CPU niceness (\d+) -> (\d+)", out)
         assert promotions == [("1", "19", "0"), ("6", "19", "0")], out[-3000:]
         assert f"rejoining the pool as standby {rejoined} (pid {rank1_pid}, CPU niceness 19)" in out, out[-3000:]
-    assert "falling back" not in err and "exited with code" not in err, err[-3000:]
+    assert not fell_back(job) and replaced(job, "failure") == [], err[-3000:]
     got = trajectory(job.metrics_path)
     assert sorted(got) == list(range(1, iters + 1))
     assert got == ref, "the trajectory differs from the run without the migrations"

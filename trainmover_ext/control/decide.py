@@ -64,6 +64,8 @@ class PlanMigration:
     """New ``ranks/<r>`` records naming the joiners."""
     consumed: tuple[str, ...] = ()
     """Report/request/alert keys this plan settles; deleted in the same transaction."""
+    why: tuple[tuple[int, str], ...] = ()
+    """(rank, how its loss was detected) for each replaced rank of a failure plan, for the timeline."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,6 +312,7 @@ def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by:
             expected_epoch_rev=view.epoch_rev,
             rank_updates=tuple(updates),
             consumed=tuple(consumed),
+            why=tuple((f.rank.rank, f.reason) for f in failures if f not in unserved),
         )
     )
     return actions

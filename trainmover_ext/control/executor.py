@@ -52,6 +52,12 @@ class Outcome(enum.Enum):
     CONFLICT = "conflict"
 
 
+def _why(action: PlanMigration, rank: int) -> dict[str, str]:
+    """``{"why": how rank's loss was detected}`` for a failure plan's replacement (empty otherwise)."""
+    reasons = dict(action.why)
+    return {"why": reasons[rank]} if rank in reasons else {}
+
+
 def event_put(space: JobSpace, what: str, detail: dict[str, Any], now: float) -> Put:
     """A ``Put`` of one timeline event (append-only; keys sort by time)."""
     return Put(space.key("events", event_key_suffix(now)), Event(time=now, what=what, detail=detail).to_bytes())
@@ -95,7 +101,10 @@ class Executor:
                         "epoch": plan.epoch,
                         "reason": plan.reason,
                         "unserved": plan.unserved,
-                        "replacements": [{k: r[k] for k in ("rank", "leaver", "joiner")} for r in plan.replacements],
+                        "replacements": [
+                            {k: r[k] for k in ("rank", "leaver", "joiner")} | _why(action, r["rank"])
+                            for r in plan.replacements
+                        ],
                     },
                     plan.decided_at,
                 )

@@ -202,6 +202,10 @@ class TrainMoverSupervisor:
 
         controller = self.controller
         self.archive = RunArchive(self.agent._run_dir()).start(self.space, lambda: controller.is_leader)
+        for member, proc in self.standbys.items():  # started before etcd was opened
+            self._event(
+                "standby_started", {"member": member, "pid": proc.pid, "how": "fork", "node": self.cfg.node_rank}
+            )
 
     def close(self) -> None:
         reserves, self.reserves = self.reserves, []
@@ -259,6 +263,10 @@ class TrainMoverSupervisor:
                         self.agent.log(
                             f"epoch {plan.epoch} (planned): the leaver of rank {rep.rank} (pid "
                             f"{old[0].pid}) rejoins the pool as {standby}"
+                        )
+                        self._event(
+                            "standby_rejoined",
+                            {"member": standby, "pid": old[0].pid, "rank": rep.rank, "epoch": plan.epoch},
                         )
                     elif plan.reason == "planned":
                         self.leaving[rep.rank] = old
@@ -368,6 +376,7 @@ class TrainMoverSupervisor:
                         )
                         continue
                     self.agent.log(f"standby {member} exited ({proc.returncode}); starting another")
+                    self._event("standby_exited", {"member": member, "code": proc.returncode, "replaced": True})
                     self._start_standby("spawn")
             self.agent.procs = (
                 [p for p, _ in self.serving.values()]
