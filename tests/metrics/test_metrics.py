@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from production.conftest import FAULT_ITER
 from prometheus_client.parser import text_string_to_metric_families
 
+from support.scraped_job import FAULT_ITER
 from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord, migration_key_suffix
 from trainmover_ext.kv.job import JobSpace
 from trainmover_ext.kv.memory import MemoryKV

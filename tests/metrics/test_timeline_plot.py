@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from production.conftest import JOB, TOKEN
 
 from harness.jobs import REPO_ROOT
+from support.scraped_job import JOB, TOKEN
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.timeline_plot import plot_timeline
 

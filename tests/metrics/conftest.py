@@ -15,11 +15,8 @@ from dataclasses import dataclass
 import pytest
 
 from helpers import LaunchedJob, start_job, tm_args
+from support.scraped_job import FAULT_ITER, ITERS, JOB, TOKEN
 from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig
-
-FAULT_ITER = 8
-ITERS = 24
-JOB, TOKEN = "scraped", "scraped-token-0123456789"
 
 
 @dataclass

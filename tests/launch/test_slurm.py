@@ -14,10 +14,10 @@ import subprocess
 import sys
 
 import pytest
-from production.slurm_harness import SlurmCluster
 
 from harness.jobs import REPO_ROOT
 from helpers import pid_alive, read_metrics, tiny_args
+from support.slurm_harness import SlurmCluster
 from trainmover_ext.netutil import free_ports
 
 pytestmark = pytest.mark.slow

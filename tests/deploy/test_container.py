@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from production.tools import venv_tool
 
 from harness.jobs import REPO_ROOT
+from support.tools import venv_tool
 
 DOCKERFILE = Path(REPO_ROOT) / "Dockerfile"
 TORCH = "torch==2.13.0"

@@ -6,9 +6,8 @@ import glob
 import os
 import subprocess
 
-from production.tools import venv_tool
-
 from harness.jobs import REPO_ROOT
+from support.tools import venv_tool
 
 SLURM_DIR = os.path.join(REPO_ROOT, "scripts", "slurm")
 SCRIPTS = sorted(glob.glob(os.path.join(SLURM_DIR, "*.sh")) + glob.glob(os.path.join(SLURM_DIR, "*.sbatch")))

@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 import re
 
-from production.tools import REQUIREMENTS, pinned
-
 from harness.jobs import REPO_ROOT
+from support.tools import REQUIREMENTS, pinned
 
 
 def test_linters_are_pinned():
