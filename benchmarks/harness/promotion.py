@@ -66,7 +66,7 @@ def init_delta_world(args, rank: int, world_size: int, store, join_epoch: int | 
     import nccl_delta
     import trainmover_ext.patches as patches
     from megatron.training import global_vars
-    from megatron.training.initialize import ParallelLayout
+    from megatron.training.initialize import layout_from_groups
     from megatron.training.tokenizer import build_tokenizer
 
     patches.install()
@@ -86,16 +86,11 @@ def init_delta_world(args, rank: int, world_size: int, store, join_epoch: int | 
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         create_gloo_process_groups=False,
     )
-    return ParallelLayout(
+    return layout_from_groups(
+        args,
         rank=rank,
         world_size=world_size,
         local_rank=0,
-        tp_size=args.tensor_model_parallel_size,
-        pp_size=args.pipeline_model_parallel_size,
-        dp_size=args.data_parallel_size,
-        tp_rank=mpu.get_tensor_model_parallel_rank(),
-        pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        dp_rank=mpu.get_data_parallel_rank(),
         device=torch.device("cpu"),
         backend="gloo",
         comm="nccl_delta",

@@ -128,7 +128,7 @@ def init_real_world(args, rank: int, world_size: int, store_port: int, prefix: s
 
     import trainmover_ext.patches as patches
     from megatron.training import global_vars
-    from megatron.training.initialize import ParallelLayout
+    from megatron.training.initialize import layout_from_groups
     from megatron.training.tokenizer import build_tokenizer
 
     patches.install()
@@ -142,18 +142,8 @@ def init_real_world(args, rank: int, world_size: int, store_port: int, prefix: s
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         create_gloo_process_groups=False,
     )
-    return ParallelLayout(
-        rank=rank,
-        world_size=world_size,
-        local_rank=0,
-        tp_size=args.tensor_model_parallel_size,
-        pp_size=args.pipeline_model_parallel_size,
-        dp_size=args.data_parallel_size,
-        tp_rank=mpu.get_tensor_model_parallel_rank(),
-        pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        dp_rank=mpu.get_data_parallel_rank(),
-        device=__import__("torch").device("cpu"),
-        backend="gloo",
+    return layout_from_groups(
+        args, rank=rank, world_size=world_size, local_rank=0, device=__import__("torch").device("cpu"), backend="gloo"
     )
 
 

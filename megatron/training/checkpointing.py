@@ -134,20 +134,25 @@ def set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
 
 
+def _layout(args) -> dict:
+    """What a checkpoint must match to be loaded: the parallel layout and the model's shape."""
+    return {
+        "tp": args.tensor_model_parallel_size,
+        "pp": args.pipeline_model_parallel_size,
+        "dp": args.data_parallel_size,
+        "num_layers": args.num_layers,
+        "hidden_size": args.hidden_size,
+        "distributed_optimizer": args.use_distributed_optimizer,
+    }
+
+
 def training_state(model, optimizer, scheduler, iteration: int, consumed_samples: int, args, with_optim=True) -> dict:
     """Everything a rank needs to continue exactly from ``iteration``."""
     state = {
         "version": FORMAT_VERSION,
         "iteration": iteration,
         "consumed_train_samples": consumed_samples,
-        "layout": {
-            "tp": args.tensor_model_parallel_size,
-            "pp": args.pipeline_model_parallel_size,
-            "dp": args.data_parallel_size,
-            "num_layers": args.num_layers,
-            "hidden_size": args.hidden_size,
-            "distributed_optimizer": args.use_distributed_optimizer,
-        },
+        "layout": _layout(args),
         "model": [chunk.state_dict() for chunk in model],
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": rng_state(),
@@ -178,14 +183,7 @@ def load_training_state(
     """Apply a :func:`training_state` dict; returns ``(iteration, consumed_samples)``."""
     if state.get("version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint format version {state.get('version')} is not {FORMAT_VERSION}")
-    expected = {
-        "tp": args.tensor_model_parallel_size,
-        "pp": args.pipeline_model_parallel_size,
-        "dp": args.data_parallel_size,
-        "num_layers": args.num_layers,
-        "hidden_size": args.hidden_size,
-        "distributed_optimizer": args.use_distributed_optimizer,
-    }
+    expected = _layout(args)
     diff = {k: (state["layout"].get(k), v) for k, v in expected.items() if state["layout"].get(k) != v}
     if diff:
         raise CheckpointError(

@@ -107,7 +107,6 @@ class DistributedSetup(Protocol):
 
 def initialize_distributed(args, setup: DistributedSetup | None = None) -> ParallelLayout:
     """Init torch.distributed (through ``setup`` when given) and megatron's parallel state."""
-    from megatron.core import parallel_state as mpu
 
     if setup is not None:
         setup.prepare()
@@ -139,6 +138,18 @@ def initialize_distributed(args, setup: DistributedSetup | None = None) -> Paral
     initialize_model_parallel(args)
     if setup is not None:
         setup.after_groups()
+    return layout_from_groups(
+        args, rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend, comm=comm
+    )
+
+
+def layout_from_groups(
+    args, *, rank: int, world_size: int, local_rank: int, device: torch.device, backend: str, comm: str = ""
+) -> ParallelLayout:
+    """This rank's :class:`ParallelLayout`, its grid coordinates read from megatron's parallel state
+    (which must be initialised)."""
+    from megatron.core import parallel_state as mpu
+
     return ParallelLayout(
         rank=rank,
         world_size=world_size,

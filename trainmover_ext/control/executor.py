@@ -164,15 +164,8 @@ class Executor:
                 ],
             )
         if isinstance(action, DropStaleReport):
-            entry = s.kv.get(action.key)
-            if entry is None:
-                return Outcome.CONFLICT
-            return self._commit(
-                [Guard.mod_revision(action.key, entry.mod_revision)],
-                [
-                    Delete(action.key),
-                    event_put(s, "stale_report_dropped", {"key": action.key, "reason": action.reason}, _now()),
-                ],
+            return self._delete_with_event(
+                action.key, "stale_report_dropped", {"key": action.key, "reason": action.reason}
             )
         if isinstance(action, RaiseAlert):
             a = action.alert
@@ -184,17 +177,19 @@ class Executor:
                 ],
             )
         if isinstance(action, RejectRequest):
-            entry = s.kv.get(action.key)
-            if entry is None:
-                return Outcome.CONFLICT
-            return self._commit(
-                [Guard.mod_revision(action.key, entry.mod_revision)],
-                [
-                    Delete(action.key),
-                    event_put(s, "request_rejected", {"request": action.request_id, "reason": action.reason}, _now()),
-                ],
+            return self._delete_with_event(
+                action.key, "request_rejected", {"request": action.request_id, "reason": action.reason}
             )
         raise TypeError(f"unknown action {action!r}")
+
+    def _delete_with_event(self, key: str, what: str, detail: dict[str, Any]) -> Outcome:
+        """Delete ``key`` as read now (CONFLICT if it is gone or changes meanwhile) and record why."""
+        entry = self.space.kv.get(key)
+        if entry is None:
+            return Outcome.CONFLICT
+        return self._commit(
+            [Guard.mod_revision(key, entry.mod_revision)], [Delete(key), event_put(self.space, what, detail, _now())]
+        )
 
 
 def _now() -> float:

@@ -142,22 +142,15 @@ def _ensure_globals(args) -> None:
 
 
 def _layout_from_mpu(args, recording: Recording):
-    from megatron.core import parallel_state as mpu
+    from megatron.training.initialize import layout_from_groups
 
-    from megatron.training.initialize import ParallelLayout
-
-    return ParallelLayout(
+    # The job's backend decides megatron's p2p batching; replay the job's choice, not ours.
+    return layout_from_groups(
+        args,
         rank=recording.rank,
         world_size=recording.world_size,
         local_rank=0,
-        tp_size=args.tensor_model_parallel_size,
-        pp_size=args.pipeline_model_parallel_size,
-        dp_size=args.data_parallel_size,
-        tp_rank=mpu.get_tensor_model_parallel_rank(),
-        pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        dp_rank=mpu.get_data_parallel_rank(),
         device=torch.device("cpu"),
-        # The job's backend decides megatron's p2p batching; replay the job's choice, not ours.
         backend=recording.index["layout"]["backend"],
     )
 
