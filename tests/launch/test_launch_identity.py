@@ -12,9 +12,10 @@ import pytest
 
 from harness.jobs import PRETRAIN, REPO_ROOT
 from trainmover_ext.errors import ConfigError
-from trainmover_ext.launch.agent import Agent, node_name
+from trainmover_ext.launch.agent import Agent
 from trainmover_ext.launch.cli import job_token
 from trainmover_ext.launch.config import LaunchConfig
+from trainmover_ext.launch.identity import node_name
 from trainmover_ext.launch.rendezvous import RendezvousPlan
 
 
@@ -78,4 +79,4 @@ def test_ranks_inherit_the_node_name(monkeypatch):
     monkeypatch.delenv("TRAINMOVER_NODE_NAME", raising=False)
     monkeypatch.setenv("SLURMD_NODENAME", "emulated-node-2")
     agent = Agent(LaunchConfig(script=PRETRAIN, rendezvous=RendezvousPlan(backend="tcp")))
-    assert agent._env(0, 1234)["TRAINMOVER_NODE_NAME"] == "emulated-node-2"
+    assert agent.rank_env(0, 1234)["TRAINMOVER_NODE_NAME"] == "emulated-node-2"

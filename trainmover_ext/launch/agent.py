@@ -25,22 +25,9 @@ from trainmover_ext.errors import ConfigError, LaunchError
 from trainmover_ext.etcd.auth import ROOT_USER
 from trainmover_ext.fsutil import write_private
 from trainmover_ext.launch.config import LaunchConfig
+from trainmover_ext.launch.identity import ENV_NODE_NAME, node_name
 from trainmover_ext.launch.process import RankProcess, fork_rank, preimport_for_fork, spawn_rank
 from trainmover_ext.netutil import free_port
-
-ENV_NODE_NAME = "TRAINMOVER_NODE_NAME"
-
-
-def node_name(environ=None) -> str:
-    """This node's name in member records: ``TRAINMOVER_NODE_NAME``, else Slurm's ``SLURMD_NODENAME``, else the
-    host name.
-
-    Under Slurm several slurmd may share one machine (emulated nodes), so the
-    Slurm node name, not ``hostname``, tells the controller which members share
-    a node; ``TRAINMOVER_NODE_NAME`` overrides both outside Slurm.
-    """
-    environ = os.environ if environ is None else environ
-    return environ.get(ENV_NODE_NAME) or environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 @dataclass(kw_only=True)
@@ -83,12 +70,12 @@ class Agent:
         """The agent generated the job token: save it in the run dir so `trainmover status` can use it."""
         self.procs: list[RankProcess] = []
         self.restarts = 0
-        self._stop_signal: int | None = None
+        self.stop_signal: int | None = None
         self.log = log or (lambda msg: print(f"[trainmover launch] {msg}", file=sys.stderr, flush=True))
         self.events: list[dict] = []
         self.etcd = None
 
-    def _env(self, local_rank: int, port: int) -> dict[str, str]:
+    def rank_env(self, local_rank: int, port: int) -> dict[str, str]:
         cfg = self.config
         return cfg.rendezvous.env(self.restarts) | {
             "RANK": str(cfg.node_rank * cfg.nproc_per_node + local_rank),
@@ -116,7 +103,13 @@ class Agent:
         for i in range(cfg.nproc_per_node):
             rank = cfg.node_rank * cfg.nproc_per_node + i
             self.procs.append(
-                start(rank, self._env(i, port), cfg.script, cfg.script_args, cfg.logs.open(str(rank), i, self.restarts))
+                start(
+                    rank,
+                    self.rank_env(i, port),
+                    cfg.script,
+                    cfg.script_args,
+                    cfg.logs.open(str(rank), i, self.restarts),
+                )
             )
         self.events.append(
             {
@@ -161,7 +154,7 @@ class Agent:
             self.log("all ranks finished")
             return 0
         self.stop_ranks()
-        if self._stop_signal is not None or self.restarts >= self.config.max_restarts:
+        if self.stop_signal is not None or self.restarts >= self.config.max_restarts:
             return code
         self.restarts += 1
         self._count_restart()
@@ -170,12 +163,12 @@ class Agent:
         return None
 
     def _on_signal(self, signum, frame) -> None:
-        self._stop_signal = signum
+        self.stop_signal = signum
 
     def _wait(self) -> tuple[RankProcess | None, bool]:
         """Block until a rank fails (returns it) or all succeed (returns None)."""
         while True:
-            if self._stop_signal is not None:
+            if self.stop_signal is not None:
                 return None, False
             codes = [p.poll() for p in self.procs]
             for proc, code in zip(self.procs, codes, strict=False):
@@ -262,7 +255,7 @@ class Agent:
             return None
         return GatewayTLS(ca_cert=tls["ca_cert"], client_cert=tls.get("client_cert"), client_key=tls.get("client_key"))
 
-    def _run_dir(self) -> str:
+    def run_dir(self) -> str:
         return self.config.run_dir or os.path.join("runs", self.config.rendezvous.job)
 
     def _prepare_metrics(self) -> None:
@@ -272,8 +265,8 @@ class Agent:
         ep, cfg = self.endpoint, self.config
         if ep.metrics_file is None and cfg.trainmover:
             # A --trainmover script takes --tm-metrics-file; ask its logging rank for one the agent can tail.
-            ep.metrics_file = os.path.join(self._run_dir(), "metrics.jsonl")
-            os.makedirs(self._run_dir(), exist_ok=True)
+            ep.metrics_file = os.path.join(self.run_dir(), "metrics.jsonl")
+            os.makedirs(self.run_dir(), exist_ok=True)
             cfg.script_args = list(cfg.script_args) + ["--tm-metrics-file", ep.metrics_file]
         self.metrics = AgentMetrics(job=cfg.rendezvous.job)
         self.metrics_feed = MetricsFeed(
@@ -317,7 +310,7 @@ class Agent:
         plan = self.config.rendezvous
         token_ref = "$TRAINMOVER_JOB_TOKEN"
         if self.write_token_file:
-            run_dir = self._run_dir()
+            run_dir = self.run_dir()
             os.makedirs(run_dir, exist_ok=True)
             token_file = os.path.join(run_dir, "job-token")
             write_private(token_file, plan.token + "\n")
@@ -363,9 +356,9 @@ class Agent:
                     self.log("all ranks finished")
                     return 0
                 if failed is None:  # asked to stop
-                    self.log(f"received {signal.Signals(self._stop_signal).name}; stopping ranks")
+                    self.log(f"received {signal.Signals(self.stop_signal).name}; stopping ranks")
                     self.stop_ranks()
-                    return 128 + self._stop_signal
+                    return 128 + self.stop_signal
                 code = failed.returncode
                 t_fail = time.time()
                 self.events.append({"event": "failure", "t": t_fail, "rank": failed.rank, "code": code})

@@ -20,6 +20,21 @@ from trainmover_ext.launch import rendezvous
 ENV_MEMBER_ID = "TRAINMOVER_MEMBER_ID"
 
 
+ENV_NODE_NAME = "TRAINMOVER_NODE_NAME"
+
+
+def node_name(environ=None) -> str:
+    """This node's name in member records: ``TRAINMOVER_NODE_NAME``, else Slurm's ``SLURMD_NODENAME``, else the
+    host name.
+
+    Under Slurm several slurmd may share one machine (emulated nodes), so the
+    Slurm node name, not ``hostname``, tells the controller which members share
+    a node; ``TRAINMOVER_NODE_NAME`` overrides both outside Slurm.
+    """
+    environ = os.environ if environ is None else environ
+    return environ.get(ENV_NODE_NAME) or environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
 @dataclass(kw_only=True)
 class Identity:
     """This process's ids."""

@@ -101,7 +101,7 @@ class TrainMoverSupervisor:
         cfg = self.cfg
         member = _member_id("standby", cfg.node_rank, self.standbys_started)
         self.standbys_started += 1
-        env = self.agent._env(0, self.port)
+        env = self.agent.rank_env(0, self.port)
         env.pop("RANK"), env.pop("LOCAL_RANK")
         env[ENV_MEMBER_ID] = member
         args = list(cfg.script_args) + ["--tm-role", "standby"]
@@ -150,7 +150,7 @@ class TrainMoverSupervisor:
         for i in range(cfg.nproc_per_node):
             rank = cfg.node_rank * cfg.nproc_per_node + i
             member = _member_id("worker", cfg.node_rank, i)
-            env = self.agent._env(i, self.port) | {ENV_MEMBER_ID: member}
+            env = self.agent.rank_env(i, self.port) | {ENV_MEMBER_ID: member}
             self.serving[rank] = (
                 fork_rank(rank, env, cfg.script, cfg.script_args, cfg.logs.open(str(rank), i, self.agent.restarts)),
                 member,
@@ -173,8 +173,7 @@ class TrainMoverSupervisor:
         from trainmover_ext.control.controller import Controller, ControllerConfig
         from trainmover_ext.control.membership import Membership, PlanInbox
         from trainmover_ext.control.records import MemberRecord
-        from trainmover_ext.launch.agent import node_name
-        from trainmover_ext.launch.identity import Identity, open_space
+        from trainmover_ext.launch.identity import Identity, node_name, open_space
 
         plan = self.cfg.rendezvous
         os.environ.update(plan.env(0))
@@ -201,7 +200,7 @@ class TrainMoverSupervisor:
         from trainmover_ext.control.archive import RunArchive
 
         controller = self.controller
-        self.archive = RunArchive(self.agent._run_dir()).start(self.space, lambda: controller.is_leader)
+        self.archive = RunArchive(self.agent.run_dir()).start(self.space, lambda: controller.is_leader)
         for member, proc in self.standbys.items():  # started before etcd was opened
             self._event(
                 "standby_started", {"member": member, "pid": proc.pid, "how": "fork", "node": self.cfg.node_rank}
@@ -337,8 +336,8 @@ class TrainMoverSupervisor:
         """Block until done. Returns (finished_ok, exit code); (False, code) asks for the classic fallback."""
         deadline_s = RecoveryTimeouts(self.cfg.lease_ttl_s).replacement_s
         while True:
-            if self.agent._stop_signal is not None:
-                return False, 128 + self.agent._stop_signal
+            if self.agent.stop_signal is not None:
+                return False, 128 + self.agent.stop_signal
             why = self._apply_plans()
             self._replenish()
             if why:
