@@ -21,6 +21,33 @@ def test_nccl_delta_and_the_training_layer_import_nothing_of_ours():
     assert [i.where for i in imports(REPO_ROOT) if i.importer in LAYERS[0]] == []
 
 
+def foreign_imports(folder: str) -> list[str]:
+    """``file: module`` for each import in ``folder``'s Python files of TrainMover's runtime, training
+    layer or test helpers."""
+    import ast
+
+    found = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                mods = [node.module or ""]
+            found += [f"{name}: {m}" for m in mods if m.startswith(("trainmover_ext", "megatron.training", "helpers"))]
+    return found
+
+
+def test_nccl_delta_tests_use_only_nccl_delta(tmp_path):
+    """The communicator is tested on its own: its tests import nothing of TrainMover's runtime or
+    training layer (their fork-and-store harness is torch only)."""
+    assert foreign_imports(os.path.join(REPO_ROOT, "tests", "nccl_delta")) == []
+    (tmp_path / "test_x.py").write_text("def test_x():\n    from trainmover_ext.errors import CommLinkError\n")
+    assert foreign_imports(str(tmp_path)) == ["test_x.py: trainmover_ext.errors"]
+
+
 def _copy(tmp_path) -> str:
     root = str(tmp_path / "tree")
     for folder in SOURCES:
