@@ -11,7 +11,7 @@ help:
 	@echo "make demo      - train the demo GPT (8 CPU ranks, TP2xPP2xDP2) on the bundled corpus"
 	@echo "make test      - install everything needed and run the whole test suite"
 	@echo "make test-fast - the suite without tests marked slow"
-	@echo "make lint      - ruff check, ruff format --check and mypy (strict on nccl_delta, kv, control, migration)"
+	@echo "make lint      - ruff check, ruff format --check and mypy (strict on nccl_delta, kv, control, migration, runtime)"
 
 $(STAMP): constraints.txt requirements.txt setup.py pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "$(PY) not found: install Python 3.11"; exit 1; }

@@ -12,6 +12,9 @@ nothing of the runtime. :data:`USER_ERRORS` catches all three trees.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from megatron.training.errors import CheckpointError, DataError, TrainingError
 from megatron.training.errors import ConfigError as TrainingConfigError
 from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout, DeltaConfigError, DeltaError, SwapAborted
@@ -87,7 +90,7 @@ class StandbyRefused(ConfigMismatch):
 
     exit_code = STANDBY_REFUSED_EXIT_CODE
 
-    def __init__(self, message: str, fields: dict[str, tuple]) -> None:
+    def __init__(self, message: str, fields: dict[str, tuple[object, object]]) -> None:
         super().__init__(message)
         self.fields = fields
 
@@ -177,19 +180,18 @@ class KeptRoleUnusable(TrainMoverError):
     replay group it still holds that cannot be re-pointed). The standby builds the rank's model anew."""
 
 
-def exit_on_error(prog: str):
+def exit_on_error(prog: str) -> contextlib.AbstractContextManager[None]:
     """Context manager for ``__main__`` blocks: print any of :data:`USER_ERRORS` as one line and exit 2
     (or the error's own ``exit_code``, e.g. :data:`STANDBY_REFUSED_EXIT_CODE`).
 
     Configuration errors are identical on every rank, so only rank 0 prints them.
     ``TRAINMOVER_DEBUG=1`` prints the traceback too.
     """
-    import contextlib
     import os
     import sys
 
     @contextlib.contextmanager
-    def _guard():
+    def _guard() -> Iterator[None]:
         try:
             yield
         except USER_ERRORS as exc:

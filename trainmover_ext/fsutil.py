@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 
-def write_private(path: str | os.PathLike, data: str | bytes, mode: int = 0o600) -> str:
+def write_private(path: str | os.PathLike[str], data: str | bytes, mode: int = 0o600) -> str:
     """Atomically replace ``path`` with ``data`` (str is written as UTF-8) at permission ``mode``; returns ``path``."""
     path = Path(path)
     payload = data.encode() if isinstance(data, str) else data

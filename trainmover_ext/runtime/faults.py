@@ -41,9 +41,16 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from trainmover_ext.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron.training.training import Session
 
 TRAINING_PHASES = ("forward", "backward", "allreduce", "clip", "step", "log", "save")
 MIGRATION_PHASES = ("join", "recover", "send", "prepare", "handover")
@@ -60,7 +67,7 @@ class FaultSpec:
     rank: int
     iteration: int
     phase: str
-    sig: int = signal.SIGKILL
+    sig: signal.Signals = signal.SIGKILL
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
@@ -110,7 +117,7 @@ def at(phase: str, *, rank: int, epoch: int) -> None:
             os.kill(os.getpid(), spec.sig)
 
 
-def install(specs: list[FaultSpec], session) -> None:
+def install(specs: list[FaultSpec], session: Session) -> None:
     """Arm ``specs`` on this process (call once, on the original worker): the training-phase drills
     that name its rank, and every migration-phase drill (:func:`arm`).
 
@@ -122,7 +129,7 @@ def install(specs: list[FaultSpec], session) -> None:
             _install_one(spec, session)
 
 
-def _install_one(spec: FaultSpec, session) -> None:
+def _install_one(spec: FaultSpec, session: Session) -> None:
     world, iters = session.layout.world_size, session.args.train_iters
     if not 0 <= spec.rank < world:
         raise ConfigError(f"--tm-inject-fault names rank {spec.rank}, but the job has ranks 0..{world - 1}")
@@ -144,7 +151,7 @@ def _install_one(spec: FaultSpec, session) -> None:
         inner = session.forward_step_func
         calls = {"n": 0, "iter": -1}
 
-        def forward_step(data_iterator, model):
+        def forward_step(data_iterator: Any, model: Any) -> Any:
             if calls["iter"] != args.iteration:
                 calls["iter"], calls["n"] = args.iteration, 0
             calls["n"] += 1
@@ -155,14 +162,19 @@ def _install_one(spec: FaultSpec, session) -> None:
         session.forward_step_func = forward_step
     elif spec.phase == "backward":
         param = next(p for chunk in session.model for p in chunk.parameters() if p.requires_grad)
-        param.register_hook(lambda grad: (fire("backward"), grad)[1])
+
+        def on_grad(grad: torch.Tensor) -> torch.Tensor:
+            fire("backward")
+            return grad
+
+        param.register_hook(on_grad)
     elif spec.phase == "allreduce":
         from megatron.core.utils import get_model_config
 
         config = get_model_config(session.model[0])
         inner_finalize = config.finalize_model_grads_func
 
-        def finalize(*a, **kw):
+        def finalize(*a: Any, **kw: Any) -> Any:
             fire("allreduce")
             return inner_finalize(*a, **kw)
 
@@ -170,7 +182,7 @@ def _install_one(spec: FaultSpec, session) -> None:
     elif spec.phase == "clip":
         inner_opt_step = session.optimizer.step
 
-        def opt_step(*a, **kw):
+        def opt_step(*a: Any, **kw: Any) -> Any:
             fire("clip")
             return inner_opt_step(*a, **kw)
 
@@ -180,7 +192,7 @@ def _install_one(spec: FaultSpec, session) -> None:
     elif spec.phase == "log":
         inner_sched = session.scheduler.step
 
-        def sched_step(*a, **kw):
+        def sched_step(*a: Any, **kw: Any) -> Any:
             out = inner_sched(*a, **kw)
             fire("log")
             return out
@@ -192,7 +204,7 @@ def _install_one(spec: FaultSpec, session) -> None:
         for opt in checkpointing._optimizers(session.optimizer):
             inner_step = opt.optimizer.step
 
-            def step(*a, _inner=inner_step, **kw):
+            def step(*a: Any, _inner: Callable[..., Any] = inner_step, **kw: Any) -> Any:
                 fire("step")
                 return _inner(*a, **kw)
 

@@ -61,6 +61,6 @@ class PeakWindow:
         self.start_rss = rss_bytes()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.end_rss = rss_bytes()
         self.peak = peak_rss_bytes() if self.measured else 0

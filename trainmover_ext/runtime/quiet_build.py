@@ -14,28 +14,30 @@ overrides), barriers return at once.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch.distributed as dist
 
 
 class _Done:
-    def wait(self, *args, **kwargs):
+    def wait(self, *args: object, **kwargs: object) -> bool:
         return True
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
         return True
 
 
-def _local(*args, async_op: bool = False, **kwargs):
+def _local(*args: object, async_op: bool = False, **kwargs: object) -> _Done | None:
     return _Done() if async_op else None
 
 
-def _gather_object_locally(object_list, obj, group=None):
+def _gather_object_locally(object_list: list[Any], obj: object, group: object = None) -> None:
     for i in range(len(object_list)):
         object_list[i] = obj
 
 
-_REPLACED = {
+_REPLACED: dict[str, Callable[..., Any]] = {
     "all_reduce": _local,
     "broadcast": _local,
     "barrier": _local,
@@ -44,7 +46,7 @@ _REPLACED = {
 
 
 @contextlib.contextmanager
-def no_collectives():
+def no_collectives() -> Iterator[None]:
     """Inside the block, build-time collectives of ``torch.distributed`` are local no-ops."""
     saved = {name: getattr(dist, name) for name in _REPLACED}
     try:
