@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from harness.jobs import PRETRAIN  # noqa: E402
+from harness.jobs import launch_cmd  # noqa: E402
 
 
 def read_events(path: str) -> list[dict]:
@@ -26,17 +26,7 @@ def read_events(path: str) -> list[dict]:
 
 
 def start_launcher(nproc: int, script_args: list[str], launch_flags: list[str], log_prefix: str) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainmover_ext.cli",
-        "launch",
-        "--nproc-per-node",
-        str(nproc),
-        *launch_flags,
-        PRETRAIN,
-        *script_args,
-    ]
+    cmd = launch_cmd(nproc, script_args, *launch_flags)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(
         cmd, stdout=open(log_prefix + ".out", "w"), stderr=open(log_prefix + ".err", "w"), cwd=ROOT, env=env

@@ -32,27 +32,13 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # the demo job's flags live in benchmarks/harness/jobs.py
 
-from harness.jobs import DEFAULT_CORPUS_PREFIX, PRETRAIN, demo_args, ensure_corpus  # noqa: E402
+from harness.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus, launch_cmd  # noqa: E402
 
 TIMEOUT_S = 600  # per training run; the demo takes well under this on 2 cores
 
 
 def say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
-
-
-def launch_cmd(nproc: int, script_args: list[str], *flags: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "trainmover_ext.cli",
-        "launch",
-        "--nproc-per-node",
-        str(nproc),
-        *flags,
-        PRETRAIN,
-        *script_args,
-    ]
 
 
 def scrape(url: str) -> dict[str, float]:

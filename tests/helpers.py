@@ -12,21 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from harness.jobs import PRETRAIN, REPO_ROOT
-
-
-def launch_cmd(nproc: int, script_args: list[str], *launch_flags: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "trainmover_ext.cli",
-        "launch",
-        "--nproc-per-node",
-        str(nproc),
-        *launch_flags,
-        PRETRAIN,
-        *script_args,
-    ]
+from harness.jobs import REPO_ROOT, launch_cmd
 
 
 @dataclass

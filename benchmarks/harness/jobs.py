@@ -97,3 +97,18 @@ def ensure_corpus(prefix: str = DEFAULT_CORPUS_PREFIX) -> str:
             check=True,
         )
     return prefix
+
+
+def launch_cmd(nproc: int, script_args: list[str], *launch_flags: str) -> list[str]:
+    """``trainmover launch`` of ``pretrain_gpt.py`` with ``nproc`` ranks on this machine."""
+    return [
+        sys.executable,
+        "-m",
+        "trainmover_ext.cli",
+        "launch",
+        "--nproc-per-node",
+        str(nproc),
+        *launch_flags,
+        PRETRAIN,
+        *script_args,
+    ]
