@@ -12,6 +12,7 @@ connections down) is tested on its own with two gloo processes; it needs no nvrx
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -51,12 +52,14 @@ def test_nvrx_inprocess_restart_resumes_tiny_job(corpus, tmp_path):
     assert result["nvrx_inprocess_s"] > 0, result
 
 
+_BENCHMARKS_ON_PATH = dict(os.environ, PYTHONPATH=os.path.join(REPO_ROOT, "benchmarks"))
+"""The children below import benchmarks/nvrx_gloo_fixes.py."""
+
 # Rank 0 waits in an all-reduce that rank 1 never joins; a thread shuts rank 0's gloo connections
 # down (keeping the store's) and the all-reduce must raise, while the store keeps working.
 BLOCKED_RANK = textwrap.dedent("""
     import datetime, os, sys, threading, time
     import torch, torch.distributed as dist
-    sys.path.insert(0, os.path.join(sys.argv[3], "benchmarks"))
     from nvrx_gloo_fixes import shutdown_tcp_connections
     rank, port = int(sys.argv[1]), int(sys.argv[2])
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -84,7 +87,8 @@ def test_socket_abort_fails_a_blocked_gloo_collective():
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", BLOCKED_RANK, str(rank), str(port), REPO_ROOT],
+            [sys.executable, "-c", BLOCKED_RANK, str(rank), str(port)],
+            env=_BENCHMARKS_ON_PATH,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -109,7 +113,6 @@ CUT_SHORT_TEARDOWN = textwrap.dedent("""
     import os, sys
     import torch, torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
-    sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
     from nvrx_gloo_fixes import finish_torch_teardown
     store = dist.HashStore()
     for iteration in range(2):
@@ -126,7 +129,11 @@ CUT_SHORT_TEARDOWN = textwrap.dedent("""
 @pytest.mark.timeout(120)
 def test_finish_torch_teardown_lets_a_cut_short_teardown_restart():
     out = subprocess.run(
-        [sys.executable, "-c", CUT_SHORT_TEARDOWN, REPO_ROOT], capture_output=True, text=True, timeout=90
+        [sys.executable, "-c", CUT_SHORT_TEARDOWN],
+        env=_BENCHMARKS_ON_PATH,
+        capture_output=True,
+        text=True,
+        timeout=90,
     )
     assert out.returncode == 0, out.stdout + out.stderr
     # Two groups were named from the counter (WORLD and the new group); the second init reuses "0".

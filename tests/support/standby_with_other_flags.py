@@ -16,8 +16,6 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 PRETRAIN = os.path.join(REPO_ROOT, "pretrain_gpt.py")
 
 if __name__ == "__main__":
-    if REPO_ROOT not in sys.path:  # a spawned interpreter starts in tests/support
-        sys.path.insert(0, REPO_ROOT)
     argv = sys.argv[1:]
     if "--tm-role" in argv and argv[argv.index("--tm-role") + 1 :][:1] == ["standby"]:
         argv += shlex.split(os.environ.get("TM_TEST_STANDBY_FLAGS", ""))
