@@ -12,10 +12,12 @@ from identical weights and their losses can be compared.
 
 from __future__ import annotations
 
+import argparse
 import math
 import re
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -75,7 +77,7 @@ def use_transformer_engine(args) -> bool:
     return available
 
 
-def gpt_layer_spec(args):
+def gpt_layer_spec(args: argparse.Namespace) -> Any:
     """The TransformerEngine spec on GPU with TE, megatron-core's local spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
 

@@ -8,6 +8,7 @@ size comes from ``--vocab-size``.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 
@@ -51,7 +52,7 @@ class NullTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-def build_tokenizer(args):
+def build_tokenizer(args: argparse.Namespace) -> ByteLevelTokenizer | NullTokenizer:
     """The tokenizer named by ``--tokenizer-type``; sets ``args.padded_vocab_size``.
 
     The vocabulary is padded to a multiple of ``--make-vocab-size-divisible-by``

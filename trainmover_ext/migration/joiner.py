@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from trainmover_ext.control.records import MigrationPlan
 from trainmover_ext.errors import CommLinkError, MembershipLost, RecoverySuperseded
@@ -107,7 +107,7 @@ def serve_rank(
 
         kept_role = kept.role if kept is not None else None
         # not_adopted is None only with parts kept, and adopt_or_build reads it only without any
-        session, not_adopted, repointed = adopt_or_build(kept, layout, metrics, rep.rank, build, cast(str, not_adopted))
+        session, not_adopted, repointed = adopt_or_build(kept, layout, metrics, rep.rank, build, not_adopted)
         if not_adopted is None:
             print(
                 f"[trainmover] standby {ident.member_id} adopted its kept {kept_role} model for rank "

@@ -58,7 +58,7 @@ def basic_warm_up(args: argparse.Namespace, providers: Providers) -> dict[str, f
     from megatron.training.tokenizer import build_tokenizer
 
     torch.set_num_threads(args.threads_per_rank)
-    build_tokenizer(args)  # type: ignore[no-untyped-call]  # megatron/training/tokenizer.py is not annotated
+    build_tokenizer(args)
     _, dataset_provider, _ = providers
     dataset_provider([args.global_batch_size, 0, 0])  # builds the dataset's index (mmap, permutation)
     t_data = time.time()
@@ -89,7 +89,7 @@ def preload_rank_code(args: argparse.Namespace) -> float:
     from megatron.training.model import gpt_layer_spec
 
     patches.install()
-    gpt_layer_spec(args)  # type: ignore[no-untyped-call]  # megatron/training/model.py is not annotated
+    gpt_layer_spec(args)
     return time.time() - t0
 
 

@@ -167,13 +167,19 @@ def keep_if_fits(kept: KeptRole | None, rank: int) -> tuple[KeptRole | None, str
 
 
 def adopt_or_build(
-    kept: KeptRole | None, layout, metrics, rank: int, build: Callable[[str], Any], why_not: str = "no kept model"
+    kept: KeptRole | None,
+    layout,
+    metrics,
+    rank: int,
+    build: Callable[[str], Any],
+    why_not: str | None = "no kept model",
 ) -> tuple[Any, str | None, int]:
     """``rank``'s session: the kept parts adopted (see :func:`adopt`), or ``build(why_not)`` when there
     are none (``why_not`` from :func:`keep_if_fits`) or they cannot be adopted (then freed first).
     Returns (session, None if adopted else why not, group references re-pointed). Call
     :func:`keep_if_fits` before the world is built, and this once its groups exist."""
     if kept is None:
+        why_not = why_not or "no kept model"
         return build(why_not), why_not, 0
     try:
         session, replaced = adopt(kept, layout, metrics, rank)
