@@ -151,7 +151,8 @@ def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, referen
     moves = [(r["rank"], r["joiner"], r["reason"]) for r in replaced(job)]
     assert moves[1] == (6, rejoined, "planned") and len(moves) == 2, moves
     assert [e["detail"]["rank"] for e in job.events("standby_rejoined")] == [1, 6], err[-3000:]
-    assert job.events("standby_started") == [], "a new standby was started although the leaver refilled the pool"
+    refills = [e for e in job.events("standby_started") if e["detail"]["how"] != "fork"]
+    assert refills == [], f"a new standby was started although the leaver refilled the pool: {refills}"
     if priority.can_restore():  # as root, or with CAP_SYS_NICE: the launcher lowers its standbys' priority
         out = job.stdout()
         promotions = re.findall(r"promoted to rank (\d) \(epoch \d, planned\); CPU niceness (\d+) -> (\d+)", out)
