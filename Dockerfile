@@ -3,7 +3,7 @@
 # Run:    docker run --gpus all --ipc=host --network=host --rm trainmover launch --nproc-per-node 8 pretrain_gpt.py ...
 # Slurm (pyxis/enroot) and more: docs/container.md.
 #
-# tests/production/test_container.py lints this file with hadolint and replays its COPY and
+# tests/deploy/test_container.py lints this file with hadolint and replays its COPY and
 # `pip install` steps in a fresh venv, so keep installs as plain `pip install` commands.
 FROM nvcr.io/nvidia/pytorch:25.10-py3
 

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-import trainmover_ext.patches as patches
 from trainmover_ext.launch.rendezvous import rank_store
 
 
@@ -29,6 +28,10 @@ class TrainMoverDistributed:
     join: bool = True
 
     def prepare(self) -> None:
+        # Imported here, not at the top: ``pretrain_gpt.py --help`` run from a source checkout that is
+        # not installed editable finds the checkout's trainmover_ext, which has no ``patches``.
+        import trainmover_ext.patches as patches
+
         patches.install()
 
     def store(self, timeout: datetime.timedelta) -> torch.distributed.Store | None:
