@@ -210,12 +210,11 @@ def _own_inductor_cache(tag: str) -> None:
 
 def job_member(rank: int, world_size: int, port: int, argv: list[str], record_dir: str, record_iters: int) -> dict:
     """An original rank: record the first iterations (recorder ranks), then serve until replaced or stopped."""
+    from harness.sandbox import parse_job_args
     from megatron.training.initialize import shutdown
-
-    from .harness import parse_job_args
-    from .parts import build_parts
-    from .recorder import hooks_installed, maybe_start_recording
-    from .shadow import default_program
+    from trainmover_ext.sandbox.parts import build_parts
+    from trainmover_ext.sandbox.recorder import hooks_installed, maybe_start_recording
+    from trainmover_ext.sandbox.shadow import default_program
 
     _own_inductor_cache(f"rank{rank}")
     args = parse_job_args(argv, world_size)
@@ -264,10 +263,10 @@ def warm_only(argv: list[str], world_size: int, record_dir: str, nice: int = 19,
     """A general standby that only warms (all roles, alone) and reports its window: the isolation probe.
 
     ``duty`` paces it as ``--tm-standby-duty`` does a launched standby (:mod:`.pacing`)."""
-    from .harness import parse_job_args, socket_inodes
-    from .pacing import Pacer
-    from .recording import load_recordings
-    from .shadow import default_program, peak_rss_bytes, warm_standby
+    from harness.sandbox import parse_job_args, socket_inodes
+    from trainmover_ext.sandbox.pacing import Pacer
+    from trainmover_ext.sandbox.recording import load_recordings
+    from trainmover_ext.sandbox.shadow import default_program, peak_rss_bytes, warm_standby
 
     _own_inductor_cache("probe")
     if nice:
@@ -305,15 +304,14 @@ def newcomer(
     built as ``rank``, and frees them before it builds the rank's model otherwise."""
     import torch
 
+    from harness.sandbox import parse_job_args, socket_inodes
     from megatron.training.initialize import shutdown
     from megatron.training.training import MetricsLog
     from trainmover_ext.runtime.quiet_build import no_collectives
-
-    from .adopt import adopt_or_build, keep_if_fits
-    from .harness import parse_job_args, socket_inodes
-    from .parts import build_parts
-    from .recording import load_recordings
-    from .shadow import default_program, peak_rss_bytes, warm_standby
+    from trainmover_ext.sandbox.adopt import adopt_or_build, keep_if_fits
+    from trainmover_ext.sandbox.parts import build_parts
+    from trainmover_ext.sandbox.recording import load_recordings
+    from trainmover_ext.sandbox.shadow import default_program, peak_rss_bytes, warm_standby
 
     _own_inductor_cache(f"newcomer{epoch}")
     args = parse_job_args(argv, world_size)

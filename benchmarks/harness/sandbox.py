@@ -150,8 +150,7 @@ def init_real_world(args, rank: int, world_size: int, store_port: int, prefix: s
 def train_iterations(session, iters: int, *, handle=None, digests: bool = True) -> list[dict]:
     """``iters`` real iterations; per iteration its loss, time and (optionally) state digests."""
     from megatron.training.training import train_step
-
-    from .parts import state_digest
+    from trainmover_ext.sandbox.parts import state_digest
 
     out = []
     for _ in range(iters):
@@ -185,17 +184,16 @@ def job_rank(
     import resource
 
     from megatron.training.initialize import shutdown
-
-    from .parts import build_parts
-    from .recorder import hooks_installed, maybe_start_recording
-    from .shadow import default_program
+    from trainmover_ext.sandbox.parts import build_parts
+    from trainmover_ext.sandbox.recorder import hooks_installed, maybe_start_recording
+    from trainmover_ext.sandbox.shadow import default_program
 
     args = parse_job_args(argv, world_size)
     program = default_program()
     if comm == "nccl_delta":
         from torch.distributed import PrefixStore, TCPStore
 
-        from .promotion import init_delta_world
+        from harness.promotion import init_delta_world
 
         store = PrefixStore(
             "job", TCPStore("127.0.0.1", store_port, is_master=False, timeout=datetime.timedelta(seconds=120))
@@ -253,10 +251,10 @@ def standby_process(
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from . import replay
-    from .parts import state_digest
-    from .recording import load_recordings
-    from .shadow import warm_standby
+    from trainmover_ext.sandbox import replay
+    from trainmover_ext.sandbox.parts import state_digest
+    from trainmover_ext.sandbox.recording import load_recordings
+    from trainmover_ext.sandbox.shadow import warm_standby
 
     sockets_before = socket_inodes()
     args = parse_job_args(argv, world_size)
