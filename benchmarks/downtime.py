@@ -55,6 +55,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import ROOT, median, print_table, rank_pids, read_events, start_launcher, wait_until, write_json  # noqa: E402
+from downtime_report import iterations, lost_time, phases_of, plot  # noqa: E402
 
 from harness.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus, model_args  # noqa: E402
 
@@ -87,45 +88,9 @@ def job_args(data_prefix: str, iters: int, ranks: int) -> list[str]:
     )
 
 
-def iterations(metrics: str) -> list[dict]:
-    return [e for e in read_events(metrics) if e.get("event") == "iteration"]
-
-
 def trajectory(metrics: str) -> dict[int, float]:
     """iteration -> loss; a re-run iteration keeps the value logged last."""
     return {e["iteration"]: e["loss"] for e in iterations(metrics)}
-
-
-def lost_time(
-    metrics: str, t0: float, after_event: dict, *, planned: bool = False, steady_after: float | None = None
-) -> dict:
-    """Downtime from ``t0`` to the end of the first iteration after ``after_event`` (see the module doc):
-    minus one steady iteration after a failure, minus every newly completed iteration for a planned move.
-    The steady iteration is the median before ``t0`` (from ``steady_after`` when given, e.g. once a
-    standby that competed for the cores is warm)."""
-    its = iterations(metrics)
-    before = [e for e in its if e["t_end"] <= t0]
-    calm = [e["iteration_s"] for e in before if steady_after is not None and e["t_end"] > steady_after]
-    steady = median(calm or [e["iteration_s"] for e in before[2:]] or [e["iteration_s"] for e in before])
-    first = next(e for e in its if e["t_end"] > after_event["t"])
-    last_before = before[-1]["iteration"] if before else 0
-    completed = {e["iteration"] for e in its if t0 < e["t_end"] <= first["t_end"] and e["iteration"] > last_before}
-    credited = len(completed) if planned else 1
-    return {
-        "downtime_s": first["t_end"] - t0 - credited * steady,
-        "wall_s": first["t_end"] - t0,
-        "iterations_in_window": len(completed),
-        "iteration_s": steady,
-        "resumed_iteration": after_event.get("resumed_iteration"),
-        "to_resume_s": after_event["t"] - t0,
-        "first_iteration_s": first["t_end"] - after_event["t"],
-        # Where the time went: each iteration ending in the window, as (iteration, seconds).
-        "window": [
-            (e["iteration"], round(e["iteration_s"], 3))
-            for e in its
-            if t0 < e["t_end"] <= first["t_end"] and e["iteration"] > last_before
-        ],
-    }
 
 
 class Etcd:
@@ -155,26 +120,6 @@ class Etcd:
 
     def stop(self) -> None:
         self.server.stop()
-
-
-def phases_of(steps: dict, t0: float) -> dict:
-    """Durations between consecutive timeline steps, starting at ``t0`` (the kill or the request)."""
-    order = [
-        "detected",
-        "decided",
-        "joined",
-        "links_rebuilt",
-        "ready",
-        "transferred",
-        "checkpoint_loaded",
-        "first_iteration",
-    ]
-    out, prev = {}, t0
-    for name in order:
-        if name in steps:
-            out[f"{name}_s"] = round(steps[name] - prev, 4)
-            prev = steps[name]
-    return out
 
 
 def reference(workdir: str, data_prefix: str, iters: int, ranks: int, name: str = "reference") -> dict[int, float]:
@@ -362,27 +307,6 @@ def nvrx_baseline(args, workdir: str, ref: dict[int, float]) -> tuple[dict | Non
             ), None
     print(f"nvrx_inprocess_s skipped: {reason}", flush=True)
     return None, reason
-
-
-def plot(path: str, result: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    labels, values = (
-        ["stop-restart", "TrainMover\nunexpected", "TrainMover\nplanned"],
-        [result["restart_s"], result["unexpected_s"], result["planned_s"]],
-    )
-    bars = ax.bar(labels, values, color=["#b0b0b0", "#d62728", "#1f77b4"])
-    for bar, v in zip(bars, values, strict=False):
-        ax.text(bar.get_x() + bar.get_width() / 2, v, f"{v:.2f} s", ha="center", va="bottom")
-    ax.set_ylabel("downtime (s)")
-    ax.set_title(f"{result['job']}\nsteady iteration {result['iteration_s']:.2f} s", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
 
 
 def main(argv=None) -> int:
