@@ -494,3 +494,21 @@ def test_the_controller_commits_the_planned_switch_point_once_the_leaver_waits()
     assert only(decide(v, 200.0), CommitSwitchPoint).switch_at == 11, "never beyond the last boundary"
     v.last_plan.switch_at = 11
     assert not [a for a in decide(v, 200.0) if isinstance(a, CommitSwitchPoint)], "committed already"
+
+
+def test_record_event_appends_to_the_timeline_and_reports_etcd_trouble_without_raising():
+    from trainmover_ext.control.executor import record_event
+    from trainmover_ext.control.records import Event
+    from trainmover_ext.errors import StoreError
+
+    space = JobSpace.create(MemoryKV(), "j", "tok")
+    assert record_event(space, "standby_started", {"member": "s1"}) is None
+    (entry,) = space.kv.get_prefix(space.key("events") + "/").entries
+    event = Event.from_bytes(entry.value, key=entry.key)
+    assert (event.what, event.detail) == ("standby_started", {"member": "s1"})
+
+    def down(guards, ops):
+        raise StoreError("etcd is away")
+
+    space.kv.commit = down
+    assert record_event(space, "stop_restart", {}) == "etcd is away"

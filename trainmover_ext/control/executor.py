@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from typing import Any
 
 from trainmover_ext.control.decide import (
@@ -40,7 +41,7 @@ from trainmover_ext.control.decide import (
 )
 from trainmover_ext.control.records import Event, MigrationPlan, convergence_key, event_key_suffix, migration_key_suffix
 from trainmover_ext.control.view import epoch_value
-from trainmover_ext.errors import LeadershipLost
+from trainmover_ext.errors import LeadershipLost, TrainMoverError
 from trainmover_ext.kv.base import Delete, Guard, Put
 from trainmover_ext.kv.job import JobSpace
 
@@ -61,6 +62,17 @@ def _why(action: PlanMigration, rank: int) -> dict[str, str]:
 def event_put(space: JobSpace, what: str, detail: dict[str, Any], now: float) -> Put:
     """A ``Put`` of one timeline event (append-only; keys sort by time)."""
     return Put(space.key("events", event_key_suffix(now)), Event(time=now, what=what, detail=detail).to_bytes())
+
+
+def record_event(space: JobSpace, what: str, detail: dict[str, Any]) -> str | None:
+    """Append one event to the job's timeline outside any decision (``trainmover events``, the run
+    archive). The timeline is a record, not a step of what the caller does: etcd trouble is returned as
+    the reason it was not written (None: written), never raised."""
+    try:
+        space.kv.commit([], [event_put(space, what, detail, time.time())])
+    except TrainMoverError as exc:
+        return str(exc)
+    return None
 
 
 class Executor:

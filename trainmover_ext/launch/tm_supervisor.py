@@ -120,12 +120,11 @@ class TrainMoverSupervisor:
 
     def _event(self, what: str, detail: dict) -> None:
         """One line of the job's events timeline (``trainmover events``); etcd trouble is logged only."""
-        from trainmover_ext.control.executor import event_put
+        from trainmover_ext.control.executor import record_event
 
-        try:
-            self.space.kv.commit([], [event_put(self.space, what, detail, time.time())])
-        except Exception as exc:  # noqa: BLE001 - the timeline is a record, not a step of supervision
-            self.agent.log(f"could not record event {what}: {exc}")
+        failed = record_event(self.space, what, detail)
+        if failed is not None:
+            self.agent.log(f"could not record event {what}: {failed}")
 
     def _fall_back(self, why: str) -> tuple[bool, int]:
         """Give up on live recovery: (False, 1) asks the agent for the classic stop-restart."""

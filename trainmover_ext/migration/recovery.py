@@ -19,14 +19,13 @@ Contract (every rank of the epoch, main thread):
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 from megatron.training import checkpointing, iteration_start
-from trainmover_ext.control.executor import event_put
+from trainmover_ext.control.executor import record_event
 from trainmover_ext.control.membership import report_recovery, wait_convergence
 from trainmover_ext.control.records import ConvergenceRecord, MigrationPlan
-from trainmover_ext.errors import MigrationAborted, RecoverySuperseded, TrainMoverError
+from trainmover_ext.errors import MigrationAborted, RecoverySuperseded
 from trainmover_ext.kv.job import JobSpace
 from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults
@@ -123,12 +122,9 @@ def record_transfer(space: JobSpace | None, detail: dict[str, Any]) -> None:
     """One side of a state transfer, as a ``state_transfer`` event of the job's timeline (``trainmover
     events``, the run archive): what was moved and what it cost in memory. etcd trouble is logged only:
     the record is not a step of the recovery."""
-    if space is None:
-        return
-    try:
-        space.kv.commit([], [event_put(space, "state_transfer", detail, time.time())])
-    except TrainMoverError as exc:
-        logger.warning("could not record the state transfer of rank %s: %s", detail.get("rank"), exc)
+    failed = record_event(space, "state_transfer", detail) if space is not None else None
+    if failed is not None:
+        logger.warning("could not record the state transfer of rank %s: %s", detail.get("rank"), failed)
 
 
 def send_and_report(
