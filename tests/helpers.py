@@ -175,16 +175,27 @@ def tiny_args(
 ITERS = 12
 
 
-def tm_args(corpus, *, tp=2, pp=2, gbs=8, iters=ITERS, extra=None, standby_nice: int | None = 0):
+def tm_args(corpus, *, tp=2, pp=2, gbs=8, iters=ITERS, extra=None, standby_nice: int | None = 0, sandbox: bool = False):
     """The tiny GPT under --trainmover with one standby.
 
     Its standbys keep their CPU priority (``--tm-standby-nice 0``) unless ``standby_nice`` says
     otherwise (None: the launcher's default, 19): the ranks keep both cores busy, so a standby at
     the lowest priority warms at an iteration no test can foresee, and a drill that fires at a fixed
-    iteration would find none warm. Tests that wait until a standby is warm run the default."""
+    iteration would find none warm. Tests that wait until a standby is warm run the default.
+
+    They warm with the basic warm-up (``--tm-no-sandbox``) unless ``sandbox``: on two cores a
+    standby's shadow iterations at niceness 0 take the ranks' CPU in every test, and what the
+    sandbox adds to a promotion is proved by the tests that turn it on (``tests/sandbox``,
+    ``tests/migration/test_sandbox_standby.py``, which runs the launcher's default)."""
     nice = [] if standby_nice is None else ["--tm-standby-nice", str(standby_nice)]
+    off = [] if sandbox else ["--tm-no-sandbox"]
     return tiny_args(
-        corpus, tp=tp, pp=pp, iters=iters, gbs=gbs, extra=["--trainmover", "--tm-standbys", "1", *nice] + (extra or [])
+        corpus,
+        tp=tp,
+        pp=pp,
+        iters=iters,
+        gbs=gbs,
+        extra=["--trainmover", "--tm-standbys", "1", *nice, *off] + (extra or []),
     )
 
 

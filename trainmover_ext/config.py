@@ -51,8 +51,11 @@ class TrainMoverConfig:
     record_iters: int = 2
     """``--tm-record-iters``: iterations whose collectives are recorded for the sandbox."""
     record_dir: str | None = None
-    """``--tm-record-dir``: shared directory for recorded collective tensors. Setting it turns the sandbox
-    on: the job records its first ``record_iters`` iterations there and standbys warm from them."""
+    """``--tm-record-dir``: shared directory for recorded collective tensors: the job records its first
+    ``record_iters`` iterations there and standbys warm from them in the sandbox. ``trainmover launch``
+    passes ``<run dir>/recordings`` when the script has none (unless ``--tm-no-sandbox``)."""
+    sandbox: bool = True
+    """``--tm-no-sandbox`` sets it False: nothing is recorded and standbys do only the basic warm-up."""
     record_timeout_s: float = 300.0
     """``--tm-record-timeout``: seconds a standby waits for the job's recordings before it falls back to
     the basic warm-up (and says so)."""
@@ -121,6 +124,8 @@ class TrainMoverConfig:
                 f"--tm-standby-duty {self.standby_duty} must be in (0, 1]: the share of one core a "
                 "warming standby may use (e.g. 0.25)"
             )
+        if not self.sandbox and self.record_dir is not None:
+            raise ConfigError("--tm-no-sandbox and --tm-record-dir contradict each other: drop one")
         if self.record_dir is not None and not self.record_dir.strip():
             raise ConfigError("--tm-record-dir must name a directory (shared by the job and its standbys)")
         if any(getattr(self, name) for name in ("etcd_cert", "etcd_key")) and not (self.etcd_cert and self.etcd_key):
@@ -142,6 +147,7 @@ _FLAG_TO_FIELD = {
     "tm_standbys": "standbys",
     "tm_record_iters": "record_iters",
     "tm_record_dir": "record_dir",
+    "tm_no_sandbox": "sandbox",
     "tm_record_timeout": "record_timeout_s",
     "tm_fingerprint_timeout": "fingerprint_timeout_s",
     "tm_compile": "compile",
@@ -201,7 +207,17 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument(
         "--tm-record-dir",
         default=None,
-        help="Shared directory for the recorded collective tensors; turns the sandbox warm-up on.",
+        help="Directory, shared by the job and its standbys, where the job records its first "
+        "--tm-record-iters iterations' collective results; standbys warm every pipeline role from them "
+        "in the sandbox. Default under `trainmover launch`: <run dir>/recordings. Without it (and "
+        "without the launcher) standbys do the basic warm-up and say why.",
+    )
+    g.add_argument(
+        "--tm-no-sandbox",
+        action="store_false",
+        default=None,
+        help="Record nothing; standbys do only the basic warm-up (data index and one layer's kernels), "
+        "which leaves the ranks' cores alone but makes a promoted standby's first iterations colder.",
     )
     g.add_argument(
         "--tm-record-timeout",

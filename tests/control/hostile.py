@@ -302,6 +302,7 @@ def jobs(draw) -> Job:
                     pid=2,
                     warm_roles=draw(st.sampled_from([list(ROLES)] * 6 + [[], ["first"], ["last"], ["middle", "last"]])),
                     kept_rank=draw(st.none() | st.integers(0, n)),
+                    warming=draw(st.booleans()),
                     health=draw(st.sampled_from(["ok"] * 5 + ["draining"])),
                     registered_at=draw(st.floats(0, 100)),
                 ),

@@ -112,7 +112,7 @@ def _warm_standbys(job, role: str | None = None) -> set[str]:
     status = trainmover_cli("status", *control_flags(job))
     assert status.returncode == 0, status.stderr[-2000:]
     section = status.stdout.split("standbys:", 1)[1].split("last migration:", 1)[0]
-    rows = [line.split() for line in section.splitlines()[2:] if line.strip() and "(warming)" not in line]
+    rows = [line.split() for line in section.splitlines()[2:] if line.strip() and "(starting)" not in line]
     return {row[0] for row in rows if role is None or role in row[2].split(",")}
 
 

@@ -151,7 +151,7 @@ def format_status(view: View, job: str) -> str:
                 [
                     m.member_id,
                     m.host,
-                    ",".join(m.warm_roles) or "(warming)",
+                    (",".join(m.warm_roles) + (" (warming)" if m.warming else "")) or "(starting)",
                     m.health,
                     "-" if m.kept_rank is None else f"rank {m.kept_rank}",
                 ]

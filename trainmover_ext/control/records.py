@@ -159,7 +159,10 @@ class MemberRecord(Record):
     pid: int
     """Process id on ``host``."""
     warm_roles: list[str] = field(default_factory=list)
-    """Stage roles a standby has warmed (subset of :data:`ROLES`)."""
+    """Stage roles a standby may serve (subset of :data:`ROLES`); empty until its model fingerprint matched."""
+    warming: bool = False
+    """True while a standby's sandbox warm-up runs: it may already serve ``warm_roles`` (its warm-up stops
+    at the next shadow iteration when promoted), only colder; the controller prefers a standby done warming."""
     kept_rank: int | None = None
     """The rank whose model a sandbox standby keeps built, ready to adopt (``--tm-keep-role``)."""
     health: str = "ok"

@@ -258,6 +258,24 @@ class Agent:
     def run_dir(self) -> str:
         return self.config.run_dir or os.path.join("runs", self.config.rendezvous.job)
 
+    def _prepare_recordings(self) -> None:
+        """Turn the sandbox on by default: a ``--trainmover`` script without ``--tm-record-dir`` (or
+        ``--tm-no-sandbox``) records into ``<run dir>/recordings``, which its standbys warm from."""
+        cfg = self.config
+        given = {a.split("=", 1)[0] for a in cfg.script_args}
+        if "--tm-no-sandbox" in given:
+            self.log("sandbox: off (--tm-no-sandbox); standbys do the basic warm-up")
+            return
+        if "--tm-record-dir" in given:
+            return
+        record_dir = os.path.abspath(os.path.join(self.run_dir(), "recordings"))
+        os.makedirs(record_dir, exist_ok=True)
+        cfg.script_args = list(cfg.script_args) + ["--tm-record-dir", record_dir]
+        self.log(
+            f"sandbox: the job records its first iterations into {record_dir}; standbys warm every pipeline "
+            "role from them (a standby on another node needs that path shared; --tm-no-sandbox turns it off)"
+        )
+
     def _prepare_metrics(self) -> None:
         """Build the registry and the feed; nothing runs yet (see :meth:`_serve_metrics`)."""
         from trainmover_ext.metrics import AgentMetrics, MetricsFeed
@@ -344,6 +362,7 @@ class Agent:
             if self.endpoint.port >= 0:
                 self._prepare_metrics()
             if self.config.trainmover:
+                self._prepare_recordings()
                 code = self._run_trainmover()
                 if code is not None:
                     return code

@@ -11,12 +11,16 @@ Contract:
   it: :class:`StandbyRefused` names every differing field, goes to the job's
   timeline, and the process exits with ``STANDBY_REFUSED_EXIT_CODE`` (78),
   which its launcher does not restart. Then it warms up.
-  With ``--tm-record-dir`` that is the sandbox (``trainmover_ext.sandbox``):
-  shadow iterations of the first, middle and last roles replayed from the
-  job's recordings, each role added to ``warm_roles`` once warm, timings in
-  the member record's ``warmup``. Without recordings (no flag, none within
-  ``--tm-record-timeout``, or corrupt) it says why and falls back to the basic
-  warm-up: the data index and the kernels of one layer of the job's width.
+  By default that is the sandbox (``trainmover_ext.sandbox``; ``trainmover
+  launch`` gives the job ``--tm-record-dir <run dir>/recordings``): shadow
+  iterations of the first, middle and last roles replayed from the job's
+  recordings, timings in the member record's ``warmup``. It advertises every
+  role as soon as its fingerprint matched, with ``warming`` set until the
+  roles are warm: a failure before then still finds it, and its warm-up
+  stops at the next shadow iteration. Without recordings (``--tm-no-sandbox``,
+  no directory to record into, none within ``--tm-record-timeout``, or
+  corrupt) it says why and does the basic warm-up: the data index and the
+  kernels of one layer of the job's width.
 - It then waits (bounded by its parent's life) for a plan naming it as a joiner. Then it
   joins the communicator as that rank, builds the rank's model, takes the
   state (from a replica, the leaver, or the checkpoint) and trains on.
@@ -127,6 +131,7 @@ def warm_up(
     middle and last roles (``trainmover_ext.sandbox.standby``); without it, or
     when the recordings do not appear in time or are corrupt, it says why and
     falls back to the basic warm-up (still able to serve any role, only colder).
+    Promoted while it waits for the recordings, it skips the basic warm-up too.
     Either way it first checks the job's model fingerprint: a standby whose model differs is refused
     (:class:`StandbyRefused`) before it advertises any role; the sandbox refuses one whose recordings'
     fingerprint differs (ConfigMismatch).
@@ -136,7 +141,13 @@ def warm_up(
 
     preload_s = preload_rank_code(args)  # job-independent: done while the workers build their model
     pacer.pace()
-    reason = "no --tm-record-dir: the sandbox is off"
+    if not config.sandbox:
+        reason = "--tm-no-sandbox: the sandbox is off"
+    else:
+        reason = (
+            "no --tm-record-dir, and no run directory to record into (the script was not started by "
+            "`trainmover launch`): pass --tm-record-dir DIR, shared by the job and its standbys"
+        )
     if config.record_dir:
         from trainmover_ext.sandbox.standby import warm_general_standby
 
@@ -146,12 +157,21 @@ def warm_up(
                 args, config, providers, space=space, member=member, pacer=pacer, should_stop=should_stop
             )
         except (RecordingNotFound, RecordingCorrupt) as exc:
+            if should_stop():  # promoted while it waited for the recordings: no time for the basic warm-up
+                report: dict[str, Any] = {
+                    "mode": "sandbox",
+                    "stopped": "promoted before the job's recordings were sealed",
+                }
+                member.update(warming=False, warmup=report)
+                return report | {"total_s": round(pacer.paused_s, 4)}, None
             reason = str(exc)
-            print(
-                f"[trainmover] standby {member.record.member_id}: sandbox warm-up impossible, falling back to "
-                f"the basic warm-up: {reason}",
-                flush=True,
-            )
+        print(
+            f"[trainmover] standby {member.record.member_id}: sandbox warm-up impossible, falling back to "
+            f"the basic warm-up: {reason}",
+            flush=True,
+        )
+    elif config.sandbox:
+        print(f"[trainmover] standby {member.record.member_id}: basic warm-up only: {reason}", flush=True)
     timings = {"preload_s": preload_s, **basic_warm_up(args, providers)}  # also while the workers start
     pacer.pace()
     if not config.record_dir:
@@ -165,7 +185,7 @@ def warm_up(
         "total_s": round(sum(timings.values()) + pacer.paused_s, 4),
         "paused_s": round(pacer.paused_s, 4),
     }
-    member.update(warm_roles=list(ROLES), warmup=report)
+    member.update(warm_roles=list(ROLES), warming=False, warmup=report)
     return report, None
 
 

@@ -292,7 +292,8 @@ def warm_standby(
     so that freeing them collects only them. Every
     config is checked against every
     recording before anything is built. ``should_stop`` is asked before each
-    role (a standby promoted mid-way stops warming); ``on_role_done`` is
+    role and after each shadow iteration (a standby promoted mid-way stops warming within one
+    iteration; the interrupted role is dropped, not reported); ``on_role_done`` is
     called after each. ``pacer`` (``--tm-standby-duty``, see :mod:`.pacing`)
     pauses after every shadow iteration and every role as its budget needs.
     """
@@ -308,12 +309,15 @@ def warm_standby(
     for role in order:
         check_compatible(recordings[role].fingerprint, mine, role=role)
     program = program or default_program()
-    if pacer is not None:
+    if pacer is not None or should_stop is not None:
 
         def on_progress(progress: ShadowProgress, _user=on_progress) -> None:
             if _user is not None:
                 _user(progress)
-            pacer.pace()
+            if should_stop is not None and should_stop():
+                raise _WarmUpStopped  # unwinds the replay world; the role's model is dropped
+            if pacer is not None:
+                pacer.pace()
 
     results = []
     for i, role in enumerate(order):
@@ -328,7 +332,11 @@ def warm_standby(
             # thawing the whole warm-up (0.1-1 s holding the GIL, on the critical path).
             gc.collect()
             freeze_warm_objects()
-        results.append(warm_up(args, role, recordings[role], iters, on_progress, program=program, keep_model=keep))
+        try:
+            results.append(warm_up(args, role, recordings[role], iters, on_progress, program=program, keep_model=keep))
+        except _WarmUpStopped:
+            gc.collect()  # the interrupted role's model and optimizer
+            break
         if not keep:
             freeze_warm_objects()
         if pacer is not None:
@@ -336,6 +344,10 @@ def warm_standby(
         if on_role_done is not None:
             on_role_done(results[-1])
     return results
+
+
+class _WarmUpStopped(Exception):
+    """Raised between two shadow iterations when ``should_stop`` says the standby was promoted."""
 
 
 def freeze_warm_objects() -> int:

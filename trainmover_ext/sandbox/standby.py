@@ -72,7 +72,9 @@ def warm_general_standby(
     t0 = time.time()
     roles = roles_of_job(args.pipeline_model_parallel_size)
     keep = keep_role_of_job(config.keep_role, args.pipeline_model_parallel_size)
-    member.update(warmup={"mode": "warming", "waiting_for": roles})
+    serves = [control_role(r) for r in roles]
+    # Its fingerprint matched: it may serve any role now, colder until the roles below are warm.
+    member.update(warm_roles=serves, warming=True, warmup={"mode": "warming", "waiting_for": roles})
     recordings = wait_for_recordings(
         record_dir=config.record_dir,
         roles=roles,
@@ -88,7 +90,7 @@ def warm_general_standby(
         report["peak_rss_bytes"] = peak_rss_bytes()
         report["total_s"] = round(time.time() - t0, 4)
         warm = [control_role(r["role"]) for r in report["roles"]]
-        member.update(warm_roles=warm, warmup=dict(report))
+        member.update(warm_roles=warm + [r for r in serves if r not in warm], warmup=dict(report))
 
     results = warm_standby(
         args,
@@ -101,6 +103,8 @@ def warm_general_standby(
     )
     kept = next((r.kept for r in results if r.kept is not None), None)
     report["kept_role"] = None if kept is None else {"role": kept.role, "rank": kept.rank}
+    if len(results) < len(roles):
+        report["stopped"] = "promoted before every role was warm"
     # kept_rank: the controller prefers this standby for that rank (it adopts the model, no build).
-    member.update(warmup=dict(report), kept_rank=None if kept is None else kept.rank)
+    member.update(warmup=dict(report), warming=False, kept_rank=None if kept is None else kept.rank)
     return report, kept
