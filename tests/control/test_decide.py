@@ -153,6 +153,19 @@ def test_standby_that_kept_the_rank_model_is_preferred_on_the_same_side():
     assert rep.joiner == "s4"
 
 
+def test_a_standby_done_warming_is_preferred_and_a_warming_one_still_serves():
+    v = base_view()
+    v.members["s1"].host = "h9"
+    v.members["s1"].warming = True  # older, but its sandbox warm-up is still running
+    del v.members["w1"]
+    (rep,) = only(decide(v, 200.0), PlanMigration).plan.replacement_list()
+    assert rep.joiner == "s2"
+    # Only warming standbys left: one of them is taken rather than leaving the rank unserved.
+    v.members["s2"].warming = True
+    (rep,) = only(decide(v, 200.0), PlanMigration).plan.replacement_list()
+    assert rep.joiner == "s1"
+
+
 def test_planned_request_uses_the_leaver_as_source():
     req = MigrationRequest(request_id="r1", rank=3, to="s1", requested_at=50.0)
     act = only(decide(base_view(requests={ROOT + "requests/r1": req}), 60.0), PlanMigration)
@@ -475,6 +488,24 @@ def test_the_planned_leaver_lost_before_its_hand_over_is_a_failure_of_the_rank(h
     assert (act.plan.epoch, act.plan.reason, rep.rank, rep.leaver, rep.joiner) == (5, "failure", 1, "w1", "s1")
     assert rep.state_source == {"kind": "replica"}, "the joiner stays and takes rank 0's copy"
     assert act.rank_updates[0].member_id == "s1" and act.rank_updates[0].since_epoch == 5
+
+
+@pytest.mark.parametrize("how", ["report", "lease"])
+def test_the_planned_joiner_lost_before_the_hand_over_replaces_the_leaver_too(how):
+    """s1, promoted into rank 1 by the planned move, dies in phase 1 while w1 still trains rank 1: the
+    failure plan names w1 as the leaver (so that its agent fences it and it stops, instead of serving
+    rank 1 beside the new joiner) and another standby as the joiner, with the state from a replica."""
+    v = _moving({})
+    v.members["s9"] = member("s9", "standby", host="h9", roles=ALL, t=9)
+    if how == "report":
+        v.reports = {ROOT + "reports/1/a0": report(1, "s1", t=150.0, epoch=4)}
+    del v.members["s1"]
+    act = only(decide(v, 200.0), PlanMigration)
+    (rep,) = act.plan.replacement_list()
+    assert (act.plan.epoch, act.plan.reason, rep.rank, rep.leaver) == (5, "failure", 1, "w1")
+    assert rep.joiner not in ("s1", "w1") and rep.state_source == {"kind": "replica"}
+    assert act.rank_updates[0].member_id == rep.joiner
+    assert "joiner of a planned move" in dict(act.why)[1], act.why
 
 
 def test_the_planned_leaver_gone_after_its_hand_over_is_not_a_failure():

@@ -143,6 +143,27 @@ def test_the_planned_leaver_dies_during_the_move(tmp_path, corpus, reference, ph
     assert (4, 6) in transfer_pairs(job), transfer_pairs(job)
 
 
+def test_the_planned_joiner_dies_before_the_hand_over(tmp_path, corpus, reference):
+    """``trainmover migrate --rank 6``: the standby the move promotes dies while it joins (phase 1), while
+    the leaver still trains rank 6. The failure plan names the leaver as leaving too: it is fenced
+    (not left to serve rank 6 beside the new joiner), and the second standby takes rank 6 from its replica."""
+    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
+    job = start_job(tmp_path, 8, _cascade_args(corpus, "6:1:join", standbys=2), name="planned_joiner_dies")
+
+    def migrate() -> None:
+        wait_iteration(job, 3)
+        done = trainmover_cli("migrate", "--rank", "6", "--wait", "0", *control_flags(job))
+        assert done.returncode == 0, done.stderr[-2000:]
+
+    run_while(job, migrate)
+    assert_bit_identical_without_restart(job, ref)
+    assert _plans(job)[:2] == [(1, "planned", 6), (2, "failure", 6)], job.stderr()[-3000:]
+    planned, failure = replaced(job)[:2]
+    assert failure["leaver"] == planned["leaver"], (planned, failure)
+    assert failure["joiner"] not in (planned["joiner"], planned["leaver"]), (planned, failure)
+    assert (4, 6) in transfer_pairs(job), transfer_pairs(job)
+
+
 def test_a_standby_dies_while_warming(tmp_path, corpus, reference):
     """The only standby is killed while it warms; the agent starts another, which later replaces rank 3."""
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))

@@ -17,6 +17,11 @@ Cases:
   or loses its lease before it handed its state over -> a failure plan for r
   whose joiner is the planned joiner (it already serves r in ``ranks/<r>``);
   the state then comes from a data-parallel replica or the checkpoint.
+- **joiner lost mid-move**: the joiner of the current planned move dies before
+  the hand-over (``ranks/<r>`` names it, while the leaver still trains r) -> a
+  failure plan for r whose leaver is the planned leaver (its agent fences it:
+  it must not serve r beside the new joiner) and whose joiner is another
+  standby; the state comes from a replica or the checkpoint.
 - **failure during a recovery**: a newer plan supersedes the recovery under
   way; the ranks restart recovery at the newest epoch (a stayer whose state a
   cut-short copy spoiled reports ``None`` and receives a copy like a joiner).
@@ -145,18 +150,41 @@ def _handover_pending(view: View) -> Replacement | None:
     return reps[0] if reps and reps[0].joiner != reps[0].leaver else None
 
 
+def _lost_joiner(moving: Replacement | None, rec: RankRecord, view: View) -> tuple[RankRecord, str]:
+    """The rank record a failure of ``rec``'s member replaces, and why it failed.
+
+    The joiner of a planned move that dies before the hand-over already serves r in ``ranks/<r>``
+    while the leaver still trains r: the failure plan names the leaver as the one that leaves, so that
+    it stops (it finds itself replaced) and never serves r beside the standby that now takes it."""
+    if (
+        moving is not None
+        and moving.rank == rec.rank
+        and rec.member_id == moving.joiner
+        and moving.leaver in view.members
+    ):
+        return dataclasses.replace(
+            rec, member_id=moving.leaver
+        ), "the joiner of a planned move was lost before its hand-over"
+    return rec, ""
+
+
 def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
     failed: dict[int, _Failure] = {}
     actions: list[Action] = []
     rec: RankRecord | None
+    moving = _handover_pending(view)
     for r, rec in sorted(view.ranks.items()):
         if r in view.finished:
             continue  # its worker completed training and left: nothing to replace
         if rec.member_id not in view.members:
-            failed[r] = _Failure(rank=rec, reason="lease expired", detected_at=view.gone_at.get(rec.member_id))
+            leaving, why = _lost_joiner(moving, rec, view)
+            failed[r] = _Failure(
+                rank=leaving,
+                reason=f"{why}: lease expired" if why else "lease expired",
+                detected_at=view.gone_at.get(rec.member_id),
+            )
     # The leaver of a planned move still holds the rank's only copy of its state until the hand-over:
     # losing it then is a failure of the rank, whose joiner (named in ranks/<r> already) stays.
-    moving = _handover_pending(view)
     leaver_lost = None
     if moving is not None and moving.rank in view.ranks and moving.rank not in view.finished:
         rec = view.ranks[moving.rank]
@@ -185,8 +213,14 @@ def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
         if rec is None or rec.member_id != rep.member_id or rep.rank in view.finished:
             actions.append(DropStaleReport(key=key, reason=f"rank {rep.rank} is no longer served by {rep.member_id}"))
             continue
+        leaving, why = _lost_joiner(moving, rec, view)
         f = failed.setdefault(
-            rep.rank, _Failure(rank=rec, reason=f"link broken: {rep.reason}", detected_at=rep.reported_at)
+            rep.rank,
+            _Failure(
+                rank=leaving,
+                reason=f"{why}: link broken: {rep.reason}" if why else f"link broken: {rep.reason}",
+                detected_at=rep.reported_at,
+            ),
         )
         f.consumed.append(key)
         if f.detected_at is None or rep.reported_at < f.detected_at:
@@ -224,9 +258,10 @@ def _pick_standby(view: View, candidates: list[str], rec: RankRecord) -> str | N
     leaver_host = view.members[rec.member_id].host if rec.member_id in view.members else rec.host
     other_host = [c for c in able if view.members[c].host != leaver_host]
     pool = other_host or able
-    # Then one that kept this very rank's model: it adopts it instead of building one.
+    # Then one that kept this very rank's model: it adopts it instead of building one; then one done warming.
     kept_it = [c for c in pool if view.members[c].kept_rank == rec.rank]
-    return (kept_it or pool)[0]
+    warm = [c for c in pool if not view.members[c].warming]
+    return (kept_it or warm or pool)[0]
 
 
 def _state_source(view: View, rec: RankRecord, failed: set[int]) -> dict[str, Any]:
