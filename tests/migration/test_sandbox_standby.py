@@ -17,7 +17,7 @@ import signal
 
 import pytest
 
-from helpers import control_flags, kill_quietly, start_job, tm_args, trainmover_cli, trajectory, wait_for
+from helpers import control_flags, kill_quietly, run_job, start_job, tm_args, trainmover_cli, trajectory, wait_for
 
 ITERS = 40  # the standby must be warm (two roles) well before the end
 # TP2 x PP2 x DP2: rank = tp + 2*dp + 4*pp
@@ -87,3 +87,18 @@ def test_sandbox_standby_replaces_a_killed_rank_bit_identically(tmp_path, corpus
     got = trajectory(job.metrics_path)
     assert sorted(got) == list(range(1, ITERS + 1)), "an iteration is missing"
     assert got == ref, "the trajectory differs from the fault-free run"
+
+
+def test_a_standby_promoted_while_it_warms_stops_warming_and_serves(tmp_path, corpus, reference):
+    """The launcher's default sandbox with a standby paced to 2% of a core (``--tm-standby-duty 0.02``):
+    rank 5 dies at iteration 4, long before the standby's roles are warm. It serves anyway (it advertised
+    every role once its fingerprint matched), its warm-up stops at once, and the run is bit-identical."""
+    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
+    args = tm_args(corpus, sandbox=True, extra=["--tm-standby-duty", "0.02", "--tm-inject-fault", "5:4:backward"])
+    job = run_job(tmp_path, 8, args, name="promoted_warming", timeout=300)
+    log = _log(job)
+    m = re.search(r"standby (\S+) warm in [\d.]+s \(sandbox, roles \[[^\]]*\]\); warming stopped: promoted", log)
+    assert m, log[-4000:]
+    assert f"rank 5 -> {m.group(1)}" in log, log[-3000:]
+    assert "falling back" not in log and "basic warm-up" not in log, log[-3000:]
+    assert trajectory(job.metrics_path) == ref, "the trajectory differs from the fault-free run"

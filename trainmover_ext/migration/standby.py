@@ -236,10 +236,10 @@ def run_standby(
         for k, v in report.items()
         if k.endswith("_s") and k != "total_s" and isinstance(v, (int, float))
     )
+    state = f"warming stopped: {report['stopped']}" if "stopped" in report else "waiting to be promoted"
     print(
         f"[trainmover] standby {ident.member_id} warm in {report['total_s']:.2f}s ({report['mode']}, roles "
-        f"{member.record.warm_roles}); waiting to be promoted [{parts}; {time.time() - t_process:.2f}s since "
-        "its process started]",
+        f"{member.record.warm_roles}); {state} [{parts}; {time.time() - t_process:.2f}s since its process started]",
         flush=True,
     )
     parent = os.getppid()

@@ -105,6 +105,8 @@ def warm_general_standby(
     report["kept_role"] = None if kept is None else {"role": kept.role, "rank": kept.rank}
     if len(results) < len(roles):
         report["stopped"] = "promoted before every role was warm"
+    report["paused_s"] = round(pacer.paused_s, 4)
+    report["total_s"] = round(time.time() - t0, 4)
     # kept_rank: the controller prefers this standby for that rank (it adopts the model, no build).
     member.update(warmup=dict(report), warming=False, kept_rank=None if kept is None else kept.rank)
     return report, kept
