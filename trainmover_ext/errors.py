@@ -48,6 +48,7 @@ __all__ = [
     "SchemaVersionError",
     "StandbyRefused",
     "StoreError",
+    "LeaseNotFound",
     "StoreTimeout",
     "SwapAborted",
     "TrainMoverError",
@@ -112,6 +113,10 @@ CONFIG_ERRORS = (TrainingConfigError, DeltaConfigError)
 
 class StoreError(TrainMoverError):
     """The etcd store is unreachable, refused a request, or holds a malformed value."""
+
+
+class LeaseNotFound(StoreError):
+    """A write named a lease that has expired (or was revoked): its owner must register again."""
 
 
 class StoreTimeout(StoreError, TimeoutError):

@@ -195,3 +195,42 @@ def test_etcd_keeps_a_port_the_caller_gave_and_says_it_is_taken(tmp_path):
         with pytest.raises(LaunchError, match="address already in use"):
             server.start(timeout=30)
     server.stop()
+
+
+def test_an_unpromoted_standby_registers_again_after_losing_its_lease(kv):
+    """A standby starved of CPU past its TTL loses its lease; it serves no rank, so it registers again (same
+    record, fresh lease) instead of leaving the pool. A worker in the same spot leaves (MembershipLost)."""
+    from trainmover_ext.errors import MembershipLost
+
+    space = JobSpace.create(kv, "rejoin")
+    record = MemberRecord(member_id="s0", kind="standby", host="h", pid=1, warm_roles=["first"])
+    standby = Membership(space, record, ttl_s=1, rejoin_on_loss=True).register()
+    worker = Membership(space, MemberRecord(member_id="w0", kind="worker", host="h", pid=2), ttl_s=1).register()
+    try:
+        # The lease ends before the keeper notices: the next write finds it gone and registers again.
+        kv.revoke_lease(standby.keeper.lease_id)
+        standby.update(warm_roles=["first", "last"])
+        assert standby.rejoins == 1
+        assert MemberRecord.from_bytes(kv.get(standby.key).value, key=standby.key).warm_roles == ["first", "last"]
+        # The keeper notices first: check() registers again.
+        kv.revoke_lease(standby.keeper.lease_id)
+        assert wait_until(standby.keeper.lost.is_set, 5)
+        standby.check()
+        assert standby.rejoins == 2 and kv.get(standby.key) is not None
+        # A worker serves a rank: a lost lease is its death.
+        kv.revoke_lease(worker.keeper.lease_id)
+        assert wait_until(worker.keeper.lost.is_set, 5)
+        with pytest.raises(MembershipLost, match="w0 lost its lease"):
+            worker.check()
+    finally:
+        standby.close()
+        worker.close()
+
+
+def wait_until(pred, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

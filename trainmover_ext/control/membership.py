@@ -7,7 +7,9 @@ Contract:
   deadline, ``lost`` is set and ``on_lost`` runs once; the owner must then stop
   acting as that member (:class:`MembershipLost`).
 - :class:`Membership` registers ``members/<id>`` on its own lease, so a killed
-  or hung (SIGSTOP) process disappears from etcd within about one TTL.
+  or hung (SIGSTOP) process disappears from etcd within about one TTL. A member
+  that serves no rank (an unpromoted standby, ``rejoin_on_loss``) registers
+  again when it finds its lease lost, instead of leaving.
   ``close()`` revokes the lease: a clean leave is seen at once.
 - :func:`report_failure` is the fast detection path: a process whose link to
   rank r broke writes ``reports/<r>/<reporter>``; the controller acts on it
@@ -50,7 +52,7 @@ from trainmover_ext.control.records import (
 )
 from trainmover_ext.control.view import epoch_value
 from trainmover_ext.deadline import Deadline, RecoveryTimeouts
-from trainmover_ext.errors import ConfigError, MalformedValue, MembershipLost, StoreError
+from trainmover_ext.errors import ConfigError, LeaseNotFound, MalformedValue, MembershipLost, StoreError
 from trainmover_ext.kv.base import Guard, Put, WatchEvent, wait_prefix
 from trainmover_ext.kv.codec import encode
 from trainmover_ext.kv.job import JobSpace
@@ -93,11 +95,11 @@ class LeaseKeeper:
                     continue
                 remaining = 0
             if remaining <= 0:
-                self._mark_lost()
+                self.mark_lost()
                 return
             self._deadline = time.monotonic() + remaining
 
-    def _mark_lost(self) -> None:
+    def mark_lost(self) -> None:
         if self.lost.is_set():
             return
         self.lost.set()
@@ -124,10 +126,20 @@ class Membership:
     """A registered member of the job; see the module docstring."""
 
     def __init__(
-        self, space: JobSpace, record: MemberRecord, *, ttl_s: int = 2, on_lost: Callable[[], None] | None = None
+        self,
+        space: JobSpace,
+        record: MemberRecord,
+        *,
+        ttl_s: int = 2,
+        on_lost: Callable[[], None] | None = None,
+        rejoin_on_loss: bool = False,
     ) -> None:
         self.space, self.record, self.ttl_s, self.on_lost = space, record, ttl_s, on_lost
         self.keeper: LeaseKeeper | None = None
+        self.rejoin_on_loss = rejoin_on_loss
+        """A member that serves no rank (an unpromoted standby) registers again when its lease is lost (e.g.
+        starved of CPU past its TTL) instead of leaving: nobody waits on it. Turned off at promotion."""
+        self.rejoins = 0
 
     @property
     def key(self) -> str:
@@ -168,10 +180,30 @@ class Membership:
         for k, v in changes.items():
             setattr(self.record, k, v)
         assert self.keeper is not None
-        self.space.put(self.key, self.record.to_bytes(), lease=self.keeper.lease_id)
+        if self.keeper.lost.is_set():
+            return  # rejoin_on_loss, not registered again yet: the next registration writes the record
+        try:
+            self.space.put(self.key, self.record.to_bytes(), lease=self.keeper.lease_id)
+        except LeaseNotFound:
+            if not self.rejoin_on_loss:
+                raise
+            self.keeper.mark_lost()  # expired before its keeper saw it: register again with this record
+            self.check()
 
     def check(self) -> None:
-        """Raise :class:`MembershipLost` if the lease is gone."""
+        """Raise :class:`MembershipLost` if the lease is gone (with ``rejoin_on_loss``: register again)."""
+        if self.keeper is not None and self.keeper.lost.is_set() and self.rejoin_on_loss:
+            lost = self.keeper
+            lost.close(revoke=False)
+            try:
+                self.register()  # the same record, on a fresh lease
+            except StoreError as exc:  # etcd unreachable, or the old key not expired yet: try at the next check
+                self.keeper = lost
+                logger.warning("member %s lost its lease and cannot register again yet: %s", self.record.member_id, exc)
+                return
+            self.rejoins += 1
+            logger.warning("member %s lost its lease; registered again", self.record.member_id)
+            return
         if self.keeper is None or self.keeper.lost.is_set():
             raise MembershipLost(
                 f"member {self.record.member_id} lost its lease in job {self.space.job!r}: "

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import grpc
 
 from trainmover_ext.deadline import Deadline
-from trainmover_ext.errors import AuthError, ConfigError, EtcdUnavailable, StoreError
+from trainmover_ext.errors import AuthError, ConfigError, EtcdUnavailable, LeaseNotFound, StoreError
 from trainmover_ext.kv.base import (
     KV,
     Delete,
@@ -388,7 +388,7 @@ class EtcdKV(KV):
                     f"etcd refused {what}: {details}; check --tm-etcd-user/--tm-etcd-password and certificates"
                 )
             if code == grpc.StatusCode.NOT_FOUND and "lease" in (details or ""):
-                return StoreError(f"etcd {what}: lease not found (expired); the member must re-register")
+                return LeaseNotFound(f"etcd {what}: lease not found (expired); the member must re-register")
             return StoreError(f"etcd {what} failed: {code.name} {details}")
         if _is_unavailable(exc):
             return EtcdUnavailable(

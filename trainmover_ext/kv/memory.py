@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from trainmover_ext.errors import StoreError
+from trainmover_ext.errors import LeaseNotFound, StoreError
 from trainmover_ext.kv.base import KV, Delete, Entry, Guard, Put, Snapshot, WatchCallback, WatchEvent, WatchHandle
 
 
@@ -115,7 +115,7 @@ class MemoryKV(KV):
             for op in ops:
                 if isinstance(op, Put):
                     if op.lease and op.lease not in self._leases:
-                        raise StoreError(f"lease {op.lease:x} not found while writing {op.key}: re-register")
+                        raise LeaseNotFound(f"lease {op.lease:x} not found while writing {op.key}: re-register")
                     old = self._data.get(op.key)
                     self._data[op.key] = Entry(
                         key=op.key,

@@ -85,6 +85,7 @@ def serve_rank(
             flush=True,
         )
     member.update(kind="worker")
+    member.rejoin_on_loss = False  # from now on it serves a rank: a lost lease is its death
     if config.inject_fault:
         faults.arm(faults.FaultSpec.parse_all(config.inject_fault), int(os.environ["WORLD_SIZE"]))
     faults.at("join", rank=rep.rank, epoch=plan.epoch)

@@ -198,11 +198,14 @@ def run_standby(
 
     ident = identity_from_env()
     space = open_space(ident)
-    # Registered with no warm role: the controller picks it only once warm_up reports roles.
+    # Registered with no warm role: the controller picks it only once warm_up reports roles. Until its
+    # promotion it serves no rank, so a lease lost to CPU starvation (it runs at a low priority beside
+    # busy ranks) is not its death: it registers again (Membership.rejoin_on_loss).
     member = Membership(
         space,
         StandbyMemberRecord(member_id=ident.member_id, kind="standby", host=ident.host, pid=ident.pid, warm_roles=[]),
         ttl_s=max(1, round(config.lease_ttl_s)),
+        rejoin_on_loss=True,
     ).register()
     pacer = Pacer(config.standby_duty)
 
