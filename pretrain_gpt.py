@@ -49,7 +49,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         pre_process=pre_process,
         post_process=post_process,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type="learned_absolute",
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
         vp_stage=vp_stage,
     )
 

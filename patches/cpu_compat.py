@@ -74,6 +74,10 @@ CPU_TARGETS: dict[str, list[str]] = {
     "megatron.core.tensor_parallel.layers": [
         "LinearWithGradAccumulationAndAsyncCommunication.backward",
     ],
+    # --position-embedding-type rope: the frequencies move "to the GPU" at the first forward.
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": [
+        "RotaryEmbedding.get_emb",
+    ],
 }
 
 

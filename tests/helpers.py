@@ -170,6 +170,23 @@ def tiny_args(
     return args + (extra or [])
 
 
+LLAMA = [
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--ffn-hidden-size",
+    "64",
+    "--position-embedding-type",
+    "rope",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+]
+"""Llama's architecture flags on the tiny model (hidden 32, 4 heads in 2 key/value groups)."""
+
+
 # --- live migration ---------------------------------------------------------
 
 ITERS = 12

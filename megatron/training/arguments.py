@@ -46,6 +46,46 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="Give the output layer its own weight instead of sharing the word embedding.",
     )
     g.add_argument(
+        "--normalization",
+        choices=["LayerNorm", "RMSNorm"],
+        default="LayerNorm",
+        help="Normalization layer of every block and of the final norm (Llama uses RMSNorm).",
+    )
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="Epsilon of the normalization layers.")
+    g.add_argument(
+        "--swiglu",
+        action="store_true",
+        help="SwiGLU MLP (a gated linear unit with SiLU), as in Llama; set --ffn-hidden-size to match.",
+    )
+    g.add_argument(
+        "--disable-bias-linear", action="store_true", help="No bias in the linear layers (attention and MLP)."
+    )
+    g.add_argument(
+        "--position-embedding-type",
+        choices=["learned_absolute", "rope", "none"],
+        default="learned_absolute",
+        help="Position embedding: learned absolute positions (GPT-2) or rotary embeddings (rope, Llama).",
+    )
+    g.add_argument(
+        "--rotary-percent", type=float, default=1.0, help="rope only: share of each head's channels rotated."
+    )
+    g.add_argument("--rotary-base", type=int, default=10000, help="rope only: base of the rotary frequencies.")
+    g.add_argument(
+        "--group-query-attention",
+        action="store_true",
+        help="Grouped-query attention: --num-query-groups key/value heads shared by the query heads.",
+    )
+    g.add_argument(
+        "--num-query-groups",
+        type=int,
+        default=1,
+        help="With --group-query-attention: the number of key/value head groups (must divide "
+        "--num-attention-heads and be a multiple of TP).",
+    )
+    g.add_argument(
+        "--kv-channels", type=int, default=None, help="Channels per attention head (default hidden / heads)."
+    )
+    g.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
         default=128,
@@ -269,6 +309,16 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--hidden-size must be divisible by --num-attention-heads")
     if args.num_attention_heads % tp != 0:
         raise ConfigError(f"--num-attention-heads {args.num_attention_heads} must be divisible by TP {tp}")
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        if groups < 1 or args.num_attention_heads % groups != 0:
+            raise ConfigError(
+                f"--num-query-groups {groups} must divide --num-attention-heads {args.num_attention_heads}"
+            )
+        if groups % tp != 0:
+            raise ConfigError(f"--num-query-groups {groups} must be a multiple of TP {tp} (each TP rank holds groups)")
+    if args.position_embedding_type == "rope" and not 0 < args.rotary_percent <= 1:
+        raise ConfigError("--rotary-percent must be in (0, 1]")
     if args.make_vocab_size_divisible_by % tp != 0:
         raise ConfigError(f"--make-vocab-size-divisible-by must be a multiple of TP {tp}")
     if args.max_position_embeddings is None:

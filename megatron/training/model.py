@@ -6,8 +6,11 @@ the chunks to the rank's device and wraps them in megatron-core's DDP.
 
 Layout-independent initialisation: every parameter is drawn in full from a
 generator seeded by ``(seed, its global name)`` and sliced to this rank's TP
-shard. The global name numbers layers globally, so TP1-PP1 and TP2-PP2 start
-from identical weights and their losses can be compared.
+shard (with ``--swiglu`` a shard of ``linear_fc1`` is its slice of the gate
+rows followed by its slice of the up rows, as megatron-core lays it out;
+grouped-query attention's ``linear_qkv`` is group-major, so a plain slice).
+The global name numbers layers globally, so TP1-PP1 and TP2-PP2 start from
+identical weights and their losses can be compared.
 """
 
 from __future__ import annotations
@@ -33,6 +36,13 @@ def transformer_config_from_args(args, layout):
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
         num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=not args.disable_bias_linear,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
@@ -83,7 +93,7 @@ def gpt_layer_spec(args: argparse.Namespace) -> Any:
 
     if use_transformer_engine(args):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=args.normalization)
 
 
 _LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.")
@@ -105,6 +115,7 @@ def _global_name(name: str, chunk) -> str:
 def layout_independent_init_(chunk, seed: int, init_std: float, num_layers: int, tp_rank: int, tp_size: int) -> None:
     """Overwrite every parameter of ``chunk`` from a name-seeded full tensor (see module doc)."""
     scaled_std = init_std / math.sqrt(2.0 * num_layers)
+    gated = bool(getattr(getattr(getattr(chunk, "module", chunk), "config", None), "gated_linear_unit", False))
     with torch.no_grad():
         for name, param in chunk.named_parameters():
             key = _global_name(name, chunk)
@@ -121,7 +132,10 @@ def layout_independent_init_(chunk, seed: int, init_std: float, num_layers: int,
                 gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % (2**63))
                 std = scaled_std if ("linear_proj" in key or "linear_fc2" in key) else init_std
                 full = torch.empty(full_shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
-            if dim >= 0:
+            if dim >= 0 and gated and "linear_fc1." in key:
+                # SwiGLU: a TP shard of fc1 is [its gate rows; its up rows], the full tensor [gate; up]
+                full = torch.cat([half.chunk(tp_size, dim=dim)[tp_rank] for half in full.chunk(2, dim=dim)], dim=dim)
+            elif dim >= 0:
                 full = full.chunk(tp_size, dim=dim)[tp_rank]
             param.copy_(full.to(param.dtype))
 

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import assert_recovered, fell_back, read_metrics, replaced, run_job, state_sources, tm_args, trajectory
+from helpers import (
+    LLAMA,
+    assert_recovered,
+    fell_back,
+    read_metrics,
+    replaced,
+    run_job,
+    state_sources,
+    tm_args,
+    trajectory,
+)
 
 # victim rank -> (stage, tp rank) in TP2 x PP2 x DP2: rank = tp + 2*dp + 4*pp
 CASES = [
@@ -32,6 +42,15 @@ def test_sigkill_is_replaced_bit_identically(tmp_path, corpus, reference, victim
     assert [r["why"] for r in replaced(job, "failure")] == ["link broken: process exited with code -9"]
     restored = [r for r in read_metrics(job.metrics_path, "iteration") if "restored_from_rank" in r]
     assert [(r["iteration"], r["restored_from_rank"]) for r in restored] == ([(6, 6)] if phase == "log" else [])
+
+
+def test_llama_architecture_in_bf16_is_replaced_bit_identically(tmp_path, corpus, reference):
+    """Megatron-LM's Llama flags (RMSNorm, SwiGLU, rope, grouped-query attention, no linear biases,
+    untied output) in bf16 with dropout 0.1: a SIGKILLed last-stage rank is replaced bit-identically."""
+    args = tm_args(corpus, extra=[*LLAMA, "--bf16"])
+    ref = reference("tp2pp2dp2-llama-bf16", 8, args)
+    job = run_job(tmp_path, 8, args + ["--tm-inject-fault", "5:6:backward"], name="llama_fault", timeout=300)
+    assert_recovered(job, ref, 5)
 
 
 def test_hung_rank_is_detected_by_lease_and_fenced(tmp_path, corpus, reference):

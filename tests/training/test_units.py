@@ -258,3 +258,39 @@ def test_the_training_layer_does_not_import_the_runtime():
             )
             found += [f"{path.name}: {n}" for n in names if n.startswith(banned)]
     assert not found, found
+
+
+def test_llama_flags_build_what_they_name():
+    """The architecture flags reach megatron-core's config and layer spec."""
+    import torch
+
+    from helpers import LLAMA
+    from megatron.training.model import gpt_layer_spec, transformer_config_from_args
+
+    args = parse_args(argv=tiny_args(None, tp=2, extra=LLAMA + ["--norm-epsilon", "1e-6"]), world_size=2)
+
+    class Layout:
+        backend = "gloo"
+
+    cfg = transformer_config_from_args(args, Layout)
+    assert (cfg.normalization, cfg.layernorm_epsilon, cfg.num_query_groups) == ("RMSNorm", 1e-6, 2)
+    assert cfg.gated_linear_unit and cfg.activation_func is torch.nn.functional.silu and not cfg.add_bias_linear
+    norm = gpt_layer_spec(args).submodules.input_layernorm(config=cfg, hidden_size=32, eps=cfg.layernorm_epsilon)
+    assert isinstance(norm, torch.nn.RMSNorm) and norm.eps == 1e-6, norm
+    plain = transformer_config_from_args(parse_args(argv=tiny_args(None), world_size=1), Layout)
+    assert (plain.normalization, plain.num_query_groups, plain.gated_linear_unit) == ("LayerNorm", 4, False)
+
+
+@pytest.mark.parametrize(
+    "extra,flag",
+    [
+        (["--group-query-attention", "--num-query-groups", "3"], "--num-query-groups 3 must divide"),
+        (["--group-query-attention", "--num-query-groups", "1"], "must be a multiple of TP 2"),
+        (["--position-embedding-type", "rope", "--rotary-percent", "0"], "--rotary-percent"),
+    ],
+)
+def test_bad_architecture_flags_are_refused(extra, flag):
+    from megatron.training.errors import ConfigError as TrainingConfigError
+
+    with pytest.raises(TrainingConfigError, match=flag):
+        parse_args(argv=tiny_args(None, tp=2, extra=extra), world_size=2)

@@ -57,6 +57,10 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
     "position_embedding_type",
     "normalization",
     "swiglu",
+    "disable_bias_linear",
+    "norm_epsilon",
+    "rotary_percent",
+    "rotary_base",
     "untie_embeddings_and_output_weights",
     # precision
     "bf16",
@@ -109,8 +113,13 @@ def model_fingerprint(args: Any) -> dict[str, Any]:
     fields["position_embedding_type"] = fields["position_embedding_type"] or "learned_absolute"
     fields["normalization"] = fields["normalization"] or "LayerNorm"
     fields["optimizer"] = fields["optimizer"] or "adam"
+    fields["norm_epsilon"] = fields["norm_epsilon"] or 1e-5
+    rope = fields["position_embedding_type"] == "rope"
+    fields["rotary_percent"] = (fields["rotary_percent"] or 1.0) if rope else None
+    fields["rotary_base"] = (fields["rotary_base"] or 10000) if rope else None
     for flag in (
         "swiglu",
+        "disable_bias_linear",
         "bf16",
         "fp16",
         "sequence_parallel",
