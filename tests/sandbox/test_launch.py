@@ -87,6 +87,7 @@ def test_standby_warms_all_roles_from_recordings_without_touching_the_job(tmp_pa
             lambda: (
                 (s := _standby(kv, "sbwarm"))
                 and s["warmup"].get("mode") == "sandbox"
+                and not s.get("warming")  # it serves every role from the start; done warming them
                 and len(s["warm_roles"]) == 3
                 and s
             ),
