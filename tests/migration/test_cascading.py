@@ -119,13 +119,11 @@ def test_two_ranks_die_at_once(tmp_path, corpus, reference):
     assert {(3, 1), (4, 6)} <= transfer_pairs(job), transfer_pairs(job)
 
 
-@pytest.mark.parametrize("phase", ["prepare", "handover"], ids=["phase-1", "phase-2"])
-def test_the_planned_leaver_dies_during_the_move(tmp_path, corpus, reference, phase):
-    """``trainmover migrate --rank 6``: the leaver dies in phase 1 (after the plan, before the hand-over)
-    or in phase 2 (while handing its state over). Its death is a failure of rank 6; the planned joiner
-    keeps the rank and takes the state from rank 6's replica."""
+def _move_rank_6_while(tmp_path, corpus, reference, drill: str, standbys: int, name: str):
+    """``trainmover migrate --rank 6`` at iteration 3 of a job running ``drill``; the job must end bit-identical
+    to the fault-free run, without a restart, after a planned epoch 1 and a failure epoch 2 of rank 6."""
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
-    job = start_job(tmp_path, 8, _cascade_args(corpus, f"6:1:{phase}", standbys=1), name=f"leaver_dies_{phase}")
+    job = start_job(tmp_path, 8, _cascade_args(corpus, drill, standbys=standbys), name=name)
 
     def migrate() -> None:
         wait_iteration(job, 3)
@@ -135,8 +133,16 @@ def test_the_planned_leaver_dies_during_the_move(tmp_path, corpus, reference, ph
 
     run_while(job, migrate)
     assert_bit_identical_without_restart(job, ref)
-    plans = _plans(job)
-    assert plans[:2] == [(1, "planned", 6), (2, "failure", 6)], job.stderr()[-3000:]
+    assert _plans(job)[:2] == [(1, "planned", 6), (2, "failure", 6)], job.stderr()[-3000:]
+    return job
+
+
+@pytest.mark.parametrize("phase", ["prepare", "handover"], ids=["phase-1", "phase-2"])
+def test_the_planned_leaver_dies_during_the_move(tmp_path, corpus, reference, phase):
+    """``trainmover migrate --rank 6``: the leaver dies in phase 1 (after the plan, before the hand-over)
+    or in phase 2 (while handing its state over). Its death is a failure of rank 6; the planned joiner
+    keeps the rank and takes the state from rank 6's replica."""
+    job = _move_rank_6_while(tmp_path, corpus, reference, f"6:1:{phase}", 1, f"leaver_dies_{phase}")
     # the leaver was lost before its hand-over: the planned joiner keeps the rank in the failure epoch
     moves = replaced(job)
     assert moves[1]["joiner"] == moves[0]["joiner"] and moves[1]["leaver"] == moves[0]["leaver"], moves
@@ -147,17 +153,7 @@ def test_the_planned_joiner_dies_before_the_hand_over(tmp_path, corpus, referenc
     """``trainmover migrate --rank 6``: the standby the move promotes dies while it joins (phase 1), while
     the leaver still trains rank 6. The failure plan names the leaver as leaving too: it is fenced
     (not left to serve rank 6 beside the new joiner), and the second standby takes rank 6 from its replica."""
-    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
-    job = start_job(tmp_path, 8, _cascade_args(corpus, "6:1:join", standbys=2), name="planned_joiner_dies")
-
-    def migrate() -> None:
-        wait_iteration(job, 3)
-        done = trainmover_cli("migrate", "--rank", "6", "--wait", "0", *control_flags(job))
-        assert done.returncode == 0, done.stderr[-2000:]
-
-    run_while(job, migrate)
-    assert_bit_identical_without_restart(job, ref)
-    assert _plans(job)[:2] == [(1, "planned", 6), (2, "failure", 6)], job.stderr()[-3000:]
+    job = _move_rank_6_while(tmp_path, corpus, reference, "6:1:join", 2, "planned_joiner_dies")
     planned, failure = replaced(job)[:2]
     assert failure["leaver"] == planned["leaver"], (planned, failure)
     assert failure["joiner"] not in (planned["joiner"], planned["leaver"]), (planned, failure)
