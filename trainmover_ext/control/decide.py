@@ -150,22 +150,15 @@ def _handover_pending(view: View) -> Replacement | None:
     return reps[0] if reps and reps[0].joiner != reps[0].leaver else None
 
 
-def _lost_joiner(moving: Replacement | None, rec: RankRecord, view: View) -> tuple[RankRecord, str]:
-    """The rank record a failure of ``rec``'s member replaces, and why it failed.
+def _lost_joiner(moving: Replacement | None, rec: RankRecord, view: View, reason: str) -> tuple[RankRecord, str]:
+    """The rank record a failure of ``rec``'s member (for ``reason``) replaces, and the failure's reason.
 
     The joiner of a planned move that dies before the hand-over already serves r in ``ranks/<r>``
     while the leaver still trains r: the failure plan names the leaver as the one that leaves, so that
     it stops (it finds itself replaced) and never serves r beside the standby that now takes it."""
-    if (
-        moving is not None
-        and moving.rank == rec.rank
-        and rec.member_id == moving.joiner
-        and moving.leaver in view.members
-    ):
-        return dataclasses.replace(
-            rec, member_id=moving.leaver
-        ), "the joiner of a planned move was lost before its hand-over"
-    return rec, ""
+    if moving is None or moving.rank != rec.rank or rec.member_id != moving.joiner or moving.leaver not in view.members:
+        return rec, reason
+    return dataclasses.replace(rec, member_id=moving.leaver), f"the joiner of a planned move was lost: {reason}"
 
 
 def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
@@ -177,12 +170,8 @@ def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
         if r in view.finished:
             continue  # its worker completed training and left: nothing to replace
         if rec.member_id not in view.members:
-            leaving, why = _lost_joiner(moving, rec, view)
-            failed[r] = _Failure(
-                rank=leaving,
-                reason=f"{why}: lease expired" if why else "lease expired",
-                detected_at=view.gone_at.get(rec.member_id),
-            )
+            leaving, why = _lost_joiner(moving, rec, view, "lease expired")
+            failed[r] = _Failure(rank=leaving, reason=why, detected_at=view.gone_at.get(rec.member_id))
     # The leaver of a planned move still holds the rank's only copy of its state until the hand-over:
     # losing it then is a failure of the rank, whose joiner (named in ranks/<r> already) stays.
     leaver_lost = None
@@ -213,15 +202,8 @@ def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
         if rec is None or rec.member_id != rep.member_id or rep.rank in view.finished:
             actions.append(DropStaleReport(key=key, reason=f"rank {rep.rank} is no longer served by {rep.member_id}"))
             continue
-        leaving, why = _lost_joiner(moving, rec, view)
-        f = failed.setdefault(
-            rep.rank,
-            _Failure(
-                rank=leaving,
-                reason=f"{why}: link broken: {rep.reason}" if why else f"link broken: {rep.reason}",
-                detected_at=rep.reported_at,
-            ),
-        )
+        leaving, why = _lost_joiner(moving, rec, view, f"link broken: {rep.reason}")
+        f = failed.setdefault(rep.rank, _Failure(rank=leaving, reason=why, detected_at=rep.reported_at))
         f.consumed.append(key)
         if f.detected_at is None or rep.reported_at < f.detected_at:
             f.detected_at = rep.reported_at

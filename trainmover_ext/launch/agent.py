@@ -262,11 +262,10 @@ class Agent:
         """Turn the sandbox on by default: a ``--trainmover`` script without ``--tm-record-dir`` (or
         ``--tm-no-sandbox``) records into ``<run dir>/recordings``, which its standbys warm from."""
         cfg = self.config
-        given = {a.split("=", 1)[0] for a in cfg.script_args}
-        if "--tm-no-sandbox" in given:
+        if not cfg.sandbox:
             self.log("sandbox: off (--tm-no-sandbox); standbys do the basic warm-up")
             return
-        if "--tm-record-dir" in given:
+        if cfg.record_dir is not None:
             return
         record_dir = os.path.abspath(os.path.join(self.run_dir(), "recordings"))
         os.makedirs(record_dir, exist_ok=True)

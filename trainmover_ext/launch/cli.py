@@ -166,6 +166,8 @@ def peek_trainmover_flags(script_args: list[str]) -> dict:
     peek.add_argument("--tm-standby-reserves", type=int, default=4)
     peek.add_argument("--tm-job", default=None)
     peek.add_argument("--tm-metrics-file", default=None)
+    peek.add_argument("--tm-record-dir", default=None)
+    peek.add_argument("--tm-no-sandbox", action="store_true")
     peek.add_argument("--seq-length", type=int, default=0)
     peek.add_argument("--global-batch-size", type=int, default=0)
     known, _ = peek.parse_known_args(script_args)
@@ -270,6 +272,8 @@ def run(args: argparse.Namespace) -> int:
         leaver_becomes_standby=tm["tm_leaver_becomes_standby"],
         standby_nice=tm["tm_standby_nice"],
         standby_reserves=tm["tm_standby_reserves"],
+        sandbox=not tm["tm_no_sandbox"],
+        record_dir=tm["tm_record_dir"],
         etcd_tls=args.tm_etcd_tls,
         run_dir=args.run_dir,
         script=args.script,

@@ -54,6 +54,10 @@ class LaunchConfig:
     """``--tm-standby-reserves`` of the script: children forked at the start that later refill the pool."""
     standby_nice: int = 19
     """``--tm-standby-nice`` of the script: niceness of standbys until promotion (see ``launch.priority``)."""
+    sandbox: bool = True
+    """Not ``--tm-no-sandbox`` in the script: it records, and standbys warm in the sandbox."""
+    record_dir: str | None = None
+    """``--tm-record-dir`` of the script; None: the agent passes ``<run dir>/recordings`` (with ``sandbox``)."""
     etcd_tls: bool = False
     """``--tm-etcd-tls``: the embedded etcd serves TLS with client certificates from a job CA (``etcd.pki``)."""
     run_dir: str | None = None
