@@ -120,10 +120,11 @@ def test_two_ranks_die_at_once(tmp_path, corpus, reference):
 
 
 def _move_rank_6_while(tmp_path, corpus, reference, drill: str, standbys: int, name: str):
-    """``trainmover migrate --rank 6`` at iteration 3 of a job running ``drill``; the job must end bit-identical
-    to the fault-free run, without a restart, after a planned epoch 1 and a failure epoch 2 of rank 6."""
-    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
-    job = start_job(tmp_path, 8, _cascade_args(corpus, drill, standbys=standbys), name=name)
+    """``trainmover migrate --rank 6`` at iteration 3 of a bf16 job running ``drill``; the job must end
+    bit-identical to the fault-free run, without a restart, after a planned epoch 1 and a failure epoch 2 of
+    rank 6."""
+    ref = reference("tp2pp2dp2-bf16", 8, tm_args(corpus, extra=["--bf16"]))
+    job = start_job(tmp_path, 8, _cascade_args(corpus, drill, standbys=standbys, extra=["--bf16"]), name=name)
 
     def migrate() -> None:
         wait_iteration(job, 3)
