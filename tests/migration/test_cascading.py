@@ -78,8 +78,8 @@ def test_the_joiner_dies_during_its_promotion(tmp_path, corpus, reference):
 
 
 def test_another_rank_dies_during_a_recovery(tmp_path, corpus, reference):
-    """Rank 5 dies; during epoch 1's recovery, after it reported what it holds, rank 2 dies too. Every
-    rank, the joiner of epoch 1 included, restarts recovery at epoch 2."""
+    """Rank 5 dies; during epoch 1's recovery, before it reports what it holds, rank 2 dies too, so
+    epoch 1 cannot converge. Every rank, the joiner of epoch 1 included, restarts recovery at epoch 2."""
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
     job = run_job(tmp_path, 8, _cascade_args(corpus, "5:6:backward,2:1:recover"), name="second_failure", timeout=400)
     assert_bit_identical_without_restart(job, ref)

@@ -52,8 +52,8 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, *, fresh_
             # The abandoned iteration drew dropout masks before it failed: start it again from its
             # snapshot, as a run without the failure would (a copy below may overwrite it).
             session.rewind()
-        report_recovery(rt.space, epoch=e, rank=layout.rank, iteration=args.iteration if rt.state_valid else None)
         faults.at("recover", rank=layout.rank, epoch=e)
+        report_recovery(rt.space, epoch=e, rank=layout.rank, iteration=args.iteration if rt.state_valid else None)
         report = world.recover(e, replaced=replaced)
         logger.info("rank %d: epoch %d kept %d links, rebuilt %d", layout.rank, e, report.kept, report.rebuilt)
     mark_step(rt.space, e, "joined" if fresh_joiner else "links_rebuilt", only_if=layout.rank in replaced)

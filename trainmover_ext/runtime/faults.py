@@ -25,8 +25,9 @@ the process is in, and any process serving RANK then (a promoted standby too) fi
 
 - ``join``: the standby promoted into RANK at that epoch dies right after its
   promotion, while the other ranks build their links to it;
-- ``recover``: RANK dies in that epoch's recovery after it reported what it
-  holds, while the others rebuild their links and wait for the convergence;
+- ``recover``: RANK dies in that epoch's recovery before it reports what it
+  holds, while the others rebuild their links and wait for the convergence
+  (which cannot come: no rank completes that epoch);
 - ``send``: RANK dies in that epoch's recovery while it sends its state to a
   rank that needs a copy (after the metadata, before the tensors);
 - ``prepare``: the leaver of that planned epoch dies in phase 1 (the plan is
