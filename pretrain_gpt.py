@@ -57,9 +57,10 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
-    """Training dataset from ``--data-path`` or ``--mock-data`` (no validation/test sets)."""
-    args = get_args()
-    return build_dataset(args, get_tokenizer()), None, None
+    """Train, validation and test datasets from ``--data-path`` or ``--mock-data`` and ``--split`` (None for a
+    split with no share)."""
+    args, tokenizer = get_args(), get_tokenizer()
+    return tuple(build_dataset(args, tokenizer, split) for split in range(3))
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

@@ -83,6 +83,24 @@ def render_parser(parser: argparse.ArgumentParser, title: str, level: int = 2) -
     return out
 
 
+def render_megatron_lm(parser: argparse.ArgumentParser) -> list[str]:
+    """The table of Megatron-LM's example-script flags and what ``pretrain_gpt.py`` does with each."""
+    from megatron.training.megatron_lm_flags import NO_EFFECT_FLAGS, support_table
+
+    out = [
+        "### Megatron-LM's example flags",
+        "",
+        "The flags of Megatron-LM's GPT (`examples/gpt3/train_gpt3_175b_distributed.sh`) and Llama 3 "
+        "(`examples/llama/train_llama3_8b_h200_bf16.sh`) launch scripts, as `pretrain_gpt.py` takes them. "
+        "Flags accepted without effect are named once in the log when given.",
+        "",
+        "| Megatron-LM flag | here |",
+        "|---|---|",
+    ]
+    out += [f"| `{flag}` | {_cell(status)} |" for flag, status in support_table(parser, NO_EFFECT_FLAGS)]
+    return out + [""]
+
+
 def render() -> str:
     """The whole of docs/flags.md."""
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("TRAINMOVER_")}
@@ -95,6 +113,7 @@ def render() -> str:
 
         lines = [HEADER]
         lines += render_parser(build_parser(add_trainmover_args), "`pretrain_gpt.py`")
+        lines += render_megatron_lm(build_parser(add_trainmover_args))
         cli = build_cli_parser()
         lines += ["## `trainmover`", "", _cell(cli.description), ""]
         for action in cli._actions:

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Turn text into a Megatron indexed dataset (``PREFIX_text_document.bin/.idx``).
 
-Uses megatron-core's ``IndexedDatasetBuilder`` and the offline byte-level
-tokenizer, so it works with no network. Inputs:
+Uses megatron-core's ``IndexedDatasetBuilder`` and the tokenizer flags of
+``pretrain_gpt.py`` (``--tokenizer-type``, ``--vocab-file``, ``--merge-file``,
+``--tokenizer-model``; default: the offline byte-level tokenizer), so a job
+reads its data with the tokenizer that wrote it. Inputs:
 
 - ``--input FILE ...``: plain text (documents separated by blank lines) or
   JSON lines with a ``text`` field (``.jsonl``);
@@ -14,6 +16,8 @@ Example::
 
     python scripts/prepare_data.py --stdlib-corpus --output-prefix data/corpus
     # -> data/corpus_text_document.bin / .idx ; train with --data-path data/corpus_text_document
+    python scripts/prepare_data.py --input docs.jsonl --output-prefix data/gpt2 \
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.training.tokenizer import ByteLevelTokenizer  # noqa: E402
+from megatron.training.errors import ConfigError  # noqa: E402
+from megatron.training.tokenizer import ByteLevelTokenizer, Tokenizer, add_tokenizer_args, make_tokenizer  # noqa: E402
 
 # Pure-Python stdlib modules that import quickly and without side effects.
 STDLIB_MODULES = (
@@ -84,18 +89,20 @@ def file_documents(paths: list[str]) -> list[str]:
     return docs
 
 
-def write_indexed_dataset(docs: list[str], output_prefix: str) -> tuple[str, int]:
-    """Tokenize ``docs`` (EOD appended to each) and write ``OUTPUT_PREFIX_text_document``."""
+def write_indexed_dataset(docs: list[str], output_prefix: str, tokenizer: Tokenizer | None = None) -> tuple[str, int]:
+    """Tokenize ``docs`` (EOD appended to each) and write ``OUTPUT_PREFIX_text_document`` (uint16 ids
+    when the vocabulary fits, else int32)."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    tokenizer = ByteLevelTokenizer()
+    tokenizer = tokenizer or ByteLevelTokenizer()
+    dtype = np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
     prefix = f"{output_prefix}_text_document"
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    builder = IndexedDatasetBuilder(prefix + ".bin.tmp", dtype=np.uint16)
+    builder = IndexedDatasetBuilder(prefix + ".bin.tmp", dtype=dtype)
     total = 0
     for doc in docs:
         ids = tokenizer.tokenize(doc) + [tokenizer.eod]
-        builder.add_document(np.asarray(ids, dtype=np.uint16), [len(ids)])
+        builder.add_document(np.asarray(ids, dtype=dtype), [len(ids)])
         total += len(ids)
     builder.finalize(prefix + ".idx.tmp")
     # publish both files only when complete, so a crash never leaves a half dataset
@@ -115,12 +122,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--output-prefix", required=True, help="Output prefix; writes PREFIX_text_document.bin/.idx.")
     parser.add_argument("--max-docs", type=int, default=None, help="Keep at most this many documents.")
+    add_tokenizer_args(parser.add_argument_group("tokenizer (the flags pretrain_gpt.py takes)"))
     args = parser.parse_args(argv)
+    try:
+        tokenizer = make_tokenizer(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
     docs = stdlib_documents(args.max_docs) if args.stdlib_corpus else file_documents(args.input)[: args.max_docs]
     if not docs:
         parser.error("no documents found in the input")
-    prefix, total = write_indexed_dataset(docs, args.output_prefix)
-    print(f"wrote {prefix}.bin/.idx: {len(docs)} documents, {total} tokens (byte-level, EOD=256)")
+    prefix, total = write_indexed_dataset(docs, args.output_prefix, tokenizer)
+    print(
+        f"wrote {prefix}.bin/.idx: {len(docs)} documents, {total} tokens ({args.tokenizer_type}, "
+        f"{tokenizer.vocab_size} ids, EOD={tokenizer.eod})"
+    )
     return 0
 
 

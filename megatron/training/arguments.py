@@ -13,7 +13,10 @@ import argparse
 import os
 from collections.abc import Callable, Sequence
 
+from megatron.training.arguments_logging import add_eval_logging_args, validate_eval_logging
 from megatron.training.errors import ConfigError
+from megatron.training.megatron_lm_flags import add_no_effect_args
+from megatron.training.tokenizer import add_tokenizer_args, validate_tokenizer_args
 
 
 class _Parser(argparse.ArgumentParser):
@@ -111,7 +114,15 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         help="Samples per iteration across all DP ranks (default: micro-batch x DP). "
         "Must be divisible by micro-batch-size x DP.",
     )
-    g.add_argument("--train-iters", type=int, required=True, help="Total number of training iterations.")
+    g.add_argument(
+        "--train-iters", type=int, default=None, help="Total number of training iterations (or give --train-samples)."
+    )
+    g.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        help="Total number of training samples instead of --train-iters (a multiple of --global-batch-size).",
+    )
     g.add_argument("--lr", type=float, required=True, help="Peak learning rate.")
     g.add_argument("--min-lr", type=float, default=0.0, help="Minimum learning rate of the decay.")
     g.add_argument(
@@ -121,6 +132,16 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
         help="Learning-rate decay function.",
     )
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="Iterations of linear warm-up.")
+    g.add_argument(
+        "--lr-warmup-fraction",
+        type=float,
+        default=None,
+        help="Warm-up as a fraction of --lr-decay-iters (instead of --lr-warmup-iters).",
+    )
+    g.add_argument("--lr-warmup-samples", type=int, default=None, help="Warm-up in samples (with --train-samples).")
+    g.add_argument(
+        "--lr-decay-samples", type=int, default=None, help="Decay over this many samples (with --train-samples)."
+    )
     g.add_argument(
         "--lr-decay-iters", type=int, default=None, help="Iterations to decay over (default: --train-iters)."
     )
@@ -189,6 +210,12 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--sequence-parallel", action="store_true", help="Sequence parallelism inside TP regions.")
     g.add_argument(
+        "--context-parallel-size",
+        type=int,
+        default=1,
+        help="Context parallelism: only 1 (none) is supported; the flag is accepted for Megatron-LM's scripts.",
+    )
+    g.add_argument(
         "--distributed-backend",
         choices=["auto", "gloo", "nccl"],
         default="auto",
@@ -215,16 +242,17 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
         "--data-path",
         nargs="+",
         default=None,
-        help="Prefix of a Megatron indexed dataset (PATH.bin and PATH.idx), e.g. made by scripts/prepare_data.py.",
+        help="Megatron indexed datasets (PREFIX.bin and PREFIX.idx, e.g. made by scripts/prepare_data.py): one or "
+        "more prefixes read as one stream, or a weighted blend 'W1 PREFIX1 W2 PREFIX2 ...' whose samples come from "
+        "each dataset in proportion to its weight.",
     )
-    g.add_argument("--split", default="100,0,0", help="Train/valid/test split in percent (only train is used).")
     g.add_argument(
-        "--tokenizer-type",
-        choices=["ByteLevelTokenizer", "NullTokenizer"],
-        default="ByteLevelTokenizer",
-        help="Tokenizer: ByteLevelTokenizer works offline (257 tokens); NullTokenizer needs --vocab-size.",
+        "--split",
+        default="100,0,0",
+        help="Train/valid/test shares of each dataset's tokens, comma-separated weights (e.g. 949,50,1); the "
+        "validation share feeds --eval-iters, the test share one evaluation after the last iteration.",
     )
-    g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer and --mock-data.")
+    add_tokenizer_args(g)
 
 
 def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
@@ -235,6 +263,16 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-optim", action="store_true", help="Do not save optimizer state.")
     g.add_argument("--no-load-optim", action="store_true", help="Do not load optimizer state.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not load RNG states.")
+    g.add_argument(
+        "--ckpt-format",
+        choices=["torch", "torch_dist"],
+        default="torch",
+        help="Format of the checkpoints --save writes. torch: one file per rank, resumes bit-exactly in the "
+        "same TP/PP/DP layout only. torch_dist: megatron-core's dist_checkpointing, as Megatron-LM writes "
+        "it; resumes in the same layout bit-exactly or under another TP/PP layout (needs the default "
+        "process group on gloo or nccl, so not with --trainmover's nccl_delta communicator). --load "
+        "reads either format, whatever this flag says.",
+    )
 
 
 def build_parser(extra_args_provider: Callable | None = None, prog: str = "pretrain_gpt.py") -> _Parser:
@@ -245,6 +283,8 @@ def build_parser(extra_args_provider: Callable | None = None, prog: str = "pretr
     _add_parallel_args(parser)
     _add_data_args(parser)
     _add_checkpoint_args(parser)
+    add_eval_logging_args(parser)
+    add_no_effect_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
     return parser
@@ -269,6 +309,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     Raises :class:`ConfigError` naming the flag to change.
     """
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.context_parallel_size != 1:
+        raise ConfigError("--context-parallel-size must be 1: context parallelism is not supported")
     if tp < 1 or pp < 1:
         raise ConfigError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
     if world_size % (tp * pp) != 0:
@@ -289,6 +331,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"{args.micro_batch_size * dp}."
         )
     args.num_microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    _validate_schedule(args)
     if args.num_layers % pp != 0:
         raise ConfigError(f"--num-layers {args.num_layers} must be divisible by --pipeline-model-parallel-size {pp}")
     if args.num_layers_per_virtual_pipeline_stage is not None:
@@ -337,6 +380,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.sequence_parallel = False
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        if not 0 <= args.lr_warmup_fraction < 1:
+            raise ConfigError("--lr-warmup-fraction must be in [0, 1)")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     if args.lr_warmup_iters and args.lr_warmup_iters >= args.lr_decay_iters:
         raise ConfigError(
             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
@@ -348,19 +395,82 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(
             "give --data-path PREFIX (a Megatron .bin/.idx dataset; see scripts/prepare_data.py) or --mock-data"
         )
-    if args.data_path:
-        for prefix in args.data_path:
+    args.data_blend = _parse_blend(args.data_path) if args.data_path else None
+    args.data_weighted = bool(args.data_path) and len(args.data_blend) * 2 == len(args.data_path)
+    args.split_shares = _parse_split(args.split)
+    if args.data_blend:
+        for _, prefix in args.data_blend:
             for suffix in (".bin", ".idx"):
                 if not os.path.isfile(prefix + suffix):
                     raise ConfigError(
                         f"--data-path {prefix}: file {prefix + suffix} does not exist. Build it with "
                         f"`python scripts/prepare_data.py --output-prefix {prefix}` or fix the path."
                     )
-    if args.tokenizer_type == "NullTokenizer" and not args.vocab_size:
-        raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
+    validate_tokenizer_args(args)
+    validate_eval_logging(args)
     if args.save_interval is not None and args.save_interval <= 0:
         raise ConfigError("--save-interval must be a positive number of iterations")
     if args.save_interval and not args.save:
         raise ConfigError("--save-interval needs --save DIR")
     if args.threads_per_rank < 1:
         raise ConfigError("--threads-per-rank must be >= 1")
+
+
+def _validate_schedule(args: argparse.Namespace) -> None:
+    """``--train-samples`` and the sample-counted schedule flags, in iterations (there is no batch ramp-up,
+    so an iteration is always ``--global-batch-size`` samples)."""
+    gbs = args.global_batch_size
+    if (args.train_iters is None) == (args.train_samples is None):
+        raise ConfigError("give exactly one of --train-iters and --train-samples")
+    if args.train_samples is not None:
+        if args.train_samples < gbs:
+            raise ConfigError(f"--train-samples {args.train_samples} is less than one --global-batch-size ({gbs})")
+        args.train_iters = args.train_samples // gbs
+        if args.lr_decay_samples is not None:
+            args.lr_decay_iters = max(1, args.lr_decay_samples // gbs)
+        if args.lr_warmup_samples is not None:
+            args.lr_warmup_iters = args.lr_warmup_samples // gbs
+    elif args.lr_decay_samples is not None or args.lr_warmup_samples is not None:
+        raise ConfigError(
+            "--lr-decay-samples and --lr-warmup-samples go with --train-samples (or use the -iters flags)"
+        )
+    if args.train_iters < 1:
+        raise ConfigError("--train-iters must be >= 1")
+
+
+def _parse_split(text: str) -> tuple[float, float, float]:
+    """``--split`` as normalised (train, valid, test) shares."""
+    try:
+        parts = [float(p) for p in text.replace("/", ",").split(",") if p.strip()]
+    except ValueError:
+        parts = []
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise ConfigError(f"--split {text!r} is not up to three non-negative weights, e.g. 949,50,1")
+    parts += [0.0] * (3 - len(parts))
+    if parts[0] <= 0:
+        raise ConfigError(f"--split {text!r} leaves no training share")
+    total = sum(parts)
+    return parts[0] / total, parts[1] / total, parts[2] / total
+
+
+def _parse_blend(items: Sequence[str]) -> list[tuple[float, str]]:
+    """``--data-path`` as (weight, prefix) pairs: ``W1 P1 W2 P2 ...``, or ``P1 P2 ...`` (weight 1 each; the
+    dataset reads unweighted prefixes as one stream)."""
+
+    def number(text: str) -> float | None:
+        try:
+            return float(text)
+        except ValueError:
+            return None
+
+    if number(items[0]) is None:
+        return [(1.0, p) for p in items]
+    if len(items) % 2 != 0:
+        raise ConfigError("a weighted --data-path takes pairs: W1 PREFIX1 W2 PREFIX2 ...")
+    pairs = []
+    for w, prefix in zip(items[::2], items[1::2], strict=True):
+        weight = number(w)
+        if weight is None or weight <= 0:
+            raise ConfigError(f"--data-path weight {w!r} (before {prefix}) must be a positive number")
+        pairs.append((weight, prefix))
+    return pairs

@@ -21,21 +21,25 @@ import torch
 
 from megatron.training.errors import DataError
 
+SPLITS = ("train", "valid", "test")
+
 
 class MockGPTDataset:
-    """Synthetic tokens: sample ``i`` is a seeded random sequence (independent of layout)."""
+    """Synthetic tokens: sample ``i`` is a seeded random sequence (independent of layout); ``split``
+    (0 train, 1 valid, 2 test) draws from its own stream."""
 
-    def __init__(self, vocab_size: int, seq_length: int, seed: int, num_samples: int = 1 << 30):
+    def __init__(self, vocab_size: int, seq_length: int, seed: int, num_samples: int = 1 << 30, split: int = 0):
         self.vocab_size = vocab_size
         self.seq_length = seq_length
         self.seed = seed
         self.num_samples = num_samples
+        self.split = split
 
     def __len__(self) -> int:
         return self.num_samples
 
     def __getitem__(self, idx: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, idx])
+        rng = np.random.default_rng([self.seed, idx] if self.split == 0 else [self.seed, idx, self.split])
         return rng.integers(0, self.vocab_size - 1, size=self.seq_length + 1, dtype=np.int64)
 
 
@@ -46,9 +50,20 @@ class IndexedGPTDataset:
     builder appends end-of-document tokens), so sample ``j`` of an epoch is the
     window ``[j * seq, j * seq + seq + 1)`` of that stream. Epochs visit windows
     in a seeded permutation.
+
+    ``share`` keeps the part ``[start, end)`` of the stream (fractions of its tokens): the
+    ``--split`` of train, validation and test. ``split`` (0 train, 1 valid, 2 test) seeds the
+    permutation of each part apart.
     """
 
-    def __init__(self, prefixes: list[str], seq_length: int, seed: int):
+    def __init__(
+        self,
+        prefixes: list[str],
+        seq_length: int,
+        seed: int,
+        share: tuple[float, float] = (0.0, 1.0),
+        split: int = 0,
+    ):
         from megatron.core.datasets.indexed_dataset import IndexedDataset
 
         streams = []
@@ -60,14 +75,18 @@ class IndexedGPTDataset:
                     f"cannot read indexed dataset {prefix}(.bin/.idx): {exc}; rebuild it with scripts/prepare_data.py"
                 ) from exc
             streams.append(np.memmap(prefix + ".bin", dtype=index.index.dtype, mode="r"))
-        self.tokens = streams[0] if len(streams) == 1 else np.concatenate([np.asarray(s) for s in streams])
+        tokens = streams[0] if len(streams) == 1 else np.concatenate([np.asarray(s) for s in streams])
+        lo, hi = (round(f * len(tokens)) for f in share)
+        self.tokens = tokens[lo:hi]
         self.seq_length = seq_length
         self.seed = seed
+        self.split = split
         self.windows = (len(self.tokens) - 1) // seq_length
         if self.windows < 1:
             raise DataError(
-                f"dataset {prefixes} has {len(self.tokens)} tokens, fewer than one sample of --seq-length "
-                f"{seq_length} + 1; use more text or a shorter --seq-length"
+                f"the {SPLITS[split]} split of dataset {prefixes} has {len(self.tokens)} tokens, fewer than one "
+                f"sample of --seq-length {seq_length} + 1; use more text, a shorter --seq-length or a larger "
+                "share in --split"
             )
         self._epoch_perm: dict[int, np.ndarray] = {}
 
@@ -77,7 +96,8 @@ class IndexedGPTDataset:
     def _permutation(self, epoch: int) -> np.ndarray:
         perm = self._epoch_perm.get(epoch)
         if perm is None:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
+            key = [self.seed, epoch] if self.split == 0 else [self.seed, epoch, self.split]
+            perm = np.random.default_rng(key).permutation(self.windows)
             self._epoch_perm = {epoch: perm}  # keep one epoch: memory stays bounded
         return perm
 
@@ -136,9 +156,60 @@ class GPTBatchIterator:
         }
 
 
-def build_dataset(args, tokenizer):
-    """The training dataset named by ``--mock-data`` / ``--data-path``."""
+class BlendedDataset:
+    """Samples drawn from several datasets in proportion to their weights, as Megatron-LM's blend:
+    sample ``i`` comes from the dataset whose share so far lags its weight the most (ties: the
+    first), so the order depends on the weights and the index alone (any layout, any restart)."""
+
+    def __init__(self, datasets: list, weights: list[float]):
+        total = float(sum(weights))
+        self.datasets = datasets
+        self.weights = np.asarray([w / total for w in weights], dtype=np.float64)
+        self._source = np.zeros(0, dtype=np.int32)
+        self._position = np.zeros(0, dtype=np.int64)
+        self._counts = np.zeros(len(datasets), dtype=np.int64)
+
+    def __len__(self) -> int:
+        return 1 << 62
+
+    def _extend(self, upto: int) -> None:
+        """Assign samples ``len(self._source) .. upto`` (amortised: the table at least doubles)."""
+        start = len(self._source)
+        end = max(upto + 1, 2 * start, 1024)
+        source = np.empty(end - start, dtype=np.int32)
+        position = np.empty(end - start, dtype=np.int64)
+        counts = self._counts
+        for k, i in enumerate(range(start, end)):
+            d = int(np.argmax(self.weights * (i + 1) - counts))
+            source[k], position[k] = d, counts[d]
+            counts[d] += 1
+        self._source = np.concatenate([self._source, source])
+        self._position = np.concatenate([self._position, position])
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        if idx >= len(self._source):
+            self._extend(idx)
+        return self.datasets[int(self._source[idx])][int(self._position[idx])]
+
+
+def split_bounds(shares: tuple[float, float, float], split: int) -> tuple[float, float]:
+    """The ``[start, end)`` fraction of a dataset's tokens that ``split`` (0 train, 1 valid, 2 test) reads."""
+    start = sum(shares[:split])
+    return start, start + shares[split]
+
+
+def build_dataset(args, tokenizer, split: int = 0):
+    """The dataset of ``split`` (0 train, 1 valid, 2 test) named by ``--mock-data`` / ``--data-path``
+    and ``--split``; None when ``--split`` gives that split no share."""
+    shares = getattr(args, "split_shares", (1.0, 0.0, 0.0))
+    if shares[split] <= 0:
+        return None
     if args.mock_data and not args.data_path:
         vocab = args.vocab_size or tokenizer.vocab_size
-        return MockGPTDataset(vocab, args.seq_length, args.seed)
-    return IndexedGPTDataset(list(args.data_path), args.seq_length, args.seed)
+        return MockGPTDataset(vocab, args.seq_length, args.seed, split=split)
+    bounds = split_bounds(shares, split)
+    if not getattr(args, "data_weighted", False):
+        return IndexedGPTDataset(list(args.data_path), args.seq_length, args.seed, bounds, split)
+    blend = args.data_blend
+    parts = [IndexedGPTDataset([prefix], args.seq_length, args.seed, bounds, split) for _, prefix in blend]
+    return BlendedDataset(parts, [w for w, _ in blend])

@@ -9,6 +9,7 @@ normal or not, the process group and model-parallel state are torn down.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import logging
@@ -22,9 +23,10 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron.training import checkpointing, global_vars, iteration_start
+from megatron.training import checkpointing, evaluation, global_vars, iteration_start
 from megatron.training.arguments import parse_args
 from megatron.training.data import BatchPlan, GPTBatchIterator
+from megatron.training.exits import ExitConditions
 from megatron.training.initialize import (
     DistributedSetup,
     ParallelLayout,
@@ -32,6 +34,8 @@ from megatron.training.initialize import (
     set_random_seeds,
     shutdown,
 )
+from megatron.training.loggers import ScalarLoggers
+from megatron.training.megatron_lm_flags import no_effect_given
 from megatron.training.model import get_model, transformer_config_from_args
 from megatron.training.tokenizer import build_tokenizer
 
@@ -59,10 +63,18 @@ class MetricsLog:
     def __init__(self, path: str | None, enabled: bool):
         self.path = path if (path and enabled) else None
         self.file = open(path, "a", buffering=1) if self.path else None
+        # TensorBoard / W&B, from the job's flags (set by pretrain before any MetricsLog is made)
+        args = global_vars._ARGS
+        self.scalars = ScalarLoggers(args, enabled) if args is not None else None
 
     def write(self, **record) -> None:
         if self.file is not None:
             self.file.write(json.dumps(record) + "\n")
+        if self.scalars is not None and self.scalars.active:
+            if record.get("event") == "iteration":
+                self.scalars.iteration(record)
+            elif record.get("event") == "evaluation":
+                self.scalars.evaluation(record)
 
     def last_iteration(self) -> int | None:
         """The highest ``iteration`` event among the file's last records; ``None`` if there is none."""
@@ -100,6 +112,8 @@ class MetricsLog:
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+        if self.scalars is not None:
+            self.scalars.close()
 
 
 def setup_optimizer(model, args):
@@ -156,6 +170,13 @@ class Session:
     dataset: Any  # the training dataset from the dataset provider (megatron-core's GPTDataset)
     forward_step_func: Callable
     metrics: MetricsLog
+    valid_dataset: Any = None
+    """The validation split (None: ``--split`` gives it no share, and nothing is evaluated)."""
+    test_dataset: Any = None
+    """The test split, evaluated once after the last iteration (None: no share)."""
+    evaluated_iteration: int | None = None
+    """The boundary this rank last evaluated at (:func:`~megatron.training.evaluation.due`); None after
+    a recovery, so every rank runs the evaluation at the resume boundary."""
     iterators: list = field(default_factory=list)
     last_record: dict | None = None
     """The last completed iteration's metrics record, kept on every last-stage rank (the logging rank
@@ -213,6 +234,10 @@ class Runtime:
 
     def after_checkpoint(self, session: Session) -> None:
         """Called after this rank saved the checkpoint of ``session.args.iteration``."""
+
+    def evaluating(self, session: Session) -> contextlib.AbstractContextManager:
+        """Wraps an evaluation at an iteration boundary (forward-only work that is not an iteration)."""
+        return contextlib.nullcontext()
 
     def after_iteration(self, session: Session, loss: float | None) -> None:
         """Called after each completed iteration."""
@@ -287,7 +312,8 @@ def build_session(
     model = get_model(model_provider, args, layout, config, prepare_chunk)
     optimizer, scheduler = setup_optimizer(model, args)
     _wire_config(config, model, optimizer)
-    datasets = dataset_provider([args.train_iters * args.global_batch_size, 0, 0])
+    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters * args.global_batch_size
+    datasets = list(dataset_provider([args.train_iters * args.global_batch_size, evals, evals])) + [None, None]
     return Session(
         args=args,
         layout=layout,
@@ -295,6 +321,8 @@ def build_session(
         optimizer=optimizer,
         scheduler=scheduler,
         dataset=datasets[0],
+        valid_dataset=datasets[1],
+        test_dataset=datasets[2],
         forward_step_func=forward_step_func,
         metrics=metrics,
     )
@@ -373,6 +401,7 @@ def pretrain(
             )
         t_loaded = time.time()
         args.iteration, args.consumed_train_samples = iteration, consumed
+        session.evaluated_iteration = iteration  # a resumed job evaluated at its checkpoint's boundary already
         session.reset_data()
         metrics.write(
             event="startup",
@@ -384,6 +413,9 @@ def pretrain(
             resumed_iteration=iteration,
         )
         if layout.is_logging_rank:
+            ignored = no_effect_given(args)
+            if ignored:
+                print(f"[trainmover] accepted without effect here: {'; '.join(ignored)}", flush=True)
             print(
                 f"[trainmover] world {layout.world_size} = TP{layout.tp_size} x PP{layout.pp_size} x "
                 f"DP{layout.dp_size} | comm {layout.comm} | start iteration {iteration} | "
@@ -465,12 +497,22 @@ def train_loop(session: Session, runtime: Runtime) -> dict:
     losses: list[float] = []
     start_iter = args.iteration
     session.saved_iteration = _checkpointed_iteration(args)
+    exits = ExitConditions(args)
+    exit_reason = None
     for chunk in model:
         chunk.train()
     while True:
         try:
+            if evaluation.due(session):
+                with runtime.evaluating(session):
+                    evaluation.evaluate_due(session)
             if _save_due(session):
                 save(session, runtime)
+            exit_reason = exits.reached(session)
+            if exit_reason is not None:
+                if args.save and session.saved_iteration != args.iteration:
+                    save(session, runtime)
+                break
             if args.iteration >= args.train_iters or not runtime.before_iteration(session):
                 break
             t0 = time.time()
@@ -478,6 +520,7 @@ def train_loop(session: Session, runtime: Runtime) -> dict:
         except runtime.recoverable as exc:
             runtime.recover(session, exc)
             session.saved_iteration = _checkpointed_iteration(args)
+            session.evaluated_iteration = None  # every rank evaluates again at the resume boundary
             continue
         dt = time.time() - t0
         times.append(dt)
@@ -491,6 +534,9 @@ def train_loop(session: Session, runtime: Runtime) -> dict:
                 f"consumed samples {args.consumed_train_samples}",
                 flush=True,
             )
+    exits.close()
+    if exit_reason is not None and layout.is_logging_rank:
+        print(f"[trainmover] exiting at iteration {args.iteration}: {exit_reason}", flush=True)
     if args.iteration >= args.train_iters:
         runtime.after_training(session)
     steady = sorted(times[1:]) if len(times) > 1 else times
@@ -499,6 +545,7 @@ def train_loop(session: Session, runtime: Runtime) -> dict:
         "final_loss": losses[-1] if losses else None,
         "median_iteration_s": steady[len(steady) // 2] if steady else None,
         "tokens_per_s": (tokens_per_iter / steady[len(steady) // 2]) if steady else None,
+        "exit_reason": exit_reason,
     }
     if layout.is_logging_rank and summary["iterations"] and summary["final_loss"] is not None:
         print(

@@ -125,6 +125,8 @@ def serve_rank(
                 # Links up and model built: the job may now pick the hand-over boundary.
                 mark_step(space, plan.epoch, "ready")
                 receive_from_leaver(runtime, session, plan)
+                # The leaver and the stayers ran any evaluation due at the hand-over boundary before it.
+                session.evaluated_iteration = args.iteration
             else:
                 converge(runtime, session, plan, fresh_joiner=True)
         except (CommLinkError, RecoverySuperseded) as cut:

@@ -22,11 +22,13 @@ because of the sandbox.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 from trainmover_ext.errors import TrainMoverError
 
-from .recorder import RecordingHandle, maybe_start_recording
+from .recorder import RecordingHandle, maybe_start_recording, paused
 from .registry import publish
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,11 @@ class RecordingRuntime:
     def recover(self, session, exc: BaseException) -> None:
         self.handle.abort(f"iteration {session.args.iteration + 1} was abandoned ({exc})")
         self.inner.recover(session, exc)
+
+    @contextlib.contextmanager
+    def evaluating(self, session) -> Iterator[None]:
+        with self.inner.evaluating(session), paused():
+            yield
 
     def after_iteration(self, session, loss) -> None:
         if self.handle.active:

@@ -25,12 +25,13 @@ construction, since the real op always runs first.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -301,6 +302,17 @@ class Recorder:
         if len(self._pending) > 256:
             self._pending = [w for w in self._pending if w._on_done is not None]
         return wrapped
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Collectives made inside are not recorded (e.g. an evaluation between recorded iterations: a
+    standby's shadow iterations replay training iterations only)."""
+    _NESTED.depth = getattr(_NESTED, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _NESTED.depth -= 1
 
 
 def hooks_installed() -> list[str]:

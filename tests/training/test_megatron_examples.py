@@ -1,0 +1,190 @@
+"""Megatron-LM's own example launch scripts, scaled down, under ``--trainmover`` with one failure.
+
+The GPT example (``examples/gpt3/train_gpt3_175b_distributed.sh``: GPT-2 BPE from a vocabulary and
+a merges file, ``--split 949,50,1``, evaluation, TensorBoard, fp16, cosine decay with a warm-up
+fraction) and the Llama 3 example (``examples/llama/train_llama3_8b_h200_bf16.sh``: a Hugging Face
+tokenizer, RMSNorm, SwiGLU, RoPE, GQA, untied output, no biases, bf16, sample-counted schedule,
+the distributed optimizer and the flags without effect on CPU). The tokenizer files are written by
+the test from the corpus text. Each run with a SIGKILLed rank completes without restart and is
+bit-identical to the same flags without a fault: every training iteration and every evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from harness.jobs import REPO_ROOT
+from helpers import fell_back, read_metrics, replaced, run_job, tiny_args, trajectory
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tokenizer_files(tmp_path_factory):
+    """GPT-2 BPE files (vocab.json, merges.txt) and a Hugging Face tokenizer directory, trained on the
+    stdlib corpus, and datasets written with each: two halves of the corpus for a weighted blend."""
+    sys.path.insert(0, os.path.join(REPO_ROOT, "scripts"))
+    from prepare_data import stdlib_documents
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("tokenizers")
+    docs = stdlib_documents(1500)
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(docs, vocab_size=500, min_frequency=2, special_tokens=["<|endoftext|>"])
+    os.makedirs(root / "gpt2")
+    bpe.save_model(str(root / "gpt2"))
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>")
+    hf.save_pretrained(str(root / "hf"))
+    halves = {"a": docs[::2], "b": docs[1::2]}
+    for name, part in halves.items():
+        with open(root / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps({"text": d}) + "\n" for d in part)
+    files = {
+        "vocab": str(root / "gpt2" / "vocab.json"),
+        "merges": str(root / "gpt2" / "merges.txt"),
+        "hf": str(root / "hf"),
+    }
+    gpt2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", files["vocab"], "--merge-file", files["merges"]]
+    for name in halves:
+        for tok, flags in (
+            ("gpt2", gpt2),
+            ("hf", ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", files["hf"]]),
+        ):
+            prep = [sys.executable, "scripts/prepare_data.py", "--input", str(root / f"{name}.jsonl")]
+            out = subprocess.run(
+                prep + ["--output-prefix", str(root / f"{tok}_{name}"), *flags],
+                cwd=REPO_ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert out.returncode == 0, out.stderr
+            files[f"{tok}_{name}"] = str(root / f"{tok}_{name}_text_document")
+    return files
+
+
+def _example(base: list[str], example: list[str], fault: str | None) -> list[str]:
+    """``tiny_args``' model and batch with the example's flags, under --trainmover with one standby."""
+    drop = {"--data-path", "--train-iters"}
+    kept, skip = [], False
+    for arg in base:
+        if skip:
+            skip = False
+            continue
+        if arg in drop:
+            skip = True
+            continue
+        kept.append(arg)
+    tm = ["--trainmover", "--tm-standbys", "1", "--tm-standby-nice", "0", "--tm-no-sandbox"]
+    return kept + example + tm + (["--tm-inject-fault", fault] if fault else [])
+
+
+def _evaluations(job) -> dict[tuple[str, int], float]:
+    """(split, iteration) -> loss; an evaluation run twice (again after a recovery) must agree."""
+    out: dict[tuple[str, int], float] = {}
+    for rec in read_metrics(job.metrics_path, "evaluation"):
+        key = (rec["split"], rec["iteration"])
+        assert out.setdefault(key, rec["loss"]) == rec["loss"], f"evaluation {key} re-ran differently"
+    return out
+
+
+def _assert_same_run(faulty, clean, iters: int) -> None:
+    got, ref = trajectory(faulty.metrics_path), trajectory(clean.metrics_path)
+    assert sorted(ref) == list(range(1, iters + 1)) and sorted(got) == sorted(ref)
+    diffs = {it: (got[it], ref[it]) for it in ref if got[it] != ref[it]}
+    assert not diffs, f"not bit-identical to the fault-free run: {diffs}"
+    assert _evaluations(faulty) == _evaluations(clean)
+    assert not fell_back(faulty), faulty.stderr()[-3000:]
+    assert len(read_metrics(faulty.metrics_path, "startup")) == 1, "a rank restarted"
+    assert [r["rank"] for r in replaced(faulty, "failure")] == [5], "no standby took the failed rank"
+
+
+def _tensorboard_scalars(directory: str) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[str, dict[int, float]] = {}
+    for name in sorted(os.listdir(directory)):
+        acc = EventAccumulator(os.path.join(directory, name))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            for event in acc.Scalars(tag):
+                out.setdefault(tag, {})[event.step] = event.value
+    return out
+
+
+def test_gpt_example_with_a_failure(tmp_path, tokenizer_files):
+    """GPT-2 BPE, a 30/70 blend of two datasets, --split 949,50,1, an evaluation every 4 iterations
+    (and the test split at the end), TensorBoard, fp16. Rank 5 dies in iteration 5's backward pass,
+    after the evaluation at boundary 4, so the job resumes at boundary 4, where every rank evaluates
+    again."""
+    f = tokenizer_files
+    gpt = [
+        "--data-path", "0.3", f["gpt2_a"], "0.7", f["gpt2_b"],
+        "--vocab-file", f["vocab"], "--merge-file", f["merges"], "--split", "949,50,1",
+        "--train-iters", "12", "--eval-iters", "2", "--eval-interval", "4", "--log-interval", "1",
+        "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--init-method-std", "0.006",
+        "--clip-grad", "1.0", "--fp16", "--lr-decay-style", "cosine", "--min-lr", "1e-4",
+        "--lr-warmup-fraction", ".1", "--attention-backend", "auto",
+    ]  # fmt: skip
+    base = tiny_args("unused", tp=2, pp=2)
+    runs = {}
+    for name, fault in (("clean", None), ("faulty", "5:5:backward")):
+        tb = str(tmp_path / f"tb_{name}")
+        runs[name] = run_job(
+            tmp_path, 8, _example(base, gpt + ["--tensorboard-dir", tb], fault), name=f"gpt_{name}", timeout=400
+        )
+    _assert_same_run(runs["faulty"], runs["clean"], 12)
+    evals = _evaluations(runs["clean"])
+    assert sorted(evals) == [("test", 12), ("valid", 4), ("valid", 8), ("valid", 12)], evals
+    reran = [r["iteration"] for r in read_metrics(runs["faulty"].metrics_path, "evaluation") if r["split"] == "valid"]
+    assert reran.count(4) == 2, f"the evaluation at the resume boundary did not run again: {reran}"
+    # TensorBoard got what the metrics log got (float32), across the logging rank's replacement too
+    scalars = _tensorboard_scalars(str(tmp_path / "tb_faulty"))
+    losses = trajectory(runs["clean"].metrics_path)
+    assert sorted(scalars["lm loss"]) == list(range(1, 13))
+    assert all(abs(scalars["lm loss"][it] - losses[it][0]) <= 1e-6 * abs(losses[it][0]) for it in losses)
+    assert sorted(scalars["lm loss validation"]) == [4, 8, 12]
+    assert "loss-scale" in scalars and "learning-rate" in scalars
+
+
+def test_llama_example_with_a_failure(tmp_path, tokenizer_files):
+    """A Hugging Face tokenizer, Llama's architecture (RMSNorm, SwiGLU, RoPE, GQA, untied output, no
+    biases), bf16, a schedule in samples, the distributed optimizer, and flags that do nothing on CPU
+    (named once in the log), and --save/--load with a checkpoint every 4 iterations. Rank 5 dies in the
+    evaluation at boundary 6 (iteration 7's forward drill fires in the first forward pass after that
+    boundary: the evaluation's). The distributed optimizer keeps one copy of each optimizer shard, so
+    no replica holds rank 5's: every rank goes back to checkpoint 4 through the warm path (no restart)
+    and re-runs iterations 5 and 6 and the evaluation exactly."""
+    f = tokenizer_files
+    llama = [
+        "--use-mcore-models", "--data-path", f["hf_a"], f["hf_b"],
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", f["hf"], "--split", "99,1,0",
+        "--normalization", "RMSNorm", "--swiglu", "--ffn-hidden-size", "64", "--position-embedding-type", "rope",
+        "--rotary-base", "1000000", "--rotary-percent", "1.0", "--group-query-attention", "--num-query-groups", "2",
+        "--kv-channels", "8", "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        "--attention-backend", "fused", "--train-samples", "96", "--lr-decay-samples", "96",
+        "--lr-warmup-samples", "16", "--lr-decay-style", "cosine", "--min-lr", "1e-4", "--bf16",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--cross-entropy-loss-fusion", "--manual-gc", "--exit-duration-in-mins", "235",
+        "--no-create-attention-mask-in-dataloader", "--num-workers", "1", "--data-cache-path", str(tmp_path),
+        "--distributed-timeout-minutes", "60", "--log-throughput", "--eval-iters", "1", "--eval-interval", "6",
+    ]  # fmt: skip
+    base = tiny_args("unused", tp=2, pp=2)
+    runs = {}
+    for name, fault in (("clean", None), ("faulty", "5:7:forward")):
+        ckpt = ["--save", str(tmp_path / f"ckpt_{name}"), "--load", str(tmp_path / f"ckpt_{name}")]
+        args = _example(base, llama + ckpt + ["--save-interval", "4"], fault)
+        runs[name] = run_job(tmp_path, 8, args, name=f"llama_{name}", timeout=400)
+    clean, faulty = runs["clean"], runs["faulty"]
+    _assert_same_run(faulty, clean, 12)
+    assert sorted(_evaluations(clean)) == [("valid", 6), ("valid", 12)]
+    resumed = [r["resumed_iteration"] for r in read_metrics(faulty.metrics_path, "recovered")]
+    assert resumed == [4], f"the job did not go back to checkpoint 4: {resumed}"
+    said = [line for line in clean.stdout().splitlines() if "accepted without effect here" in line]
+    assert len(said) == 1 and "--attention-backend" in said[0] and "--manual-gc" in said[0], said
