@@ -5,12 +5,29 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv etcd promtool lint test test-fast demo data bench clean help
+# The compat stack (`make test-compat`): the NGC images' Python 3.12, PyPI's torch and the newest
+# megatron-core 0.19.x, all pinned in constraints-compat.txt. Its venv (GBs: torch's CUDA build) lives
+# outside the clone, keyed by that file's hash, so CI runs on one machine reuse it.
+COMPAT_PY ?= $(or $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12))),python3.12)
+COMPAT_KEY := $(shell sha256sum constraints-compat.txt 2>/dev/null | cut -c1-12)
+COMPAT_HOME ?= $(HOME)/.cache/trainmover
+COMPAT_VENV ?= $(COMPAT_HOME)/venv-compat-py312-$(COMPAT_KEY)
+COMPAT_VPY := $(COMPAT_VENV)/bin/python
+# The foundation (pure units, the kv contract on real etcd, the layering) and one of each kind of
+# move, each bit-identical to the fault-free run: an unexpected failure and a planned migration.
+COMPAT_TESTS := tests/training/test_units.py tests/nccl_delta/test_units.py tests/control/test_decide.py \
+	tests/control/test_kv.py tests/control/test_fingerprint.py tests/migration/test_transfer_format.py \
+	tests/test_layering.py tests/test_deadline.py tests/test_fsutil.py \
+	"tests/migration/test_failover.py::test_sigkill_is_replaced_bit_identically[last-stage-tp1-backward]" \
+	"tests/migration/test_planned.py::test_planned_migration_is_bit_identical[first-stage-tp1]"
+
+.PHONY: venv venv-compat etcd promtool lint test test-fast test-compat demo data bench clean help
 
 help:
 	@echo "make demo      - train the demo GPT (8 CPU ranks, TP2xPP2xDP2) on the bundled corpus"
 	@echo "make test      - install everything needed and run the whole test suite"
 	@echo "make test-fast - the suite without tests marked slow"
+	@echo "make test-compat - foundation tests and two bit-identical moves on Python 3.12, PyPI's torch, megatron-core 0.19"
 	@echo "make lint      - ruff check, ruff format --check and mypy (strict on nccl_delta, kv, control, migration, runtime)"
 
 $(STAMP): constraints.txt requirements.txt setup.py pyproject.toml
@@ -25,6 +42,27 @@ $(STAMP): constraints.txt requirements.txt setup.py pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# Built from nothing on a fresh machine; pip's own cache (not disabled here) keeps a rebuild after a
+# pin change short. No file prerequisite: the path holds the pins' hash (a fresh clone's newer mtime
+# must not rebuild it). The clone is installed editable; .clone records which clone it points at.
+$(COMPAT_VENV)/.installed:
+	@$(COMPAT_PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null \
+	  || { echo "$(COMPAT_PY) is not Python 3.12: install it (pyenv install 3.12) or pass COMPAT_PY=/path/to/python3.12"; exit 1; }
+	@echo "[compat 1/3 $$(date +%T)] creating $(COMPAT_VENV) with $$($(COMPAT_PY) --version)"
+	rm -rf $(COMPAT_VENV) && mkdir -p $(COMPAT_HOME)
+	$(COMPAT_PY) -m venv $(COMPAT_VENV)
+	$(COMPAT_VPY) -m pip install --upgrade pip
+	@echo "[compat 2/3 $$(date +%T)] installing constraints-compat.txt (torch's CUDA wheels are GBs on a cold cache)"
+	$(COMPAT_VPY) -m pip install -r constraints-compat.txt
+	@echo "[compat 3/3 $$(date +%T)] done"
+	@# stale venvs of earlier pins
+	@find $(COMPAT_HOME) -maxdepth 1 -name 'venv-compat-py312-*' ! -path $(COMPAT_VENV) -exec rm -rf {} +
+	touch $@
+
+venv-compat: $(COMPAT_VENV)/.installed
+	@test "$$(cat $(COMPAT_VENV)/.clone 2>/dev/null)" = "$(CURDIR)" || { \
+	  $(COMPAT_VPY) -m pip install -q --no-deps -e . && echo "$(CURDIR)" > $(COMPAT_VENV)/.clone; }
 
 etcd:
 	@command -v etcd >/dev/null || { echo "installing Debian's etcd-server"; \
@@ -49,6 +87,14 @@ test: venv etcd promtool
 
 test-fast: venv etcd promtool
 	$(VPY) -m pytest -q --timeout 600 -m "not slow"
+
+# PYTHONPATH: megatron-core >= 0.17 ships Megatron-LM's own megatron/training package, which would
+# shadow this clone's (an editable install is looked up after site-packages); the check proves it does not.
+test-compat: venv-compat etcd
+	@PYTHONPATH=$(CURDIR) $(COMPAT_VPY) -W ignore -c 'import sys, torch, megatron.core, megatron.training as t; \
+	  print("compat stack: Python", sys.version.split()[0], "torch", torch.__version__, "megatron-core", megatron.core.__version__); \
+	  sys.exit(None if t.__file__.startswith("$(CURDIR)/") else "megatron.training is " + t.__file__)'
+	PYTHONPATH=$(CURDIR) $(COMPAT_VPY) -m pytest -q --timeout 600 $(COMPAT_TESTS)
 
 demo: venv etcd data
 	$(VPY) scripts/demo.py

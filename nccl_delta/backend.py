@@ -78,6 +78,13 @@ class NamedGroup:
         # as older torch versions lack it.
         return cast("GroupName", self._group_name)
 
+    def _get_backend(self, device: torch.device) -> Any:
+        # A Python group is its own backend. torch >= 2.14's batch_isend_irecv asks every ProcessGroup
+        # subclass for its backend's supports_coalescing (2.13 asked only torch's own class), and the C++
+        # lookup raises for a group constructed in Python; without the attribute the separate
+        # isend/irecv path is taken, as on torch 2.13.
+        return self
+
 
 class DoneWork(dist.Work):
     """Work of an op that already finished inline."""

@@ -19,7 +19,7 @@ from trainmover_ext.errors import PatchError
 logger = logging.getLogger(__name__)
 
 # megatron-core versions whose source the CPU patches were checked against.
-SUPPORTED_MCORE = ("0.16.",)
+SUPPORTED_MCORE = ("0.16.", "0.19.")
 
 _installed: list[str] | None = None
 
@@ -50,8 +50,9 @@ def install(force_cpu: bool | None = None) -> list[str]:
     """Install the patches this machine needs; returns the patched names.
 
     The CPU patches are installed only when CUDA is absent (or ``force_cpu``).
-    On a GPU nothing is rewritten, so the NGC image's newer megatron-core runs
-    untouched.
+    On a GPU only what migration itself needs is rewritten
+    (:mod:`.grad_norm_groups`, megatron-core 0.19 and later), so the NGC
+    image's megatron-core otherwise runs untouched.
     """
     global _installed
     if _installed is not None:
@@ -59,7 +60,7 @@ def install(force_cpu: bool | None = None) -> list[str]:
     cpu = (not torch.cuda.is_available()) if force_cpu is None else force_cpu
     patched: list[str] = []
     if cpu:
-        check_version()
+        version = check_version()
         # Import every module first so that rebinding of `from x import f`
         # copies reaches them all.
         import megatron.core.distributed  # noqa: F401
@@ -70,8 +71,11 @@ def install(force_cpu: bool | None = None) -> list[str]:
 
         from . import cpu_compat, rng
 
-        patched += cpu_compat.install()
+        patched += cpu_compat.install(version)
         patched += rng.install()
+    from . import grad_norm_groups
+
+    patched += grad_norm_groups.install()
     logger.debug("trainmover patches installed: %s", patched)
     _installed = patched
     return patched

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import linecache
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
 
@@ -24,15 +25,23 @@ def _compile_function(module, cls, name: str, source: str, filename: str) -> Cal
     source = textwrap.dedent(source)
     if cls is None:
         namespace: dict = {}
-        exec(compile(source, filename, "exec"), module.__dict__, namespace)
+        exec(compile(_remember(source, filename), filename, "exec"), module.__dict__, namespace)
         return namespace[name]
     # Methods may use zero-argument super(), which needs a __class__ cell: build
     # the function inside a factory whose argument is that cell.
     body = textwrap.indent(source, "    ")
     factory_src = f"def __tm_factory(__class__):\n{body}\n    return {name}\n"
     namespace = {}
-    exec(compile(factory_src, filename, "exec"), module.__dict__, namespace)
+    exec(compile(_remember(factory_src, filename), filename, "exec"), module.__dict__, namespace)
     return namespace["__tm_factory"](cls)
+
+
+def _remember(source: str, filename: str) -> str:
+    """Keep ``source`` in linecache under ``filename``: tracebacks show the patched lines, and a
+    second patch of the same function (a CPU patch and a migration patch) can read its source."""
+    # mtime None: linecache.checkcache keeps the entry (there is no file to compare with)
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    return source
 
 
 def rewrite(module_name: str, qualname: str, replacements: Sequence[Replacement], require_each: bool = True) -> None:

@@ -1,4 +1,4 @@
-"""Let megatron-core 0.16 train on CPU with gloo.
+"""Let megatron-core 0.16 and 0.19 train on CPU with gloo.
 
 Applied only when CUDA is absent (see :func:`patches.install`). Each listed
 function has its CUDA-only snippets (``device="cuda"``,
@@ -6,7 +6,9 @@ function has its CUDA-only snippets (``device="cuda"``,
 strings, ``.cuda()``) rewritten to their CPU equivalents. The list was found by
 reading megatron-core 0.16.1 and by tracing TP/PP/DP training with DDP and the
 distributed optimizer; a listed function whose source no longer matches fails
-loudly at install time.
+loudly at install time. 0.19 moved none of them and adds CUDA-only code to one
+more function on that path (``CPU_TARGETS_SINCE_0_19``), found the same way on
+0.19.2.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ CPU_REPLACEMENTS = [
     # bf16/fp16 parameters are recognised by their type string when the optimizer wraps them.
     ("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']", "['torch.HalfTensor', 'torch.BFloat16Tensor']"),
     (".cuda()", ""),
+    # 0.19: waits for CUDA graph replays (none on CPU) on the current stream before the grad reduce.
+    ("current_stream = torch.cuda.current_stream()", "current_stream = None"),
 ]
 
 # module -> functions (or Class.method) that reach CUDA-only code on the CPU path.
@@ -80,7 +84,21 @@ CPU_TARGETS: dict[str, list[str]] = {
     ],
 }
 
+# What megatron-core 0.19 adds to CPU_TARGETS (the function exists in 0.16 without CUDA-only code).
+CPU_TARGETS_SINCE_0_19: dict[str, list[str]] = {
+    "megatron.core.distributed.param_and_grad_buffer": [
+        "_ParamAndGradBucketGroup.start_grad_sync",
+    ],
+    "megatron.core.optimizer.optimizer": [
+        "MegatronOptimizer.has_grad_norm_group",
+    ],
+}
 
-def install() -> list[str]:
-    """Rewrite every CUDA-only snippet on the CPU training path; returns what was patched."""
-    return rewrite_all(CPU_TARGETS, CPU_REPLACEMENTS)
+
+def install(version: str) -> list[str]:
+    """Rewrite every CUDA-only snippet on the CPU training path of megatron-core ``version``; returns what
+    was patched."""
+    patched = rewrite_all(CPU_TARGETS, CPU_REPLACEMENTS)
+    if not version.startswith("0.16."):
+        patched += rewrite_all(CPU_TARGETS_SINCE_0_19, CPU_REPLACEMENTS)
+    return patched
