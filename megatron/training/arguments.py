@@ -210,6 +210,13 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--sequence-parallel", action="store_true", help="Sequence parallelism inside TP regions.")
     g.add_argument(
+        "--use-tp-pp-dp-mapping",
+        action="store_true",
+        help="Rank order tp, then pp, then dp (megatron-core's order 'tp-cp-ep-pp-dp') instead of the default tp, "
+        "dp, pp: a node of consecutive ranks then holds whole pipelines, and each data-parallel replica lives on "
+        "other nodes.",
+    )
+    g.add_argument(
         "--context-parallel-size",
         type=int,
         default=1,

@@ -44,6 +44,8 @@ class ParallelLayout:
     comm: str = ""
     """The process-group backend the groups run on ('nccl_delta' for TrainMover's swappable
     communicator), else the device backend."""
+    pp_before_dp: bool = False
+    """Rank order tp, pp, dp (``--use-tp-pp-dp-mapping``) instead of tp, dp, pp."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -76,11 +78,17 @@ def select_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def rank_order(args) -> str:
+    """megatron-core's rank order for the flags: ``--use-tp-pp-dp-mapping`` puts pp before dp."""
+    return "tp-cp-ep-pp-dp" if getattr(args, "use_tp_pp_dp_mapping", False) else "tp-cp-ep-dp-pp"
+
+
 def initialize_model_parallel(args) -> None:
     """megatron-core's parallel groups for the flags, on the current default process group."""
     from megatron.core import parallel_state as mpu
 
     mpu.initialize_model_parallel(
+        order=rank_order(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -163,6 +171,7 @@ def layout_from_groups(
         device=device,
         backend=backend,
         comm=comm,
+        pp_before_dp=getattr(args, "use_tp_pp_dp_mapping", False),
     )
 
 

@@ -58,3 +58,20 @@ def test_the_source_is_the_replica_nearest_in_the_data_parallel_ring():
     assert plan_convergence(grid.rings(), {r: 5 for r in range(16) if r != 15}, {15}).copies == [(9, 15)]  # wraps round
     late = {**stayers, 11: 4, 15: 4}  # only DP index 0 is at the resume iteration besides itself
     assert (9, 13) in plan_convergence(grid.rings(), late, {13}).copies
+
+
+def test_grid_matches_megatron_core_in_both_rank_orders():
+    """Replicas (the data-parallel groups) and stages as megatron-core lays them out, for its default order
+    and for --use-tp-pp-dp-mapping (where one node of consecutive ranks holds whole pipelines)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    for tp, pp, dp in ((2, 2, 2), (1, 4, 2), (2, 3, 4)):
+        for pp_before_dp, order in ((False, "tp-cp-ep-dp-pp"), (True, "tp-cp-ep-pp-dp")):
+            grid = GridShape(tp=tp, pp=pp, dp=dp, pp_before_dp=pp_before_dp)
+            gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=order)
+            for group in gen.get_ranks("dp"):
+                assert all(grid.replicas_of(r) == sorted(group) for r in group), (order, group)
+            for stages in gen.get_ranks("pp"):
+                assert [grid.shard_of(r)[1] for r in stages] == list(range(pp)), (order, stages)
+    # the two orders differ: with tp-pp-dp, rank 2 of TP2 x PP2 x DP2 is stage 1 of replica 0
+    assert GridShape(tp=2, pp=2, dp=2, pp_before_dp=True).replicas_of(5) == [1, 5]

@@ -130,6 +130,7 @@ def test_fingerprint_covers_shape_precision_layout_optimizer_batch_and_version()
         "world_size",
         "virtual_pipeline_model_parallel_size",
         "sequence_parallel",
+        "use_tp_pp_dp_mapping",
         "optimizer",
         "use_distributed_optimizer",
         "micro_batch_size",

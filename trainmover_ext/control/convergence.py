@@ -29,11 +29,13 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, kw_only=True)
 class GridShape:
-    """The TP x PP x DP grid in megatron's rank order (tp fastest, then dp, then pp)."""
+    """The TP x PP x DP grid in megatron's rank order: tp fastest, then dp, then pp (megatron's
+    default), or tp, pp, dp with ``pp_before_dp`` (``--use-tp-pp-dp-mapping``)."""
 
     tp: int
     pp: int
     dp: int
+    pp_before_dp: bool = False
 
     @property
     def world_size(self) -> int:
@@ -42,7 +44,7 @@ class GridShape:
     def shard_of(self, rank: int) -> tuple[int, int]:
         """(tp_rank, pp_rank): ranks with the same shard hold the same parameters."""
         tp_rank = rank % self.tp
-        pp_rank = rank // (self.tp * self.dp)
+        pp_rank = (rank // self.tp) % self.pp if self.pp_before_dp else rank // (self.tp * self.dp)
         return tp_rank, pp_rank
 
     def replicas_of(self, rank: int) -> list[int]:

@@ -73,6 +73,7 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
     "data_parallel_size",
     "virtual_pipeline_model_parallel_size",
     "sequence_parallel",
+    "use_tp_pp_dp_mapping",
     # optimizer, batch geometry, seed
     "optimizer",
     "use_distributed_optimizer",

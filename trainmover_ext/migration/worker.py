@@ -58,7 +58,7 @@ def stage_role(layout: ParallelLayout) -> str:
 
 
 def grid_of(layout: ParallelLayout) -> GridShape:
-    return GridShape(tp=layout.tp_size, pp=layout.pp_size, dp=layout.dp_size)
+    return GridShape(tp=layout.tp_size, pp=layout.pp_size, dp=layout.dp_size, pp_before_dp=layout.pp_before_dp)
 
 
 class WorkerRuntime(Runtime):
