@@ -77,9 +77,22 @@ def _stop(job):
 
 def test_standby_warms_all_roles_from_recordings_without_touching_the_job(tmp_path, corpus):
     record_dir = str(tmp_path / "recordings")
-    # Paced to half a core (--tm-standby-duty): the pauses show in its report.
+    # Paced to a fifth of a core (--tm-standby-duty; beside three busy ranks on two cores it gets about
+    # half of one, so it must pause): the pauses show in its report. The job evaluates after
+    # every iteration: the evaluations' collectives stay out of the recorded iterations, which the
+    # standby's shadow iterations replay call for call.
+    evals = ["--split", "90,10,0", "--eval-iters", "1", "--eval-interval", "1"]
     job = _launch(
-        tmp_path, corpus, "sbwarm", "--tm-record-dir", record_dir, "--tm-record-iters", "2", "--tm-standby-duty", "0.5"
+        tmp_path,
+        corpus,
+        "sbwarm",
+        "--tm-record-dir",
+        record_dir,
+        "--tm-record-iters",
+        "2",
+        "--tm-standby-duty",
+        "0.2",
+        *evals,
     )
     try:
         kv, endpoint = _etcd(job, "sbwarm")
@@ -114,6 +127,7 @@ def test_standby_warms_all_roles_from_recordings_without_touching_the_job(tmp_pa
         before = len(read_metrics(job.metrics_path))
         wait_for(lambda: len(read_metrics(job.metrics_path)) > before + 3, 60, 0.2, "the job to keep training")
         assert "warm in" in job.stdout() and "(sandbox, roles ['first', 'middle', 'last'])" in job.stdout()
+        assert [r["iteration"] for r in read_metrics(job.metrics_path, "evaluation")][:3] == [1, 2, 3]
     finally:
         _stop(job)
 
