@@ -1,6 +1,12 @@
-"""Per-rank checkpoints that resume bit-exactly.
+"""Checkpoints: the per-rank format (``--ckpt-format torch``, the default), which resumes
+bit-exactly in the same layout, and the entry points for both formats.
 
-Layout::
+:func:`save_checkpoint` writes the format ``--ckpt-format`` names; :func:`load_checkpoint` reads
+whichever format the latest checkpoint under ``--load`` is in (an iteration directory with
+megatron-core's ``metadata.json`` is ``torch_dist``, see :mod:`megatron.training.dist_checkpoint`).
+Every rank calls both.
+
+Per-rank layout::
 
     SAVE/latest_checkpointed_iteration.txt      # written last, atomically
     SAVE/iter_0000005/rank_TT_PPP_DDD.pt        # one file per rank
@@ -12,44 +18,58 @@ fp16's loss scaler and the consumed-samples counter. A checkpoint becomes visibl
 rank has written its file (barrier, then the ``latest`` pointer), so a kill
 during saving leaves the previous checkpoint as the latest.
 
-megatron-core's ``dist_checkpointing`` is not used: on CPU its torch_dist
-strategy needs gloo process groups that we turn off to keep every group on one
-communicator, and per-rank files are what exact resume of one layout needs.
+Per-rank files load only into the layout that wrote them; ``torch_dist`` changes layout on resume.
 """
 
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
+from megatron.training import dist_checkpoint
+from megatron.training.checkpoint_state import (
+    LATEST,
+    iteration_dir,
+    load_scheduler_state,
+    read_latest_iteration,
+    rng_state,
+    set_rng_state,
+    write_latest_iteration,
+)
 from megatron.training.errors import CheckpointError
 
+__all__ = [
+    "LATEST",
+    "FORMAT_VERSION",
+    "load_checkpoint",
+    "load_scheduler_state",
+    "read_latest_iteration",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]
+
 FORMAT_VERSION = 1
-LATEST = "latest_checkpointed_iteration.txt"
+RANK_FILE_PREFIX = "rank_"
 
 
 def _rank_file(root: str, iteration: int, layout) -> str:
     return os.path.join(
-        root, f"iter_{iteration:07d}", f"rank_{layout.tp_rank:02d}_{layout.pp_rank:03d}_{layout.dp_rank:03d}.pt"
+        iteration_dir(root, iteration),
+        f"{RANK_FILE_PREFIX}{layout.tp_rank:02d}_{layout.pp_rank:03d}_{layout.dp_rank:03d}.pt",
     )
 
 
-def read_latest_iteration(root: str | None) -> int | None:
-    """The iteration named by ``latest_checkpointed_iteration.txt``, or None."""
-    if not root:
-        return None
-    path = os.path.join(root, LATEST)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    try:
-        return int(text)
-    except ValueError as exc:
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number; delete it or fix it") from exc
+def checkpoint_format(path: str) -> str | None:
+    """The format of the iteration directory ``path``: ``torch_dist`` (megatron-core's
+    ``metadata.json``), ``torch`` (per-rank files), or None when it holds neither."""
+    if os.path.isfile(os.path.join(path, dist_checkpoint.METADATA_FILE)):
+        return dist_checkpoint.FORMAT
+    if os.path.isdir(path) and any(name.startswith(RANK_FILE_PREFIX) for name in os.listdir(path)):
+        return "torch"
+    return None
 
 
 def _optimizers(optimizer) -> list:
@@ -92,48 +112,6 @@ def load_grad_scaler_states(optimizer, states: list | None) -> None:
             scaler._scale = scale
 
 
-def _numpy_state() -> tuple:
-    """numpy's global RNG state with its key array as a tensor, so that a checkpoint holds only
-    tensors and plain values and loads with ``weights_only=True``."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
-
-
-def _numpy_state_from(state) -> tuple:
-    name, keys, pos, has_gauss, cached = state
-    keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
-    return (name, keys.astype(np.uint32), pos, has_gauss, cached)
-
-
-def rng_state() -> dict:
-    """Every RNG state of this process."""
-    from megatron.core import tensor_parallel
-
-    state = {
-        "python": random.getstate(),
-        "numpy": _numpy_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` returned."""
-    from megatron.core import tensor_parallel
-
-    random.setstate(state["python"])
-    np.random.set_state(_numpy_state_from(state["numpy"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    # A copy: the tracker keeps the dict it is given and rebinds its entries as regions fork,
-    # which would otherwise change ``state`` (an iteration's start, re-applied after a second abandon).
-    tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
-
-
 def _layout(args) -> dict:
     """What a checkpoint must match to be loaded: the parallel layout and the model's shape."""
     return {
@@ -164,17 +142,6 @@ def training_state(model, optimizer, scheduler, iteration: int, consumed_samples
             [[p.detach().clone() for p in g] for g in (_master_groups(opt) or [])] for opt in _optimizers(optimizer)
         ]
     return state
-
-
-def load_scheduler_state(scheduler, state: dict) -> None:
-    """Set ``scheduler`` to ``state``, whatever it held before.
-
-    megatron-core's ``OptimizerParamScheduler.load_state_dict`` *adds* the saved
-    step count to the current one (``step(increment=num_steps)``): right for a
-    fresh scheduler, wrong for a live one rolled back during a recovery.
-    """
-    scheduler.num_steps = 0
-    scheduler.load_state_dict(state)
 
 
 def load_training_state(
@@ -218,10 +185,16 @@ def save_checkpoint(
     layout,
     after_write: Sequence[Callable[[], None]] = (),
 ) -> str:
-    """Write this rank's file, call ``after_write``, then (rank 0, after a barrier) the ``latest`` pointer.
+    """Write this rank's part in the format ``--ckpt-format`` names, call ``after_write``, then
+    (rank 0, after a barrier) the ``latest`` pointer; returns this rank's file (``torch``) or the
+    iteration directory (``torch_dist``).
 
     A rank lost before the pointer is written leaves the previous checkpoint as the latest; the
     other ranks' barrier then fails, which the caller may recover from and save again."""
+    if getattr(args, "ckpt_format", "torch") == dist_checkpoint.FORMAT:
+        return dist_checkpoint.save(
+            root, iteration, model, optimizer, scheduler, consumed_samples, args, layout, after_write
+        )
     path = _rank_file(root, iteration, layout)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     state = training_state(model, optimizer, scheduler, iteration, consumed_samples, args, not args.no_save_optim)
@@ -232,23 +205,29 @@ def save_checkpoint(
         hook()
     torch.distributed.barrier()
     if layout.rank == 0:
-        tmp = os.path.join(root, LATEST + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(root, LATEST))
+        write_latest_iteration(root, iteration)
     torch.distributed.barrier()
     return path
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, args, layout) -> tuple[int, int]:
-    """Load the latest checkpoint under ``root``; ``(0, 0)`` when there is none."""
+    """Load the latest checkpoint under ``root``, in whichever format it is; ``(0, 0)`` when there
+    is none."""
     iteration = read_latest_iteration(root)
     if iteration is None:
         if args.exit_on_missing_checkpoint:
             raise CheckpointError(f"--load {root} has no {LATEST}; drop --exit-on-missing-checkpoint to start fresh")
         return 0, 0
+    found = checkpoint_format(iteration_dir(root, iteration))
+    if found == dist_checkpoint.FORMAT:
+        return dist_checkpoint.load(root, iteration, model, optimizer, scheduler, args, layout)
+    if found is None and os.path.isdir(iteration_dir(root, iteration)):
+        raise CheckpointError(
+            f"{iteration_dir(root, iteration)} holds neither per-rank files ({RANK_FILE_PREFIX}*.pt, "
+            f"--ckpt-format torch) nor megatron-core's {dist_checkpoint.METADATA_FILE} (--ckpt-format "
+            f"torch_dist): the checkpoint of iteration {iteration} is incomplete or not a checkpoint; point "
+            f"{LATEST} at a complete one or load another directory"
+        )
     path = _rank_file(root, iteration, layout)
     if not os.path.isfile(path):
         raise CheckpointError(
