@@ -17,7 +17,7 @@ COMPAT_VPY := $(COMPAT_VENV)/bin/python
 # move, each bit-identical to the fault-free run: an unexpected failure and a planned migration.
 COMPAT_TESTS := tests/training/test_units.py tests/nccl_delta/test_units.py tests/control/test_decide.py \
 	tests/control/test_kv.py tests/control/test_fingerprint.py tests/migration/test_transfer_format.py \
-	tests/test_layering.py tests/test_deadline.py tests/test_fsutil.py \
+	tests/sandbox/test_units.py tests/test_layering.py tests/test_deadline.py tests/test_fsutil.py \
 	"tests/migration/test_failover.py::test_sigkill_is_replaced_bit_identically[last-stage-tp1-backward]" \
 	"tests/migration/test_planned.py::test_planned_migration_is_bit_identical[first-stage-tp1]"
 
