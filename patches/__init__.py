@@ -18,7 +18,8 @@ from trainmover_ext.errors import PatchError
 
 logger = logging.getLogger(__name__)
 
-# megatron-core versions whose source the CPU patches were checked against.
+# megatron-core versions whose source the CPU patches were checked against: 0.16 (the CPU stack,
+# constraints.txt) and 0.19 (Python 3.12, constraints-compat.txt; `make test-compat`).
 SUPPORTED_MCORE = ("0.16.", "0.19.")
 
 _installed: list[str] | None = None
@@ -40,8 +41,8 @@ def check_version(version: str | None = None) -> str:
     if not version.startswith(SUPPORTED_MCORE):
         raise PatchError(
             f"megatron-core {version} is not supported by the CPU patches (written for "
-            f"{', '.join(v + 'x' for v in SUPPORTED_MCORE)}). Install megatron-core==0.16.1, or run "
-            "on a GPU where the CPU patches are not needed."
+            f"{', '.join(v + 'x' for v in SUPPORTED_MCORE)}). Install megatron-core==0.16.1 (0.19.2 on "
+            "Python 3.12), or run on a GPU where the CPU patches are not needed."
         )
     return version
 

@@ -72,12 +72,13 @@ def rewrite(module_name: str, qualname: str, replacements: Sequence[Replacement]
         elif require_each:
             raise PatchError(
                 f"{module_name}.{qualname} no longer contains {old!r}; this megatron-core is not "
-                "the version the patches were written for. Install megatron-core==0.16.1 or update patches/."
+                "the version the patches were written for. Install megatron-core==0.16.1 (0.19.2 on "
+                "Python 3.12) or update patches/."
             )
     if hits == 0:
         raise PatchError(
             f"{module_name}.{qualname} contains none of the snippets the patch expects; install "
-            "megatron-core==0.16.1 or update patches/."
+            "megatron-core==0.16.1 (0.19.2 on Python 3.12) or update patches/."
         )
     if descriptor is not None:
         # Drop the @staticmethod/@classmethod line: we re-wrap below.
