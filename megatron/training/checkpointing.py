@@ -43,6 +43,8 @@ from megatron.training.errors import CheckpointError
 __all__ = [
     "LATEST",
     "FORMAT_VERSION",
+    "check_save_format",
+    "checkpoint_format",
     "load_checkpoint",
     "load_scheduler_state",
     "read_latest_iteration",
@@ -60,6 +62,13 @@ def _rank_file(root: str, iteration: int, layout) -> str:
         iteration_dir(root, iteration),
         f"{RANK_FILE_PREFIX}{layout.tp_rank:02d}_{layout.pp_rank:03d}_{layout.dp_rank:03d}.pt",
     )
+
+
+def check_save_format(args) -> None:
+    """Raise CheckpointError if this job cannot write ``--ckpt-format`` (every rank, once the process
+    group exists)."""
+    if args.save and getattr(args, "ckpt_format", "torch") == dist_checkpoint.FORMAT:
+        dist_checkpoint.require_planning_backend()
 
 
 def checkpoint_format(path: str) -> str | None:

@@ -92,8 +92,8 @@ def require_planning_backend() -> None:
         raise CheckpointError(
             f"--ckpt-format torch_dist needs the default process group on gloo or nccl, and this job's is "
             f"{backend!r}: megatron-core plans a dist checkpoint with a scatter on the default group, which "
-            f"{backend!r} does not implement. Use --ckpt-format torch (per-rank files), or run without "
-            "--trainmover to save or load torch_dist"
+            f"{backend!r} does not implement. Use --ckpt-format torch (per-rank files), or, under --trainmover, "
+            "--tm-comm native (gloo or NCCL groups, rebuilt on a migration)"
         )
 
 

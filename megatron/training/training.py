@@ -392,6 +392,7 @@ def pretrain(
     metrics = MetricsLog(hooks.metrics_file if hooks else None, layout.is_logging_rank)
     runtime: Runtime = Runtime()
     try:
+        checkpointing.check_save_format(args)  # before training, not at the first save
         session = build_session(args, layout, *providers, metrics, hooks.prepare_chunk if hooks is not None else None)
         t_model = time.time()
         iteration, consumed = 0, 0
