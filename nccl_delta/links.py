@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
 
 class TransportHandle(Protocol):
-    """A link's transport (:class:`~nccl_delta.transport_gloo.GlooPair`, :class:`~nccl_delta.transport_nccl.NcclPair`).
+    """A link's transport (:class:`~nccl_delta.transport_gloo.GlooPair`; NCCL's is a
+    :class:`~nccl_delta.framing.FramedPair`, which carries the tag that NCCL lacks).
 
     Its works are opaque to the link, which only hands them back to :meth:`wait` (each transport takes its
     own kind). Optional: ``allreduce`` (see :class:`PairAllreduce`), ``peer_closed``, ``wait_sends``."""
@@ -106,7 +107,10 @@ def connect(link_id: LinkId, me: int, store: Store, config: DeltaConfig) -> Link
         if link_id.transport == "nccl":
             from .transport_nccl import connect_nccl_pair
 
-            handle: TransportHandle = connect_nccl_pair(store, link_id.prefix(), link_id.side_of(me), timeout)
+            op_timeout = datetime.timedelta(seconds=config.op_timeout_s)
+            handle: TransportHandle = connect_nccl_pair(
+                store, link_id.prefix(), link_id.side_of(me), timeout, op_timeout
+            )
         else:
             from .transport_gloo import connect_gloo_pair
 

@@ -1,4 +1,4 @@
-"""NCCL pair transport: one standalone 2-rank ``ProcessGroupNCCL`` per link (GPU).
+"""NCCL pair transport: two standalone 2-rank ``ProcessGroupNCCL`` per link, one per direction (GPU).
 
 Contract
 - Same as :mod:`nccl_delta.transport_gloo`: both ends call
@@ -6,11 +6,22 @@ Contract
   receives are non-blocking and ``wait`` has a deadline.
 - Selected automatically for CUDA tensors (``DeltaGroup.transport_for``) and
   as the eager transport when CUDA is available (``DeltaConfig.transport``).
-- The communicator is created eagerly (``bound_device_id``) so that a link is
-  really up when ``connect`` returns, as with gloo; otherwise NCCL would
-  connect on the first send, on the critical path of a switch.
-- :meth:`NcclPair.sever` calls ``ncclCommAbort`` through ``abort()``, which,
-  unlike gloo's, does unblock pending ops.
+- Groups are kept apart by :class:`nccl_delta.framing.FramedPair`: NCCL has no
+  tags and matches sends and receives in posting order per direction, while a
+  link carries the messages of every group containing both ends. The handle
+  :func:`connect_nccl_pair` returns is a framed pair over :class:`NcclChannels`.
+- One communicator per direction: ``ProcessGroupNCCL`` runs every send and
+  receive to one peer on one CUDA stream, so on a single communicator a
+  receive posted before a send would hold that send back until the peer's
+  data arrived; if the peer did the same, both would wait forever. With one
+  communicator per direction a send only ever waits for the peer's receive.
+- The communicators are created eagerly, in the same order on both ends (the
+  lower side's direction first), and each direction carries one message
+  before ``connect`` returns, so a link is really up, and nothing is created
+  lazily inside a send or a receive, where two ends could block each other.
+- :meth:`NcclChannels.sever` calls ``ncclCommAbort`` (``abort()``) on both
+  communicators, which fails this end's pending ops; the peer's pending ops
+  fail by their own deadline or NCCL's watchdog (NCCL cannot tell the peer).
 - Importable without CUDA (this module only touches NCCL when called).
 """
 
@@ -25,6 +36,8 @@ from torch._C._distributed_c10d import PrefixStore, Store
 from torch.distributed import Work
 
 from nccl_delta.errors import CommLinkError
+
+from .framing import FramedPair
 
 if TYPE_CHECKING:
     from torch._C import _distributed_c10d as _c10d
@@ -42,11 +55,13 @@ def nccl_available() -> bool:
     return ProcessGroupNCCL is not None and torch.cuda.is_available()
 
 
-class NcclPair:
-    """The transport handle of one GPU link."""
+class NcclChannels:
+    """The raw transport of one GPU link: a communicator per direction, no tags (see the module docstring).
 
-    def __init__(self, pg: PairGroup, side: int, device: torch.device):
-        self.pg: PairGroup | None = pg
+    ``send_pg`` carries this end's sends, ``recv_pg`` the peer's; in each, rank ``s`` is side ``s``."""
+
+    def __init__(self, send_pg: PairGroup, recv_pg: PairGroup, side: int, device: torch.device):
+        self.pgs: tuple[PairGroup, PairGroup] | None = (send_pg, recv_pg)
         self.side = side
         self.peer_side = 1 - side
         self.device = device
@@ -56,17 +71,15 @@ class NcclPair:
     severable = True
 
     def isend(self, tensor: torch.Tensor, tag: int) -> Work:
-        assert self.pg is not None, "the pair was closed"
-        return self.pg.send([tensor], self.peer_side, 0)
+        """Post a send; ``tag`` is ignored: NCCL matches in posting order (framing carries the tag)."""
+        assert self.pgs is not None, "the pair was closed"
+        return self.pgs[0].send([tensor], self.peer_side, 0)
 
     def irecv(self, tensor: torch.Tensor, tag: int) -> Work:
-        assert self.pg is not None, "the pair was closed"
-        return self.pg.recv([tensor], self.peer_side, 0)
+        assert self.pgs is not None, "the pair was closed"
+        return self.pgs[1].recv([tensor], self.peer_side, 0)
 
     def wait(self, work: Work, timeout: datetime.timedelta) -> None:
-        # NCCL's wait() orders the current stream after the op; the ring's reduction runs on
-        # that stream and the next send is ordered after it by ProcessGroupNCCL, so the host
-        # need not block.
         work.wait(timeout)
 
     def peer_closed(self) -> bool | None:
@@ -78,38 +91,56 @@ class NcclPair:
             if self._severed:
                 return
             self._severed = True
-        try:
-            if self.pg is not None:  # None once closed
-                self.pg.abort()
-        except Exception:
-            pass  # already aborted or torn down by an error
+            pgs = self.pgs
+        for pg in pgs or ():
+            try:
+                pg.abort()
+            except Exception:
+                pass  # already aborted or torn down by an error
 
     def close(self) -> None:
-        if self.pg is not None and not self._severed:
-            try:
-                self.pg.shutdown()
-            except Exception:
-                pass
-        self.pg = None
+        with self._lock:
+            pgs, self.pgs = self.pgs, None
+            severed = self._severed
+        for pg in pgs or ():
+            if not severed:
+                try:
+                    pg.shutdown()
+                except Exception:
+                    pass
 
 
-def connect_nccl_pair(store: Store, prefix: str, side: int, timeout: datetime.timedelta) -> NcclPair:
-    """Build the 2-rank NCCL communicator of one link on the current CUDA device."""
+def connect_nccl_pair(
+    store: Store, prefix: str, side: int, timeout: datetime.timedelta, op_timeout: datetime.timedelta | None = None
+) -> FramedPair:
+    """Build the two communicators of one link on the current CUDA device; both ends call this."""
     if not nccl_available():
         raise CommLinkError(
             "the nccl transport needs CUDA and a torch build with NCCL; set NCCL_DELTA_TRANSPORT=gloo on CPU machines"
         )
     assert ProcessGroupNCCL is not None  # nccl_available() checked it
+    op_timeout = op_timeout or timeout
     device = torch.device("cuda", torch.cuda.current_device())
-    opts = ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    opts.is_high_priority_stream = False
-    # See PairGroup: the stub's ProcessGroupNCCL lacks the send/recv/allreduce bindings.
-    pg: PairGroup = ProcessGroupNCCL(PrefixStore(prefix, store), side, 2, opts)  # type: ignore[assignment]
-    try:
-        pg.eager_connect_single_device(device)
-    except AttributeError:
-        # Older builds: a 1-element exchange brings the communicator up before we return.
-        probe = torch.zeros(1, device=device)
-        pg.allreduce([probe]).wait()
-    return NcclPair(pg, side, device)
+    # directions[d] carries side d's sends. Both ends build d=0, then d=1: each constructor and
+    # eager connect waits for the peer's, so the order must be the same on both ends.
+    directions: list[PairGroup] = []
+    for d in (0, 1):
+        opts = ProcessGroupNCCL.Options()
+        # NCCL's watchdog aborts an op pending longer than this: it must not undercut the op deadline.
+        opts._timeout = max(timeout, op_timeout)
+        opts.is_high_priority_stream = False
+        # See PairGroup: the stub's ProcessGroupNCCL lacks the send/recv/allreduce bindings.
+        pg: PairGroup = ProcessGroupNCCL(PrefixStore(f"{prefix}d{d}/", store), side, 2, opts)  # type: ignore[assignment]
+        try:
+            pg.eager_connect_single_device(device)
+        except AttributeError:
+            pass  # older builds: the first message below brings the communicator up
+        directions.append(pg)
+    # One message each way, direction 0 first on both ends: a send or receive may still create
+    # the communicator NCCL uses for point-to-point, and that must happen here, in a fixed order.
+    for d, pg in enumerate(directions):
+        probe = torch.ones(1, device=device)
+        work = pg.send([probe], 1 - side, 0) if d == side else pg.recv([probe], 1 - side, 0)
+        work.wait(timeout)
+    raw = NcclChannels(directions[side], directions[1 - side], side, device)
+    return FramedPair(raw, device=device, timeout=op_timeout)

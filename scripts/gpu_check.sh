@@ -3,7 +3,8 @@
 #   1. the GPU-marked tests (NCCL transport, CUDA device, TransformerEngine spec);
 #   2. the demo job's layout parity on NCCL (1 GPU: TP1 vs the same job on gloo is not possible, so
 #      it trains the tiny GPT on one GPU with NCCL and checks the loss falls);
-#   3. the communicator benchmark on GPU, when it exists.
+#   3. the communicator benchmark on GPU, when it exists;
+#   4. nccl_delta's framing on real NCCL links (2+ GPUs): one link's groups kept apart.
 # Usage: bash scripts/gpu_check.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +25,14 @@ $PY -m trainmover_ext.cli launch --nproc-per-node 1 pretrain_gpt.py --num-layers
 $PY -m pytest -q -rs --timeout 600 tests/nccl_delta/test_gpu.py tests/nccl_delta/test_units.py 2>&1 \
   | tee "$OUT/nccl_delta_tests.log" || status=1
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+# Groups kept apart on real NCCL links (framing, tests/nccl_delta/test_framing.py -m gpu): needs 2 GPUs.
+# With 2+ a skip is a failure; with fewer it is reported as not run, never as passed.
+if [ "$NGPU" -ge 2 ]; then
+  $PY -m pytest -q -rs --timeout 600 -m gpu tests/nccl_delta/test_framing.py 2>&1 | tee "$OUT/nccl_framing.log"
+  if [ "${PIPESTATUS[0]}" -ne 0 ] || grep -q "skipped" "$OUT/nccl_framing.log"; then status=1; fi
+else
+  echo "nccl framing on NCCL links: NOT RUN (needs 2 GPUs, found $NGPU)" | tee "$OUT/nccl_framing.log"
+fi
 RANKS=$([ "$NGPU" -ge 4 ] && echo 2,4 || echo 2)
 $PY benchmarks/comm.py --quick --ranks "$RANKS" --sizes-mb 1,16,64,256 --json "$OUT/comm_gpu.json" 2>&1 \
   | tee "$OUT/comm_gpu.log" || status=1
