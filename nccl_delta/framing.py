@@ -219,7 +219,8 @@ class FramedPair:
         deadline = time.monotonic() + timeout.total_seconds()
         try:
             for work in works:
-                left = max(0.0, deadline - time.monotonic())
+                # Never 0: c10d reads a zero timeout as "no timeout".
+                left = max(0.001, deadline - time.monotonic())
                 self.raw.wait(work, datetime.timedelta(seconds=left))
         except BaseException as exc:
             # A send that failed may have left part of a frame on the wire: the stream lost its framing.
