@@ -110,7 +110,7 @@ def _message(sender, tag, k, device, same_size):
     shapes = [(torch.float32, (3,)), (torch.bfloat16, (2, 3)), (torch.int32, (3,)), (torch.uint8, (12,))]
     if not same_size:
         shapes += [(torch.int64, (0,)), (torch.float64, (40, 25)), (torch.bool, (5,)), (torch.float16, (0, 4))]
-    dtype, shape = shapes[(tag + k) % len(shapes)]
+    dtype, shape = shapes[((TP, DP, PP).index(tag) * 2 + k + sender * 3) % len(shapes)]
     gen = torch.Generator().manual_seed(seed)
     values = torch.randint(0, 100, shape, generator=gen) + seed
     if dtype == torch.bool:
