@@ -28,13 +28,16 @@ Contract
   has no op in flight (NCCL's watchdog would time out a receive left posted on an idle link), and
   a receive posted makes progress without its caller waiting, as on a tagged pair. On CUDA the
   thread reads each header on the host and synchronizes after each payload: one host round trip
-  per message, the price of choosing the destination after the header arrives. A frame's deadline counts from when
-  the demultiplexer starts waiting for it, which is at most the op timeout earlier than the
-  caller's ``wait``.
+  per message, the price of choosing the destination after the header arrives. A payload is
+  received after what the caller's stream held when it posted the receive, as when the caller
+  posts an NCCL receive itself (see ``_caller_ready``). A frame's deadline counts from when the
+  demultiplexer starts waiting for it, which is at most the op timeout earlier than the caller's
+  ``wait``.
 - A frame that does not fit the receive it is for (element count or dtype) breaks the pair: both
   ends must post the same sizes for one tag, as with any transport.
 - :meth:`FramedPair.sever` (any thread) fails every pending op on this end at once and severs
-  the raw pair, which makes the peer's pending ops fail (gloo: its socket is shut down). A
+  the raw pair. On gloo that fails the peer's pending ops at once too (its socket is shut down);
+  NCCL's abort does not reach the peer, whose pending ops fail at their own deadline. A
   deadline that passes in ``wait``, and any raw error, sever the pair the same way: like a gloo
   pair after an error, a framed pair is never reused.
 - The demultiplexer thread exits when the pair is severed, fails or is closed; none is left
@@ -123,6 +126,35 @@ def _settle(tensor: torch.Tensor) -> None:
         torch.cuda.current_stream(tensor.device).synchronize()
 
 
+# CUDA ordering. A receive is posted on the demultiplexer thread, not the caller's, so the NCCL
+# stream no longer follows the caller's stream by itself (ProcessGroupNCCL orders an op after the
+# *posting* thread's current stream). Instead:
+# - the demultiplexer runs on a stream of its own, never the default stream: the caller's default
+#   stream may be waiting for one of our sends, which waits for the peer's demultiplexer, which
+#   may wait for ours; sharing a stream would close that circle;
+# - ``irecv`` records an event on the caller's stream, and the payload is received only after it
+#   (the ring reuses its scratch segments: a reduction may still be reading the previous data);
+# - a staged buffer copied on the caller's stream is recorded on it, for the caching allocator.
+def _caller_ready(tensor: torch.Tensor) -> torch.cuda.Event | None:
+    if not tensor.is_cuda:
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch's stub leaves __init__ untyped
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
+def _after(event: torch.cuda.Event | None, device: torch.device) -> None:
+    """Order what this thread does next on ``device`` after ``event`` (recorded by the caller)."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)
+
+
+def _copy_staged(dst: torch.Tensor, buf: torch.Tensor) -> None:
+    dst.view(-1).copy_(buf.view(-1))
+    if buf.is_cuda:
+        buf.record_stream(torch.cuda.current_stream(buf.device))
+
+
 class FramedSend:
     """A posted frame: the raw works of its header and payload, and the header kept alive until sent."""
 
@@ -136,13 +168,15 @@ class FramedSend:
 class FramedRecv:
     """A receive posted on a framed pair; completed by the demultiplexer thread or from staging."""
 
-    __slots__ = ("tensor", "tag", "done", "error")
+    __slots__ = ("tensor", "tag", "done", "error", "ready")
 
     def __init__(self, tensor: torch.Tensor, tag: int):
         self.tensor = tensor
         self.tag = tag
         self.done = threading.Event()
         self.error: str | None = None
+        self.ready = _caller_ready(tensor)
+        """CUDA: recorded on the caller's stream when the receive was posted (see ``_caller_ready``)."""
 
     def finish(self, error: str | None = None) -> None:
         if not self.done.is_set():
@@ -247,7 +281,7 @@ class FramedPair:
         if misfit is not None:
             self._break(misfit)
             raise FramingError(misfit)
-        tensor.view(-1).copy_(buf)
+        _copy_staged(tensor, buf)
         recv.finish()
         return recv
 
@@ -255,6 +289,8 @@ class FramedPair:
         """The demultiplexer thread: frames off the raw pair, in arrival order, while receives are pending."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # Never the default stream (see above). torch's stub leaves Stream.__new__ untyped.
+            torch.cuda.set_stream(torch.cuda.Stream(self.device))  # type: ignore[no-untyped-call]
         try:
             while True:
                 with self._cond:
@@ -279,6 +315,7 @@ class FramedPair:
                 else:
                     buf = torch.empty(numel, dtype=dtype, device=self.device)
                 if numel:
+                    _after(target.ready if target is not None else None, self.device)
                     self.raw.wait(self.raw.irecv(buf, FRAME_TAG), self._timeout)
                     _settle(buf)
                 with self._cond:
@@ -298,7 +335,9 @@ class FramedPair:
                     misfit = _misfit(late.tensor, tag, dtype, numel)
                     if misfit is not None:
                         raise FramingError(misfit)
-                    late.tensor.view(-1).copy_(buf)
+                    _after(late.ready, self.device)
+                    _copy_staged(late.tensor, buf)
+                    _settle(late.tensor)
                     target = late
                 if target is not None:
                     target.finish()
