@@ -51,6 +51,9 @@ except ImportError:  # pragma: no cover - depends on the torch build
     ProcessGroupNCCL = None
 
 
+_WATCHDOG_MARGIN = datetime.timedelta(seconds=30)
+
+
 def nccl_available() -> bool:
     return ProcessGroupNCCL is not None and torch.cuda.is_available()
 
@@ -126,8 +129,9 @@ def connect_nccl_pair(
     directions: list[PairGroup] = []
     for d in (0, 1):
         opts = ProcessGroupNCCL.Options()
-        # NCCL's watchdog aborts an op pending longer than this: it must not undercut the op deadline.
-        opts._timeout = max(timeout, op_timeout)
+        # NCCL's watchdog tears down an op (by default, the process) pending longer than this: it
+        # must leave the op deadline time to fire first, and sever only the link.
+        opts._timeout = max(timeout, op_timeout + _WATCHDOG_MARGIN)
         opts.is_high_priority_stream = False
         # See PairGroup: the stub's ProcessGroupNCCL lacks the send/recv/allreduce bindings.
         pg: PairGroup = ProcessGroupNCCL(PrefixStore(f"{prefix}d{d}/", store), side, 2, opts)  # type: ignore[assignment]
