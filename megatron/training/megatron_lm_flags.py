@@ -61,6 +61,7 @@ def no_effect_given(args: argparse.Namespace) -> list[str]:
             given.append(f"--{dest.replace('_', '-')} ({why})")
     return given
 
+
 EXAMPLE_FLAGS = (
     # model
     "--num-layers --hidden-size --ffn-hidden-size --num-attention-heads --group-query-attention "
