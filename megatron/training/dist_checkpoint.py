@@ -9,8 +9,8 @@ Layout::
 
 The state dict is Megatron-LM's: ``model`` (``model0``, ``model1``... with virtual pipeline
 stages) is each chunk's ``sharded_state_dict()``, ``optimizer`` the optimizer's sharded state
-(parameter-space, so it reshards across TP and PP; the distributed optimizer's is
-``dp_reshardable``, which keeps TP and PP), ``opt_param_scheduler``, ``iteration``,
+(parameter-space, so it reshards across TP and PP; the distributed optimizer's state is refused, see
+:func:`require_supported_optimizer`), ``opt_param_scheduler``, ``iteration``,
 ``checkpoint_version``, ``args`` (its plain values, with ``consumed_train_samples``) and
 ``rng_state``, one object per (PP, TP, DP) rank. RNG states load only into the layout that saved
 them; another layout keeps its own (dropout then differs from an uninterrupted run, as in
@@ -19,7 +19,8 @@ Megatron-LM).
 Every rank calls :func:`save` and :func:`load`. megatron-core plans on the default process group
 (gathers, scatters, barriers) and takes no other group, so the default group must be gloo or nccl;
 on TrainMover's ``nccl_delta`` (``--trainmover``), which has no scatter, both raise
-:class:`CheckpointError` before any collective, naming ``--ckpt-format torch``. Nothing here keeps
+:class:`CheckpointError` before any collective, naming ``--ckpt-format torch``; a job with
+``--save`` checks this at start (``checkpointing.check_save_format``). Nothing here keeps
 a process group or any other state between calls.
 """
 
@@ -49,9 +50,6 @@ METADATA_FILE = "metadata.json"
 CHECKPOINT_VERSION = 3.0
 """Megatron-LM's ``checkpoint_version`` of the checkpoints it writes."""
 PLANNING_BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
-DIST_OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
-"""How the distributed optimizer's state is sharded: no communication on save or load, but TP and
-PP must match (Megatron-LM's default)."""
 _PLAIN = (str, int, float, bool, type(None))
 
 
@@ -97,9 +95,7 @@ def require_planning_backend() -> None:
         )
 
 
-def sharded_training_state(
-    model, optimizer, *, with_optim: bool, rng: bool, layout, is_loading: bool, metadata: dict | None = None
-) -> dict:
+def sharded_training_state(model, optimizer, *, with_optim: bool, rng: bool, layout, is_loading: bool) -> dict:
     """The sharded part of the state dict: model chunks, optionally the optimizer and this rank's
     RNG object (its ``data`` is the current state; on load, a placeholder that the load replaces)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -110,7 +106,7 @@ def sharded_training_state(
     if with_optim:
         # The optimizer's sharded tensors are matched to the model's by parameter identity: it takes
         # the whole dict (every chunk), as in Megatron-LM.
-        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading, metadata=metadata)
+        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading)
     if rng:
         shape, offset = rng_sharding(layout)
         state["rng_state"] = ShardedObject("rng_state", rng_state(), shape, offset, replica_id=0)
@@ -148,8 +144,57 @@ def synchronous_save_strategy():
     return SynchronousTorchDistSave(FORMAT, 1)
 
 
-def _optimizer_metadata(args) -> dict | None:
-    return dict(DIST_OPTIMIZER_SHARDING) if args.use_distributed_optimizer else None
+def fill_initial_adam_state(optimizer) -> None:
+    """Give each parameter Adam has not stepped yet the state Adam's first step would create (step
+    0, zero moments), so that the checkpoint holds every optimizer tensor the loading side asks for.
+
+    fp16 skips the steps whose gradients overflow, so a checkpoint can come before the first real
+    step; without this its optimizer state would lack the keys a loading optimizer requests. The
+    values equal Adam's lazy initialisation, so the run continues bit-identically."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param.data),
+                        "exp_avg_sq": torch.zeros_like(param.data),
+                    }
+
+
+def restore_zero_step(state) -> None:
+    """Put back the Adam step 0 that megatron-core leaves out of a saved optimizer state.
+
+    megatron-core saves the step all parameters share only when it is non-zero (``if step:``), so a
+    checkpoint written before Adam's first real step (fp16 skips the steps whose gradients overflow)
+    has none, and torch's ``Adam.load_state_dict`` then fails on the missing ``step``. Walks the loaded
+    optimizer state and adds ``common_step`` 0 to each torch optimizer state that lacks its steps."""
+    if isinstance(state, dict):
+        entries = state.get("state") if "param_groups" in state else None
+        if isinstance(entries, dict) and "common_step" not in entries:
+            if any(isinstance(entry, dict) and "step" not in entry for entry in entries.values()):
+                entries["common_step"] = torch.tensor(0.0)
+        children = list(state.values())
+    elif isinstance(state, (list, tuple)):
+        children = list(state)
+    else:
+        return
+    for child in children:
+        restore_zero_step(child)
+
+
+def require_supported_optimizer(args, opt_out: str) -> None:
+    """Raise unless this job's optimizer state round-trips through a torch_dist checkpoint.
+
+    megatron-core 0.16.1's distributed optimizer does not, without Apex or TransformerEngine (as on
+    CPU): building its sharded state for loading asserts on a fresh optimizer, and once its state is
+    initialised by hand the loaded Adam step stays 0, so the step after the resume differs."""
+    if args.use_distributed_optimizer:
+        raise CheckpointError(
+            "--ckpt-format torch_dist does not keep the state of --use-distributed-optimizer exactly with "
+            f"this megatron-core (its Adam step is not restored): use --ckpt-format torch, or {opt_out}"
+        )
 
 
 def save(
@@ -171,6 +216,9 @@ def save(
     from megatron.core import dist_checkpointing
 
     require_planning_backend()
+    if not args.no_save_optim:
+        require_supported_optimizer(args, "--no-save-optim")
+        fill_initial_adam_state(optimizer)
     path = iteration_dir(root, iteration)
     os.makedirs(path, exist_ok=True)
     state = sharded_training_state(
@@ -180,7 +228,6 @@ def save(
         rng=True,
         layout=layout,
         is_loading=False,
-        metadata=_optimizer_metadata(args),
     )
     state.update(
         iteration=iteration,
@@ -217,13 +264,14 @@ def _read_common(path: str) -> dict:
 
 
 def _first_line(exc: BaseException) -> str:
-    """The first line of ``exc``'s message; for DCP's per-rank error, of the first rank's failure."""
+    """``exc``'s message on one line, cut at 300 characters; for DCP's per-rank error, the first
+    rank's failure."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))  # (exception, its stack summary)
         exc = first[0] if isinstance(first, tuple) else first
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
+    text = " ".join(str(exc).split())
+    return (text or type(exc).__name__)[:300]
 
 
 def _check_model_shape(saved_args, args, path: str) -> None:
@@ -268,6 +316,8 @@ def load(root: str, iteration: int, model, optimizer, scheduler, args, layout) -
     load_rng = not args.no_load_rng and common.get("rng_sharding") == list(shape)
     if not args.no_load_rng and not load_rng and layout.rank == 0:
         logger.warning("%s was saved by another layout (or holds no RNG state): RNG states are not loaded", path)
+    if load_optim:
+        require_supported_optimizer(args, "--no-load-optim")
     state = sharded_training_state(
         model,
         optimizer,
@@ -275,7 +325,6 @@ def load(root: str, iteration: int, model, optimizer, scheduler, args, layout) -
         rng=load_rng,
         layout=layout,
         is_loading=True,
-        metadata=_optimizer_metadata(args),
     )
     try:
         # RAISE_UNEXPECTED: a tensor this model needs and the checkpoint lacks is an error, while
@@ -284,6 +333,7 @@ def load(root: str, iteration: int, model, optimizer, scheduler, args, layout) -
         for key, chunk in zip(model_keys(len(model)), model, strict=True):
             core_module(chunk).load_state_dict(loaded[key], strict=True)
         if load_optim:
+            restore_zero_step(loaded["optimizer"])
             optimizer.load_state_dict(loaded["optimizer"])
     except CheckpointError:
         raise

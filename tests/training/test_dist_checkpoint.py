@@ -98,6 +98,29 @@ def test_exact_resume_in_the_same_layout_is_bit_identical(tmp_path, corpus):
     assert worst > 1e-3
 
 
+def test_fp16_checkpoint_before_adams_first_step_resumes_bit_identically(tmp_path, corpus):
+    """fp16 from the default loss scale skips every step through iteration 6 (the gradients overflow),
+    so the checkpoint of iteration 3 holds Adam's step 0, which megatron-core leaves out of a saved
+    state: the resume must still load, and 4..6 match an uninterrupted run in loss and loss scale
+    (the scale halves each iteration, so a scaler not restored shows at once)."""
+    args = tiny_args(corpus, pp=2, iters=ITERS, extra=DIST + ["--fp16", "--save-interval", str(SAVE_AT)])
+    ckpt = tmp_path / "ckpt"
+    ref = run_job(tmp_path, 2, args + ["--save", str(ckpt)], name="uninterrupted")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
+    no_saving = tiny_args(corpus, pp=2, iters=ITERS, extra=DIST + ["--fp16"])
+    resumed = run_job(tmp_path, 2, no_saving + ["--load", str(ckpt)], name="resumed")
+
+    def records(job) -> dict:
+        return {r["iteration"]: (r["loss"], r["loss_scale"]) for r in read_metrics(job.metrics_path)}
+
+    want, got = records(ref), records(resumed)
+    assert sorted(got) == list(range(SAVE_AT + 1, ITERS + 1))
+    assert want[SAVE_AT][1] < want[1][1], "no step was skipped: the case this test is about did not happen"
+    for it in got:
+        assert got[it] == want[it], (it, got[it], want[it])
+    print("fp16 resume at Adam step 0:", {it: got[it] for it in sorted(got)})
+
+
 def test_resume_under_another_layout_matches_the_saving_layout(tmp_path, corpus):
     """Saved at TP2·PP2 (4 ranks), resumed at TP1·PP4 (4 ranks): 4..6 within 1e-5 of the TP2·PP2
     continuation (dropout off: TP ranks draw their own masks). Negative: the same resume from a
@@ -182,8 +205,9 @@ def test_a_megatron_core_checkpoint_resumes_under_pretrain_gpt(tmp_path, corpus)
 
 
 def test_a_broken_torch_dist_checkpoint_is_a_clear_error(tmp_path, corpus):
-    """Corrupt metadata, missing metadata, another model shape: exit 2 with a CheckpointError that
-    says what to do, and no iteration trained. (The companion, a sound checkpoint of the same model
+    """Corrupt metadata, missing metadata, another model shape, and saving the distributed optimizer's
+    state (which megatron-core does not restore exactly here): exit 2 with a CheckpointError that says
+    what to do, and no iteration trained. (The companion, a sound checkpoint of the same model
     loading, is the test above.)"""
     flags = tiny_args(corpus, iters=2, dropout=0, extra=["--lr-warmup-iters", "1"])
     good = tmp_path / "good"
@@ -208,6 +232,15 @@ def test_a_broken_torch_dist_checkpoint_is_a_clear_error(tmp_path, corpus):
             "cannot load the torch_dist checkpoint",
         ),
     ]
+    cases.append(
+        (
+            "distributed_optimizer",
+            tiny_args(corpus, iters=2, dropout=0, extra=["--lr-warmup-iters", "1", "--use-distributed-optimizer"])
+            + DIST
+            + ["--save", str(tmp_path / "distopt"), "--save-interval", "1"],
+            "does not keep the state of --use-distributed-optimizer",
+        )
+    )
     for name, case_flags, message in cases:
         res = _pretrain_one_rank(tmp_path, case_flags, name)
         assert res.returncode == 2, (name, res.returncode, res.stderr[-3000:])
