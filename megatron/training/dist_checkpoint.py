@@ -90,8 +90,8 @@ def require_planning_backend() -> None:
         raise CheckpointError(
             f"--ckpt-format torch_dist needs the default process group on gloo or nccl, and this job's is "
             f"{backend!r}: megatron-core plans a dist checkpoint with a scatter on the default group, which "
-            f"{backend!r} does not implement. Use --ckpt-format torch (per-rank files), or, under --trainmover, "
-            "--tm-comm native (gloo or NCCL groups, rebuilt on a migration)"
+            f"{backend!r} does not implement. Use --ckpt-format torch (per-rank files); --tm-comm native would "
+            "run torch_dist, but without the nccl_delta communicator that live recovery relies on"
         )
 
 
