@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         GatherOptions,
         ReduceOptions,
         ReduceScatterOptions,
+        ScatterOptions,
         _DistributedBackendOptions,
     )
     from torch.distributed.distributed_c10d import GroupName
@@ -311,8 +312,23 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
     def alltoall(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError("nccl_delta does not implement alltoall (megatron's dense training never calls it)")
 
-    def scatter(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise NotImplementedError("nccl_delta does not implement scatter (megatron's dense training never calls it)")
+    def scatter(  # type: ignore[override]
+        self,
+        output_tensors: list[torch.Tensor],
+        input_lists: list[list[torch.Tensor]],
+        opts: ScatterOptions | None = None,
+    ) -> DoneWork:
+        """The root's k-th input lands in member k's output: a broadcast of the root's packed inputs, each
+        member keeping its slice (rare and small: torch.distributed.checkpoint's planning, scatter_object_list)."""
+        root = opts.rootRank if opts is not None else 0
+        for n, out in enumerate(output_tensors):
+            flat = torch.empty(out.numel() * self.delta.size, dtype=out.dtype, device=out.device)
+            if self.delta.index == root:
+                flat.copy_(torch.cat([t.reshape(-1) for t in input_lists[n]]))
+            self.delta.broadcast(flat, root)
+            k = self.delta.index
+            out.copy_(flat[k * out.numel() : (k + 1) * out.numel()].view_as(out))
+        return DoneWork(list(output_tensors))
 
     # --- lifecycle ----------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -17,11 +17,12 @@ them; another layout keeps its own (dropout then differs from an uninterrupted r
 Megatron-LM).
 
 Every rank calls :func:`save` and :func:`load`. megatron-core plans on the default process group
-(gathers, scatters, barriers) and takes no other group, so the default group must be gloo or nccl;
-on TrainMover's ``nccl_delta`` (``--trainmover``), which has no scatter, both raise
-:class:`CheckpointError` before any collective, naming ``--ckpt-format torch``; a job with
-``--save`` checks this at start (``checkpointing.check_save_format``). Nothing here keeps
-a process group or any other state between calls.
+(gathers, scatters, barriers) and takes no other group, so the default group must be gloo, nccl or
+TrainMover's ``nccl_delta`` (``--trainmover``: its collectives, scatter among them, carry the
+planning); on another backend both raise :class:`CheckpointError` before any collective, naming
+``--ckpt-format torch``, and a job with ``--save`` checks this at start
+(``checkpointing.check_save_format``). Nothing here keeps a process group or any other state
+between calls, so a migration leaves nothing stale.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ METADATA_FILE = "metadata.json"
 """megatron-core's marker of a complete dist checkpoint (written last, by rank 0)."""
 CHECKPOINT_VERSION = 3.0
 """Megatron-LM's ``checkpoint_version`` of the checkpoints it writes."""
-PLANNING_BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl")
+PLANNING_BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl", "nccl_delta")
 _PLAIN = (str, int, float, bool, type(None))
 
 

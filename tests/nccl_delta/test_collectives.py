@@ -135,6 +135,17 @@ def _cases(rank, n, store, n_cases):
     dist.broadcast_object_list(lst, src=1 % n)
     if lst != [f"from-{1 % n}", 1 % n]:
         failures.append(f"rank {rank} broadcast_object_list: {lst}")
+    # scatter (torch.distributed.checkpoint plans with it): member k gets the root's k-th input
+    root = (n - 1) % n
+    got = torch.empty(3, dtype=torch.float64)
+    inputs = [torch.full((3,), 10.0 * k + 0.5, dtype=torch.float64) for k in range(n)]
+    dist.scatter(got, inputs if rank == root else None, src=root)
+    if got.tolist() != [10.0 * rank + 0.5] * 3:
+        failures.append(f"rank {rank} scatter: {got.tolist()}")
+    out = [None]
+    dist.scatter_object_list(out, [{"to": k} for k in range(n)] if rank == 0 else None, src=0)
+    if out != [{"to": rank}]:
+        failures.append(f"rank {rank} scatter_object_list: {out}")
     return failures, digests
 
 

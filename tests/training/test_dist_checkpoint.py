@@ -15,7 +15,7 @@ import sys
 import torch
 
 from harness.jobs import PRETRAIN, REPO_ROOT
-from helpers import losses_by_iteration, read_metrics, run_job, start_job, tiny_args
+from helpers import losses_by_iteration, read_metrics, run_job, tiny_args
 
 ITERS = 6
 SAVE_AT = 3
@@ -247,16 +247,3 @@ def test_a_broken_torch_dist_checkpoint_is_a_clear_error(tmp_path, corpus):
         assert message in res.stderr, (name, res.stderr[-3000:])
         assert read_metrics(str(tmp_path / f"{name}.metrics.jsonl")) == [], name
         print(f"{name}: {res.stderr.strip().splitlines()[-1][:300]}")
-
-
-def test_torch_dist_on_the_nccl_delta_communicator_is_refused_before_training(tmp_path, corpus):
-    """Under --trainmover every group, the default one too, runs on nccl_delta, which has no scatter
-    for megatron-core's planning: the job stops at start with the fix named, before any iteration
-    (not at its first save). The companion, the same job saving torch_dist on gloo, is every test above."""
-    args = tiny_args(corpus, pp=2, iters=4, extra=DIST + ["--trainmover", "--tm-no-sandbox", "--save-interval", "2"])
-    job = start_job(tmp_path, 2, args + ["--save", str(tmp_path / "ckpt")], name="nccl_delta")
-    assert job.wait(120) != 0
-    assert "--ckpt-format torch_dist needs the default process group on gloo or nccl" in job.stderr()
-    assert "'nccl_delta'" in job.stderr() and "--tm-comm native" in job.stderr()
-    assert read_metrics(job.metrics_path) == []
-    assert not os.path.exists(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt")
