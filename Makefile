@@ -88,13 +88,12 @@ test: venv etcd promtool
 test-fast: venv etcd promtool
 	$(VPY) -m pytest -q --timeout 600 -m "not slow"
 
-# PYTHONPATH: megatron-core >= 0.17 ships Megatron-LM's own megatron/training package, which would
-# shadow this clone's (an editable install is looked up after site-packages); the check proves it does not.
+# The check proves the venv runs this clone's code (its editable install points at the clone).
 test-compat: venv-compat etcd
-	@PYTHONPATH=$(CURDIR) $(COMPAT_VPY) -W ignore -c 'import sys, torch, megatron.core, megatron.training as t; \
+	@$(COMPAT_VPY) -W ignore -c 'import sys, torch, megatron.core, trainmover_training as t; \
 	  print("compat stack: Python", sys.version.split()[0], "torch", torch.__version__, "megatron-core", megatron.core.__version__); \
-	  sys.exit(None if t.__file__.startswith("$(CURDIR)/") else "megatron.training is " + t.__file__)'
-	PYTHONPATH=$(CURDIR) $(COMPAT_VPY) -m pytest -q --timeout 600 $(COMPAT_TESTS)
+	  sys.exit(None if t.__file__.startswith("$(CURDIR)/") else "trainmover_training is " + t.__file__)'
+	$(COMPAT_VPY) -m pytest -q --timeout 600 $(COMPAT_TESTS)
 
 demo: venv etcd data
 	$(VPY) scripts/demo.py

@@ -17,23 +17,23 @@ import os
 import sys
 from functools import partial
 
-from megatron.training import get_args, get_tokenizer, pretrain  # first: quiets CPU fallback warnings
+from trainmover_training import get_args, get_tokenizer, pretrain  # first: quiets CPU fallback warnings
 
 # isort: split
 import torch
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 
-from megatron.training.data import build_dataset
-from megatron.training.model import gpt_layer_spec, transformer_config_from_args
 from trainmover_ext.config import add_trainmover_args
 from trainmover_ext.errors import exit_on_error
 from trainmover_ext.hooks import TrainMoverHooks
+from trainmover_training.data import build_dataset
+from trainmover_training.model import gpt_layer_spec, transformer_config_from_args
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
     """Build this pipeline stage's GPT model chunk."""
-    from megatron.training.initialize import select_backend
+    from trainmover_training.initialize import select_backend
 
     args = get_args()
 

@@ -1,8 +1,9 @@
 """TrainMover package.
 
 ``patches/`` is installed as ``trainmover_ext.patches`` so that no top-level
-module named ``patches`` lands in site-packages; ``megatron/training`` joins
-megatron-core's ``megatron`` namespace package.
+module named ``patches`` lands in site-packages. The training layer is
+``trainmover_training`` (megatron-core 0.17 and later ship a ``megatron.training``
+package of their own, so ours keeps out of the ``megatron`` namespace).
 """
 
 import os
@@ -30,7 +31,7 @@ setup(
     python_requires=">=3.11",
     packages=(
         find_namespace_packages(include=["trainmover_ext", "trainmover_ext.*", "nccl_delta", "nccl_delta.*"])
-        + ["trainmover_ext.patches", "megatron.training"]
+        + ["trainmover_ext.patches", "trainmover_training"]
     ),
     package_dir={"trainmover_ext.patches": "patches"},
     py_modules=["pretrain_gpt"],

@@ -2,7 +2,7 @@
 """NVIDIA resiliency-ext (nvrx 0.4.1) in-process restart of the demo job: the ``nvrx_inprocess_s`` baseline.
 
 The job is the one ``downtime.py`` measures (8 ranks, TP2 x PP2 x DP2, the demo
-flags, trained by ``megatron.training.pretrain`` as ``pretrain_gpt.py`` does),
+flags, trained by ``trainmover_training.pretrain`` as ``pretrain_gpt.py`` does),
 on CPU with gloo, with each rank's training call wrapped in
 ``nvidia_resiliency_ext.inprocess.Wrapper``. ``--spares`` extra processes (2 by
 default) are nvrx's reserve: the rank assignment

@@ -98,9 +98,9 @@ def run_worker(spec_path: str) -> int:
     from megatron.core.enums import ModelType
 
     import pretrain_gpt
-    from megatron.training import pretrain
     from trainmover_ext.config import add_trainmover_args
     from trainmover_ext.hooks import TrainMoverHooks
+    from trainmover_training import pretrain
 
     wrapper = inprocess.Wrapper(
         store_kwargs={

@@ -447,7 +447,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    import megatron.training  # noqa: F401  (imported once here: every forked process starts warm)
+    import trainmover_training  # noqa: F401  (imported once here: every forked process starts warm)
     from harness.jobs import DEFAULT_CORPUS_PREFIX, ensure_corpus
 
     corpus = ensure_corpus(args.data_prefix or DEFAULT_CORPUS_PREFIX)

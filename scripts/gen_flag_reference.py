@@ -2,7 +2,7 @@
 """Generate docs/flags.md from the real argument parsers.
 
 Sources: ``pretrain_gpt.py``'s parser
-(``megatron.training.arguments.build_parser(trainmover_ext.config.add_trainmover_args)``)
+(``trainmover_training.arguments.build_parser(trainmover_ext.config.add_trainmover_args)``)
 and every ``trainmover`` subcommand (``trainmover_ext.cli.build_parser()``).
 The output is deterministic: ``TRAINMOVER_*`` environment variables, which
 some flags take their defaults from, are ignored while rendering.
@@ -85,7 +85,7 @@ def render_parser(parser: argparse.ArgumentParser, title: str, level: int = 2) -
 
 def render_megatron_lm(parser: argparse.ArgumentParser) -> list[str]:
     """The table of Megatron-LM's example-script flags and what ``pretrain_gpt.py`` does with each."""
-    from megatron.training.megatron_lm_flags import NO_EFFECT_FLAGS, support_table
+    from trainmover_training.megatron_lm_flags import NO_EFFECT_FLAGS, support_table
 
     out = [
         "### Megatron-LM's example flags",
@@ -107,9 +107,9 @@ def render() -> str:
     try:
         if REPO_ROOT not in sys.path:
             sys.path.insert(0, REPO_ROOT)
-        from megatron.training.arguments import build_parser
         from trainmover_ext.cli import build_parser as build_cli_parser
         from trainmover_ext.config import add_trainmover_args
+        from trainmover_training.arguments import build_parser
 
         lines = [HEADER]
         lines += render_parser(build_parser(add_trainmover_args), "`pretrain_gpt.py`")

@@ -33,8 +33,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron.training.errors import ConfigError  # noqa: E402
-from megatron.training.tokenizer import ByteLevelTokenizer, Tokenizer, add_tokenizer_args, make_tokenizer  # noqa: E402
+from trainmover_training.errors import ConfigError  # noqa: E402
+from trainmover_training.tokenizer import ByteLevelTokenizer, Tokenizer, add_tokenizer_args, make_tokenizer  # noqa: E402
 
 # Pure-Python stdlib modules that import quickly and without side effects.
 STDLIB_MODULES = (

@@ -36,7 +36,9 @@ def foreign_imports(folder: str) -> list[str]:
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and not node.level:
                 mods = [node.module or ""]
-            found += [f"{name}: {m}" for m in mods if m.startswith(("trainmover_ext", "megatron.training", "helpers"))]
+            found += [
+                f"{name}: {m}" for m in mods if m.startswith(("trainmover_ext", "trainmover_training", "helpers"))
+            ]
     return found
 
 
@@ -70,7 +72,7 @@ def _copy(tmp_path) -> str:
             "from trainmover_ext.errors import CommLinkError\n",
             "nccl_delta imports trainmover_ext.errors (upward",
         ),
-        ("megatron/training/model.py", "from ...trainmover_ext.sandbox import compile\n", None),
+        ("trainmover_training/model.py", "from ...trainmover_ext.sandbox import compile\n", None),
         ("trainmover_ext/fsutil.py", "import trainmover_ext.netutil\n", "(sideways"),
         ("trainmover_ext/launch/cli.py", "from trainmover_ext.newthing import x\n", "is in no layer"),
     ],

@@ -5,7 +5,7 @@ message that says what to do next. Wrap lower-level exceptions with ``raise X(..
 the cause stays visible.
 
 Two lower layers have errors of their own, re-exported here under their names: the training layer
-(``megatron.training.errors``: :class:`TrainingError`, :class:`DataError`, :class:`CheckpointError`)
+(``trainmover_training.errors``: :class:`TrainingError`, :class:`DataError`, :class:`CheckpointError`)
 and the communicator (``nccl_delta.errors``: :class:`CommLinkError` and its kinds). They import
 nothing of the runtime. :data:`USER_ERRORS` catches all three trees.
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from megatron.training.errors import CheckpointError, DataError, TrainingError
-from megatron.training.errors import ConfigError as TrainingConfigError
 from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout, DeltaConfigError, DeltaError, SwapAborted
+from trainmover_training.errors import CheckpointError, DataError, TrainingError
+from trainmover_training.errors import ConfigError as TrainingConfigError
 
 __all__ = [
     "AuthError",

@@ -1,7 +1,7 @@
 """``pretrain()``'s runtime hooks for ``pretrain_gpt.py``: what the ``--tm-*`` flags ask for.
 
-Contract: :func:`megatron.training.training.pretrain` knows only the
-:class:`~megatron.training.training.RuntimeHooks` protocol; this module is where
+Contract: :func:`trainmover_training.training.pretrain` knows only the
+:class:`~trainmover_training.training.RuntimeHooks` protocol; this module is where
 the choice between a worker and a standby is made, where the worker's runtime
 (membership and migrations), the fault drills and the sandbox recorder are
 attached, and where a planned leaver rejoins the standby pool. A worker under
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megatron.training.training import Runtime, Session
 from trainmover_ext.config import TrainMoverConfig
 from trainmover_ext.launch.distributed import TrainMoverDistributed
+from trainmover_training.training import Runtime, Session
 
 
 class TrainMoverHooks:

@@ -65,9 +65,9 @@ def init_delta_world(args, rank: int, world_size: int, store, join_epoch: int | 
 
     import nccl_delta
     import trainmover_ext.patches as patches
-    from megatron.training import global_vars
-    from megatron.training.initialize import layout_from_groups
-    from megatron.training.tokenizer import build_tokenizer
+    from trainmover_training import global_vars
+    from trainmover_training.initialize import layout_from_groups
+    from trainmover_training.tokenizer import build_tokenizer
 
     patches.install()
     global_vars.set_global_variables(args, build_tokenizer(args))
@@ -102,7 +102,7 @@ def serve(session, ctl, epoch: int, store=None) -> dict:
 
     ``store`` (the job's store) carries the state-transfer link when this process is replaced."""
     import nccl_delta
-    from megatron.training.training import train_step
+    from trainmover_training.training import train_step
 
     args, rank = session.args, session.layout.rank
     world = nccl_delta.current_world()
@@ -211,10 +211,10 @@ def _own_inductor_cache(tag: str) -> None:
 def job_member(rank: int, world_size: int, port: int, argv: list[str], record_dir: str, record_iters: int) -> dict:
     """An original rank: record the first iterations (recorder ranks), then serve until replaced or stopped."""
     from harness.sandbox import parse_job_args
-    from megatron.training.initialize import shutdown
     from trainmover_ext.sandbox.parts import build_parts
     from trainmover_ext.sandbox.recorder import hooks_installed, maybe_start_recording
     from trainmover_ext.sandbox.shadow import default_program
+    from trainmover_training.initialize import shutdown
 
     _own_inductor_cache(f"rank{rank}")
     args = parse_job_args(argv, world_size)
@@ -239,7 +239,7 @@ def job_member(rank: int, world_size: int, port: int, argv: list[str], record_di
 
 def _record(session, handle) -> dict:
     """The recorded iterations (hooks in place), timed; the recorder's own overhead."""
-    from megatron.training.training import train_step
+    from trainmover_training.training import train_step
 
     times = []
     try:
@@ -305,13 +305,13 @@ def newcomer(
     import torch
 
     from harness.sandbox import parse_job_args, socket_inodes
-    from megatron.training.initialize import shutdown
-    from megatron.training.training import MetricsLog
     from trainmover_ext.runtime.quiet_build import no_collectives
     from trainmover_ext.sandbox.adopt import adopt_or_build, keep_if_fits
     from trainmover_ext.sandbox.parts import build_parts
     from trainmover_ext.sandbox.recording import load_recordings
     from trainmover_ext.sandbox.shadow import default_program, peak_rss_bytes, warm_standby
+    from trainmover_training.initialize import shutdown
+    from trainmover_training.training import MetricsLog
 
     _own_inductor_cache(f"newcomer{epoch}")
     args = parse_job_args(argv, world_size)

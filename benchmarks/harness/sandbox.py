@@ -114,8 +114,8 @@ def host_store():
 
 def parse_job_args(argv: list[str], world_size: int):
     """The job's flags, parsed and validated as ``pretrain_gpt.py`` does (TrainMover flags included)."""
-    from megatron.training.arguments import parse_args
     from trainmover_ext.config import add_trainmover_args
+    from trainmover_training.arguments import parse_args
 
     return parse_args(add_trainmover_args, argv, world_size=world_size)
 
@@ -127,9 +127,9 @@ def init_real_world(args, rank: int, world_size: int, store_port: int, prefix: s
     from torch.distributed import PrefixStore, TCPStore
 
     import trainmover_ext.patches as patches
-    from megatron.training import global_vars
-    from megatron.training.initialize import layout_from_groups
-    from megatron.training.tokenizer import build_tokenizer
+    from trainmover_training import global_vars
+    from trainmover_training.initialize import layout_from_groups
+    from trainmover_training.tokenizer import build_tokenizer
 
     patches.install()
     global_vars.set_global_variables(args, build_tokenizer(args))
@@ -149,8 +149,8 @@ def init_real_world(args, rank: int, world_size: int, store_port: int, prefix: s
 
 def train_iterations(session, iters: int, *, handle=None, digests: bool = True) -> list[dict]:
     """``iters`` real iterations; per iteration its loss, time and (optionally) state digests."""
-    from megatron.training.training import train_step
     from trainmover_ext.sandbox.parts import state_digest
+    from trainmover_training.training import train_step
 
     out = []
     for _ in range(iters):
@@ -183,10 +183,10 @@ def job_rank(
     ``--trainmover``)."""
     import resource
 
-    from megatron.training.initialize import shutdown
     from trainmover_ext.sandbox.parts import build_parts
     from trainmover_ext.sandbox.recorder import hooks_installed, maybe_start_recording
     from trainmover_ext.sandbox.shadow import default_program
+    from trainmover_training.initialize import shutdown
 
     args = parse_job_args(argv, world_size)
     program = default_program()

@@ -8,7 +8,6 @@ import threading
 
 import pytest
 
-from megatron.training.arguments import parse_args
 from trainmover_ext.config import add_trainmover_args
 from trainmover_ext.control.fingerprint import (
     FINGERPRINT_FIELDS,
@@ -32,6 +31,7 @@ from trainmover_ext.errors import (
 )
 from trainmover_ext.kv.job import JobSpace
 from trainmover_ext.kv.memory import MemoryKV
+from trainmover_training.arguments import parse_args
 
 BASE = [
     "--num-layers",

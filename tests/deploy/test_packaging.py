@@ -9,7 +9,7 @@ import zipfile
 
 from harness.jobs import REPO_ROOT
 
-SHIPPED = ("trainmover_ext/", "nccl_delta/", "megatron/training/", "trainmover_ext/patches/", "pretrain_gpt.py")
+SHIPPED = ("trainmover_ext/", "nccl_delta/", "trainmover_training/", "trainmover_ext/patches/", "pretrain_gpt.py")
 """Every file of the wheel's code lies under one of these."""
 
 NOT_SHIPPED = ("harness", "tests/", "benchmarks/", "conftest", "test_", "member_main", "promotion", "jobs.py")
@@ -37,7 +37,7 @@ def test_the_wheel_holds_the_runtime_and_no_harness(tmp_path):
         "trainmover_ext/migration/worker.py",
         "trainmover_ext/patches/__init__.py",
         "nccl_delta/errors.py",
-        "megatron/training/training.py",
+        "trainmover_training/training.py",
         "pretrain_gpt.py",
     ):
         assert needed in names

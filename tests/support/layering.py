@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 LAYERS: list[tuple[str, ...]] = [
-    ("nccl_delta", "megatron.training"),  # the communicator; the training layer on megatron-core
+    ("nccl_delta", "trainmover_training"),  # the communicator; the training layer on megatron-core
     ("trainmover_ext.errors",),  # the one error tree (re-exports the two layers below)
     (
         "trainmover_ext.fsutil",
@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
 
 SOURCES = {
     "nccl_delta": "nccl_delta",
-    "megatron/training": "megatron.training",
+    "trainmover_training": "trainmover_training",
     "trainmover_ext": "trainmover_ext",
     "patches": "trainmover_ext.patches",
 }
@@ -57,8 +57,8 @@ def unit_of(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] == "nccl_delta":
         return "nccl_delta"
-    if parts[:2] == ["megatron", "training"]:
-        return "megatron.training"
+    if parts[0] == "trainmover_training":
+        return "trainmover_training"
     if parts[0] == "trainmover_ext":
         return "trainmover_ext" if len(parts) == 1 else "trainmover_ext." + parts[1]
     return None

@@ -36,12 +36,12 @@ def main(argv: list[str]) -> None:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron.training import global_vars
-    from megatron.training.arguments import parse_args
-    from megatron.training.data import BatchPlan, GPTBatchIterator, build_dataset
-    from megatron.training.dist_checkpoint import synchronous_save_strategy
-    from megatron.training.model import transformer_config_from_args
-    from megatron.training.tokenizer import build_tokenizer
+    from trainmover_training import global_vars
+    from trainmover_training.arguments import parse_args
+    from trainmover_training.data import BatchPlan, GPTBatchIterator, build_dataset
+    from trainmover_training.dist_checkpoint import synchronous_save_strategy
+    from trainmover_training.model import transformer_config_from_args
+    from trainmover_training.tokenizer import build_tokenizer
 
     args = parse_args(None, flags, world_size=1)
     tokenizer = build_tokenizer(args)

@@ -21,6 +21,6 @@ def test_trains_on_cuda_with_nccl(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_backend_and_spec_selection_on_gpu():
-    from megatron.training.initialize import select_backend
+    from trainmover_training.initialize import select_backend
 
     assert select_backend("auto") == "nccl"

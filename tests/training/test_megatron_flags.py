@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from helpers import tiny_args
-from megatron.training.arguments import parse_args
-from megatron.training.data import BlendedDataset, IndexedGPTDataset, MockGPTDataset, build_dataset, split_bounds
-from megatron.training.errors import ConfigError
-from megatron.training.megatron_lm_flags import no_effect_given
-from megatron.training.tokenizer import build_tokenizer, make_tokenizer
+from trainmover_training.arguments import parse_args
+from trainmover_training.data import BlendedDataset, IndexedGPTDataset, MockGPTDataset, build_dataset, split_bounds
+from trainmover_training.errors import ConfigError
+from trainmover_training.megatron_lm_flags import no_effect_given
+from trainmover_training.tokenizer import build_tokenizer, make_tokenizer
 
 TEXT = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n" * 40
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from helpers import tiny_args
-from megatron.training.arguments import parse_args
-from megatron.training.data import BatchPlan, GPTBatchIterator, IndexedGPTDataset, MockGPTDataset, micro_batch_indices
-from megatron.training.tokenizer import ByteLevelTokenizer
 from trainmover_ext.config import add_trainmover_args, config_from_args
 from trainmover_ext.errors import ConfigError, PatchError
+from trainmover_training.arguments import parse_args
+from trainmover_training.data import BatchPlan, GPTBatchIterator, IndexedGPTDataset, MockGPTDataset, micro_batch_indices
+from trainmover_training.tokenizer import ByteLevelTokenizer
 
 
 def test_dp_ranks_read_disjoint_consecutive_samples():
@@ -54,7 +54,7 @@ def test_byte_tokenizer_round_trip():
 
 
 def test_padded_vocab_independent_of_tp():
-    from megatron.training.tokenizer import build_tokenizer
+    from trainmover_training.tokenizer import build_tokenizer
 
     sizes = set()
     for tp in (1, 2, 4):
@@ -100,7 +100,7 @@ def test_rewrite_fails_loudly_on_changed_source():
 
 
 def test_interleaved_pp2_on_gloo_never_batches_p2p():
-    from megatron.training.model import transformer_config_from_args
+    from trainmover_training.model import transformer_config_from_args
 
     args = parse_args(
         add_trainmover_args, tiny_args(None, pp=2, extra=["--num-layers-per-virtual-pipeline-stage", "1"]), world_size=2
@@ -147,7 +147,7 @@ def test_the_agent_wakes_when_a_child_exits_not_at_its_next_poll():
 
 def test_metrics_log_restores_only_a_missing_iteration_record(tmp_path):
     """A logging rank's replacement writes the record its predecessor died before writing, and only that."""
-    from megatron.training.training import MetricsLog
+    from trainmover_training.training import MetricsLog
 
     path = str(tmp_path / "metrics.jsonl")
     log = MetricsLog(path, True)
@@ -170,7 +170,7 @@ def test_metrics_log_restores_only_a_missing_iteration_record(tmp_path):
 
 
 def test_metrics_log_reads_only_the_tail(tmp_path, monkeypatch):
-    from megatron.training.training import MetricsLog
+    from trainmover_training.training import MetricsLog
 
     monkeypatch.setattr(MetricsLog, "TAIL_BYTES", 200)
     log = MetricsLog(str(tmp_path / "m.jsonl"), True)
@@ -216,8 +216,8 @@ def test_a_checkpoint_that_needs_code_to_load_is_refused(tmp_path):
 
     import torch
 
-    from megatron.training import checkpointing
     from trainmover_ext.errors import CheckpointError
+    from trainmover_training import checkpointing
 
     marker = tmp_path / "pwned"
 
@@ -240,11 +240,11 @@ def test_a_checkpoint_that_needs_code_to_load_is_refused(tmp_path):
 
 def test_the_training_layer_does_not_import_the_runtime():
     """``pretrain()`` takes its runtime as hooks (``trainmover_ext.hooks``): nothing under
-    megatron/training imports the migration path, the standby or the hooks themselves."""
+    trainmover_training imports the migration path, the standby or the hooks themselves."""
     import ast
     import pathlib
 
-    root = pathlib.Path(__file__).resolve().parents[2] / "megatron" / "training"
+    root = pathlib.Path(__file__).resolve().parents[2] / "trainmover_training"
     banned = ("trainmover_ext.migration", "trainmover_ext.runtime", "trainmover_ext.hooks")
     found = []
     for path in sorted(root.glob("*.py")):
@@ -265,7 +265,7 @@ def test_llama_flags_build_what_they_name():
     import torch
 
     from helpers import LLAMA
-    from megatron.training.model import gpt_layer_spec, transformer_config_from_args
+    from trainmover_training.model import gpt_layer_spec, transformer_config_from_args
 
     args = parse_args(argv=tiny_args(None, tp=2, extra=LLAMA + ["--norm-epsilon", "1e-6"]), world_size=2)
 
@@ -290,7 +290,7 @@ def test_llama_flags_build_what_they_name():
     ],
 )
 def test_bad_architecture_flags_are_refused(extra, flag):
-    from megatron.training.errors import ConfigError as TrainingConfigError
+    from trainmover_training.errors import ConfigError as TrainingConfigError
 
     with pytest.raises(TrainingConfigError, match=flag):
         parse_args(argv=tiny_args(None, tp=2, extra=extra), world_size=2)

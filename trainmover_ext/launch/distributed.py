@@ -1,5 +1,5 @@
 """How a rank started by TrainMover joins torch.distributed: the training layer's
-:class:`~megatron.training.initialize.DistributedSetup` for the runtime.
+:class:`~trainmover_training.initialize.DistributedSetup` for the runtime.
 
 It installs the megatron-core patches, meets through etcd when ``trainmover launch`` started the
 process (:func:`~trainmover_ext.launch.rendezvous.rank_store`; torch's env:// TCPStore otherwise),

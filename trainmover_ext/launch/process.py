@@ -48,7 +48,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def preimport_for_fork() -> None:
     """Import the heavy modules once in the agent so forked ranks skip 4-10 s of imports."""
-    import megatron.training  # noqa: F401  (first: it quiets megatron-core's CPU fallback warnings)
+    import trainmover_training  # noqa: F401  (first: it quiets megatron-core's CPU fallback warnings)
 
     # isort: split
     import megatron.core.distributed  # noqa: F401

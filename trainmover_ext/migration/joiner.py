@@ -13,7 +13,7 @@ Contract (the promoted standby's main thread):
 - When a newer failure plan cuts any of this short (a stayer, the state
   source or the leaver died), it takes part in the newer epoch's recovery as a
   rank without usable state: it receives a copy like a joiner. Training then
-  goes on in :func:`~megatron.training.training.train_loop`.
+  goes on in :func:`~trainmover_training.training.train_loop`.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from trainmover_ext.runtime import faults
 if TYPE_CHECKING:
     import argparse
 
-    from megatron.training.training import Session
     from trainmover_ext.config import TrainMoverConfig
     from trainmover_ext.control.membership import Membership
     from trainmover_ext.kv.job import JobSpace
     from trainmover_ext.launch.identity import Identity
     from trainmover_ext.migration.standby import Providers
     from trainmover_ext.sandbox.adopt import KeptRole
+    from trainmover_training.training import Session
 
 
 def serve_rank(
@@ -54,8 +54,6 @@ def serve_rank(
 
     With ``kept`` (the sandbox role this standby kept) it adopts those parts when they were built
     for this rank, and drops them otherwise, before it builds the rank's model."""
-    from megatron.training.initialize import initialize_distributed, shutdown
-    from megatron.training.training import MetricsLog, build_session, train_loop
     from trainmover_ext.launch.distributed import TrainMoverDistributed
     from trainmover_ext.migration.planned import receive_from_leaver
     from trainmover_ext.migration.recovery import converge
@@ -63,6 +61,8 @@ def serve_rank(
     from trainmover_ext.runtime.quiet_build import no_collectives
     from trainmover_ext.sandbox.adopt import adopt_or_build, keep_if_fits
     from trainmover_ext.sandbox.compile import chunk_preparer
+    from trainmover_training.initialize import initialize_distributed, shutdown
+    from trainmover_training.training import MetricsLog, build_session, train_loop
 
     rep = next(r for r in plan.replacement_list() if r.joiner == ident.member_id)
     os.environ["RANK"] = str(rep.rank)

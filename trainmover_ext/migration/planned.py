@@ -30,9 +30,9 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.distributed_c10d import Store, Work
 
-    from megatron.training.training import Session
     from nccl_delta.transport_gloo import GlooPair, _Send
     from trainmover_ext.migration.worker import WorkerRuntime
+    from trainmover_training.training import Session
 
 
 class HandoverChannel:
@@ -161,7 +161,7 @@ def receive_from_leaver(rt: WorkerRuntime, session: Session, plan: MigrationPlan
         lambda: recv_and_report(channel, session, plan.replacement_list()[0].rank, plan.epoch, space=rt.space),
     )
     rt.state_valid = True
-    from megatron.training import iteration_start
+    from trainmover_training import iteration_start
 
     session.started = iteration_start.capture(session.args)
     mark_step(rt.space, plan.epoch, "transferred", resume_iteration=session.args.iteration)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from megatron.training import checkpointing, iteration_start
 from trainmover_ext.control.executor import record_event
 from trainmover_ext.control.membership import report_recovery, wait_convergence
 from trainmover_ext.control.records import ConvergenceRecord, MigrationPlan
@@ -29,11 +28,12 @@ from trainmover_ext.errors import MigrationAborted, RecoverySuperseded
 from trainmover_ext.kv.job import JobSpace
 from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults
+from trainmover_training import checkpointing, iteration_start
 
 if TYPE_CHECKING:
-    from megatron.training.training import Session
     from trainmover_ext.migration.transfer import Channel
     from trainmover_ext.migration.worker import WorkerRuntime
+    from trainmover_training.training import Session
 
 logger = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ def basic_warm_up(args: argparse.Namespace, providers: Providers) -> dict[str, f
     t0 = time.time()
     import torch
 
-    from megatron.training.tokenizer import build_tokenizer
+    from trainmover_training.tokenizer import build_tokenizer
 
     torch.set_num_threads(args.threads_per_rank)
     build_tokenizer(args)
@@ -90,7 +90,7 @@ def preload_rank_code(args: argparse.Namespace) -> float:
     import trainmover_ext.migration.worker  # noqa: F401
     import trainmover_ext.patches as patches
     import trainmover_ext.runtime.quiet_build  # noqa: F401
-    from megatron.training.model import gpt_layer_spec
+    from trainmover_training.model import gpt_layer_spec
 
     patches.install()
     gpt_layer_spec(args)

@@ -41,12 +41,12 @@ import torch
 from torch.distributed import ProcessGroupGloo
 from torch.distributed.distributed_c10d import PrefixStore, Store, Work
 
-from megatron.training import checkpointing
 from trainmover_ext.errors import MigrationAborted
+from trainmover_training import checkpointing
 
 if TYPE_CHECKING:
-    from megatron.training.training import Session
     from nccl_delta.links import LinkWork
+    from trainmover_training.training import Session
 
 
 class Waitable(Protocol):

@@ -31,7 +31,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from megatron.training.training import Runtime, Session
 from trainmover_ext.config import TrainMoverConfig
 from trainmover_ext.control.convergence import GridShape
 from trainmover_ext.control.membership import Membership, PlanInbox, init_job
@@ -44,10 +43,11 @@ from trainmover_ext.migration.planned import HandoverChannel, hand_over
 from trainmover_ext.migration.recovery import converge
 from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults
+from trainmover_training.training import Runtime, Session
 
 if TYPE_CHECKING:
-    from megatron.training.initialize import ParallelLayout
     from trainmover_ext.kv.job import JobSpace
+    from trainmover_training.initialize import ParallelLayout
 
 logger = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from trainmover_ext.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from megatron.training.training import Session
+    from trainmover_training.training import Session
 
 TRAINING_PHASES = ("forward", "backward", "allreduce", "clip", "step", "log", "save")
 MIGRATION_PHASES = ("join", "recover", "send", "prepare", "handover")
@@ -200,7 +200,7 @@ def _install_one(spec: FaultSpec, session: Session) -> None:
 
         session.scheduler.step = sched_step
     else:
-        from megatron.training import checkpointing
+        from trainmover_training import checkpointing
 
         for opt in checkpointing._optimizers(session.optimizer):
             inner_step = opt.optimizer.step

@@ -75,7 +75,7 @@ class KeptRole:
     rank: int
     """The job rank the parts were built as (the recording's rank)."""
     session: Any = field(repr=False)
-    """The ``megatron.training.training.Session`` of the shadow iterations (its layout is the replay's)."""
+    """The ``trainmover_training.training.Session`` of the shadow iterations (its layout is the replay's)."""
     replay_groups: dict[str, tuple] = field(default_factory=dict, repr=False)
     """Replay group name -> (group, global ranks), for every group the replay world created."""
 
@@ -121,7 +121,7 @@ def real_groups() -> dict[str, tuple]:
 def adopt(kept: KeptRole, layout, metrics, rank: int) -> tuple[Any, int]:
     """The kept parts as ``rank``'s ``Session`` on ``layout``, and how many group references were
     re-pointed (see the module doc); raises :class:`KeptRoleUnusable`."""
-    from megatron.training.training import Session
+    from trainmover_training.training import Session
 
     if kept.session is None:
         raise KeptRoleUnusable("the kept parts were dropped")

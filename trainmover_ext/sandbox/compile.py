@@ -1,6 +1,6 @@
 """``--tm-compile``: ``torch.compile`` of each model chunk, with collectives kept out of the graphs.
 
-Who calls it: ``megatron.training.model.get_model`` on every rank (job ranks,
+Who calls it: ``trainmover_training.model.get_model`` on every rank (job ranks,
 standbys in their sandbox, promoted standbys) when ``--tm-compile`` is given.
 
 Why collectives stay eager: by default dynamo rewrites ``torch.distributed``

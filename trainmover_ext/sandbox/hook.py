@@ -1,6 +1,6 @@
 """The training loop's recording hook: ``pretrain`` wraps its runtime when ``--tm-record-dir`` is set.
 
-Who calls it: ``megatron.training.training.pretrain`` on every rank, right
+Who calls it: ``trainmover_training.training.pretrain`` on every rank, right
 before ``train_loop``::
 
     runtime = attach_recorder(session, runtime, tm_config)

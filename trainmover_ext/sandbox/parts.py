@@ -2,7 +2,7 @@
 
 Shared by the shadow iterations and by the sandbox's test/benchmark job
 ranks, so a shadow iteration and the job iteration it replays run the same
-construction (``megatron.training.training.build_session``: seeds,
+construction (``trainmover_training.training.build_session``: seeds,
 ``get_model``, ``setup_optimizer``, config wiring, dataset) and the same
 ``train_step``.
 """
@@ -20,7 +20,7 @@ def build_parts(args, layout, program, *, consumed_samples: int, iteration: int 
     Sets ``args.iteration`` / ``args.consumed_train_samples`` to the given
     position and points the data iterators there.
     """
-    from megatron.training.training import MetricsLog, build_session
+    from trainmover_training.training import MetricsLog, build_session
 
     from .compile import chunk_preparer
 

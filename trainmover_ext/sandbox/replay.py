@@ -272,7 +272,7 @@ def replay_world(recording: Recording, timeout_s: float = 600.0) -> Iterator[Rep
     if dist.is_initialized():
         raise RuntimeError(
             "a process group is already initialised; the sandbox needs this process's own world: "
-            "warm up before joining the job, or call megatron.training.initialize.shutdown() first"
+            "warm up before joining the job, or call trainmover_training.initialize.shutdown() first"
         )
     register()
     session = ReplaySession(recording)
@@ -293,7 +293,7 @@ def replay_world(recording: Recording, timeout_s: float = 600.0) -> Iterator[Rep
         )
         yield session
     finally:
-        from megatron.training.initialize import shutdown
+        from trainmover_training.initialize import shutdown
 
         try:
             shutdown()

@@ -2,7 +2,7 @@
 
 Who calls it: a standby process (``--tm-role standby``) before it joins the
 job, with the job's own flags. :func:`warm_up` builds the role's model with
-``megatron.training``'s builders (``get_model``, ``setup_optimizer``, the
+``trainmover_training``'s builders (``get_model``, ``setup_optimizer``, the
 role's real data iterator), runs shadow iterations through the very
 ``train_step`` the job runs, and tears the replay world down so the process
 can later init the real world. :func:`warm_standby` does that for first,
@@ -131,8 +131,8 @@ def peak_rss_bytes() -> int:
 
 def _ensure_globals(args) -> None:
     """The providers read ``get_args()`` / ``get_tokenizer()``; a bare standby may not have set them."""
-    from megatron.training import global_vars
-    from megatron.training.tokenizer import build_tokenizer
+    from trainmover_training import global_vars
+    from trainmover_training.tokenizer import build_tokenizer
 
     if global_vars._ARGS is not args or global_vars._TOKENIZER is None:
         tokenizer = build_tokenizer(args)
@@ -142,7 +142,7 @@ def _ensure_globals(args) -> None:
 
 
 def _layout_from_mpu(args, recording: Recording):
-    from megatron.training.initialize import layout_from_groups
+    from trainmover_training.initialize import layout_from_groups
 
     # The job's backend decides megatron's p2p batching; replay the job's choice, not ours.
     return layout_from_groups(
@@ -193,8 +193,8 @@ def warm_up(
 
 
 def _shadow_iterations(args, role, recording, iters, on_progress, program, compile, keep_model, t_start) -> WarmResult:
-    from megatron.training.initialize import initialize_model_parallel
-    from megatron.training.training import train_step
+    from trainmover_training.initialize import initialize_model_parallel
+    from trainmover_training.training import train_step
 
     with replay_world(recording, timeout_s=60.0 * args.distributed_timeout_minutes) as replay:
         initialize_model_parallel(args)

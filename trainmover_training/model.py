@@ -81,7 +81,7 @@ def use_transformer_engine(args) -> bool:
     except ImportError:
         available = False
     if args.transformer_impl == "transformer_engine" and not available:
-        from megatron.training.errors import ConfigError
+        from trainmover_training.errors import ConfigError
 
         raise ConfigError("--transformer-impl transformer_engine needs TransformerEngine and CUDA; use auto or local")
     return available

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron.training.checkpointing import rng_state, set_rng_state
+from trainmover_training.checkpointing import rng_state, set_rng_state
 
 
 @dataclass(frozen=True, kw_only=True)

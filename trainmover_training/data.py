@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron.training.errors import DataError
+from trainmover_training.errors import DataError
 
 SPLITS = ("train", "valid", "test")
 

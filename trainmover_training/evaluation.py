@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron.training.data import BatchPlan, GPTBatchIterator
+from trainmover_training.data import BatchPlan, GPTBatchIterator
 
 if TYPE_CHECKING:
-    from megatron.training.training import Session
+    from trainmover_training.training import Session
 
 
 def due(session: Session) -> bool:

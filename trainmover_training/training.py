@@ -23,21 +23,21 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron.training import checkpointing, evaluation, global_vars, iteration_start
-from megatron.training.arguments import parse_args
-from megatron.training.data import BatchPlan, GPTBatchIterator
-from megatron.training.exits import ExitConditions
-from megatron.training.initialize import (
+from trainmover_training import checkpointing, evaluation, global_vars, iteration_start
+from trainmover_training.arguments import parse_args
+from trainmover_training.data import BatchPlan, GPTBatchIterator
+from trainmover_training.exits import ExitConditions
+from trainmover_training.initialize import (
     DistributedSetup,
     ParallelLayout,
     initialize_distributed,
     set_random_seeds,
     shutdown,
 )
-from megatron.training.loggers import ScalarLoggers
-from megatron.training.megatron_lm_flags import no_effect_given
-from megatron.training.model import get_model, transformer_config_from_args
-from megatron.training.tokenizer import build_tokenizer
+from trainmover_training.loggers import ScalarLoggers
+from trainmover_training.megatron_lm_flags import no_effect_given
+from trainmover_training.model import get_model, transformer_config_from_args
+from trainmover_training.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class Session:
     test_dataset: Any = None
     """The test split, evaluated once after the last iteration (None: no share)."""
     evaluated_iteration: int | None = None
-    """The boundary this rank last evaluated at (:func:`~megatron.training.evaluation.due`); None after
+    """The boundary this rank last evaluated at (:func:`~trainmover_training.evaluation.due`); None after
     a recovery, so every rank runs the evaluation at the resume boundary."""
     iterators: list = field(default_factory=list)
     last_record: dict | None = None

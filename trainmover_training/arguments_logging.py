@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron.training.errors import ConfigError
+from trainmover_training.errors import ConfigError
 
 
 def add_eval_logging_args(parser: argparse.ArgumentParser) -> None:

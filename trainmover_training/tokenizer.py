@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from megatron.training.errors import ConfigError
+from trainmover_training.errors import ConfigError
 
 TOKENIZER_TYPES = (
     "ByteLevelTokenizer",

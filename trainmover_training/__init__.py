@@ -1,4 +1,5 @@
-"""TrainMover's training layer on pip megatron-core (joins the ``megatron`` namespace).
+"""TrainMover's training layer on pip megatron-core: Megatron-LM's ``megatron.training`` in shape,
+under a name of its own (megatron-core 0.17 and later ship a ``megatron.training`` of their own).
 
 Megatron-LM compatible entry points: :func:`pretrain`, :func:`get_args`,
 :func:`get_tokenizer`.
@@ -11,11 +12,11 @@ import warnings
 # buries the training log.
 warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|TransformerEngine).*", category=UserWarning)
 
-from megatron.training.global_vars import get_args, get_tokenizer  # noqa: E402,F401
+from trainmover_training.global_vars import get_args, get_tokenizer  # noqa: E402,F401
 
 
 def pretrain(*args, **kwargs):
-    """See :func:`megatron.training.training.pretrain` (imported lazily: it pulls in torch)."""
-    from megatron.training.training import pretrain as _pretrain
+    """See :func:`trainmover_training.training.pretrain` (imported lazily: it pulls in torch)."""
+    from trainmover_training.training import pretrain as _pretrain
 
     return _pretrain(*args, **kwargs)

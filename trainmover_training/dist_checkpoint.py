@@ -34,14 +34,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron.training.checkpoint_state import (
+from trainmover_training.checkpoint_state import (
     iteration_dir,
     load_scheduler_state,
     rng_state,
     set_rng_state,
     write_latest_iteration,
 )
-from megatron.training.errors import CheckpointError
+from trainmover_training.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ bit-exactly in the same layout, and the entry points for both formats.
 
 :func:`save_checkpoint` writes the format ``--ckpt-format`` names; :func:`load_checkpoint` reads
 whichever format the latest checkpoint under ``--load`` is in (an iteration directory with
-megatron-core's ``metadata.json`` is ``torch_dist``, see :mod:`megatron.training.dist_checkpoint`).
+megatron-core's ``metadata.json`` is ``torch_dist``, see :mod:`trainmover_training.dist_checkpoint`).
 Every rank calls both.
 
 Per-rank layout::
@@ -28,8 +28,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from megatron.training import dist_checkpoint
-from megatron.training.checkpoint_state import (
+from trainmover_training import dist_checkpoint
+from trainmover_training.checkpoint_state import (
     LATEST,
     iteration_dir,
     load_scheduler_state,
@@ -38,7 +38,7 @@ from megatron.training.checkpoint_state import (
     set_rng_state,
     write_latest_iteration,
 )
-from megatron.training.errors import CheckpointError
+from trainmover_training.errors import CheckpointError
 
 __all__ = [
     "LATEST",

@@ -1,7 +1,7 @@
 """What every checkpoint format holds besides the model and optimizer tensors.
 
-Shared by the per-rank format (:mod:`megatron.training.checkpointing`) and the megatron-core
-``torch_dist`` format (:mod:`megatron.training.dist_checkpoint`): the ``latest`` pointer, which
+Shared by the per-rank format (:mod:`trainmover_training.checkpointing`) and the megatron-core
+``torch_dist`` format (:mod:`trainmover_training.dist_checkpoint`): the ``latest`` pointer, which
 makes a checkpoint visible only once every rank wrote its part, every RNG state of a process, and
 setting the LR scheduler. Every rank calls these; the pointer is written by global rank 0 only.
 """
@@ -14,7 +14,7 @@ import random
 import numpy as np
 import torch
 
-from megatron.training.errors import CheckpointError
+from trainmover_training.errors import CheckpointError
 
 LATEST = "latest_checkpointed_iteration.txt"
 

@@ -13,10 +13,10 @@ import argparse
 import os
 from collections.abc import Callable, Sequence
 
-from megatron.training.arguments_logging import add_eval_logging_args, validate_eval_logging
-from megatron.training.errors import ConfigError
-from megatron.training.megatron_lm_flags import add_no_effect_args
-from megatron.training.tokenizer import add_tokenizer_args, validate_tokenizer_args
+from trainmover_training.arguments_logging import add_eval_logging_args, validate_eval_logging
+from trainmover_training.errors import ConfigError
+from trainmover_training.megatron_lm_flags import add_no_effect_args
+from trainmover_training.tokenizer import add_tokenizer_args, validate_tokenizer_args
 
 
 class _Parser(argparse.ArgumentParser):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from megatron.training.training import Session
+    from trainmover_training.training import Session
 
 
 class ExitConditions:

@@ -71,7 +71,7 @@ def select_backend(requested: str) -> str:
     """``auto`` -> ``nccl`` with CUDA, ``gloo`` without."""
     if requested != "auto":
         if requested == "nccl" and not torch.cuda.is_available():
-            from megatron.training.errors import ConfigError
+            from trainmover_training.errors import ConfigError
 
             raise ConfigError("--distributed-backend nccl needs CUDA; use gloo (or auto) on CPU")
         return requested
