@@ -29,7 +29,7 @@ RUN pip install --no-cache-dir -r requirements-image.txt \
 
 # Then the source, installed as a regular package (not editable) and without dependencies.
 COPY setup.py pretrain_gpt.py ./
-COPY megatron ./megatron
+COPY trainmover_training ./trainmover_training
 COPY patches ./patches
 COPY trainmover_ext ./trainmover_ext
 COPY nccl_delta ./nccl_delta
