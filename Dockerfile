@@ -1,10 +1,11 @@
-# TrainMover on an NGC PyTorch image, which brings CUDA, NCCL, torch, TransformerEngine and apex.
+# TrainMover on an NGC PyTorch image, which brings CUDA, NCCL, torch, TransformerEngine and apex, and
+# megatron-core 0.19.2 (the compat stack's pin; it needs the image's Python 3.12).
 # Build:  docker build -t trainmover .
 # Run:    docker run --gpus all --ipc=host --network=host --rm trainmover launch --nproc-per-node 8 pretrain_gpt.py ...
 # Slurm (pyxis/enroot) and more: docs/container.md.
 #
-# tests/deploy/test_container.py lints this file with hadolint and replays its COPY and
-# `pip install` steps in a fresh venv, so keep installs as plain `pip install` commands.
+# tests/deploy/test_container.py lints this file with hadolint and (in `make test-compat`) replays its
+# COPY and `pip install` steps in a fresh Python 3.12 venv, so keep installs as plain `pip install` commands.
 FROM nvcr.io/nvidia/pytorch:25.10-py3
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -21,9 +22,11 @@ RUN apt-get update \
 WORKDIR /opt/trainmover
 
 # Dependencies first, from the pins alone: this layer is rebuilt only when a pin changes, not on
-# every source edit. The image's torch and TransformerEngine stay: the NGC image pins them (and
-# grpcio, protobuf, numpy) through PIP_CONSTRAINT, and constraints.txt leaves those unpinned.
-COPY constraints.txt requirements-image.txt ./
+# every source edit. The versions are the compat stack's (constraints-compat.txt: megatron-core 0.19.2).
+# The image's torch and TransformerEngine stay: the NGC image pins them (and grpcio, protobuf, numpy)
+# through PIP_CONSTRAINT, and constraints-compat.txt pins none of those (the compat venv's torch pin
+# is in constraints-compat-base.txt, which is not copied here).
+COPY constraints-compat.txt requirements-image.txt ./
 RUN pip install --no-cache-dir -r requirements-image.txt \
     && python -c "import megatron.core, pyetcd, prometheus_client, matplotlib"
 

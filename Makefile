@@ -6,20 +6,25 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 # The compat stack (`make test-compat`): the NGC images' Python 3.12, PyPI's torch and the newest
-# megatron-core 0.19.x, all pinned in constraints-compat.txt. Its venv (GBs: torch's CUDA build) lives
-# outside the clone, keyed by that file's hash, so CI runs on one machine reuse it.
+# megatron-core 0.19.x. constraints-compat.txt pins what the container image shares with it;
+# constraints-compat-base.txt pins torch, numpy, grpcio and protobuf, which the image brings itself.
+# Its venv (GBs: torch's CUDA build) lives outside the clone, keyed by the two files' hash, so CI runs
+# on one machine reuse it.
 COMPAT_PY ?= $(or $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12))),python3.12)
-COMPAT_KEY := $(shell sha256sum constraints-compat.txt 2>/dev/null | cut -c1-12)
+COMPAT_PINS := constraints-compat-base.txt constraints-compat.txt
+COMPAT_KEY := $(shell cat $(COMPAT_PINS) 2>/dev/null | sha256sum | cut -c1-12)
 COMPAT_HOME ?= $(HOME)/.cache/trainmover
 COMPAT_VENV ?= $(COMPAT_HOME)/venv-compat-py312-$(COMPAT_KEY)
 COMPAT_VPY := $(COMPAT_VENV)/bin/python
 # The foundation (pure units, the kv contract on real etcd, the layering) and one of each kind of
-# move, each bit-identical to the fault-free run: an unexpected failure and a planned migration.
+# move, each bit-identical to the fault-free run: an unexpected failure and a planned migration. And
+# the container image's install steps, replayed on this stack's Python and megatron-core.
 COMPAT_TESTS := tests/training/test_units.py tests/nccl_delta/test_units.py tests/control/test_decide.py \
 	tests/control/test_kv.py tests/control/test_fingerprint.py tests/migration/test_transfer_format.py \
 	tests/sandbox/test_units.py tests/test_layering.py tests/test_deadline.py tests/test_fsutil.py \
 	"tests/migration/test_failover.py::test_sigkill_is_replaced_bit_identically[last-stage-tp1-backward]" \
-	"tests/migration/test_planned.py::test_planned_migration_is_bit_identical[first-stage-tp1]"
+	"tests/migration/test_planned.py::test_planned_migration_is_bit_identical[first-stage-tp1]" \
+	tests/deploy/test_container.py::test_dockerfile_install_steps_work_in_a_fresh_venv
 
 .PHONY: venv venv-compat etcd promtool lint test test-fast test-compat demo data bench clean help
 
@@ -53,8 +58,8 @@ $(COMPAT_VENV)/.installed:
 	rm -rf $(COMPAT_VENV) && mkdir -p $(COMPAT_HOME)
 	$(COMPAT_PY) -m venv $(COMPAT_VENV)
 	$(COMPAT_VPY) -m pip install --upgrade pip
-	@echo "[compat 2/3 $$(date +%T)] installing constraints-compat.txt (torch's CUDA wheels are GBs on a cold cache)"
-	$(COMPAT_VPY) -m pip install -r constraints-compat.txt
+	@echo "[compat 2/3 $$(date +%T)] installing $(COMPAT_PINS) (torch's CUDA wheels are GBs on a cold cache)"
+	$(COMPAT_VPY) -m pip install $(addprefix -r ,$(COMPAT_PINS))
 	@echo "[compat 3/3 $$(date +%T)] done"
 	@# stale venvs of earlier pins
 	@find $(COMPAT_HOME) -maxdepth 1 -name 'venv-compat-py312-*' ! -path $(COMPAT_VENV) -exec rm -rf {} +

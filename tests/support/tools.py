@@ -2,6 +2,7 @@
 
 ``make test`` installs them with the rest of requirements.txt; :func:`venv_tool`
 installs the pinned version only when a test runs in a venv built some other way.
+:func:`pins` reads any of the constraints files (main stack, compat stack, compat base).
 """
 
 from __future__ import annotations
@@ -11,8 +12,29 @@ import subprocess
 import sys
 from pathlib import Path
 
-REQUIREMENTS = Path(__file__).resolve().parents[2] / "requirements.txt"
-CONSTRAINTS = Path(__file__).resolve().parents[2] / "constraints.txt"
+REPO = Path(__file__).resolve().parents[2]
+REQUIREMENTS = REPO / "requirements.txt"
+CONSTRAINTS = REPO / "constraints.txt"
+# The compat stack (Python 3.12, megatron-core 0.19) and the container image share constraints-compat.txt;
+# constraints-compat-base.txt pins, for the compat venv only, the packages the NGC image brings itself.
+CONSTRAINTS_COMPAT = REPO / "constraints-compat.txt"
+CONSTRAINTS_COMPAT_BASE = REPO / "constraints-compat-base.txt"
+
+
+def pins(path: Path) -> dict[str, str]:
+    """``{name: version}`` of a constraints file's ``name==version`` lines (names lower-cased); fails on a
+    line that is neither a comment nor such a pin, or on a package pinned twice."""
+    out: dict[str, str] = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9_.\-]+)==([\w.+]+)", line)
+        assert match, f"{path.name}: `{line}` is not a name==version pin"
+        name = match.group(1).lower()
+        assert name not in out, f"{path.name} pins {name} twice"
+        out[name] = match.group(2)
+    return out
 
 
 def pinned(package: str) -> str:
