@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +34,19 @@ def write_latest_iteration(root: str, iteration: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(root, LATEST))
+
+
+def publish(root: str, iteration: int, rank: int, after_write: Sequence[Callable[[], None]] = ()) -> None:
+    """After this rank wrote its part of the checkpoint of ``iteration``: call ``after_write``, then,
+    once every rank has written (a barrier), rank 0 writes the ``latest`` pointer, and every rank waits
+    for it (a second barrier). A rank lost before the pointer leaves the previous checkpoint as the
+    latest; the others' barrier then fails, which the caller may recover from and save again."""
+    for hook in after_write:
+        hook()
+    torch.distributed.barrier()
+    if rank == 0:
+        write_latest_iteration(root, iteration)
+    torch.distributed.barrier()
 
 
 def read_latest_iteration(root: str | None) -> int | None:

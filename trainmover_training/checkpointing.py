@@ -33,10 +33,10 @@ from trainmover_training.checkpoint_state import (
     LATEST,
     iteration_dir,
     load_scheduler_state,
+    publish,
     read_latest_iteration,
     rng_state,
     set_rng_state,
-    write_latest_iteration,
 )
 from trainmover_training.errors import CheckpointError
 
@@ -212,12 +212,7 @@ def save_checkpoint(
     tmp = path + ".tmp"
     torch.save(state, tmp)
     os.replace(tmp, path)
-    for hook in after_write:
-        hook()
-    torch.distributed.barrier()
-    if layout.rank == 0:
-        write_latest_iteration(root, iteration)
-    torch.distributed.barrier()
+    publish(root, iteration, layout.rank, after_write)
     return path
 
 

@@ -37,9 +37,9 @@ import torch
 from trainmover_training.checkpoint_state import (
     iteration_dir,
     load_scheduler_state,
+    publish,
     rng_state,
     set_rng_state,
-    write_latest_iteration,
 )
 from trainmover_training.errors import CheckpointError
 
@@ -238,12 +238,7 @@ def save(
         rng_sharding=list(rng_sharding(layout)[0]),
     )
     dist_checkpointing.save(state, path, sharded_strategy=synchronous_save_strategy())
-    for hook in after_write:
-        hook()
-    torch.distributed.barrier()
-    if layout.rank == 0:
-        write_latest_iteration(root, iteration)
-    torch.distributed.barrier()
+    publish(root, iteration, layout.rank, after_write)
     return path
 
 

@@ -211,18 +211,23 @@ def test_companion_without_framing_the_early_frame_lands_in_the_wrong_receive():
     assert result["tp"] == [7.0] * 4 and result["dp"] == [3.0] * 4
 
 
-def _sever_during_receive(rank, link):
-    """Both ends wait for a frame nobody sends; rank 0 severs its link from another thread."""
-    device = torch.device("cuda", rank) if link.link_id.transport == "nccl" else torch.device("cpu")
-    work = link.irecv(torch.zeros(4, device=device), PP, f"recv(tag={PP}) in group 'pp'")
-    if rank == 0:
-        threading.Timer(1.0, link.sever, args=("abandoned by the test",)).start()
+def _timed_wait(work) -> dict:
+    """How a wait ended: the error's type and message (None when it completed) and how long it took."""
     start = time.monotonic()
     try:
         work.wait()
     except CommLinkError as exc:
         return dict(error=type(exc).__name__, message=str(exc), after_s=time.monotonic() - start)
     return dict(error=None, after_s=time.monotonic() - start)
+
+
+def _sever_during_receive(rank, link):
+    """Both ends wait for a frame nobody sends; rank 0 severs its link from another thread."""
+    device = torch.device("cuda", rank) if link.link_id.transport == "nccl" else torch.device("cpu")
+    work = link.irecv(torch.zeros(4, device=device), PP, f"recv(tag={PP}) in group 'pp'")
+    if rank == 0:
+        threading.Timer(1.0, link.sever, args=("abandoned by the test",)).start()
+    return _timed_wait(work)
 
 
 def test_sever_during_a_pending_receive_fails_both_ends_at_once():
@@ -241,12 +246,7 @@ def _deadline(rank, link):
     if rank == 1:
         link._timeout = datetime.timedelta(seconds=1.0)
     work = link.irecv(torch.zeros(2, device=device), DP, f"recv(tag={DP})")
-    start = time.monotonic()
-    try:
-        work.wait()
-    except CommLinkError as exc:
-        return dict(error=type(exc).__name__, message=str(exc), after_s=time.monotonic() - start)
-    return dict(error=None, after_s=time.monotonic() - start)
+    return _timed_wait(work)
 
 
 def test_a_deadline_passes_with_a_clear_error_and_releases_the_peer():
