@@ -166,14 +166,19 @@ class Agent:
         self.stop_signal = signum
 
     def _wait(self) -> tuple[RankProcess | None, bool]:
-        """Block until a rank fails (returns it) or all succeed (returns None)."""
+        """Block until a rank fails (returns it) or all succeed (returns None).
+
+        Of the ranks found failed at once, one killed by a signal is returned first: a killed rank's
+        peers then fail with an error of their own (a closed connection), and may be reaped in the
+        same poll; the signal is the cause worth reporting."""
         while True:
             if self.stop_signal is not None:
                 return None, False
             codes = [p.poll() for p in self.procs]
-            for proc, code in zip(self.procs, codes, strict=False):
-                if code not in (None, 0):
-                    return proc, False
+            failed = [(code, proc) for proc, code in zip(self.procs, codes, strict=False) if code not in (None, 0)]
+            if failed:
+                killed = [proc for code, proc in failed if code < 0]
+                return (killed or [failed[0][1]])[0], False
             if all(code == 0 for code in codes):
                 return None, True
             time.sleep(self.config.monitor_interval_s)
