@@ -69,13 +69,15 @@ BLOCKED_RANK = textwrap.dedent("""
         store.wait(["done"])
         store.set("bye", "1")  # rank 0 hosts the store: it leaves after this
         os._exit(0)
-    threading.Timer(1.0, lambda: print("shut", shutdown_tcp_connections({port}), flush=True)).start()
+    shutter = threading.Timer(1.0, lambda: print("shut", shutdown_tcp_connections({port}), flush=True))
+    shutter.start()
     start = time.time()
     try:
         dist.all_reduce(torch.ones(4))
         print("not aborted")
     except RuntimeError as exc:
         print(f"aborted after {time.time() - start:.1f} s: {exc}", flush=True)
+    shutter.join(timeout=30)  # the abort can return before the timer prints what it shut
     store.set("done", "1")
     store.wait(["bye"])
     os._exit(0)
