@@ -425,6 +425,16 @@ class JobProbe:
         finally:
             space.kv.close()
 
+    def view(self):
+        """The job's control state as the controller reads it (:class:`~trainmover_ext.control.view.View`)."""
+        from trainmover_ext.control.view import read_view
+
+        space = self._space()
+        try:
+            return read_view(space)
+        finally:
+            space.kv.close()
+
     def plans(self) -> list:
         from trainmover_ext.control.records import MigrationPlan
 

@@ -114,7 +114,7 @@ def _warm_standbys(job, role: str | None = None) -> set[str]:
     assert status.returncode == 0, status.stderr[-2000:]
     section = status.stdout.split("standbys:", 1)[1].split("last migration:", 1)[0]
     rows = [line.split() for line in section.splitlines()[2:] if line.strip() and "(starting)" not in line]
-    return {row[0] for row in rows if role is None or role in row[2].split(",")}
+    return {row[0] for row in rows if role is None or role in row[3].split(",")}
 
 
 def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, reference):
@@ -156,7 +156,9 @@ def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, referen
     assert refills == [], f"a new standby was started although the leaver refilled the pool: {refills}"
     if priority.can_restore():  # as root, or with CAP_SYS_NICE: the launcher lowers its standbys' priority
         out = job.stdout()
-        promotions = re.findall(r"promoted to rank (\d) \(epoch \d, planned\); CPU niceness (\d+) -> (\d+)", out)
+        promotions = re.findall(
+            r"promoted to rank (\d) \(local rank \d, epoch \d, planned\); CPU niceness (\d+) -> (\d+)", out
+        )
         assert promotions == [("1", "19", "0"), ("6", "19", "0")], out[-3000:]
         assert f"rejoining the pool as standby {rejoined} (pid {rank1_pid}, CPU niceness 19)" in out, out[-3000:]
     assert not fell_back(job) and replaced(job, "failure") == [], err[-3000:]

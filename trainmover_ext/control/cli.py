@@ -143,14 +143,33 @@ def format_status(view: View, job: str) -> str:
     )
     serving = {rec.member_id for rec in view.ranks.values()}
     standbys = [m for m in view.members.values() if m.kind == "standby" and m.member_id not in serving]
+    if view.nodes:
+        out += ["", "machines:"]
+        out.append(
+            _table(
+                ["host", "role", "slots", "agent", "ranks", "idle standbys"],
+                [
+                    [
+                        host,
+                        node.role,
+                        node.slots,
+                        "alive" if node.agent in view.members else "LOST",
+                        sum(rec.host == host for rec in view.ranks.values()),
+                        sum(m.host == host for m in standbys),
+                    ]
+                    for host, node in sorted(view.nodes.items())
+                ],
+            )
+        )
     out += ["", "standbys:"]
     out.append(
         _table(
-            ["member", "host", "warm roles", "health", "kept model"],
+            ["member", "host", "slot", "warm roles", "health", "kept model"],
             [
                 [
                     m.member_id,
                     m.host,
+                    "-" if m.slot is None else m.slot,
                     (",".join(m.warm_roles) + (" (warming)" if m.warming else "")) or "(starting)",
                     m.health,
                     "-" if m.kept_rank is None else f"rank {m.kept_rank}",
@@ -180,6 +199,7 @@ def format_status(view: View, job: str) -> str:
             }
             src_s = src_names.get(src.get("kind"), str(src))
             out.append(f"  rank {rep.rank}: {rep.leaver} -> {rep.joiner} ({rep.role}), state from {src_s}")
+        out += [f"  placement: {note}" for note in plan.placement]
         if plan.unserved:
             out.append(f"  unserved ranks (no standby): {plan.unserved}")
         t0 = min(plan.steps.values()) if plan.steps else None

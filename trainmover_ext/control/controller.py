@@ -62,7 +62,13 @@ class ControlObserver(Protocol):
         """An alert was raised (a rank left with no standby to take it)."""
 
 
-_TRIGGERS = ("members", "ranks", "reports", "requests", "epoch", "leader", "checkpoint", "recovery")
+def node_settle_s(ttl_s: float) -> float:
+    """``View.settle_s`` for a lease TTL: one renewal interval (the spread of the expiries of leases whose
+    holders died together) plus etcd's half-second expiry check."""
+    return RecoveryTimeouts(ttl_s).renew_every_s + 0.5
+
+
+_TRIGGERS = ("members", "nodes", "ranks", "reports", "requests", "epoch", "leader", "checkpoint", "recovery")
 
 
 @dataclass(kw_only=True)
@@ -164,6 +170,7 @@ class Controller:
         for _ in range(self.config.max_rounds):
             view = read_view(self.space)
             view.gone_at = dict(self._gone_at)
+            view.settle_s = node_settle_s(self.config.ttl_s)
             if self.metrics is not None:
                 self.metrics.observe_view(dict(Counter(m.kind for m in view.members.values())), view.epoch)
             actions = decide(view, time.time(), decided_by=self.config.controller_id)

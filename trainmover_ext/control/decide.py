@@ -26,6 +26,19 @@ Cases:
   way; the ranks restart recovery at the newest epoch (a stayer whose state a
   cut-short copy spoiled reports ``None`` and receives a copy like a joiner).
 - **two failures at once**: one plan replaces every failed rank (one epoch step).
+- **node lost**: a node (``nodes/<host>``) whose agent is no member any more and one
+  of whose ranks failed lost every rank it ran: one plan replaces them all,
+  preferably with the free slots of one standby machine, each rank in the slot of
+  its own local rank (a tensor-parallel group that shared a node shares one
+  again); the standbys of a lost node are never chosen. A rank whose lease
+  expired while its node's agent still looks alive waits ``View.settle_s``
+  first (the agent's lease may be about to expire too). When no machine has
+  enough free slots, each rank takes any free standby and the plan's
+  ``placement`` says so.
+- **placement of one rank**: a standby on another host than the leaver, then one
+  that kept the rank's model, one done warming, one on a machine already partly
+  in use (whole machines stay free for whole nodes), the slot of the rank's own
+  local rank.
 - **no standby left**: the rank is listed in ``unserved`` and an alert is raised
   once per (rank, member); it is planned as soon as a standby registers.
 - **convergence**: once every stayer of the newest failure epoch reported what
@@ -161,15 +174,27 @@ def _lost_joiner(moving: Replacement | None, rec: RankRecord, view: View, reason
     return dataclasses.replace(rec, member_id=moving.leaver), f"the joiner of a planned move was lost: {reason}"
 
 
-def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
+def lost_hosts(view: View) -> set[str]:
+    """Hosts of ``nodes/`` whose agent is no member any more (it died with its machine, or hangs)."""
+    return {host for host, node in view.nodes.items() if node.agent not in view.members}
+
+
+def _settling(view: View, rec: RankRecord, now: float, lost: set[str]) -> bool:
+    """Whether ``rec``'s expired lease waits for its node's agent (see ``View.settle_s``)."""
+    gone = view.gone_at.get(rec.member_id)
+    return rec.host in view.nodes and rec.host not in lost and gone is not None and now - gone < view.settle_s
+
+
+def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
     failed: dict[int, _Failure] = {}
     actions: list[Action] = []
     rec: RankRecord | None
     moving = _handover_pending(view)
+    lost = lost_hosts(view)
     for r, rec in sorted(view.ranks.items()):
         if r in view.finished:
             continue  # its worker completed training and left: nothing to replace
-        if rec.member_id not in view.members:
+        if rec.member_id not in view.members and not _settling(view, rec, now, lost):
             leaving, why = _lost_joiner(moving, rec, view, "lease expired")
             failed[r] = _Failure(rank=leaving, reason=why, detected_at=view.gone_at.get(rec.member_id))
     # The leaver of a planned move still holds the rank's only copy of its state until the hand-over:
@@ -207,16 +232,28 @@ def _failures(view: View) -> tuple[list[_Failure], list[Action]]:
         f.consumed.append(key)
         if f.detected_at is None or rep.reported_at < f.detected_at:
             f.detected_at = rep.reported_at
+    # A lost node took every rank it ran, whether or not their own leases have expired yet. An agent
+    # whose lease lapsed while its ranks all live (a stall) loses nothing.
+    for host in sorted(lost & {f.rank.host for f in failed.values()}):
+        for r, rec in sorted(view.ranks.items()):
+            if rec.host == host and r not in failed and r not in view.finished:
+                why = f"node {host} lost: its agent's lease expired"
+                failed[r] = _Failure(rank=rec, reason=why, detected_at=view.gone_at.get(view.nodes[host].agent))
     return [failed[r] for r in sorted(failed)], actions
 
 
 def _available_standbys(view: View, excluded: set[str]) -> list[str]:
     serving = {rec.member_id for rec in view.ranks.values()}
+    lost = lost_hosts(view)
     return sorted(
         (
             m.member_id
             for m in view.members.values()
-            if m.kind == "standby" and m.health == "ok" and m.member_id not in serving and m.member_id not in excluded
+            if m.kind == "standby"
+            and m.health == "ok"
+            and m.member_id not in serving
+            and m.member_id not in excluded
+            and m.host not in lost  # its lease has not expired yet, but it died with its node
         ),
         key=lambda mid: (view.members[mid].registered_at, mid),
     )
@@ -240,10 +277,15 @@ def _pick_standby(view: View, candidates: list[str], rec: RankRecord) -> str | N
     leaver_host = view.members[rec.member_id].host if rec.member_id in view.members else rec.host
     other_host = [c for c in able if view.members[c].host != leaver_host]
     pool = other_host or able
-    # Then one that kept this very rank's model: it adopts it instead of building one; then one done warming.
-    kept_it = [c for c in pool if view.members[c].kept_rank == rec.rank]
-    warm = [c for c in pool if not view.members[c].warming]
-    return (kept_it or warm or pool)[0]
+    # Then one that kept this very rank's model (it adopts it instead of building one), one done warming,
+    # one on a machine already partly in use (whole machines stay free for whole nodes), the rank's slot.
+    used = {r.host for r in view.ranks.values()}
+
+    def preference(c: str) -> tuple[bool, bool, bool, bool]:
+        m = view.members[c]
+        return (m.kept_rank != rec.rank, m.warming, m.host not in used, m.slot not in (None, rec.local_rank))
+
+    return min(pool, key=preference)  # min is stable: the oldest of equals
 
 
 def _state_source(view: View, rec: RankRecord, failed: set[int]) -> dict[str, Any]:
@@ -252,6 +294,68 @@ def _state_source(view: View, rec: RankRecord, failed: set[int]) -> dict[str, An
     if any(q not in failed and q in view.ranks and view.ranks[q].member_id in view.members for q in rec.replicas):
         return {"kind": "replica"}
     return {"kind": "checkpoint", "iteration": view.checkpoint_iteration}
+
+
+def _machine_for(view: View, ranks: list[RankRecord], free: list[str]) -> tuple[dict[int, str], int] | None:
+    """The best standby machine for a lost node's ``ranks``: rank -> standby, all on one host, each warm
+    for its rank's role, and how many kept their slot; None when no host has enough such standbys.
+    Preferred: most slots kept, then a standby machine over standbys beside active ranks, then the
+    oldest standbys."""
+    by_host: dict[str, list[str]] = {}
+    for c in free:
+        by_host.setdefault(view.members[c].host, []).append(c)
+    best: tuple[tuple[int, int], dict[int, str], int] | None = None
+    for host, standbys in by_host.items():
+        if len(standbys) < len(ranks):
+            continue
+        left, pick = list(standbys), {}
+        for rec in ranks:  # each rank in the slot of its own local rank, where that slot is warm for it
+            same = [
+                c for c in left if view.members[c].slot == rec.local_rank and rec.role in view.members[c].warm_roles
+            ]
+            if same:
+                pick[rec.rank] = same[0]
+                left.remove(same[0])
+        kept = len(pick)
+        for rec in ranks:
+            if rec.rank not in pick:
+                able = [c for c in left if rec.role in view.members[c].warm_roles]
+                if not able:
+                    break
+                pick[rec.rank] = able[0]
+                left.remove(able[0])
+        if len(pick) < len(ranks):
+            continue
+        node = view.nodes.get(host)
+        score = (-kept, 0 if node is not None and node.role == "standby" else 1)
+        if best is None or score < best[0]:
+            best = (score, pick, kept)
+    return None if best is None else (best[1], best[2])
+
+
+def _place_lost_nodes(view: View, failures: list[_Failure], taken: set[str]) -> tuple[dict[int, str], list[str]]:
+    """Joiners for the ranks of each lost node with two or more failed ranks (one machine each, where one
+    is free), and the placement notes of the plan."""
+    picks: dict[int, str] = {}
+    notes: list[str] = []
+    lost = lost_hosts(view)
+    for host in sorted(lost):
+        ranks = [f.rank for f in failures if f.rank.host == host and f.keep_joiner is None]
+        if len(ranks) < 2:
+            continue
+        found = _machine_for(view, ranks, _available_standbys(view, taken))
+        if found is None:
+            notes.append(
+                f"node {host} lost {len(ranks)} ranks and no machine has {len(ranks)} free standbys warm for "
+                "them: each rank takes any free standby (a tensor-parallel group may now span nodes)"
+            )
+            continue
+        pick, kept = found
+        picks.update(pick)
+        taken.update(pick.values())
+        machine = view.members[next(iter(pick.values()))].host
+        notes.append(f"node {host} lost {len(ranks)} ranks: all to machine {machine} ({kept} in their own slot)")
+    return picks, notes
 
 
 def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by: str) -> list[Action]:
@@ -264,12 +368,17 @@ def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by:
     updates: list[RankRecord] = []
     consumed: list[str] = []
     unserved: list[_Failure] = []
+    machine, placement = _place_lost_nodes(view, failures, taken)
     for f in failures:
-        joiner = f.keep_joiner or _pick_standby(view, _available_standbys(view, taken), f.rank)
+        joiner = (
+            f.keep_joiner or machine.get(f.rank.rank) or _pick_standby(view, _available_standbys(view, taken), f.rank)
+        )
         if joiner is None:
             unserved.append(f)
             continue
         taken.add(joiner)
+        slot = view.members[joiner].slot if joiner in view.members else None
+        local_rank = f.rank.local_rank if slot is None else slot
         replacements.append(
             Replacement(
                 rank=f.rank.rank,
@@ -277,10 +386,13 @@ def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by:
                 joiner=joiner,
                 role=f.rank.role,
                 state_source=_state_source(view, f.rank, failed_ranks),
+                local_rank=local_rank,
             )
         )
         host = view.members[joiner].host if joiner in view.members else view.ranks[f.rank.rank].host
-        updates.append(dataclasses.replace(f.rank, member_id=joiner, host=host, since_epoch=view.epoch + 1))
+        updates.append(
+            dataclasses.replace(f.rank, member_id=joiner, host=host, since_epoch=view.epoch + 1, local_rank=local_rank)
+        )
         consumed += f.consumed
         if f.rank.rank in view.alerts:
             consumed.append(_alert_key(view, f.rank.rank))
@@ -315,6 +427,7 @@ def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by:
         replacements=[dataclasses.asdict(r) for r in replacements],
         resume_iteration=resume,
         unserved=[f.rank.rank for f in unserved],
+        placement=placement,
         detected_at=detected_at,
         decided_at=now,
         decided_by=decided_by,
@@ -442,12 +555,14 @@ def _plan_request(view: View, now: float, decided_by: str) -> list[Action]:
                 )
             )
             continue
+        slot = view.members[joiner].slot
         rep = Replacement(
             rank=rec.rank,
             leaver=rec.member_id,
             joiner=joiner,
             role=rec.role,
             state_source={"kind": "leaver", "member": rec.member_id},
+            local_rank=rec.local_rank if slot is None else slot,
         )
         plan = MigrationPlan(
             epoch=view.epoch + 1,
@@ -466,7 +581,11 @@ def _plan_request(view: View, now: float, decided_by: str) -> list[Action]:
                 expected_epoch_rev=view.epoch_rev,
                 rank_updates=(
                     dataclasses.replace(
-                        rec, member_id=joiner, host=view.members[joiner].host, since_epoch=view.epoch + 1
+                        rec,
+                        member_id=joiner,
+                        host=view.members[joiner].host,
+                        since_epoch=view.epoch + 1,
+                        local_rank=rep.local_rank,
                     ),
                 ),
                 consumed=(key,),
@@ -493,7 +612,7 @@ def decide(view: View, now: float, *, decided_by: str = "") -> list[Action]:
                 garbage=f"epoch {view.epoch}, behind the plan of epoch {newest}",
             )
         ]
-    failures, actions = _failures(view)
+    failures, actions = _failures(view, now)
     if failures:
         return actions + _plan_failures(view, now, failures, decided_by)
     if _recovery_under_way(view):

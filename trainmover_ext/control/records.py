@@ -15,6 +15,8 @@ key                     value                                          written b
                         standbys must match                                                        advertises a warm role),
                                                                                                    every later worker
 ``members/<id>``        :class:`MemberRecord` on the member's lease    each member                 controller, ``status``, metrics
+``nodes/<host>``        :class:`NodeRecord`: a machine and its agent   its agent (at start)        controller (node loss),
+                        (no lease: it outlives the agent)                                          ``status``
 ``ranks/<r>``           :class:`RankRecord`: who serves rank r         launcher; controller        controller, agents, ``status``
 ``epoch``               ``{"epoch": e}``, compare-and-swap only         controller                  controller
 ``migrations/<e>``      :class:`MigrationPlan` that opened epoch e     controller; steps: ranks    every rank, agent, controller
@@ -169,6 +171,26 @@ class MemberRecord(Record):
     """``ok`` or a reason the member should not be chosen."""
     registered_at: float = 0.0
     """Wall-clock time of registration."""
+    slot: int | None = None
+    """A standby of a standby machine: its slot (device index, the ``LOCAL_RANK`` it serves a rank
+    with); None for a standby that shares an active node's devices."""
+
+
+@dataclass(kw_only=True)
+class NodeRecord(Record):
+    """A machine of the job and its agent (``nodes/<host>``), written by the agent when it starts and
+    kept without a lease: the controller tells a lost node (this record, its agent's member key gone)
+    from a job without agents."""
+
+    KIND: ClassVar[str] = "node"
+    host: str
+    agent: str
+    """The member id of the node's agent; its ``members/`` key lives on the agent's lease."""
+    role: str
+    """``active`` (it starts ranks) or ``standby`` (a standby machine: one standby per slot)."""
+    slots: int
+    """Processes per node (``--nproc-per-node``): ranks of an active node, standbys of a standby machine."""
+    registered_at: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -186,6 +208,8 @@ class RankRecord(Record):
     """Other ranks holding the same parameter shard (its data-parallel peers); empty with a distributed optimizer."""
     since_epoch: int = 0
     """Epoch at which ``member_id`` started serving the rank."""
+    local_rank: int = 0
+    """The slot of ``host`` the rank runs in (its ``LOCAL_RANK``: the device it uses)."""
 
 
 @dataclass(kw_only=True)
@@ -226,6 +250,9 @@ class Replacement:
     state_source: dict[str, Any]
     """``{"kind": "replica", "rank": q, "member": m}``, ``{"kind": "checkpoint", "iteration": k|None}``
     or, for a planned move, ``{"kind": "leaver", "member": m}``."""
+    local_rank: int = 0
+    """The ``LOCAL_RANK`` (device) the joiner serves the rank with: its slot on a standby machine, else
+    the rank's own (a standby beside the ranks takes the lost rank's device)."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Replacement:
@@ -264,6 +291,9 @@ class MigrationPlan(Record):
     switch_at: int | None = None
     """A planned move: the boundary where the leaver hands over and the stayers switch; committed by the
     controller from ``leaver_at`` (nobody can pass the boundary after the leaver's while it waits)."""
+    placement: list[str] = field(default_factory=list)
+    """How the joiners were placed, in words, for operators: a lost node's ranks on one standby machine,
+    or what was done instead when no whole machine was free."""
 
     def replacement_list(self) -> list[Replacement]:
         return [Replacement.from_dict(r) for r in self.replacements]

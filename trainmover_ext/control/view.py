@@ -28,6 +28,7 @@ from trainmover_ext.control.records import (
     MemberRecord,
     MigrationPlan,
     MigrationRequest,
+    NodeRecord,
     RankRecord,
     migration_key_suffix,
 )
@@ -77,6 +78,12 @@ class View:
     """Keys whose value could not be read, with the reason; never modified by the controller."""
     gone_at: dict[str, float] = field(default_factory=dict)
     """When the controller saw a member's key disappear (lease expiry); filled by the runner, optional."""
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    """The job's machines by host (``nodes/<host>``); a node whose agent is no member is lost."""
+    settle_s: float = 0.0
+    """How long a rank whose lease expired on a node whose agent still looks alive waits before it is
+    planned alone: the other leases of a lost node expire within one renewal interval of each other,
+    so waiting this long lets one plan replace the whole node. Set by the runner (0: plan at once)."""
 
 
 def epoch_value(epoch: int) -> bytes:
@@ -103,6 +110,10 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
                 m = MemberRecord.from_bytes(entry.value, key=key, strict=True)
                 _own_key(rest, m.member_id, key)
                 view.members[m.member_id] = m
+            elif head == "nodes" and rest:
+                n = NodeRecord.from_bytes(entry.value, key=key, strict=True)
+                _own_key(rest, n.host, key)
+                view.nodes[n.host] = n
             elif head == "ranks" and rest:
                 r = RankRecord.from_bytes(entry.value, key=key, strict=True)
                 _own_key(rest, str(r.rank), key)

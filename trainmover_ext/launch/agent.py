@@ -154,8 +154,8 @@ class Agent:
             self.log("all ranks finished")
             return 0
         self.stop_ranks()
-        if self.stop_signal is not None or self.restarts >= self.config.max_restarts:
-            return code
+        if self.stop_signal is not None or self.restarts >= self.config.max_restarts or self.config.role == "standby":
+            return code  # a standby machine has no ranks of its own to restart
         self.restarts += 1
         self._count_restart()
         self.log(f"restart {self.restarts}/{self.config.max_restarts}: all ranks start again from the checkpoint")
@@ -361,7 +361,7 @@ class Agent:
                 self._start_embedded_etcd()
             elif plan.backend == "etcd" and plan.tls.get("user") == ROOT_USER:
                 self._provision_external_etcd()
-            if plan.backend == "etcd" and plan.token and self.config.node_rank == 0:
+            if plan.backend == "etcd" and plan.token and self.config.node_rank == 0 and self.config.role == "worker":
                 self._announce_job()
             if self.endpoint.port >= 0:
                 self._prepare_metrics()

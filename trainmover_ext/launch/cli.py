@@ -39,6 +39,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--node-rank", "--node_rank", type=int, default=0, help="This node's index in [0, nnodes).")
     parser.add_argument(
+        "--tm-role",
+        choices=("worker", "standby"),
+        default="worker",
+        help="worker (default): start this node's ranks. standby: make this node a standby machine of a "
+        "running job: one warm standby per slot (--nproc-per-node slots; give the job's --nnodes and the "
+        "same --nproc-per-node as its nodes), which takes a failed rank in a free slot, or every rank of "
+        "a lost node in the same slots. Needs the job's --tm-etcd-endpoints, --tm-job and --tm-job-token; "
+        "--node-rank is ignored.",
+    )
+    parser.add_argument(
         "--master-addr", "--master_addr", default="127.0.0.1", help="Rendezvous host (node 0's address)."
     )
     parser.add_argument(
@@ -183,6 +193,11 @@ def job_token(args: argparse.Namespace) -> str:
     """
     if args.tm_job_token:
         return args.tm_job_token
+    if getattr(args, "tm_role", "worker") == "standby":
+        raise ConfigError(
+            "a standby machine (--tm-role standby) joins a running job: pass that job's --tm-job-token "
+            "(or export TRAINMOVER_JOB_TOKEN)"
+        )
     if args.nnodes > 1:
         raise ConfigError(
             "a multi-node launch (--nnodes > 1) needs one job token shared by every node: generate one with "
@@ -276,6 +291,7 @@ def run(args: argparse.Namespace) -> int:
         record_dir=tm["tm_record_dir"],
         etcd_tls=args.tm_etcd_tls,
         run_dir=args.run_dir,
+        role=args.tm_role,
         script=args.script,
         script_args=list(args.script_args),
         nproc_per_node=args.nproc_per_node,

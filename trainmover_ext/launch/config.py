@@ -62,8 +62,22 @@ class LaunchConfig:
     """``--tm-etcd-tls``: the embedded etcd serves TLS with client certificates from a job CA (``etcd.pki``)."""
     run_dir: str | None = None
     """``--run-dir``: the job's working directory (embedded etcd data, logs); default runs/<job>."""
+    role: str = "worker"
+    """``--tm-role``: ``worker`` starts this node's ranks; ``standby`` makes it a standby machine that
+    joins a running job with one warm standby per slot (``--nproc-per-node`` slots), each ready to take
+    a rank in its own slot's device, and a whole lost node into all of them."""
 
     def __post_init__(self) -> None:
+        if self.role not in ("worker", "standby"):
+            raise ConfigError("--tm-role must be 'worker' or 'standby'")
+        if self.role == "standby":
+            if not self.trainmover:
+                raise ConfigError("--tm-role standby needs --trainmover in the script's arguments")
+            if self.rendezvous.backend != "etcd" or not self.rendezvous.endpoints or not self.rendezvous.token:
+                raise ConfigError(
+                    "a standby machine (--tm-role standby) joins a running job: give that job's "
+                    "--tm-etcd-endpoints, --tm-job and --tm-job-token (`trainmover status` shows them)"
+                )
         if self.nproc_per_node < 1:
             raise ConfigError("--nproc-per-node must be >= 1")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

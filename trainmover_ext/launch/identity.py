@@ -19,6 +19,15 @@ from trainmover_ext.launch import rendezvous
 
 ENV_MEMBER_ID = "TRAINMOVER_MEMBER_ID"
 
+ENV_SLOT = "TRAINMOVER_SLOT"
+"""Set by the agent of a standby machine on each of its standbys: the slot (device index) it serves a rank in."""
+
+
+def slot_from_env(environ=None) -> int | None:
+    """This standby's slot on a standby machine (``TRAINMOVER_SLOT``), or None beside an active node's ranks."""
+    value = (os.environ if environ is None else environ).get(ENV_SLOT, "")
+    return int(value) if value.isdigit() else None
+
 
 ENV_NODE_NAME = "TRAINMOVER_NODE_NAME"
 
@@ -63,7 +72,7 @@ def identity_from_env() -> Identity:
         member_id=os.environ.get(ENV_MEMBER_ID) or f"{socket.gethostname()}-{os.getpid()}",
         job=os.environ.get(rendezvous.ENV_JOB, "trainmover"),
         token=os.environ.get(rendezvous.ENV_TOKEN, ""),
-        host=os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+        host=node_name(),
         pid=os.getpid(),
     )
 

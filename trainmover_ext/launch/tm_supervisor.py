@@ -46,7 +46,7 @@ import uuid
 from trainmover_ext.control.fingerprint import describe_diff, read_refusal
 from trainmover_ext.deadline import RecoveryTimeouts
 from trainmover_ext.errors import STANDBY_REFUSED_EXIT_CODE
-from trainmover_ext.launch.identity import ENV_MEMBER_ID, leaver_standby_id
+from trainmover_ext.launch.identity import ENV_MEMBER_ID, ENV_SLOT, leaver_standby_id
 from trainmover_ext.launch.process import (
     RankProcess,
     Reserve,
@@ -63,8 +63,9 @@ REPLENISH_AFTER_S = 60.0
 """A consumed standby is replaced when its migration finished, or this long after the plan at the latest."""
 
 
-def _member_id(kind: str, node: int, index: int) -> str:
-    return f"{kind}-n{node}-{index}-{uuid.uuid4().hex[:6]}"
+def _member_id(kind: str, node: str, index: int) -> str:
+    """``<kind>-<node>-<index>-<random>``; ``node`` is ``n<node rank>``, or ``m`` on a standby machine."""
+    return f"{kind}-{node}-{index}-{uuid.uuid4().hex[:6]}"
 
 
 class TrainMoverSupervisor:
@@ -92,17 +93,35 @@ class TrainMoverSupervisor:
         """Niceness of this agent's standbys until promotion (``--tm-standby-nice``, where restorable)."""
         self.standby_failures = 0
         """Standbys that exited non-zero in a row; replenishing stops at ``MAX_STANDBY_FAILURES``."""
+        self.slots: dict[str, int] = {}
+        """The slot of each standby of a standby machine, by member id."""
         self.replenish: list[tuple[int, float]] = []
         """One ``(epoch, latest time)`` per consumed standby still to be replaced."""
         """Epochs whose migration finished (the joiner's first iteration is done)."""
 
     # -- processes -------------------------------------------------------------
-    def _start_standby(self, method: str) -> None:
+    @property
+    def node_label(self) -> str:
+        return "m" if self.standby_machine else f"n{self.cfg.node_rank}"
+
+    @property
+    def standby_machine(self) -> bool:
+        """This agent runs a standby machine (``--tm-role standby``): one standby per slot, no ranks."""
+        return self.cfg.role == "standby"
+
+    def _start_standby(self, method: str, slot: int | None = None) -> None:
+        """Start one standby; on a standby machine in ``slot`` (its ``LOCAL_RANK``, the device it warms
+        and serves on), beside an active node's ranks without one."""
         cfg = self.cfg
-        member = _member_id("standby", cfg.node_rank, self.standbys_started)
+        member = _member_id("standby", self.node_label, self.standbys_started)
         self.standbys_started += 1
-        env = self.agent.rank_env(0, self.port)
-        env.pop("RANK"), env.pop("LOCAL_RANK")
+        env = self.agent.rank_env(slot or 0, self.port)
+        env.pop("RANK")
+        if slot is None:
+            env.pop("LOCAL_RANK")
+        else:
+            env[ENV_SLOT] = str(slot)
+            self.slots[member] = slot
         env[ENV_MEMBER_ID] = member
         args = list(cfg.script_args) + ["--tm-role", "standby"]
         output = cfg.logs.open(member, 0, self.agent.restarts)
@@ -146,9 +165,19 @@ class TrainMoverSupervisor:
             )
         self.port = cfg.master_port or free_port(cfg.master_addr)
         preimport_for_fork()
+        if self.standby_machine:
+            for slot in range(cfg.nproc_per_node):
+                self._start_standby("fork", slot)
+            self.agent.procs = list(self.standbys.values())
+            self.agent.log(
+                f"standby machine: {len(self.standbys)} standbys in slots 0..{cfg.nproc_per_node - 1}, pids "
+                f"{[p.pid for p in self.standbys.values()]}"
+            )
+            self._connect()
+            return
         for i in range(cfg.nproc_per_node):
             rank = cfg.node_rank * cfg.nproc_per_node + i
-            member = _member_id("worker", cfg.node_rank, i)
+            member = _member_id("worker", self.node_label, i)
             env = self.agent.rank_env(i, self.port) | {ENV_MEMBER_ID: member}
             self.serving[rank] = (
                 fork_rank(rank, env, cfg.script, cfg.script_args, cfg.logs.open(str(rank), i, self.agent.restarts)),
@@ -177,7 +206,7 @@ class TrainMoverSupervisor:
         plan = self.cfg.rendezvous
         os.environ.update(plan.env(0))
         ident = Identity(
-            member_id=_member_id("agent", self.cfg.node_rank, 0),
+            member_id=_member_id("agent", self.node_label, 0),
             job=plan.job,
             token=plan.token or "",
             host=node_name(),
@@ -185,10 +214,26 @@ class TrainMoverSupervisor:
         )
         self.space = open_space(ident)
         ttl = max(1, round(self.cfg.lease_ttl_s))
+        # An agent serves no rank itself: a lease it lost to a stall is registered again (its node looks
+        # lost to the controller meanwhile, see decide's node loss), not a reason to stop.
         self.member = Membership(
-            self.space, MemberRecord(member_id=ident.member_id, kind="agent", host=ident.host, pid=ident.pid), ttl_s=ttl
+            self.space,
+            MemberRecord(member_id=ident.member_id, kind="agent", host=ident.host, pid=ident.pid),
+            ttl_s=ttl,
+            rejoin_on_loss=True,
         ).register()
         self.agent_id = ident.member_id
+        from trainmover_ext.control.records import NodeRecord
+
+        # Kept without a lease: once the agent's member key is gone, the controller knows this node is lost.
+        node = NodeRecord(
+            host=ident.host,
+            agent=ident.member_id,
+            role="standby" if self.standby_machine else "active",
+            slots=self.cfg.nproc_per_node,
+            registered_at=time.time(),
+        )
+        self.space.put(self.space.key("nodes", ident.host), node.to_bytes())
         self.controller = Controller(
             self.space, ControllerConfig(controller_id=ident.member_id, ttl_s=ttl), metrics=self.agent.metrics
         ).start()
@@ -221,6 +266,8 @@ class TrainMoverSupervisor:
         plans = self.inbox.take()
         for plan in plans:
             self.epoch = max(self.epoch, plan.epoch)
+            for note in plan.placement:
+                self.agent.log(f"epoch {plan.epoch} ({plan.reason}): {note}")
             if plan.unserved:
                 return f"epoch {plan.epoch}: no warm standby left for rank(s) {plan.unserved}"
             for rep in plan.replacement_list():
@@ -285,8 +332,9 @@ class TrainMoverSupervisor:
                     f"(pid {proc.pid}); state from {rep.state_source.get('kind')}"
                 )
                 # Keep the pool at --tm-standbys, once this migration is over (see the module doc),
-                # unless the leaver already refilled it.
-                if not rejoined:
+                # unless the leaver already refilled it. A standby machine's slot now serves a rank.
+                self.slots.pop(rep.joiner, None)
+                if not rejoined and not self.standby_machine:
                     self.replenish.append((plan.epoch, time.time() + REPLENISH_AFTER_S))
         return None
 
@@ -339,6 +387,7 @@ class TrainMoverSupervisor:
                 return False, 128 + self.agent.stop_signal
             why = self._apply_plans()
             self._replenish()
+            self.member.check()  # registers again after a lost lease (rejoin_on_loss)
             if why:
                 return self._fall_back(why)
             codes = {rank: (p.poll(), member) for rank, (p, member) in self.serving.items()}
@@ -375,7 +424,7 @@ class TrainMoverSupervisor:
                         continue
                     self.agent.log(f"standby {member} exited ({proc.returncode}); starting another")
                     self._event("standby_exited", {"member": member, "code": proc.returncode, "replaced": True})
-                    self._start_standby("spawn")
+                    self._start_standby("spawn", self.slots.pop(member, None))
             self.agent.procs = (
                 [p for p, _ in self.serving.values()]
                 + list(self.standbys.values())

@@ -66,7 +66,7 @@ def serve_rank(
 
     rep = next(r for r in plan.replacement_list() if r.joiner == ident.member_id)
     os.environ["RANK"] = str(rep.rank)
-    os.environ["LOCAL_RANK"] = "0"
+    os.environ["LOCAL_RANK"] = str(rep.local_rank)  # its slot's device (see Replacement.local_rank)
     t_promoted = time.time()
     from trainmover_ext.launch import priority
 
@@ -74,8 +74,8 @@ def serve_rank(
     failed = priority.restore()  # a rank at a standby's low priority would hold every other rank back
     now = os.getpriority(os.PRIO_PROCESS, 0)
     print(
-        f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (epoch {plan.epoch}, "
-        f"{plan.reason}){f'; CPU niceness {niceness} -> {now}' if niceness else ''}",
+        f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (local rank {rep.local_rank}, "
+        f"epoch {plan.epoch}, {plan.reason}){f'; CPU niceness {niceness} -> {now}' if niceness else ''}",
         flush=True,
     )
     if failed:

@@ -193,6 +193,7 @@ def run_standby(
     args: argparse.Namespace, config: TrainMoverConfig, providers: Providers, t_process: float
 ) -> dict[str, Any]:
     """The standby's whole life; returns the training summary once it served a rank."""
+    from trainmover_ext.launch.identity import slot_from_env
     from trainmover_ext.sandbox.pacing import Pacer
     from trainmover_ext.sandbox.standby import StandbyMemberRecord
 
@@ -203,7 +204,14 @@ def run_standby(
     # busy ranks) is not its death: it registers again (Membership.rejoin_on_loss).
     member = Membership(
         space,
-        StandbyMemberRecord(member_id=ident.member_id, kind="standby", host=ident.host, pid=ident.pid, warm_roles=[]),
+        StandbyMemberRecord(
+            member_id=ident.member_id,
+            kind="standby",
+            host=ident.host,
+            pid=ident.pid,
+            warm_roles=[],
+            slot=slot_from_env(),
+        ),
         ttl_s=max(1, round(config.lease_ttl_s)),
         rejoin_on_loss=True,
     ).register()

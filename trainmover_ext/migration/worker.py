@@ -27,6 +27,7 @@ Contract (every rank, main thread unless noted):
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
@@ -131,6 +132,7 @@ class WorkerRuntime(Runtime):
                     host=ident.host,
                     role=stage_role(layout),
                     replicas=replicas,
+                    local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                 )
             ],
         )
