@@ -5,6 +5,10 @@
 #
 # The node's index and the node count come from srun's environment
 # (SLURM_NODEID, SLURM_NNODES), so every node runs the same command line.
+# With TM_NODE_ROLE=standby the node is a standby machine of the job instead
+# (`trainmover launch --tm-role standby`): NPROC warm standbys, one per slot,
+# for a job of TM_ACTIVE_NODES nodes; it reaches the job through the
+# TRAINMOVER_ETCD_ENDPOINTS, TRAINMOVER_JOB and TRAINMOVER_JOB_TOKEN variables.
 # The node's Slurm name is $SLURMD_NODENAME: `hostname` is the physical host,
 # which differs from the Slurm node when several slurmd share a machine.
 # The agent replaces this shell (exec), so its exit code is the task's.
@@ -18,9 +22,16 @@ shift 6
 NODE=${SLURMD_NODENAME:-$(hostname)}
 export TRAINMOVER_NODE_NAME=$NODE
 
-echo "[node_agent] node $NODE (id $SLURM_NODEID of $SLURM_NNODES): $NPROC rank(s), rendezvous $MASTER_ADDR:$MASTER_PORT"
+if [[ ${TM_NODE_ROLE:-worker} == standby ]]; then
+  : "${TM_ACTIVE_NODES:?a standby node needs TM_ACTIVE_NODES, the number of active nodes}"
+  echo "[node_agent] node $NODE: standby machine with $NPROC slot(s) for a job of $TM_ACTIVE_NODES node(s)"
+  PLACE=(--tm-role standby --nnodes "$TM_ACTIVE_NODES")
+else
+  echo "[node_agent] node $NODE (id $SLURM_NODEID of $SLURM_NNODES): $NPROC rank(s), rendezvous $MASTER_ADDR:$MASTER_PORT"
+  PLACE=(--nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID")
+fi
 exec "$PY" -m trainmover_ext.cli launch \
-  --nproc-per-node "$NPROC" --nnodes "$SLURM_NNODES" --node-rank "$SLURM_NODEID" \
+  --nproc-per-node "$NPROC" "${PLACE[@]}" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --max-restarts "$MAX_RESTARTS" \
   --metrics-port "${TM_METRICS_PORT:-0}" --metrics-host "${TM_METRICS_HOST:-127.0.0.1}" \
   "$SCRIPT" "$@"

@@ -131,15 +131,19 @@ def test_sbatch_trains_on_two_nodes(slurm, tmp_path, tls):
         assert "https://" in _read(logs / "etcd.log"), report
 
 
-def _failover_under_slurm(slurm, tmp_path, nodes: int, nproc: int, metrics_port: int) -> tuple[list[str], str]:
-    """Submit the sbatch script (``nodes`` x ``nproc`` ranks, PP2 x DP2, a warm standby per node) with rank 3
-    SIGKILLed in iteration 3; assert the job completed every iteration with no second migration or
-    fallback. Returns the node logs and a report for assertion messages."""
+def _failover_under_slurm(
+    slurm, tmp_path, nodes: int, nproc: int, metrics_port: int, standby_nodes: int = 0
+) -> tuple[list[str], str]:
+    """Submit the sbatch script (``nodes`` x ``nproc`` ranks, PP2 x DP2, a warm standby per node, or with
+    ``standby_nodes`` that many standby machines and none beside the ranks) with rank 3 SIGKILLed in
+    iteration 3 (6 with standby machines: they start beside the job and must be warm by then); assert
+    the job completed every iteration with no second migration or fallback. Returns the node logs (the
+    standby machines' last) and a report for assertion messages."""
     (master_port,) = free_ports(1)
     etcd_port = _port_pair()
     logs, out = tmp_path / "logs", tmp_path / "batch.out"
     metrics = tmp_path / "metrics.jsonl"
-    iters = 6
+    iters, fault = (10, "3:6:forward") if standby_nodes else (6, "3:3:forward")
     train = tiny_args(
         None,
         pp=2,
@@ -150,11 +154,11 @@ def _failover_under_slurm(slurm, tmp_path, nodes: int, nproc: int, metrics_port:
         extra=[
             "--trainmover",
             "--tm-standbys",
-            "1",
+            "0" if standby_nodes else "1",
             "--tm-standby-nice",
             "0",
             "--tm-inject-fault",
-            "3:3:forward",
+            fault,
             "--tm-metrics-file",
             str(metrics),
         ],
@@ -174,14 +178,17 @@ def _failover_under_slurm(slurm, tmp_path, nodes: int, nproc: int, metrics_port:
             str(logs),
             "--python",
             sys.executable,
+            "--standby-nodes",
+            str(standby_nodes),
             "--",
             *train,
         ],
-        ["-N", str(nodes), "--time", "5", "-o", str(out)],
+        ["-N", str(nodes + standby_nodes), "--time", "5", "-o", str(out)],
         cwd=REPO_ROOT,
     )
     info = slurm.wait_job(job, timeout=240)
     node_logs = [_read(logs / f"node-{n}.log") for n in range(nodes)]
+    node_logs += [_read(logs / f"standby-node-{n}.log") for n in range(standby_nodes)]
     report = f"batch output:\n{_read(out)[-3000:]}" + "".join(
         f"\n--- node-{n}.log:\n{text[-4000:]}" for n, text in enumerate(node_logs)
     )
@@ -208,19 +215,17 @@ def test_killed_rank_is_replaced_by_the_warm_standby(slurm, tmp_path):
     assert f"metrics: http://{socket.gethostname()}:{metrics_port}/metrics" in node_log, report
 
 
-def test_standby_nodes_are_refused_with_a_clear_message(slurm, tmp_path):
-    """S > 0 is not implemented yet: the job fails fast and says what to do."""
-    out = tmp_path / "batch.out"
-    job = slurm.submit(
-        SBATCH,
-        ["--standby-nodes", "1", "--log-dir", str(tmp_path / "logs"), "--python", sys.executable, "--", "--mock-data"],
-        ["-N", "2", "--time", "1", "-o", str(out)],
-        cwd=REPO_ROOT,
-    )
-    info = slurm.wait_job(job, timeout=30)
-    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", info
-    text = _read(out)
-    assert "standby nodes are not implemented yet" in text and "--standby-nodes 0" in text, text
+def test_a_standby_node_takes_the_killed_rank_in_its_slot(slurm, tmp_path):
+    """--standby-nodes 1 on a 2-node allocation: node n1 runs 4 ranks (PP2 x DP2) and no standby, node n2
+    is a standby machine of 4 slots (its own job step). Rank 3 is SIGKILLed in iteration 6: the standby
+    machine's slot 3 (rank 3's local rank) takes it over, nobody restarts, training completes, and the
+    standby machine leaves with the job."""
+    # Both emulated nodes are this host: each agent takes a free metrics port.
+    (active, machine), report = _failover_under_slurm(slurm, tmp_path, 1, 4, 0, standby_nodes=1)
+    assert "node n2: standby machine with 4 slot(s) for a job of 1 node(s)" in machine, report
+    assert re.search(r"rank 3 \(worker-n0-3-\w+\) exited with code -9; reported", active), report
+    assert re.search(r"epoch 1 \(failure\): rank 3 -> standby-m-3-\w+ \(pid \d+\); state from replica", machine), report
+    assert "promoted to rank 3 (local rank 3," in machine, report
 
 
 def test_drain_node_requests_a_migration_per_rank_and_drains_slurm(slurm, tmp_path, etcd_server):
