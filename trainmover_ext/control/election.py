@@ -3,9 +3,12 @@
 Contract: :meth:`LeaderElection.campaign` creates the key on this candidate's
 lease if nobody holds it (compare-and-swap on absence) and returns whether this
 candidate leads. Leadership ends when the lease does: a killed or hung leader's
-key vanishes within about one TTL and the next campaign wins. :meth:`guard` is a
-fencing guard: every controller write includes it, so a leader that lost its
-lease (and does not know it yet) cannot commit anything.
+key vanishes within about one TTL and the next campaign wins. An etcd outage does
+not end it: the lease's keeper asks through it, and etcd extends every lease when
+it serves again (:class:`~trainmover_ext.control.membership.LeaseKeeper`); only
+etcd's answer that the lease is gone does. :meth:`guard` is a fencing guard: every
+controller write includes it, so a leader that lost its lease (and does not know
+it yet) cannot commit anything.
 
 Example::
 

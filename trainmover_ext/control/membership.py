@@ -2,10 +2,15 @@
 
 Contract:
 - :class:`LeaseKeeper` grants an etcd lease of ``ttl_s`` and refreshes it every
-  ``ttl_s / 3`` on a daemon thread (no etcd client does this by itself). When a
-  refresh finds the lease gone, or refreshes keep failing past the lease's
-  deadline, ``lost`` is set and ``on_lost`` runs once; the owner must then stop
-  acting as that member (:class:`MembershipLost`).
+  ``ttl_s / 3`` on a daemon thread (no etcd client does this by itself). Only
+  etcd's own answer that the lease is gone (a refresh returning TTL 0, or
+  :class:`LeaseNotFound`) sets ``lost`` and runs ``on_lost`` once; the owner must
+  then stop acting as that member (:class:`MembershipLost`). While etcd does not
+  answer, however long, the keeper keeps trying: an etcd that was down, or that
+  elects a new leader, extends every lease by its TTL when it serves again, so
+  the lease outlives any outage its owner lives through. (A member cut off from
+  a running etcd is the one that loses its lease, and learns so when it gets
+  through again.)
 - :class:`Membership` registers ``members/<id>`` on its own lease, so a killed
   or hung (SIGSTOP) process disappears from etcd within about one TTL. A member
   that serves no rank (an unpromoted standby, ``rejoin_on_loss``) registers
@@ -67,8 +72,19 @@ def new_member_id(kind: str) -> str:
     return f"{kind}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
+RETRY_FIRST_S = 0.05
+"""The first wait before a keeper asks again after etcd did not answer; it doubles up to the refresh
+interval. Short: an etcd that comes back extends each lease by only one TTL from then."""
+
+WARN_EVERY_S = 5.0
+"""A keeper that cannot reach etcd logs a warning at most this often (an outage can last minutes)."""
+
+
 class LeaseKeeper:
-    """One lease kept alive on a daemon thread; see the module docstring."""
+    """One lease kept alive on a daemon thread; see the module docstring.
+
+    ``lost`` is set only on etcd's answer that the lease is gone; :attr:`unreachable_since` says
+    whether (and since when) etcd has not answered the refreshes."""
 
     def __init__(
         self, space: JobSpace, ttl_s: int, *, on_lost: Callable[[], None] | None = None, name: str = "lease"
@@ -77,29 +93,51 @@ class LeaseKeeper:
             raise ConfigError("--tm-lease-ttl must be at least 1 second (etcd grants whole seconds)")
         self.space, self.ttl_s, self.on_lost, self.name = space, int(ttl_s), on_lost, name
         self.lost = threading.Event()
+        self.unreachable_since: float | None = None
+        """``time.monotonic()`` when the first refresh in a row that etcd did not answer was sent; None while
+        etcd answers."""
         self._stop = threading.Event()
         self.lease_id = space.kv.grant_lease(self.ttl_s)
-        self._deadline = time.monotonic() + self.ttl_s
         self._thread = threading.Thread(target=self._run, name=f"tm-{name}-keepalive", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         interval = RecoveryTimeouts(self.ttl_s).renew_every_s
-        while not self._stop.wait(interval):
+        wait, warned_at = interval, -WARN_EVERY_S
+        while not self._stop.wait(wait):
+            asked_at = time.monotonic()
             try:
                 remaining = self.space.kv.refresh_lease(self.lease_id)
-            except StoreError as exc:
-                # etcd unreachable: keep trying while the lease could still be alive on the server.
-                logger.warning("%s keepalive failed: %s", self.name, exc)
-                if time.monotonic() < self._deadline:
-                    continue
+            except LeaseNotFound:
                 remaining = 0
+            except StoreError as exc:
+                # etcd did not answer (down, restarting, no leader, or out of reach): that says nothing
+                # about the lease, which etcd extends when it serves again. Ask again soon.
+                now, first = time.monotonic(), self.unreachable_since is None
+                since = asked_at if self.unreachable_since is None else self.unreachable_since
+                self.unreachable_since = since
+                if now - warned_at >= WARN_EVERY_S:
+                    warned_at = now
+                    logger.warning(
+                        "%s keepalive: etcd has not answered for %.1fs (%s); still trying", self.name, now - since, exc
+                    )
+                wait = RETRY_FIRST_S if first else min(interval, wait * 2)
+                continue
             if remaining <= 0:
                 self.mark_lost()
                 return
-            self._deadline = time.monotonic() + remaining
+            if self.unreachable_since is not None:
+                logger.warning(
+                    "%s keepalive: etcd answers again after %.1fs; lease %x is alive",
+                    self.name,
+                    time.monotonic() - self.unreachable_since,
+                    self.lease_id,
+                )
+                self.unreachable_since, warned_at = None, -WARN_EVERY_S
+            wait = interval
 
     def mark_lost(self) -> None:
+        """Declare the lease gone (etcd said so): sets ``lost`` and runs ``on_lost`` once."""
         if self.lost.is_set():
             return
         self.lost.set()

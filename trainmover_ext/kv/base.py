@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from trainmover_ext.deadline import Deadline
+from trainmover_ext.errors import EtcdUnavailable
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,7 +165,10 @@ class KV(abc.ABC):
 
     @abc.abstractmethod
     def refresh_lease(self, lease_id: int) -> int:
-        """Keep a lease alive; returns the remaining TTL, 0 when the lease is gone."""
+        """Keep a lease alive; returns the remaining TTL, 0 when the store says the lease is gone.
+
+        Raises :class:`~trainmover_ext.errors.StoreError` (e.g. ``EtcdUnavailable``) when the store
+        gave no answer: that says nothing about the lease, so callers keep trying."""
 
     @abc.abstractmethod
     def revoke_lease(self, lease_id: int) -> None:
@@ -224,7 +228,9 @@ def wait_prefix(
 
     One read, then a watch from the revision after it (no change is missed), plus one read every
     :data:`RECHECK_S` (or ``recheck_s``) in case the watch never fires. Returns None when
-    ``timeout_s`` passes first; the caller says what was missing."""
+    ``timeout_s`` passes first; the caller says what was missing. Once the wait has begun, an etcd
+    out of reach (:class:`~trainmover_ext.errors.EtcdUnavailable` from a re-read) is no answer yet:
+    the wait goes on to its deadline, and the watch resumes when etcd serves again."""
     import threading
 
     snap = kv.get_prefix(prefix)
@@ -254,9 +260,13 @@ def wait_prefix(
                 if cond.wait_for(lambda: ready(state["values"]), max(0.0, min(interval, deadline.remaining()))):
                     return state["values"]
             # The safety net under the watch (see RECHECK_S): read the prefix itself.
-            values = {e.key: e.value for e in kv.get_prefix(prefix).entries}
-            if ready(values):
-                return values
+            try:
+                values = {e.key: e.value for e in kv.get_prefix(prefix).entries}
+            except EtcdUnavailable:
+                pass  # no answer yet; the watch resumes once etcd serves again
+            else:
+                if ready(values):
+                    return values
             if deadline.expired:
                 return None
     finally:

@@ -11,8 +11,13 @@ Contract:
 - Fork safety: a gRPC channel must not cross ``fork()``. An ``EtcdKV`` refuses
   use in a child process (:class:`StoreError`); build a new one there (the
   torch store does this for you).
-- Watches survive a server restart: they re-subscribe from the revision after
-  the last delivered event.
+- Watches survive a server restart, however long it is down: they re-subscribe
+  from the revision after the last delivered event. If etcd compacted those
+  revisions meanwhile, the watch re-reads its range, delivers every key written
+  since as a put (deletes in that gap are not seen), and watches on from there.
+- Only etcd's own answer says a lease is gone (:class:`LeaseNotFound`, or
+  :meth:`EtcdKV.refresh_lease` returning 0); an unreachable server raises
+  :class:`EtcdUnavailable`, which says nothing about any lease.
 - Password auth (``user``/``password``): the client logs in at construction and
   again whenever etcd calls its token invalid (an etcd restart forgets tokens), so
   a long-lived process never loses access. The token travels as gRPC metadata,
@@ -116,6 +121,14 @@ class EtcdClientConfig:
         return out
 
 
+def _compacted_error() -> type[Exception]:
+    """pyetcd's error for a watch whose start revision etcd compacted away."""
+    import pyetcd.exceptions as pe
+
+    error: type[Exception] = pe.RevisionCompactedError
+    return error
+
+
 def _is_unavailable(exc: BaseException) -> bool:
     import pyetcd.exceptions as pe
 
@@ -138,7 +151,8 @@ def _is_unavailable(exc: BaseException) -> bool:
 
 
 class _EtcdWatch(WatchHandle):
-    """A prefix watch that re-subscribes after stream loss, from the last revision seen."""
+    """A prefix watch that re-subscribes after stream loss, from the last revision seen (re-reading its
+    range instead when etcd compacted that revision meanwhile)."""
 
     def __init__(
         self, kv: EtcdKV, prefix: str, callback: WatchCallback, start_revision: int, end: str | None = None
@@ -151,15 +165,21 @@ class _EtcdWatch(WatchHandle):
         self._lock = threading.Lock()
 
     def _on_response(self, response: Any) -> None:
-        if self.cancelled.is_set():
+        if self.cancelled.is_set() or self.kv._closed:
             return
-        if isinstance(response, Exception):
-            # The stream died (server restart, network). Re-subscribe from where we stopped
-            # on another thread: this callback runs on the dying watcher thread.
-            logger.info(
-                "etcd watch on %s lost (%s); re-subscribing from revision %d", self.prefix, response, self.next_revision
+        if response is None or isinstance(response, Exception):
+            # The stream died (server restart, network; None: it ended without an error) or etcd compacted
+            # the revisions this watch was to resume from. Re-subscribe from where we stopped on another
+            # thread: this callback runs on the dying watcher thread.
+            compacted = isinstance(response, _compacted_error())
+            logger.log(
+                logging.WARNING if compacted else logging.INFO,
+                "etcd watch on %s lost (%s); re-subscribing from revision %d",
+                self.prefix,
+                "history compacted" if compacted else response,
+                self.next_revision,
             )
-            threading.Thread(target=self._resubscribe, name="tm-etcd-rewatch", daemon=True).start()
+            threading.Thread(target=self._resubscribe, args=(compacted,), name="tm-etcd-rewatch", daemon=True).start()
             return
         events = []
         for ev in response.events:
@@ -182,13 +202,41 @@ class _EtcdWatch(WatchHandle):
             kwargs["start_revision"] = self.next_revision
         self.watch_id = client.add_watch_callback(self.prefix, self._on_response, **kwargs)
 
-    def _resubscribe(self) -> None:
+    def _catch_up(self) -> None:
+        """The revisions from ``next_revision`` on were compacted away: deliver the range as it is now
+        (each key written since, as a put) and go on watching after that read."""
+        snap = self.kv.get_prefix(self.prefix, end=self.end)
+        events = [
+            WatchEvent(kind="put", key=e.key, value=e.value, mod_revision=e.mod_revision)
+            for e in snap.entries
+            if e.mod_revision >= self.next_revision
+        ]
+        self.next_revision = snap.revision + 1
+        if events and not self.cancelled.is_set():
+            try:
+                self.callback(events)
+            except Exception:  # as in _on_response: a user callback bug must not stop the watch
+                logger.exception("watch callback on %s failed", self.prefix)
+
+    def _resubscribe(self, catch_up: bool = False) -> None:
+        """Watch again from ``next_revision``; with ``catch_up`` (or once etcd says that revision was
+        compacted) re-read the range first (:meth:`_catch_up`). Tries until cancelled."""
         delay = 0.05
         while not self.cancelled.is_set() and not self.kv._closed:
             try:
+                if catch_up:
+                    self._catch_up()
+                    catch_up = False
                 with self._lock:
                     self.subscribe()
                 return
+            except _compacted_error():
+                logger.warning(
+                    "etcd compacted the history of %s past revision %d while the watch was down; re-reading it",
+                    self.prefix,
+                    self.next_revision,
+                )
+                catch_up = True
             except Exception as exc:  # keep trying until cancelled: watchers must outlive outages
                 logger.debug("re-watch of %s failed: %s", self.prefix, exc)
                 if self.kv.logged_in:  # a restarted etcd forgot the token the watch stream carried
@@ -489,7 +537,11 @@ class EtcdKV(KV):
 
     def refresh_lease(self, lease_id: int) -> int:
         responses = self._call("refresh lease", lambda c: list(c.refresh_lease(lease_id)))
-        return int(responses[0].TTL) if responses else 0
+        if not responses:
+            # etcd answers every keep-alive request, with TTL 0 for a lease it does not know; a stream
+            # that ended without an answer says nothing about the lease.
+            raise StoreError(f"etcd refresh lease {lease_id:x}: the keep-alive stream ended without an answer")
+        return int(responses[0].TTL)
 
     def revoke_lease(self, lease_id: int) -> None:
         try:
