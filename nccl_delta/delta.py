@@ -1,16 +1,18 @@
 """The two-phase membership API: replace the process behind logical rank r by touching only r's links.
 
-Protocol for a planned migration of logical rank ``r`` at epoch ``e``
+Protocol for a planned migration of logical rank ``r`` (or of several ranks at once, e.g. every
+rank of a drained node: each step then covers all of them) at epoch ``e``
 1. Joiner process (new): ``nccl_delta.expect_join(e)``, then the same
    ``init_process_group`` and group creation as the job (e.g. megatron's
    ``initialize_model_parallel``), which builds no links, then
    ``current_world().join(e)``: it connects to every ring neighbour of r (in
    any group), one link per neighbour, all at once, and blocks until all are
-   up (deadline: ``connect_timeout_s``).
-2. Every stayer: ``prepare(r, e)`` (phase 1). Returns at once. A stayer that
-   is a ring neighbour of r in some group builds its one new link to r on a
-   background thread while training continues on the old link; any other
-   stayer only records the epoch.
+   up (deadline: ``connect_timeout_s``). A neighbour that is replaced in the
+   same epoch is another joiner: the two meet in generation e.
+2. Every stayer: ``prepare(ranks, e)`` (phase 1). Returns at once. A stayer
+   that is a ring neighbour of a replaced rank in some group builds its one new
+   link to each such rank on a background thread while training continues on
+   the old links; any other stayer only records the epoch.
 3. At an iteration boundary, every stayer: ``switch(e)`` (phase 2). A
    neighbour re-points its link to r (every group using it follows), closes
    the old one, and reports how many links it touched. No barrier and no
@@ -59,16 +61,17 @@ if TYPE_CHECKING:
 class PreparedSwap:
     """Phase-1 state of one stayer for one epoch."""
 
-    rank: int
-    """Logical rank being replaced."""
+    ranks: list[int]
+    """Logical ranks being replaced."""
     epoch: int
     """Membership epoch the swap belongs to."""
     joiner: str | None = None
     """Control-plane id of the joining member (for messages only)."""
-    links: list[tuple[str, Link]] = field(default_factory=list)
-    """New links to the joiner: one per transport, when r is a ring neighbour in some group."""
+    links: list[tuple[str, int, Link]] = field(default_factory=list)
+    """New links to the joiners: (transport, rank, link), one per replaced rank that is a ring neighbour
+    in some group."""
     planned: int = 0
-    """How many links this stayer must build (0 when it is not a neighbour of r)."""
+    """How many links this stayer must build (0 when it neighbours no replaced rank)."""
     error: BaseException | None = None
     """The first error of the background build, if any."""
     done: threading.Event = field(default_factory=threading.Event)
@@ -77,12 +80,18 @@ class PreparedSwap:
     def wait(self, timeout_s: float) -> bool:
         return self.done.wait(timeout_s)
 
+    @property
+    def rank(self) -> int:
+        """The first replaced rank (for messages)."""
+        return self.ranks[0]
+
 
 @dataclass(kw_only=True)
 class SwitchReport:
     """What phase 2 did on this stayer."""
 
     rank: int
+    """The first replaced rank; ``ranks`` has them all."""
     epoch: int
     links_touched: int
     """Links re-pointed to the joiner plus stale links to the leaver that were closed."""
@@ -90,6 +99,7 @@ class SwitchReport:
     """Seconds spent in phase 2 on this process (excluding any wait for phase 1)."""
     wait_s: float
     """Seconds ``switch`` waited for phase 1 to finish."""
+    ranks: list[int] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
@@ -103,24 +113,29 @@ class RecoverReport:
     """Ring links built anew in generation ``epoch``."""
 
 
-def prepare(world: DeltaWorld, rank: int, epoch: int, *, joiner: str | None = None) -> PreparedSwap:
-    """Phase 1 on a stayer: start building links to the joiner for ``rank`` in the background."""
-    if rank == world.rank:
-        raise SwapAborted(f"rank {rank} cannot prepare its own replacement; prepare runs on stayers")
+def prepare(world: DeltaWorld, rank: int | Iterable[int], epoch: int, *, joiner: str | None = None) -> PreparedSwap:
+    """Phase 1 on a stayer: start building links to the joiners of ``rank`` (one rank or several) in the
+    background."""
+    ranks = [rank] if isinstance(rank, int) else sorted(set(rank))
+    if not ranks:
+        raise SwapAborted(f"prepare({epoch}) without a rank to replace")
+    if world.rank in ranks:
+        raise SwapAborted(f"rank {world.rank} cannot prepare its own replacement; prepare runs on stayers")
     if epoch <= world.epoch or epoch in world.prepared:
         raise SwapAborted(f"epoch {epoch} is not newer than the current epoch {world.epoch} or was prepared already")
-    swap = PreparedSwap(rank=rank, epoch=epoch, joiner=joiner)
-    group = world.ring_neighbours().get(rank)
-    swap.planned = 0 if group is None else 1
+    swap = PreparedSwap(ranks=ranks, epoch=epoch, joiner=joiner)
+    neighbours = world.ring_neighbours()
+    todo = {r: neighbours[r] for r in ranks if r in neighbours}
+    swap.planned = len(todo)
     world.prepared[epoch] = swap
-    if group is None:
+    if not todo:
         swap.done.set()
         return swap
 
     def build() -> None:
         try:
-            link = world.connect_links({rank: group}, world.transport, generation=epoch, install=False)[rank]
-            swap.links.append((world.transport, link))
+            links = world.connect_links(todo, world.transport, generation=epoch, install=False)
+            swap.links += [(world.transport, r, link) for r, link in sorted(links.items())]
         except BaseException as exc:  # reported by switch()
             swap.error = exc
         finally:
@@ -131,7 +146,7 @@ def prepare(world: DeltaWorld, rank: int, epoch: int, *, joiner: str | None = No
 
 
 def switch(world: DeltaWorld, epoch: int, *, timeout_s: float | None = None) -> SwitchReport:
-    """Phase 2 on a stayer: re-point logical rank r to the joiner; touches only r's links."""
+    """Phase 2 on a stayer: re-point the replaced ranks to their joiners; touches only their links."""
     swap = world.prepared.get(epoch)
     if swap is None:
         raise SwapAborted(f"switch({epoch}) without prepare(rank, {epoch}) on rank {world.rank}")
@@ -139,34 +154,40 @@ def switch(world: DeltaWorld, epoch: int, *, timeout_s: float | None = None) -> 
     t0 = time.perf_counter()
     if not swap.wait(timeout_s):
         raise SwapAborted(
-            f"rank {world.rank}: links to the joiner for rank {swap.rank} (epoch {epoch}) not up after "
-            f"{timeout_s:.1f}s; the old links stay in use. Check that the joiner called join({epoch})."
+            f"rank {world.rank}: links to the joiners for ranks {swap.ranks} (epoch {epoch}) not up after "
+            f"{timeout_s:.1f}s; the old links stay in use. Check that the joiners called join({epoch})."
         )
     wait_s = time.perf_counter() - t0
     world.prepared.pop(epoch, None)
     if swap.error is not None:
-        for _, link in swap.links:
+        for *_, link in swap.links:
             link.close()
         raise SwapAborted(
-            f"rank {world.rank}: building links to the joiner for rank {swap.rank} failed: {swap.error}"
+            f"rank {world.rank}: building links to the joiners for ranks {swap.ranks} failed: {swap.error}"
         ) from swap.error
     t1 = time.perf_counter()
     touched = 0
-    replaced = set()
-    for transport, link in swap.links:
-        world.install(transport, swap.rank, link)
-        replaced.add(transport)
+    replaced: set[tuple[str, int]] = set()
+    for transport, rank, link in swap.links:
+        world.install(transport, rank, link)
+        replaced.add((transport, rank))
         touched += 1
-    # A link to the leaver that phase 1 did not rebuild (a p2p link outside every ring, another
+    # A link to a leaver that phase 1 did not rebuild (a p2p link outside every ring, another
     # transport) is closed; both ends rebuild it on first use in the new generation.
-    for transport, _ in world.links_to(swap.rank):
-        if transport not in replaced and world.install(transport, swap.rank, None):
-            touched += 1
-    world.incarnation[swap.rank] = epoch
+    for rank in swap.ranks:
+        for transport, _ in world.links_to(rank):
+            if (transport, rank) not in replaced and world.install(transport, rank, None):
+                touched += 1
+        world.incarnation[rank] = epoch
     with world._lock:  # abandon(epoch) is a no-op from here on
         world.epoch = epoch
     return SwitchReport(
-        rank=swap.rank, epoch=epoch, links_touched=touched, switch_s=time.perf_counter() - t1, wait_s=wait_s
+        rank=swap.rank,
+        ranks=list(swap.ranks),
+        epoch=epoch,
+        links_touched=touched,
+        switch_s=time.perf_counter() - t1,
+        wait_s=wait_s,
     )
 
 
@@ -210,7 +231,7 @@ def recover(world: DeltaWorld, epoch: int, *, replaced: Iterable[int] = ()) -> R
         stale = [e for e in world.prepared if e <= epoch]
         swaps = [world.prepared.pop(e) for e in stale]
     for swap in swaps:  # a build still running gives up by itself: this epoch superseded its own
-        for _, link in swap.links:
+        for *_, link in swap.links:
             link.close()
     for rank in replaced:
         world.incarnation[rank] = epoch

@@ -187,7 +187,7 @@ class DeltaWorld:
         return out
 
     # --- membership API (see nccl_delta.delta for the protocol) ----------------
-    def prepare(self, rank: int, epoch: int, *, joiner: str | None = None) -> PreparedSwap:
+    def prepare(self, rank: int | Iterable[int], epoch: int, *, joiner: str | None = None) -> PreparedSwap:
         from .delta import prepare
 
         return prepare(self, rank, epoch, joiner=joiner)

@@ -1,40 +1,38 @@
 #!/usr/bin/env bash
-# Drain a node for maintenance: move every rank it serves to a warm standby
-# with planned migrations (`trainmover migrate --rank R`), then optionally mark
-# the node DRAIN in Slurm so no new job lands there.
+# Drain a node for maintenance: move every rank it serves to a standby machine
+# in one planned migration (`trainmover drain --node NODE`), then optionally
+# mark the node DRAIN in Slurm so no new job lands there.
 #
-#   drain_node.sh --node NODE (--slurm-job ID [--nproc-per-node N] | --ranks "R1 R2 ...")
-#                 [--tm-etcd-endpoints E --tm-job NAME --tm-job-token TOKEN ...] [--slurm-drain] [--dry-run]
+#   drain_node.sh --node NODE [--wait SECONDS] [--tm-etcd-endpoints E --tm-job NAME --tm-job-token TOKEN ...]
+#                 [--python PY] [--slurm-drain] [--dry-run]
 #
-# Which ranks NODE serves:
-#   --slurm-job ID   from the job's placement by trainmover.sbatch: node i of the
-#                    job's node list serves ranks [i*N, (i+1)*N), N = GPUs per node
-#                    from the job's TresPerNode, else --nproc-per-node N.
-#                    This is the placement at start: a rank moved by an earlier
-#                    migration is not followed (check `trainmover status`).
-#   --ranks "..."    explicit logical ranks (from `trainmover status`).
-# Every --tm-* option (with its value) is passed to `trainmover migrate`, so
-# the job, its token and etcd's TLS/auth flags work as in `trainmover status`;
+#   --node NODE      the Slurm node name (the name `trainmover status` shows under 'host')
+#   --wait SECONDS   how long `trainmover drain` waits until every rank of the node handed its
+#                    state over [default 300; 0 only queues the request]
+# Every --tm-* option (with its value) is passed to `trainmover drain`, so the
+# job, its token and etcd's TLS/auth flags work as in `trainmover status`;
 # TRAINMOVER_ETCD_ENDPOINTS / TRAINMOVER_JOB / TRAINMOVER_JOB_TOKEN work too.
 #   --python PY      interpreter with TrainMover installed [TM_PYTHON, default python3]
-#   --slurm-drain    after the requests, `scontrol update NodeName=NODE State=DRAIN`
+#   --slurm-drain    once the node is free (or the request is queued, with --wait 0),
+#                    `scontrol update NodeName=NODE State=DRAIN`
 #   --dry-run        print the commands, run nothing
-# The controller picks a standby for each rank; follow with `trainmover status`.
-# Exit code: 0 when every request was accepted, else that of the first failure.
+# The controller moves the node's ranks to one standby machine with enough idle
+# warm standbys (trainmover.sbatch --standby-nodes S starts them), or rejects the
+# drain and says why. Exit code: that of `trainmover drain` (0 free, 1 rejected,
+# 3 not done in time), or scontrol's when it fails.
 set -euo pipefail
 
 die() { echo "drain_node.sh: error: $*" >&2; exit 2; }
 
-NODE='' JOB_ID='' NPROC='' RANKS='' SLURM_DRAIN=0 DRY=0
+NODE='' WAIT=300 SLURM_DRAIN=0 DRY=0
 PY=${TM_PYTHON:-python3}
 TM_FLAGS=()
 while (($#)); do
   case "$1" in
-    --node|--slurm-job|--nproc-per-node|--ranks|--python)
+    --node|--wait|--python)
       (($# >= 2)) || die "$1 needs a value"
       case "$1" in
-        --node) NODE=$2 ;; --slurm-job) JOB_ID=$2 ;; --nproc-per-node) NPROC=$2 ;;
-        --ranks) RANKS=$2 ;; --python) PY=$2 ;;
+        --node) NODE=$2 ;; --wait) WAIT=$2 ;; --python) PY=$2 ;;
       esac
       shift 2 ;;
     --tm-*) (($# >= 2)) || die "$1 needs a value"; TM_FLAGS+=("$1" "$2"); shift 2 ;;
@@ -46,46 +44,19 @@ while (($#)); do
 done
 
 [[ -n "$NODE" ]] || die "--node NODE is required (a Slurm node name, as in squeue's NODELIST)"
-if [[ -z "$RANKS" ]]; then
-  [[ -n "$JOB_ID" ]] || die "say which ranks to move: --slurm-job ID (placement by trainmover.sbatch) or --ranks \"R1 R2\""
-  info=$(timeout 30 scontrol -o show job "$JOB_ID") || die "scontrol cannot show job $JOB_ID: is it still known to Slurm?"
-  state=$(tr ' ' '\n' <<< "$info" | sed -n 's/^JobState=//p')
-  [[ "$state" == RUNNING ]] || die "job $JOB_ID is $state, not RUNNING: only a running job's nodes can be drained"
-  nodelist=$(tr ' ' '\n' <<< "$info" | sed -n 's/^NodeList=//p')
-  if [[ -z "$NPROC" ]]; then
-    NPROC=$(tr ' ' '\n' <<< "$info" | sed -n 's/^TresPerNode=.*gpu[^,]*:\([0-9][0-9]*\).*/\1/p')
-    [[ -n "$NPROC" ]] || die "job $JOB_ID has no GPUs per node in TresPerNode: pass --nproc-per-node N (as given to trainmover.sbatch)"
-  fi
-  [[ "$NPROC" =~ ^[1-9][0-9]*$ ]] || die "--nproc-per-node must be a positive integer, got '$NPROC'"
-  index=$(timeout 30 scontrol show hostnames "$nodelist" | grep -n -x -F "$NODE" | cut -d: -f1 || true)
-  [[ -n "$index" ]] || die "node $NODE is not in job $JOB_ID's node list ($nodelist)"
-  first=$(((index - 1) * NPROC))
-  RANKS=$(seq -s ' ' "$first" $((first + NPROC - 1)))
+[[ "$WAIT" =~ ^[0-9]+$ ]] || die "--wait must be a whole number of seconds, got '$WAIT'"
+
+cmd=("$PY" -m trainmover_ext.cli drain --node "$NODE" --wait "$WAIT" "${TM_FLAGS[@]}")
+drain=(scontrol update "NodeName=$NODE" State=DRAIN "Reason=trainmover drain_node.sh")
+if ((DRY)); then
+  echo "[drain_node] would run: ${cmd[*]}"
+  ((SLURM_DRAIN)) && echo "[drain_node] would run: ${drain[*]}"
+  exit 0
 fi
-for r in $RANKS; do [[ "$r" =~ ^[0-9]+$ ]] || die "rank '$r' is not a non-negative integer"; done
-
-echo "[drain_node] node $NODE serves ranks: $RANKS"
 status=0
-for r in $RANKS; do
-  # --wait 0: queue every rank's move at once; the controller carries them out one epoch at a time.
-  cmd=("$PY" -m trainmover_ext.cli migrate --rank "$r" --wait 0 "${TM_FLAGS[@]}")
-  if ((DRY)); then
-    echo "[drain_node] would run: ${cmd[*]}"
-    continue
-  fi
-  rc=0
-  timeout 120 "${cmd[@]}" || rc=$?
-  if ((rc)); then
-    echo "[drain_node] rank $r: migrate failed (exit $rc)" >&2
-    ((status)) || status=$rc
-  fi
-done
-
+timeout $((WAIT + 60)) "${cmd[@]}" || status=$?
 if ((SLURM_DRAIN)); then
-  drain=(scontrol update "NodeName=$NODE" State=DRAIN "Reason=trainmover drain_node.sh")
-  if ((DRY)); then
-    echo "[drain_node] would run: ${drain[*]}"
-  elif ((status == 0)); then
+  if ((status == 0)); then
     rc=0
     timeout 30 "${drain[@]}" || rc=$?
     if ((rc)); then
@@ -95,8 +66,7 @@ if ((SLURM_DRAIN)); then
       echo "[drain_node] node $NODE is DRAIN in Slurm; resume it with: scontrol update NodeName=$NODE State=RESUME"
     fi
   else
-    echo "[drain_node] not draining $NODE in Slurm: some migration requests failed" >&2
+    echo "[drain_node] not draining $NODE in Slurm: \`trainmover drain\` exited $status" >&2
   fi
 fi
-((DRY)) || ((status)) || echo "[drain_node] requested; follow with: trainmover status (with the same --tm-* flags)"
 exit "$status"

@@ -54,13 +54,11 @@ def test_sbatch_help_and_refusals():
 
 def test_drain_node_dry_run_and_refusals():
     drain = os.path.join(SLURM_DIR, "drain_node.sh")
-    dry = _bash(drain, "--node", "gpu3", "--ranks", "6 7", "--tm-job", "j", "--slurm-drain", "--dry-run")
+    dry = _bash(drain, "--node", "gpu3", "--tm-job", "j", "--wait", "0", "--slurm-drain", "--dry-run")
     assert dry.returncode == 0, dry.stderr
-    assert "migrate --rank 6 --wait 0 --tm-job j" in dry.stdout and "migrate --rank 7 --wait 0 --tm-job j" in dry.stdout
+    assert "trainmover_ext.cli drain --node gpu3 --wait 0 --tm-job j" in dry.stdout, dry.stdout
     assert "scontrol update NodeName=gpu3 State=DRAIN" in dry.stdout
-    no_node = _bash(drain, "--ranks", "1")
+    no_node = _bash(drain, "--wait", "5")
     assert no_node.returncode == 2 and "--node NODE is required" in no_node.stderr
-    no_ranks = _bash(drain, "--node", "gpu3")
-    assert no_ranks.returncode == 2 and "--slurm-job ID" in no_ranks.stderr
-    bad_rank = _bash(drain, "--node", "gpu3", "--ranks", "1 x")
-    assert bad_rank.returncode == 2 and "rank 'x'" in bad_rank.stderr
+    bad_wait = _bash(drain, "--node", "gpu3", "--wait", "soon")
+    assert bad_wait.returncode == 2 and "--wait must be a whole number" in bad_wait.stderr

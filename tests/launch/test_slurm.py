@@ -228,9 +228,9 @@ def test_a_standby_node_takes_the_killed_rank_in_its_slot(slurm, tmp_path):
     assert "promoted to rank 3 (local rank 3," in machine, report
 
 
-def test_drain_node_requests_a_migration_per_rank_and_drains_slurm(slurm, tmp_path, etcd_server):
-    """drain_node.sh finds n2's ranks from the job's placement, asks for one planned migration each
-    (through the real `trainmover migrate` against a real etcd) and marks n2 DRAIN in Slurm."""
+def test_drain_node_requests_a_drain_of_the_node_and_drains_slurm(slurm, tmp_path, etcd_server):
+    """drain_node.sh asks for a drain of n2 (through the real `trainmover drain` against a real etcd; no
+    controller runs here, so --wait 0 only queues it) and marks n2 DRAIN in Slurm."""
     from trainmover_ext.control.membership import init_job
     from trainmover_ext.control.records import MigrationRequest, RankRecord
     from trainmover_ext.kv import EtcdClientConfig, EtcdKV
@@ -256,10 +256,8 @@ def test_drain_node_requests_a_migration_per_rank_and_drains_slurm(slurm, tmp_pa
                 DRAIN,
                 "--node",
                 "n2",
-                "--slurm-job",
-                str(job),
-                "--nproc-per-node",
-                "2",
+                "--wait",
+                "0",
                 "--slurm-drain",
                 "--python",
                 sys.executable,
@@ -277,11 +275,11 @@ def test_drain_node_requests_a_migration_per_rank_and_drains_slurm(slurm, tmp_pa
             timeout=120,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert "node n2 serves ranks: 2 3" in proc.stdout, proc.stdout
+        assert "requested drain" in proc.stdout and "of node n2 (ranks [2, 3])" in proc.stdout, proc.stdout
         requests = [
             MigrationRequest.from_bytes(e.value, key=e.key) for e in kv.get_prefix(space.key("requests/")).entries
         ]
-        assert sorted(r.rank for r in requests) == [2, 3]
+        assert [(r.node, r.rank) for r in requests] == [("n2", -1)], requests
         state = subprocess.run(
             ["sinfo", "-h", "-n", "n2", "-o", "%T"], env=slurm.env(), capture_output=True, text=True, timeout=15
         ).stdout.strip()

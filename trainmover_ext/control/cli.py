@@ -24,8 +24,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from trainmover_ext.control.decide import warm_standbys
 from trainmover_ext.control.membership import request_migration
+from trainmover_ext.control.placement import warm_standbys
 from trainmover_ext.control.records import Event
 from trainmover_ext.control.view import View, read_view
 from trainmover_ext.deadline import Deadline
@@ -435,6 +435,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="how long to wait for the controller's decision: exit 0 once the move is planned, 1 when "
         "the controller rejected it (the reason is printed), 3 when nothing was decided in time "
         "(the request stays queued). Default 60; 0 returns as soon as the request is written",
+    )
+    from trainmover_ext.control import drain
+
+    drain.add_arguments(
+        _sub(
+            subparsers,
+            "drain",
+            "move every rank of a node to a standby machine in one planned migration, then report the node free",
+            drain.cmd_drain,
+        )
     )
     controller = _sub(
         subparsers,

@@ -49,6 +49,9 @@ Cases:
 - **planned request**: handled only when nothing has failed and no recovery is
   under way; the leaver is the state source. An unknown rank or an unusable
   ``--to`` standby is rejected.
+- **drain**: a request for a node (``trainmover drain``) moves every rank it serves in one
+  planned epoch, each leaver the state source of its rank, to one standby machine (slots as
+  for a lost node); rejected when no machine has that many idle warm standbys.
 - **switch point**: once a planned move's joiner is ready and its leaver waits
   at a boundary (``leaver_at``), the controller commits the boundary where the
   leaver hands over and the stayers switch (``switch_at`` in the plan).
@@ -66,74 +69,46 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainmover_ext.control.actions import (
+    Action,
+    CommitConvergence,
+    CommitSwitchPoint,
+    DropStaleReport,
+    PlanMigration,
+    RaiseAlert,
+    RejectRequest,
+    RepairEpoch,
+)
 from trainmover_ext.control.convergence import plan_convergence
-from trainmover_ext.control.records import MAX_EPOCH, Alert, ConvergenceRecord, MigrationPlan, RankRecord, Replacement
+from trainmover_ext.control.placement import (
+    available_standbys,
+    lost_hosts,
+    machine_for,
+    pick_standby,
+    slot_or,
+)
+from trainmover_ext.control.records import (
+    MAX_EPOCH,
+    Alert,
+    ConvergenceRecord,
+    MigrationPlan,
+    MigrationRequest,
+    RankRecord,
+    Replacement,
+)
 from trainmover_ext.control.view import View
 
-
-@dataclass(frozen=True, kw_only=True)
-class PlanMigration:
-    """Open epoch ``plan.epoch`` with ``plan``; CAS on ``expected_epoch_rev``."""
-
-    plan: MigrationPlan
-    expected_epoch: int
-    expected_epoch_rev: int
-    rank_updates: tuple[RankRecord, ...]
-    """New ``ranks/<r>`` records naming the joiners."""
-    consumed: tuple[str, ...] = ()
-    """Report/request/alert keys this plan settles; deleted in the same transaction."""
-    why: tuple[tuple[int, str], ...] = ()
-    """(rank, how its loss was detected) for each replaced rank of a failure plan, for the timeline."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class DropStaleReport:
-    key: str
-    reason: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class RaiseAlert:
-    alert: Alert
-
-
-@dataclass(frozen=True, kw_only=True)
-class RejectRequest:
-    key: str
-    request_id: str
-    reason: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class CommitConvergence:
-    """Write ``convergence/<e>`` while ``epoch`` is unchanged; delete the reports it settles."""
-
-    record: ConvergenceRecord
-    expected_epoch_rev: int
-    consumed: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, kw_only=True)
-class CommitSwitchPoint:
-    """Write ``switch_at`` into the planned move's plan (CAS on the plan key's revision)."""
-
-    epoch: int
-    switch_at: int
-    expected_plan_rev: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class RepairEpoch:
-    """Rewrite an unreadable ``epoch`` with the epoch the newest plan opened (CAS on its revision)."""
-
-    epoch: int
-    expected_epoch_rev: int
-    garbage: str
-
-
-Action = (
-    PlanMigration | DropStaleReport | RaiseAlert | RejectRequest | CommitConvergence | CommitSwitchPoint | RepairEpoch
-)
+__all__ = [  # the actions are re-exported: callers take them with the function that returns them
+    "Action",
+    "CommitConvergence",
+    "CommitSwitchPoint",
+    "DropStaleReport",
+    "PlanMigration",
+    "RaiseAlert",
+    "RejectRequest",
+    "RepairEpoch",
+    "decide",
+]
 
 
 @dataclass(kw_only=True)
@@ -146,37 +121,33 @@ class _Failure:
     """The joiner of an unfinished planned move whose leaver failed: it stays the rank's joiner."""
 
 
-def _handover_pending(view: View) -> Replacement | None:
-    """The move of the current epoch's planned plan while its leaver has not handed its state over."""
+def _handover_pending(view: View) -> dict[int, Replacement]:
+    """The moves of the current epoch's planned plan (one rank, or every rank of a drained node) whose
+    leaver has not handed its state over, by rank."""
     plan = view.last_plan
-    if (
-        plan is None
-        or plan.reason != "planned"
-        or plan.epoch != view.epoch
-        or "handed_over" in plan.steps
-        or "transferred" in plan.steps
-    ):
-        return None
-    reps = plan.replacement_list()
+    if plan is None or plan.reason != "planned" or plan.epoch != view.epoch:
+        return {}
     # A move whose joiner is its leaver moves nothing (only a forged plan says so): its leaver's failure
     # is a plain failure of the rank.
-    return reps[0] if reps and reps[0].joiner != reps[0].leaver else None
+    return {
+        r.rank: r
+        for r in plan.replacement_list()
+        if r.joiner != r.leaver
+        and not plan.rank_done("handed_over", r.rank)
+        and not plan.rank_done("transferred", r.rank)
+    }
 
 
-def _lost_joiner(moving: Replacement | None, rec: RankRecord, view: View, reason: str) -> tuple[RankRecord, str]:
+def _lost_joiner(moving: dict[int, Replacement], rec: RankRecord, view: View, reason: str) -> tuple[RankRecord, str]:
     """The rank record a failure of ``rec``'s member (for ``reason``) replaces, and the failure's reason.
 
     The joiner of a planned move that dies before the hand-over already serves r in ``ranks/<r>``
     while the leaver still trains r: the failure plan names the leaver as the one that leaves, so that
     it stops (it finds itself replaced) and never serves r beside the standby that now takes it."""
-    if moving is None or moving.rank != rec.rank or rec.member_id != moving.joiner or moving.leaver not in view.members:
+    move = moving.get(rec.rank)
+    if move is None or rec.member_id != move.joiner or move.leaver not in view.members:
         return rec, reason
-    return dataclasses.replace(rec, member_id=moving.leaver), f"the joiner of a planned move was lost: {reason}"
-
-
-def lost_hosts(view: View) -> set[str]:
-    """Hosts of ``nodes/`` whose agent is no member any more (it died with its machine, or hangs)."""
-    return {host for host, node in view.nodes.items() if node.agent not in view.members}
+    return dataclasses.replace(rec, member_id=move.leaver), f"the joiner of a planned move was lost: {reason}"
 
 
 def _settling(view: View, rec: RankRecord, now: float, lost: set[str]) -> bool:
@@ -199,27 +170,22 @@ def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
             failed[r] = _Failure(rank=leaving, reason=why, detected_at=view.gone_at.get(rec.member_id))
     # The leaver of a planned move still holds the rank's only copy of its state until the hand-over:
     # losing it then is a failure of the rank, whose joiner (named in ranks/<r> already) stays.
-    leaver_lost = None
-    if moving is not None and moving.rank in view.ranks and moving.rank not in view.finished:
-        rec = view.ranks[moving.rank]
-        if rec.member_id == moving.joiner:
-            leaver_lost = _Failure(
-                rank=dataclasses.replace(rec, member_id=moving.leaver),
+    leaver_lost: dict[int, _Failure] = {}
+    for move in moving.values():
+        rec = view.ranks.get(move.rank)
+        if rec is not None and move.rank not in view.finished and rec.member_id == move.joiner:
+            leaver_lost[move.rank] = _Failure(
+                rank=dataclasses.replace(rec, member_id=move.leaver),
                 reason="the leaver of a planned move was lost before its hand-over",
-                detected_at=view.gone_at.get(moving.leaver),
-                keep_joiner=moving.joiner,
+                detected_at=view.gone_at.get(move.leaver),
+                keep_joiner=move.joiner,
             )
-            if moving.leaver not in view.members:
-                failed.setdefault(moving.rank, leaver_lost)
+            if move.leaver not in view.members:
+                failed.setdefault(move.rank, leaver_lost[move.rank])
     for key, rep in sorted(view.reports.items()):
         rec = view.ranks.get(rep.rank)
-        if (
-            leaver_lost is not None
-            and moving is not None  # leaver_lost is set only with moving
-            and rep.rank == leaver_lost.rank.rank
-            and rep.member_id == moving.leaver
-        ):
-            f = failed.setdefault(rep.rank, leaver_lost)
+        if rep.rank in leaver_lost and rep.member_id == moving[rep.rank].leaver:
+            f = failed.setdefault(rep.rank, leaver_lost[rep.rank])
             f.consumed.append(key)
             if f.detected_at is None or rep.reported_at < f.detected_at:
                 f.detected_at = rep.reported_at
@@ -242,95 +208,12 @@ def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
     return [failed[r] for r in sorted(failed)], actions
 
 
-def _available_standbys(view: View, excluded: set[str]) -> list[str]:
-    serving = {rec.member_id for rec in view.ranks.values()}
-    lost = lost_hosts(view)
-    return sorted(
-        (
-            m.member_id
-            for m in view.members.values()
-            if m.kind == "standby"
-            and m.health == "ok"
-            and m.member_id not in serving
-            and m.member_id not in excluded
-            and m.host not in lost  # its lease has not expired yet, but it died with its node
-        ),
-        key=lambda mid: (view.members[mid].registered_at, mid),
-    )
-
-
-def warm_standbys(view: View, role: str | None = None) -> list[str]:
-    """The standbys a move may name as joiner: idle (serving no rank), healthy and warm for ``role`` (for
-    some role when None), oldest first. ``trainmover migrate --to`` checks its target against this list."""
-    return [
-        c
-        for c in _available_standbys(view, set())
-        if (role in view.members[c].warm_roles if role is not None else view.members[c].warm_roles)
-    ]
-
-
-def _pick_standby(view: View, candidates: list[str], rec: RankRecord) -> str | None:
-    able = [c for c in candidates if rec.role in view.members[c].warm_roles]
-    if not able:
-        return None
-    # A machine that lost one process may lose the rest: prefer a standby on another host.
-    leaver_host = view.members[rec.member_id].host if rec.member_id in view.members else rec.host
-    other_host = [c for c in able if view.members[c].host != leaver_host]
-    pool = other_host or able
-    # Then one that kept this very rank's model (it adopts it instead of building one), one done warming,
-    # one on a machine already partly in use (whole machines stay free for whole nodes), the rank's slot.
-    used = {r.host for r in view.ranks.values()}
-
-    def preference(c: str) -> tuple[bool, bool, bool, bool]:
-        m = view.members[c]
-        return (m.kept_rank != rec.rank, m.warming, m.host not in used, m.slot not in (None, rec.local_rank))
-
-    return min(pool, key=preference)  # min is stable: the oldest of equals
-
-
 def _state_source(view: View, rec: RankRecord, failed: set[int]) -> dict[str, Any]:
     """Where the plan expects the lost state to come from (shown to operators); which replica sends
     it, and whether the job must go back to the checkpoint after all, is the convergence decision."""
     if any(q not in failed and q in view.ranks and view.ranks[q].member_id in view.members for q in rec.replicas):
         return {"kind": "replica"}
     return {"kind": "checkpoint", "iteration": view.checkpoint_iteration}
-
-
-def _machine_for(view: View, ranks: list[RankRecord], free: list[str]) -> tuple[dict[int, str], int] | None:
-    """The best standby machine for a lost node's ``ranks``: rank -> standby, all on one host, each warm
-    for its rank's role, and how many kept their slot; None when no host has enough such standbys.
-    Preferred: most slots kept, then a standby machine over standbys beside active ranks, then the
-    oldest standbys."""
-    by_host: dict[str, list[str]] = {}
-    for c in free:
-        by_host.setdefault(view.members[c].host, []).append(c)
-    best: tuple[tuple[int, int], dict[int, str], int] | None = None
-    for host, standbys in by_host.items():
-        if len(standbys) < len(ranks):
-            continue
-        left, pick = list(standbys), {}
-        for rec in ranks:  # each rank in the slot of its own local rank, where that slot is warm for it
-            same = [
-                c for c in left if view.members[c].slot == rec.local_rank and rec.role in view.members[c].warm_roles
-            ]
-            if same:
-                pick[rec.rank] = same[0]
-                left.remove(same[0])
-        kept = len(pick)
-        for rec in ranks:
-            if rec.rank not in pick:
-                able = [c for c in left if rec.role in view.members[c].warm_roles]
-                if not able:
-                    break
-                pick[rec.rank] = able[0]
-                left.remove(able[0])
-        if len(pick) < len(ranks):
-            continue
-        node = view.nodes.get(host)
-        score = (-kept, 0 if node is not None and node.role == "standby" else 1)
-        if best is None or score < best[0]:
-            best = (score, pick, kept)
-    return None if best is None else (best[1], best[2])
 
 
 def _place_lost_nodes(view: View, failures: list[_Failure], taken: set[str]) -> tuple[dict[int, str], list[str]]:
@@ -343,7 +226,7 @@ def _place_lost_nodes(view: View, failures: list[_Failure], taken: set[str]) -> 
         ranks = [f.rank for f in failures if f.rank.host == host and f.keep_joiner is None]
         if len(ranks) < 2:
             continue
-        found = _machine_for(view, ranks, _available_standbys(view, taken))
+        found = machine_for(view, ranks, available_standbys(view, taken))
         if found is None:
             notes.append(
                 f"node {host} lost {len(ranks)} ranks and no machine has {len(ranks)} free standbys warm for "
@@ -371,14 +254,13 @@ def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by:
     machine, placement = _place_lost_nodes(view, failures, taken)
     for f in failures:
         joiner = (
-            f.keep_joiner or machine.get(f.rank.rank) or _pick_standby(view, _available_standbys(view, taken), f.rank)
+            f.keep_joiner or machine.get(f.rank.rank) or pick_standby(view, available_standbys(view, taken), f.rank)
         )
         if joiner is None:
             unserved.append(f)
             continue
         taken.add(joiner)
-        slot = view.members[joiner].slot if joiner in view.members else None
-        local_rank = f.rank.local_rank if slot is None else slot
+        local_rank = slot_or(view.members[joiner], f.rank.local_rank) if joiner in view.members else f.rank.local_rank
         replacements.append(
             Replacement(
                 rank=f.rank.rank,
@@ -521,11 +403,17 @@ def _plan_request(view: View, now: float, decided_by: str) -> list[Action]:
         return []  # no migrations/<e> key is left for the next epoch
     actions: list[Action] = []
     for key, req in sorted(view.requests.items(), key=lambda kv: (kv[1].requested_at, kv[0])):
+        if req.node is not None:
+            action = _plan_drain(view, now, key, req, decided_by)
+            actions.append(action)
+            if isinstance(action, PlanMigration):
+                break  # at most one migration per epoch
+            continue
         rec = view.ranks.get(req.rank)
         if rec is None:
             actions.append(RejectRequest(key=key, request_id=req.request_id, reason=f"rank {req.rank} does not exist"))
             continue
-        standbys = _available_standbys(view, set())
+        standbys = available_standbys(view, set())
         if req.to is not None:
             if req.to not in standbys:
                 actions.append(
@@ -545,7 +433,7 @@ def _plan_request(view: View, now: float, decided_by: str) -> list[Action]:
                 continue
             joiner: str | None = req.to
         else:
-            joiner = _pick_standby(view, standbys, rec)
+            joiner = pick_standby(view, standbys, rec)
         if joiner is None:
             actions.append(
                 RejectRequest(
@@ -555,14 +443,13 @@ def _plan_request(view: View, now: float, decided_by: str) -> list[Action]:
                 )
             )
             continue
-        slot = view.members[joiner].slot
         rep = Replacement(
             rank=rec.rank,
             leaver=rec.member_id,
             joiner=joiner,
             role=rec.role,
             state_source={"kind": "leaver", "member": rec.member_id},
-            local_rank=rec.local_rank if slot is None else slot,
+            local_rank=slot_or(view.members[joiner], rec.local_rank),
         )
         plan = MigrationPlan(
             epoch=view.epoch + 1,
@@ -593,6 +480,69 @@ def _plan_request(view: View, now: float, decided_by: str) -> list[Action]:
         )
         break  # at most one migration per epoch; the next request waits for the next round
     return actions
+
+
+def _plan_drain(view: View, now: float, key: str, req: MigrationRequest, decided_by: str) -> Action:
+    """A drain of node ``req.node``: one planned epoch moves every rank it serves to one standby machine,
+    each into the slot of its own local rank where it can; rejected when no machine has room."""
+    assert view.epoch is not None and req.node is not None
+    node = req.node
+    ranks = [rec for r, rec in sorted(view.ranks.items()) if rec.host == node and r not in view.finished]
+    if not ranks:
+        known = ", ".join(sorted({rec.host for rec in view.ranks.values()})) or "none"
+        return RejectRequest(
+            key=key, request_id=req.request_id, reason=f"node {node!r} serves no rank (nodes with ranks: {known})"
+        )
+    free = [c for c in available_standbys(view, set()) if view.members[c].host != node]
+    found = machine_for(view, ranks, free)
+    if found is None:
+        return RejectRequest(
+            key=key,
+            request_id=req.request_id,
+            reason=f"no machine has {len(ranks)} idle standbys warm for the ranks of node {node!r}: start a standby "
+            "machine (`trainmover launch --tm-role standby --nproc-per-node N ...`) and retry",
+        )
+    pick, kept = found
+    reps = [
+        Replacement(
+            rank=rec.rank,
+            leaver=rec.member_id,
+            joiner=pick[rec.rank],
+            role=rec.role,
+            state_source={"kind": "leaver", "member": rec.member_id},
+            local_rank=slot_or(view.members[pick[rec.rank]], rec.local_rank),
+        )
+        for rec in ranks
+    ]
+    machine = view.members[reps[0].joiner].host
+    plan = MigrationPlan(
+        epoch=view.epoch + 1,
+        reason="planned",
+        replacements=[dataclasses.asdict(r) for r in reps],
+        resume_iteration=None,
+        drain=node,
+        placement=[f"drain of node {node}: all {len(reps)} ranks to machine {machine} ({kept} in their own slot)"],
+        detected_at=req.requested_at,
+        decided_at=now,
+        decided_by=decided_by,
+        steps={"requested": req.requested_at, "decided": now},
+    )
+    return PlanMigration(
+        plan=plan,
+        expected_epoch=view.epoch,
+        expected_epoch_rev=view.epoch_rev,
+        rank_updates=tuple(
+            dataclasses.replace(
+                rec,
+                member_id=rep.joiner,
+                host=machine,
+                since_epoch=view.epoch + 1,
+                local_rank=rep.local_rank,
+            )
+            for rec, rep in zip(ranks, reps, strict=True)
+        ),
+        consumed=(key,),
+    )
 
 
 def decide(view: View, now: float, *, decided_by: str = "") -> list[Action]:

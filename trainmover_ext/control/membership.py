@@ -297,17 +297,28 @@ def wait_convergence(
     return ConvergenceRecord.from_bytes(values[key], key=key)
 
 
-def request_migration(space: JobSpace, *, rank: int, to: str | None = None, requested_by: str = "cli") -> str:
-    """Record a planned-migration request; returns its id."""
+def request_migration(
+    space: JobSpace, *, rank: int, to: str | None = None, node: str | None = None, requested_by: str = "cli"
+) -> str:
+    """Record a planned-migration request (of ``rank``, or with ``node`` a drain of every rank of that
+    node, ``rank`` -1); returns its id."""
     req = MigrationRequest(
-        request_id=uuid.uuid4().hex[:12], rank=rank, to=to, requested_by=requested_by, requested_at=time.time()
+        request_id=uuid.uuid4().hex[:12],
+        rank=rank,
+        to=to,
+        node=node,
+        requested_by=requested_by,
+        requested_at=time.time(),
     )
     space.commit(
         [],
         [
             Put(space.key("requests", req.request_id), req.to_bytes()),
             event_put(
-                space, "migration_requested", {"request": req.request_id, "rank": rank, "to": to}, req.requested_at
+                space,
+                "migration_requested",
+                {"request": req.request_id, "rank": rank, "to": to, "node": node},
+                req.requested_at,
             ),
         ],
     )

@@ -233,8 +233,12 @@ class MigrationRequest(Record):
     KIND: ClassVar[str] = "request"
     request_id: str
     rank: int
+    """The rank to move (-1 for a drain)."""
     to: str | None = None
     """A chosen standby member id; None lets the controller pick."""
+    node: str | None = None
+    """A drain (``trainmover drain --node``): every rank of this node moves, in one planned epoch, to the
+    slots of one standby machine."""
     requested_by: str = ""
     requested_at: float = 0.0
 
@@ -291,12 +295,19 @@ class MigrationPlan(Record):
     switch_at: int | None = None
     """A planned move: the boundary where the leaver hands over and the stayers switch; committed by the
     controller from ``leaver_at`` (nobody can pass the boundary after the leaver's while it waits)."""
+    drain: str | None = None
+    """A planned move of every rank of this node at once (``trainmover drain``)."""
     placement: list[str] = field(default_factory=list)
     """How the joiners were placed, in words, for operators: a lost node's ranks on one standby machine,
     or what was done instead when no whole machine was free."""
 
     def replacement_list(self) -> list[Replacement]:
         return [Replacement.from_dict(r) for r in self.replacements]
+
+    def rank_done(self, step: str, rank: int) -> bool:
+        """Whether ``step`` (e.g. ``handed_over``) is done for ``rank``'s move: its own ``<step>/<rank>``,
+        or the plan's ``<step>``, marked once every rank's is (see ``timeline.mark_rank_step``)."""
+        return step in self.steps or f"{step}/{rank}" in self.steps
 
     def problems(self) -> list[str]:
         out = super().problems()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainmover_ext.control.records import MigrationPlan
 from trainmover_ext.errors import CommLinkError, MembershipLost, RecoverySuperseded
-from trainmover_ext.migration.timeline import mark_step
+from trainmover_ext.migration.timeline import mark_rank_step, mark_step
 from trainmover_ext.runtime import faults
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ def serve_rank(
             mark_step(space, plan.epoch, "joined", at=joining.done_at)
             if plan.reason == "planned":
                 # Links up and model built: the job may now pick the hand-over boundary.
-                mark_step(space, plan.epoch, "ready")
+                mark_rank_step(space, plan.epoch, "ready", rep.rank)  # ``ready`` once every joiner is
                 receive_from_leaver(runtime, session, plan)
                 # The leaver and the stayers ran any evaluation due at the hand-over boundary before it.
                 session.evaluated_iteration = args.iteration

@@ -1,16 +1,18 @@
 """A planned move's hand-over: the leaver streams its state to the joiner at the agreed boundary.
 
 Contract:
-- Both ends open one 2-rank gloo pair of their own, ``transfer/<e>/leaver``
+- Both ends open one 2-rank gloo pair of their own, ``transfer/<e>/<rank>``
   on the job's rendezvous store (the leaver and the joiner serve the same
-  logical rank, so no communicator link joins them). The pair is built on a
+  logical rank, so no communicator link joins them); a move of several ranks
+  (a drain) has one pair per rank. The pair is built on a
   daemon thread while the caller polls: a newer failure plan (the leaver died,
   or another rank did) makes the wait give up at once with
   :class:`RecoverySuperseded`, and severs a pair already in use, so neither
   end waits for a dead peer.
-- The leaver marks ``handed_over`` on the plan once its last tensor is sent;
-  until then the control plane treats the leaver's death as a failure of the
-  rank (:mod:`trainmover_ext.control.decide`), whose joiner stays.
+- The leaver marks ``handed_over/<rank>`` on the plan once its last tensor is
+  sent (``handed_over`` once every leaver did); until then the control plane
+  treats the leaver's death as a failure of the rank
+  (:mod:`trainmover_ext.control.decide`), whose joiner stays.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from trainmover_ext.control.records import MigrationPlan
 from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
 from trainmover_ext.migration.recovery import recv_and_report, send_and_report
-from trainmover_ext.migration.timeline import mark_step
+from trainmover_ext.migration.timeline import mark_rank_step
 
 if TYPE_CHECKING:
     import torch
@@ -130,21 +132,20 @@ def _superseded(rt: WorkerRuntime, epoch: int) -> Callable[[], bool]:
 
 def hand_over(rt: WorkerRuntime, session: Session, plan: MigrationPlan) -> None:
     """The planned leaver, at the agreed boundary: stream state to the joiner, then leave."""
-    channel = open_handover(_handover_store(rt), f"{plan.epoch}/leaver", 0, rt.timeout_s, _superseded(rt, plan.epoch))
+    rank = rt.layout.rank
+    channel = open_handover(_handover_store(rt), f"{plan.epoch}/{rank}", 0, rt.timeout_s, _superseded(rt, plan.epoch))
     try:
         _use(
             rt,
             channel,
             plan.epoch,
-            lambda: send_and_report(
-                channel, session, plan.replacement_list()[0].rank, plan.epoch, drill="handover", space=rt.space
-            ),
+            lambda: send_and_report(channel, session, rank, plan.epoch, drill="handover", space=rt.space),
         )
     except CommLinkError as exc:
         # The joiner is gone: our state went nowhere, and the rank is not ours any more. Leave; the
         # control plane replaces the rank from a replica (the joiner's loss is a failure of it).
         raise MembershipLost(f"the planned hand-over of epoch {plan.epoch} failed: {exc}") from exc
-    mark_step(rt.space, plan.epoch, "handed_over")
+    mark_rank_step(rt.space, plan.epoch, "handed_over", rank)
     rt.epoch = plan.epoch
 
 
@@ -153,17 +154,18 @@ def receive_from_leaver(rt: WorkerRuntime, session: Session, plan: MigrationPlan
 
     Raises :class:`RecoverySuperseded` (or a link error) when a newer failure plan cuts the move
     short; the state is then unusable (``rt.state_valid`` is False) until a recovery copies it."""
-    channel = open_handover(_handover_store(rt), f"{plan.epoch}/leaver", 1, rt.timeout_s, _superseded(rt, plan.epoch))
+    rank = rt.layout.rank
+    channel = open_handover(_handover_store(rt), f"{plan.epoch}/{rank}", 1, rt.timeout_s, _superseded(rt, plan.epoch))
     _use(
         rt,
         channel,
         plan.epoch,
-        lambda: recv_and_report(channel, session, plan.replacement_list()[0].rank, plan.epoch, space=rt.space),
+        lambda: recv_and_report(channel, session, rank, plan.epoch, space=rt.space),
     )
     rt.state_valid = True
     from trainmover_training import iteration_start
 
     session.started = iteration_start.capture(session.args)
-    mark_step(rt.space, plan.epoch, "transferred", resume_iteration=session.args.iteration)
+    mark_rank_step(rt.space, plan.epoch, "transferred", rank, resume_iteration=session.args.iteration)
     session.reset_data()
     rt.epoch = plan.epoch

@@ -59,3 +59,30 @@ def mark_step(
             logger.warning("could not record step %s of epoch %d: %s", step, epoch, exc)
             return False
     return False
+
+
+def mark_rank_step(space: JobSpace, epoch: int, step: str, rank: int, **kwargs: Any) -> bool:
+    """Record ``<step>/<rank>`` (one rank's part of a move of several), and ``step`` itself once every
+    rank of the plan has its own: a plan of one rank gets both at once. ``kwargs`` as in :func:`mark_step`.
+
+    Compare-and-swap like :func:`mark_step`, so the last of several concurrent writers sees the others'
+    steps and adds ``step``."""
+    at = time.time()
+    key = space.key("migrations", migration_key_suffix(epoch))
+    for _ in range(16):
+        try:
+            entry = space.kv.get(key)
+            if entry is None:
+                return False
+            plan = MigrationPlan.from_bytes(entry.value, key=key)
+            plan.steps[f"{step}/{rank}"] = at
+            if all(f"{step}/{r.rank}" in plan.steps for r in plan.replacement_list()):
+                plan.steps[step] = at
+            if kwargs.get("resume_iteration") is not None:
+                plan.resume_iteration = int(kwargs["resume_iteration"])
+            if space.commit([Guard.mod_revision(key, entry.mod_revision)], [Put(key, plan.to_bytes())]):
+                return True
+        except StoreError as exc:
+            logger.warning("could not record step %s/%d of epoch %d: %s", step, rank, epoch, exc)
+            return False
+    return False

@@ -246,10 +246,11 @@ class WorkerRuntime(Runtime):
     def _switch_point(self, session: Session, plan: MigrationPlan, leaver: bool) -> int | None:
         """The boundary of the planned move ``plan`` once the controller committed it; None: train on.
 
-        The leaver, once the joiner is ready, says at which boundary it waits (``leaver_at``) and waits
-        there for the controller's ``switch_at``: no rank can complete the next iteration without it, so
-        nobody passes the point the controller picks. A stayer reads the plan at each boundary until the
-        point is known (its watch may lag by an iteration)."""
+        The leaver (``leaver``: of a move of several ranks, the lowest), once every joiner is ready
+        (``ready``), says at which boundary it waits (``leaver_at``) and waits there for the controller's
+        ``switch_at``: no rank can complete the next iteration without it, so nobody passes the point the
+        controller picks. A stayer, and any other leaver, reads the plan at each boundary until the point
+        is known (its watch may lag by an iteration)."""
         e, args = plan.epoch, session.args
         if e in self._switch_at:
             return self._switch_at[e]
@@ -307,9 +308,10 @@ class WorkerRuntime(Runtime):
         plan = pending[0]
         if self.newest_failure_epoch() > plan.epoch:
             return True  # a failure superseded the move: this iteration's ops raise and recovery takes over
-        rep = plan.replacement_list()[0]
+        reps = plan.replacement_list()
+        moving = sorted(r.rank for r in reps)
         layout, args = session.layout, session.args
-        leaver = rep.rank == layout.rank
+        leaver = layout.rank in moving
         if leaver:
             faults.at("prepare", rank=layout.rank, epoch=plan.epoch)
         else:
@@ -317,8 +319,10 @@ class WorkerRuntime(Runtime):
 
             world = nccl_delta.current_world()
             if plan.epoch not in world.prepared and plan.epoch not in self._switch_at:
-                world.prepare(rep.rank, plan.epoch, joiner=rep.joiner)
-        switch_at = self._switch_point(session, plan, leaver)
+                world.prepare(moving, plan.epoch, joiner=",".join(r.joiner for r in reps))
+        # One leaver (the lowest rank moving) agrees the switch point with the controller; the others
+        # read it at each boundary like the stayers (see _switch_point).
+        switch_at = self._switch_point(session, plan, leaver and layout.rank == moving[0])
         if switch_at is None or args.iteration < switch_at:
             return True
         if leaver:
