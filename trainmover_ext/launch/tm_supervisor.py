@@ -45,7 +45,7 @@ import uuid
 
 from trainmover_ext.control.fingerprint import describe_diff, read_refusal
 from trainmover_ext.deadline import RecoveryTimeouts
-from trainmover_ext.errors import STANDBY_REFUSED_EXIT_CODE
+from trainmover_ext.errors import STANDBY_REFUSED_EXIT_CODE, StoreError
 from trainmover_ext.launch.identity import ENV_MEMBER_ID, ENV_SLOT, leaver_standby_id
 from trainmover_ext.launch.process import (
     RankProcess,
@@ -84,6 +84,8 @@ class TrainMoverSupervisor:
         self.kept_joiner: set[int] = set()
         """Failure epochs whose planned joiner kept its rank (logged once)."""
         self.reported: dict[int, float] = {}
+        self.report_retry: dict[int, float] = {}
+        """When a report etcd could not take may be tried again, by rank."""
         self.space = self.controller = self.member = self.inbox = self.archive = None
         self.epoch = 0
         self.standbys_started = 0
@@ -374,7 +376,15 @@ class TrainMoverSupervisor:
         leaver's report is moot once its hand-over is done, so it is not tracked)."""
         from trainmover_ext.control.supervise import report_exit
 
-        report_exit(self.space, rank=rank, member_id=member, reporter=self.agent_id, code=code, epoch=self.epoch)
+        if time.time() < self.report_retry.get(rank, 0.0):
+            return
+        try:
+            report_exit(self.space, rank=rank, member_id=member, reporter=self.agent_id, code=code, epoch=self.epoch)
+        except StoreError as exc:  # etcd unreachable: report again in a second (the lease is the fallback)
+            self.report_retry[rank] = time.time() + 1.0
+            self.agent.log(f"could not report rank {rank}'s exit (code {code}): {exc}; trying again")
+            return
+        self.report_retry.pop(rank, None)
         if track:
             self.reported[rank] = time.time()
         self.agent.log(f"rank {rank} ({member}) exited with code {code}; reported to the controller")

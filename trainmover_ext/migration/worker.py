@@ -37,7 +37,7 @@ from trainmover_ext.control.convergence import GridShape
 from trainmover_ext.control.membership import Membership, PlanInbox, init_job
 from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord, migration_key_suffix
 from trainmover_ext.deadline import Deadline, RecoveryTimeouts
-from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
+from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded, StoreError
 from trainmover_ext.kv.codec import encode
 from trainmover_ext.launch.identity import Identity, identity_from_env, open_space
 from trainmover_ext.migration.planned import HandoverChannel, hand_over
@@ -93,6 +93,8 @@ class WorkerRuntime(Runtime):
         self.timeout_s = RecoveryTimeouts(config.lease_ttl_s).decision_s
         self._switch_at: dict[int, int] = {}
         self._replaced = False
+        self._checkpoint_unsaid: int | None = None
+        """rank 0: a checkpoint iteration not yet written to etcd (it was unreachable)."""
         self.handed_over: int | None = None
         """Epoch at which this rank, a planned leaver, handed its state over and left training."""
         self.pending_first_iteration: list[int] = []
@@ -147,18 +149,41 @@ class WorkerRuntime(Runtime):
     def after_checkpoint(self, session: Session) -> None:
         if session.layout.rank == 0:
             # The controller names this iteration in a plan whose lost state has no replica.
-            self.space.put(self.space.key("checkpoint"), encode("checkpoint", {"iteration": session.args.iteration}))
+            self._checkpoint_unsaid = session.args.iteration
+            self._say_checkpoint()
+
+    def _say_checkpoint(self) -> None:
+        """Write ``checkpoint``; while etcd is unreachable, try again after the next iteration."""
+        if self._checkpoint_unsaid is None:
+            return
+        try:
+            self.space.put(self.space.key("checkpoint"), encode("checkpoint", {"iteration": self._checkpoint_unsaid}))
+        except StoreError as exc:
+            logger.warning("could not record checkpoint %d in etcd (%s); trying again", self._checkpoint_unsaid, exc)
+            return
+        self._checkpoint_unsaid = None
 
     def after_iteration(self, session: Session, loss: float | None) -> None:
         for epoch in self.pending_first_iteration:
             mark_step(self.space, epoch, "first_iteration", status="done")
         self.pending_first_iteration = []
+        self._say_checkpoint()
 
     def after_training(self, session: Session) -> None:
-        """Say this rank is done before the lease goes, so the controller does not replace it."""
-        self.space.put(
-            self.space.key("finished", session.layout.rank), encode("finished", {"iteration": session.args.iteration})
-        )
+        """Say this rank is done before the lease goes, so the controller does not replace it (retried
+        while etcd is unreachable, up to the decision timeout)."""
+        self._say_checkpoint()
+        key = self.space.key("finished", session.layout.rank)
+        deadline = Deadline(self.timeout_s)
+        while True:
+            try:
+                self.space.put(key, encode("finished", {"iteration": session.args.iteration}))
+                return
+            except StoreError as exc:
+                if deadline.expired:
+                    raise
+                logger.warning("rank %d: could not record that it finished (%s); trying again", self.layout.rank, exc)
+                time.sleep(0.5)
 
     # -- decisions (watch thread) -------------------------------------------
     def _abandon_at_once(self, plan: MigrationPlan) -> None:
@@ -280,7 +305,11 @@ class WorkerRuntime(Runtime):
             key = self.space.key("migrations", migration_key_suffix(e))
             deadline = Deadline(self.timeout_s)
             while True:
-                entry = self.space.kv.get(key)
+                try:
+                    entry = self.space.kv.get(key)
+                except StoreError as exc:  # etcd unreachable: no switch point known yet
+                    logger.warning("rank %d: could not read the plan of epoch %d: %s", self.layout.rank, e, exc)
+                    entry = None
                 switch_at = None if entry is None else MigrationPlan.from_bytes(entry.value, key=key).switch_at
                 if switch_at is not None or not at_last:
                     break
