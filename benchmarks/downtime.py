@@ -15,6 +15,10 @@ Every run trains with Megatron's dropout (0.1) in bf16 (``--precision``, ``--dro
   lands at a random point inside an iteration (seeded, ``--seed``), over
   ``--unexpected-trials`` runs: the median, with ``unexpected_range_s`` and every trial.
 - ``planned_s``: ``trainmover migrate --rank R`` while the job trains.
+- ``node_loss_s``: a whole machine lost, 4 ranks at once (``benchmarks/downtime_nodes.py``): the
+  same job with ``--use-tp-pp-dp-mapping`` on two loopback nodes of 4 ranks and a standby machine of
+  4 slots; node 1 is SIGKILLed whole at a random point inside an iteration once the machine is warm,
+  over ``--node-loss-trials`` runs (0 skips): the median, and ``node_loss_over_unexpected`` (goal <= 1.5).
 - ``scale``: ``unexpected_s`` at 4, 8 and 16 ranks (a smaller model, so that 16
   ranks fit on the machine), to show that the cost does not grow with the world;
   the median of ``--scale-trials`` SIGKILLs each (every trial in ``trials_s``).
@@ -54,8 +58,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import ROOT, median, print_table, rank_pids, read_events, start_launcher, wait_until, write_json  # noqa: E402
-from downtime_report import iterations, lost_time, phases_of, plot  # noqa: E402
+from common import ROOT, print_table, rank_pids, read_events, start_launcher, wait_until, write_json  # noqa: E402
+from downtime_nodes import MAPPING, node_loss_runs  # noqa: E402
+from downtime_report import iterations, lost_time, phases_of, plot, resume_event, sleep_into_iteration, trajectory  # noqa: E402
 
 from harness.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus, model_args  # noqa: E402
 
@@ -88,11 +93,6 @@ def job_args(data_prefix: str, iters: int, ranks: int) -> list[str]:
     )
 
 
-def trajectory(metrics: str) -> dict[int, float]:
-    """iteration -> loss; a re-run iteration keeps the value logged last."""
-    return {e["iteration"]: e["loss"] for e in iterations(metrics)}
-
-
 class Etcd:
     """An embedded etcd that outlives the job, so the migration timeline can be read afterwards."""
 
@@ -103,12 +103,26 @@ class Etcd:
         self.token = secrets.token_hex(16)
         self.flags = ["--tm-etcd-endpoints", ",".join(self.server.endpoints), "--tm-job-token", self.token]
 
-    def plan_steps(self, job: str) -> list[dict]:
-        from trainmover_ext.control.records import MigrationPlan
+    def _space(self, job: str):
         from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
         from trainmover_ext.kv.job import JobSpace
 
-        space = JobSpace.open(EtcdKV(EtcdClientConfig(endpoints=",".join(self.server.endpoints))), job, self.token)
+        return JobSpace.open(EtcdKV(EtcdClientConfig(endpoints=",".join(self.server.endpoints))), job, self.token)
+
+    def view(self, job: str):
+        """``job``'s control state as its controller reads it (raises ``StoreError`` before it exists)."""
+        from trainmover_ext.control.view import read_view
+
+        space = self._space(job)
+        try:
+            return read_view(space)
+        finally:
+            space.kv.close()
+
+    def plan_steps(self, job: str) -> list[dict]:
+        from trainmover_ext.control.records import MigrationPlan
+
+        space = self._space(job)
         try:
             plans = [
                 MigrationPlan.from_bytes(e.value, key=e.key)
@@ -122,11 +136,14 @@ class Etcd:
         self.server.stop()
 
 
-def reference(workdir: str, data_prefix: str, iters: int, ranks: int, name: str = "reference") -> dict[int, float]:
+def reference(
+    workdir: str, data_prefix: str, iters: int, ranks: int, name: str = "reference", extra: tuple = ()
+) -> dict[int, float]:
+    """The fault-free run's trajectory, one launcher of ``ranks``; ``extra``: more script flags."""
     metrics = os.path.join(workdir, f"{name}.jsonl")
     proc = start_launcher(
         ranks,
-        job_args(data_prefix, iters, ranks) + ["--trainmover", "--tm-metrics-file", metrics],
+        job_args(data_prefix, iters, ranks) + [*extra, "--trainmover", "--tm-metrics-file", metrics],
         ["--run-dir", os.path.join(workdir, f"{name}.run")],
         os.path.join(workdir, name),
     )
@@ -173,18 +190,10 @@ def run_trainmover(
     finally:
         if proc.poll() is None:
             proc.kill()
-    resumed = [e for e in read_events(metrics) if e.get("event") == "recovered" and e["t"] > t0]
-    if not resumed:  # the killed rank was the logging rank: its joiner logs "promoted" instead
-        resumed = [
-            dict(e, t=e["state_ready"], reason=e.get("reason", "failure"))
-            for e in read_events(metrics)
-            if e.get("event") == "promoted" and e.get("state_ready", 0) > t0
-        ]
-    if not resumed:
+    resumed = resume_event(metrics, t0)
+    if resumed is None:
         raise RuntimeError(f"{name}: the logging rank recorded no recovery; see {log}.err")
-    result = lost_time(
-        metrics, t0, resumed[0], planned=resumed[0].get("reason") == "planned", steady_after=steady_after
-    )
+    result = lost_time(metrics, t0, resumed, planned=resumed.get("reason") == "planned", steady_after=steady_after)
     promoted = [e for e in read_events(metrics) if e.get("event") == "promoted" and "groups_built" in e]
     if promoted:  # only when the joiner is the logging rank (the scale runs kill it)
         e = promoted[0]
@@ -243,8 +252,7 @@ def kill_rank(rank: int, inside: float | None = None):
     def action(log: str) -> float:
         pid = rank_pids(log + ".err")[0][rank]
         if inside is not None:
-            its = iterations(log + ".jsonl")
-            time.sleep(inside * median([e["iteration_s"] for e in its[2:]] or [its[-1]["iteration_s"]]))
+            sleep_into_iteration(log + ".jsonl", inside)
         t0 = time.time()
         os.kill(pid, signal.SIGKILL)
         return t0
@@ -325,6 +333,21 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the random kill points.")
     parser.add_argument(
+        "--node-loss-trials",
+        type=int,
+        default=1,
+        help="Runs of the node-loss scenario (two nodes of 4 ranks and a standby machine; node 1 SIGKILLed "
+        "whole at a random point inside an iteration); the median is node_loss_s. 0 skips it.",
+    )
+    parser.add_argument(
+        "--node-loss-iters",
+        type=int,
+        default=40,
+        help="Iterations of the node-loss runs and their fault-free reference (the standby machine's 4 "
+        "standbys must warm, and 5 steady iterations pass, before the kill, and no earlier than after "
+        "AT_ITERATION).",
+    )
+    parser.add_argument(
         "--precision",
         choices=sorted(PRECISION_FLAGS),
         default="bf16",
@@ -358,6 +381,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.scale_trials < 1 or args.unexpected_trials < 1:
         parser.error("--scale-trials and --unexpected-trials must be at least 1")
+    if args.node_loss_trials < 0:
+        parser.error("--node-loss-trials must be 0 (skip) or more")
     SETTINGS.update(precision=args.precision, dropout=args.dropout)
     rng = random.Random(args.seed)
     ensure_corpus(args.data_prefix)
@@ -400,6 +425,21 @@ def main(argv=None) -> int:
             migrate_rank(args.victim, "planned", etcd),
             etcd,
         )
+        node_loss = None
+        if args.node_loss_trials:
+            print("fault-free reference run (8 ranks, --use-tp-pp-dp-mapping) ...", flush=True)
+            ref_nodes = reference(
+                workdir, args.data_prefix, args.node_loss_iters, 8, name="reference_nodes", extra=tuple(MAPPING)
+            )
+            node_loss = node_loss_runs(
+                workdir,
+                job_args(args.data_prefix, args.node_loss_iters, 8),
+                ref_nodes,
+                etcd,
+                args.node_loss_trials,
+                rng,
+                at_iteration=args.at_iteration,
+            )
         restart = restart_fork = None
         if not args.skip_restart:
             print("stop-restart baseline (same job, checkpoint every 5 iterations), fresh interpreters ...", flush=True)
@@ -465,6 +505,7 @@ def main(argv=None) -> int:
         "planned": traj_p == ref,
         **{f"scale_{s['ranks']}": s["bit_identical"] for s in scale},
         **{f"sandbox_{c}": sandbox[c]["bit_identical"] for c in ("kept_rank", "other_rank") if sandbox},
+        **({"node_loss": node_loss["bit_identical"]} if node_loss else {}),
     }
     downtimes = [t["downtime_s"] for t in unexpected_trials]
     result = {
@@ -480,6 +521,8 @@ def main(argv=None) -> int:
             "iters": args.iters,
             "victim": args.victim,
             "at_iteration": args.at_iteration,
+            "node_loss_trials": args.node_loss_trials,
+            "node_loss_iters": args.node_loss_iters,
         },
         "iteration_s": unexpected["iteration_s"],
         "unexpected_s": unexpected["downtime_s"],
@@ -498,7 +541,12 @@ def main(argv=None) -> int:
         "bit_identical_by_scenario": by_scenario,
         "scale": scale,
         "sandbox": sandbox,
+        "node_loss_s": node_loss["node_loss_s"] if node_loss else None,
+        "node_loss_trials_s": node_loss["node_loss_trials_s"] if node_loss else None,
+        "node_loss": node_loss,
     }
+    if node_loss:
+        result["node_loss_over_unexpected"] = node_loss["node_loss_s"] / result["unexpected_s"]
     if restart:
         result["unexpected_over_restart"] = result["unexpected_s"] / restart["restart_s"]
         result["unexpected_over_restart_fork"] = result["unexpected_s"] / restart_fork["restart_s"]
@@ -517,12 +565,25 @@ def main(argv=None) -> int:
             f"{max(downtimes):.3f}, kill points {[t['kill_inside_iteration'] for t in unexpected_trials]})",
         ),
         ("unexpected_s / restart_s", f"{result['unexpected_over_restart']:.4f} (goal <= 0.03)" if restart else "-"),
+        (
+            "node_loss_s (4 ranks at once, median)",
+            f"{node_loss['node_loss_s']:.3f} (trials {node_loss['node_loss_trials_s']}, iteration "
+            f"{node_loss['iteration_s']:.3f} s)"
+            if node_loss
+            else "skipped",
+        ),
+        (
+            "node_loss_s / unexpected_s",
+            f"{result['node_loss_over_unexpected']:.3f} (goal <= 1.5 x unexpected_s)" if node_loss else "-",
+        ),
         ("planned_s", f"{result['planned_s']:.3f}"),
         ("nvrx_inprocess_s", f"{nvrx['nvrx_inprocess_s']:.3f}" if nvrx else "skipped"),
         ("iteration_s", f"{result['iteration_s']:.3f}"),
         ("bit_identical", f"{result['bit_identical']} {by_scenario}"),
     ]
     rows += [(f"  unexpected {k}", f"{v:.3f}") for k, v in unexpected.get("phases", {}).items()]
+    if node_loss:
+        rows += [(f"  node loss {k}", f"{v:.3f}") for k, v in node_loss["median"].get("phases", {}).items()]
     if nvrx:
         rows += [
             ("unexpected_s / nvrx_inprocess_s", f"{result['unexpected_over_nvrx']:.3f} (goal <= 0.5)"),

@@ -3,12 +3,40 @@ migration's phases, and the plot."""
 
 from __future__ import annotations
 
+import time
+
 from common import median, read_events
 
 
 def iterations(metrics: str) -> list[dict]:
     """The ``iteration`` records of a metrics file."""
     return [e for e in read_events(metrics) if e.get("event") == "iteration"]
+
+
+def trajectory(metrics: str) -> dict[int, float]:
+    """iteration -> loss; a re-run iteration keeps the value logged last."""
+    return {e["iteration"]: e["loss"] for e in iterations(metrics)}
+
+
+def sleep_into_iteration(metrics: str, inside: float) -> None:
+    """Sleep ``inside`` (0..1) of a steady iteration (the median logged, the first two left out): called
+    right after an iteration was logged, it returns at that point inside the next one."""
+    its = iterations(metrics)
+    time.sleep(inside * median([e["iteration_s"] for e in its[2:]] or [its[-1]["iteration_s"]]))
+
+
+def resume_event(metrics: str, t0: float) -> dict | None:
+    """The logging rank's first ``recovered`` event after ``t0``; when the logging rank itself was replaced,
+    its joiner's ``promoted`` event, timed at ``state_ready``. None when neither was logged."""
+    events = read_events(metrics)
+    resumed = [e for e in events if e.get("event") == "recovered" and e["t"] > t0]
+    if not resumed:
+        resumed = [
+            dict(e, t=e["state_ready"], reason=e.get("reason", "failure"))
+            for e in events
+            if e.get("event") == "promoted" and e.get("state_ready", 0) > t0
+        ]
+    return resumed[0] if resumed else None
 
 
 def lost_time(

@@ -1,7 +1,15 @@
 """Several ``trainmover launch`` agents of one job on loopback, each a "node" with its own name
-(``TRAINMOVER_NODE_NAME``), sharing one etcd the test starts: active nodes of 4 ranks, and standby
-machines (``--tm-role standby``). Each agent runs in its own process group, so a test can kill a
-whole node (agent and every process it started) at once."""
+(``TRAINMOVER_NODE_NAME``), sharing one etcd: active nodes of :data:`PER_NODE` ranks, and standby
+machines (``--tm-role standby``). Each agent runs in its own process group, so a caller can kill a
+whole node (agent and every process it started) at once.
+
+Used by the multi-node tests (``tests/migration/test_multinode.py``, ``test_node_loss.py``) and by the
+node-loss scenario of ``benchmarks/downtime.py``. It reads no control keys itself: a caller that needs
+the job's view passes a reader (the tests' ``JobProbe.view``, the benchmark's ``Etcd.view``).
+
+On failure: a node that exits before the awaited iteration, or a wait that runs past its timeout,
+raises ``AssertionError`` with the tail of every node's stderr.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +20,15 @@ import secrets
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from harness.jobs import REPO_ROOT
-from helpers import JobProbe, launch_cmd, read_metrics
+from harness.jobs import REPO_ROOT, launch_cmd
+from trainmover_ext.errors import StoreError
 
 PER_NODE = 4
+"""Ranks of an active node, and standby slots of a standby machine."""
 
 
 @dataclass(frozen=True)
@@ -29,18 +40,34 @@ class Node:
 
 
 class NodesJob:
-    """One job over ``nodes``; active nodes take node ranks 0, 1, ... in order, named n0, n1, ..."""
+    """One job over ``nodes``; active nodes take node ranks 0, 1, ... in order, named n0, n1, ...
 
-    def __init__(self, tmp_path, args: list[str], nodes: list[Node], name: str):
+    ``args`` are the script's flags and must contain ``--tm-standbys`` (each node's value replaces it).
+    Logs go to ``workdir/n<i>.out|.err``, metrics of every rank to ``workdir/metrics.jsonl``.
+    Without ``etcd`` the job starts its own etcd (data in ``workdir/etcd``) and stops it in :meth:`close`;
+    with ``etcd`` (a started ``EmbeddedEtcd``) and ``token`` it joins that one and leaves it running."""
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        args: list[str],
+        nodes: list[Node],
+        name: str,
+        *,
+        etcd=None,
+        token: str | None = None,
+    ):
         from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig, free_port
 
-        self.dir, self.name, self.nodes = tmp_path, name, nodes
-        self.etcd = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=str(tmp_path / "etcd"))).start(timeout=60)
-        self.token = secrets.token_hex(16)
-        self.metrics = str(tmp_path / "metrics.jsonl")
+        self.dir, self.name, self.nodes = Path(workdir), name, nodes
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._own_etcd = etcd is None
+        if etcd is None:
+            etcd = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=str(self.dir / "etcd"))).start(timeout=60)
+        self.etcd = etcd
+        self.token = token or secrets.token_hex(16)
+        self.metrics = str(self.dir / "metrics.jsonl")
         self.procs: list[subprocess.Popen] = []
-        self.probe = JobProbe(self.etcd.endpoints, name, self.token)
-        self.leader, self.plans = self.probe.leader, self.probe.plans
         port = str(free_port())
         active = sum(not n.machine for n in nodes)
         node_rank = 0
@@ -60,7 +87,7 @@ class NodesJob:
                 "--master-port",
                 port,
                 "--run-dir",
-                str(tmp_path / f"n{i}.run"),
+                str(self.dir / f"n{i}.run"),
                 "--tm-job",
                 name,
                 "--tm-etcd-endpoints",
@@ -72,8 +99,8 @@ class NodesJob:
             self.procs.append(
                 subprocess.Popen(
                     cmd,
-                    stdout=open(tmp_path / f"n{i}.out", "w"),
-                    stderr=open(tmp_path / f"n{i}.err", "w"),
+                    stdout=open(self.dir / f"n{i}.out", "w"),
+                    stderr=open(self.dir / f"n{i}.err", "w"),
                     env=env,
                     cwd=REPO_ROOT,
                     start_new_session=True,
@@ -86,14 +113,50 @@ class NodesJob:
     def errs(self, tail: int = 2000) -> str:
         return "\n".join(f"--- n{i}\n{self.err(i)[-tail:]}" for i in range(len(self.nodes)))
 
+    def iterations(self) -> list[dict]:
+        """The ``iteration`` records logged so far, in the order they were written."""
+        if not os.path.exists(self.metrics):
+            return []
+        with open(self.metrics) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        return [r for r in records if r.get("event") == "iteration"]
+
+    def last_iteration(self) -> int:
+        return max((r["iteration"] for r in self.iterations()), default=0)
+
+    def _assert_running(self, what: object = "") -> None:
+        assert all(p.poll() is None for p in self.procs), f"a node exited: {what}\n{self.errs()}"
+
     def wait_iteration(self, iteration: int, timeout: float = 180) -> None:
+        """Until some rank logged ``iteration`` (or a later one)."""
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if any(r["iteration"] >= iteration for r in read_metrics(self.metrics)):
+            if self.last_iteration() >= iteration:
                 return
-            assert all(p.poll() is None for p in self.procs), self.errs()
+            self._assert_running(f"waiting for iteration {iteration}")
             time.sleep(0.1)
         raise AssertionError(f"iteration {iteration} not reached:\n{self.errs()}")
+
+    def wait_warm_machine(self, host: str, view: Callable[[], object], timeout: float = 240) -> None:
+        """Until machine ``host`` is registered and each of its :data:`PER_NODE` standbys is warm for some
+        role, as ``view()`` (a :class:`~trainmover_ext.control.view.View` reader) shows it."""
+        deadline = time.time() + timeout
+        seen: object = None
+        while time.time() < deadline:
+            try:
+                current = view()
+            except StoreError as exc:  # the job is not in etcd yet
+                seen = exc
+                time.sleep(0.3)
+                continue
+            members = current.members.values()
+            warm = [m for m in members if m.kind == "standby" and m.host == host and m.warm_roles]
+            if len(warm) == PER_NODE and host in current.nodes:
+                return
+            seen = (sorted(current.nodes), [(m.member_id, m.host, m.warm_roles) for m in members])
+            self._assert_running(seen)
+            time.sleep(0.3)
+        raise AssertionError(f"standby machine {host} not warm: {seen}\n{self.errs()}")
 
     def rank_pid(self, rank: int) -> int:
         """The pid of ``rank`` as its active node started it."""
@@ -104,6 +167,7 @@ class NodesJob:
         os.killpg(self.procs[node].pid, signal.SIGKILL)
 
     def finish(self, timeout: float = 300) -> list[int]:
+        """Every node's exit code, once all exited; a node still running after ``timeout`` is killed."""
         try:
             return [p.wait(timeout) for p in self.procs]
         finally:
@@ -112,7 +176,9 @@ class NodesJob:
                     p.kill()
 
     def close(self) -> None:
+        """Kill what still runs (each node's whole group); stop the etcd if this job started it."""
         for p in self.procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-        self.etcd.stop()
+        if self._own_etcd:
+            self.etcd.stop()

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from helpers import tm_args, trajectory
-from support.nodes import Node, NodesJob
+from harness.nodes import Node, NodesJob
+from helpers import JobProbe, tm_args, trajectory
 
 
 @pytest.fixture
@@ -45,21 +45,22 @@ def test_hung_leader_loses_the_migration_to_the_other_controller(two_nodes, corp
     (fenced writes keep the stopped one from committing anything). The old leader resumes as a follower."""
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
     job = two_nodes((1, 1), "hungleader")
+    probe = JobProbe(job.etcd.endpoints, job.name, job.token)
     job.wait_iteration(4)
-    leader = job.leader()
+    leader = probe.leader()
     node = int(re.match(r"agent-n(\d)-", leader).group(1))
     other = 1 - node
     job.procs[node].send_signal(signal.SIGSTOP)
     try:
         os.kill(job.rank_pid(4 * other + 2), signal.SIGKILL)
         deadline = time.time() + 60
-        while not job.plans() and time.time() < deadline:
+        while not probe.plans() and time.time() < deadline:
             time.sleep(0.2)
-        plans = job.plans()
+        plans = probe.plans()
     finally:
         job.procs[node].send_signal(signal.SIGCONT)
     assert plans, "no plan while the old leader was stopped"
     assert plans[0].decided_by != leader and plans[0].decided_by.startswith(f"agent-n{other}-"), plans[0]
     assert job.finish() == [0, 0], job.errs()
     assert trajectory(job.metrics) == ref
-    assert len(job.plans()) == 1, "the migration was decided twice"
+    assert len(probe.plans()) == 1, "the migration was decided twice"
