@@ -1,9 +1,11 @@
-"""Fixtures for live-migration tests: fault-free reference trajectories, computed once per layout."""
+"""Fixtures for live-migration tests: fault-free reference trajectories, computed once per layout, and
+jobs of several loopback nodes."""
 
 from __future__ import annotations
 
 import pytest
 
+from harness.nodes import Node, NodesJob
 from helpers import run_job, trajectory
 
 
@@ -20,3 +22,18 @@ def reference(tmp_path_factory, corpus):
         return cache[key]
 
     return get
+
+
+@pytest.fixture
+def nodes_job(tmp_path):
+    """``nodes_job(args, nodes, name)`` starts a :class:`~harness.nodes.NodesJob`; every one is killed after
+    the test (each node's whole process group) and its etcd stopped."""
+    jobs: list[NodesJob] = []
+
+    def start(args: list[str], nodes: list[Node], name: str) -> NodesJob:
+        jobs.append(NodesJob(tmp_path, args, nodes, name))
+        return jobs[-1]
+
+    yield start
+    for job in jobs:
+        job.close()

@@ -4,25 +4,10 @@ the drained node's agent is left serving nothing. Three agents on loopback as in
 
 from __future__ import annotations
 
-import pytest
-
-from harness.nodes import PER_NODE, Node, NodesJob
+from harness.nodes import PER_NODE, Node
 from helpers import JobProbe, read_metrics, tm_args, trainmover_cli, trajectory
 
 ITERS = 60
-
-
-@pytest.fixture
-def nodes_job(tmp_path):
-    jobs = []
-
-    def start(args, nodes, name):
-        jobs.append(NodesJob(tmp_path, args, nodes, name))
-        return jobs[-1]
-
-    yield start
-    for job in jobs:
-        job.close()
 
 
 def test_drain_moves_a_node_in_one_planned_epoch(nodes_job, corpus, reference):

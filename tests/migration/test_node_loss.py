@@ -8,26 +8,11 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
-from harness.nodes import Node, NodesJob
+from harness.nodes import Node
 from helpers import JobProbe, tm_args, trajectory
 
 ITERS = 60
 """Long enough that the standby machine's 4 standbys warm (beside 8 busy ranks on 2 cores) before the end."""
-
-
-@pytest.fixture
-def nodes_job(tmp_path):
-    jobs = []
-
-    def start(args, nodes, name):
-        jobs.append(NodesJob(tmp_path, args, nodes, name))
-        return jobs[-1]
-
-    yield start
-    for job in jobs:
-        job.close()
 
 
 def test_a_lost_node_moves_whole_to_one_standby_machine(nodes_job, corpus, reference):

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from trainmover_ext.control.drain import rejection
 from trainmover_ext.control.membership import request_migration
 from trainmover_ext.control.placement import warm_standbys
 from trainmover_ext.control.records import Event
@@ -216,9 +217,12 @@ def format_status(view: View, job: str) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     space = open_job(args)
     try:
-        print(format_status(read_view(space), space.job))
+        view = read_view(space)
     finally:
         space.kv.close()
+    if args.finished:
+        return 0 if job_done(view) else 1
+    print(format_status(view, space.job))
     return 0
 
 
@@ -311,17 +315,10 @@ def _await_decision(space: JobSpace, request_id: str, rank: int, epoch: int, wai
     key = space.key("requests", request_id)
     while not deadline.expired:
         if space.kv.get(key) is None:  # the controller settled it: planned or rejected
-            for entry in reversed(space.kv.get_prefix(space.key("events/")).entries):
-                try:
-                    ev = Event.from_bytes(entry.value, key=entry.key)
-                except MalformedValue:
-                    continue
-                if ev.what == "request_rejected" and ev.detail.get("request") == request_id:
-                    print(
-                        f"trainmover migrate: the controller rejected the move: {ev.detail.get('reason')}",
-                        file=sys.stderr,
-                    )
-                    return 1
+            reason = rejection(space, request_id)
+            if reason is not None:
+                print(f"trainmover migrate: the controller rejected the move: {reason}", file=sys.stderr)
+                return 1
             view = read_view(space)
             plan = view.last_plan
             if plan is not None and plan.epoch > epoch and plan.reason == "planned":
@@ -408,6 +405,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     """Register ``status``, ``events`` and ``migrate``; returns the ``status`` parser."""
     status = _sub(
         subparsers, "status", "show ranks -> members, standbys, epoch and the last migration of a job", cmd_status
+    )
+    status.add_argument(
+        "--finished",
+        action="store_true",
+        help="print nothing; exit 0 when every rank of the job has finished training, 1 when not (e.g. for a "
+        "batch script whose node agent was lost although a standby finished that node's ranks)",
     )
     events = _sub(subparsers, "events", "show the timeline of membership and migration events of a job", cmd_events)
     events.add_argument("--limit", type=int, default=0, help="show only the last N events (default: all)")

@@ -53,7 +53,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
         space.kv.close()
 
 
-def _rejection(space: JobSpace, request_id: str) -> str | None:
+def rejection(space: JobSpace, request_id: str) -> str | None:
     """The controller's reason, when it rejected request ``request_id`` (from the events timeline)."""
     for entry in reversed(space.kv.get_prefix(space.key("events/")).entries):
         try:
@@ -71,7 +71,7 @@ def _await_drain(space: JobSpace, request_id: str, node: str, epoch: int, wait_s
     plan: MigrationPlan | None = None
     while not deadline.expired:
         if plan is None and space.kv.get(key) is None:  # settled: planned or rejected
-            reason = _rejection(space, request_id)
+            reason = rejection(space, request_id)
             if reason is not None:
                 print(f"trainmover drain: the controller rejected the drain: {reason}", file=sys.stderr)
                 return 1

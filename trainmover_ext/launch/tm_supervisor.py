@@ -84,6 +84,8 @@ class TrainMoverSupervisor:
         self.kept_joiner: set[int] = set()
         """Failure epochs whose planned joiner kept its rank (logged once)."""
         self.reported: dict[int, float] = {}
+        self.placed: set[int] = set()
+        """Epochs whose placement notes were logged."""
         self.report_retry: dict[int, float] = {}
         """When a report etcd could not take may be tried again, by rank."""
         self.space = self.controller = self.member = self.inbox = self.archive = None
@@ -268,8 +270,10 @@ class TrainMoverSupervisor:
         plans = self.inbox.take()
         for plan in plans:
             self.epoch = max(self.epoch, plan.epoch)
-            for note in plan.placement:
-                self.agent.log(f"epoch {plan.epoch} ({plan.reason}): {note}")
+            if plan.epoch not in self.placed:  # a plan is delivered again with every step marked on it
+                self.placed.add(plan.epoch)
+                for note in plan.placement:
+                    self.agent.log(f"epoch {plan.epoch} ({plan.reason}): {note}")
             if plan.unserved:
                 return f"epoch {plan.epoch}: no warm standby left for rank(s) {plan.unserved}"
             for rep in plan.replacement_list():

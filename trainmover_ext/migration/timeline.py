@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trainmover_ext.control.records import MigrationPlan, migration_key_suffix
@@ -21,6 +22,26 @@ if TYPE_CHECKING:
     from trainmover_ext.kv.job import JobSpace
 
 logger = logging.getLogger(__name__)
+
+
+def _update_plan(space: JobSpace, epoch: int, change: Callable[[MigrationPlan], None], what: str) -> bool:
+    """Apply ``change`` to the plan of ``epoch`` by compare-and-swap, retried (up to 16 rounds) so that
+    concurrent writers never lose each other's steps. Returns True when written; an unreachable etcd is
+    logged (``what`` names the step), never raised."""
+    key = space.key("migrations", migration_key_suffix(epoch))
+    for _ in range(16):
+        try:
+            entry = space.kv.get(key)
+            if entry is None:
+                return False
+            plan = MigrationPlan.from_bytes(entry.value, key=key)
+            change(plan)
+            if space.commit([Guard.mod_revision(key, entry.mod_revision)], [Put(key, plan.to_bytes())]):
+                return True
+        except StoreError as exc:
+            logger.warning("could not record step %s of epoch %d: %s", what, epoch, exc)
+            return False
+    return False
 
 
 def mark_step(
@@ -38,51 +59,31 @@ def mark_step(
     resume iteration, other plan ``fields`` and a new status. Returns True when written."""
     if not only_if:
         return False
-    at = time.time() if at is None else at
-    key = space.key("migrations", migration_key_suffix(epoch))
-    for _ in range(8):
-        try:
-            entry = space.kv.get(key)
-            if entry is None:
-                return False
-            plan = MigrationPlan.from_bytes(entry.value, key=key)
-            plan.steps[step] = at
-            if resume_iteration is not None:
-                plan.resume_iteration = int(resume_iteration)
-            for name, value in (fields or {}).items():
-                setattr(plan, name, value)
-            if status:
-                plan.status = status
-            if space.commit([Guard.mod_revision(key, entry.mod_revision)], [Put(key, plan.to_bytes())]):
-                return True
-        except StoreError as exc:
-            logger.warning("could not record step %s of epoch %d: %s", step, epoch, exc)
-            return False
-    return False
+    when = time.time() if at is None else at
+
+    def change(plan: MigrationPlan) -> None:
+        plan.steps[step] = when
+        if resume_iteration is not None:
+            plan.resume_iteration = int(resume_iteration)
+        for name, value in (fields or {}).items():
+            setattr(plan, name, value)
+        if status:
+            plan.status = status
+
+    return _update_plan(space, epoch, change, step)
 
 
-def mark_rank_step(space: JobSpace, epoch: int, step: str, rank: int, **kwargs: Any) -> bool:
+def mark_rank_step(space: JobSpace, epoch: int, step: str, rank: int, *, resume_iteration: int | None = None) -> bool:
     """Record ``<step>/<rank>`` (one rank's part of a move of several), and ``step`` itself once every
-    rank of the plan has its own: a plan of one rank gets both at once. ``kwargs`` as in :func:`mark_step`.
+    rank of the plan has its own: a plan of one rank gets both at once. The last of several concurrent
+    writers sees the others' steps (compare-and-swap) and adds ``step``."""
+    when = time.time()
 
-    Compare-and-swap like :func:`mark_step`, so the last of several concurrent writers sees the others'
-    steps and adds ``step``."""
-    at = time.time()
-    key = space.key("migrations", migration_key_suffix(epoch))
-    for _ in range(16):
-        try:
-            entry = space.kv.get(key)
-            if entry is None:
-                return False
-            plan = MigrationPlan.from_bytes(entry.value, key=key)
-            plan.steps[f"{step}/{rank}"] = at
-            if all(f"{step}/{r.rank}" in plan.steps for r in plan.replacement_list()):
-                plan.steps[step] = at
-            if kwargs.get("resume_iteration") is not None:
-                plan.resume_iteration = int(kwargs["resume_iteration"])
-            if space.commit([Guard.mod_revision(key, entry.mod_revision)], [Put(key, plan.to_bytes())]):
-                return True
-        except StoreError as exc:
-            logger.warning("could not record step %s/%d of epoch %d: %s", step, rank, epoch, exc)
-            return False
-    return False
+    def change(plan: MigrationPlan) -> None:
+        plan.steps[f"{step}/{rank}"] = when
+        if all(f"{step}/{r.rank}" in plan.steps for r in plan.replacement_list()):
+            plan.steps[step] = when
+        if resume_iteration is not None:
+            plan.resume_iteration = int(resume_iteration)
+
+    return _update_plan(space, epoch, change, f"{step}/{rank}")
