@@ -3,19 +3,25 @@ single etcd, an unreachable etcd, a missing binary, and the metrics endpoint."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import random
 import threading
 import time
 import urllib.request
+from datetime import timedelta
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from nccl_delta.transport_gloo import connect_gloo_pair
 from trainmover_ext.control.membership import LeaseKeeper, Membership
 from trainmover_ext.control.records import MemberRecord
 from trainmover_ext.errors import ConfigError, EtcdNotFound, EtcdUnavailable, LaunchError, StoreError
 from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig, LocalEtcdCluster, find_etcd_binary
 from trainmover_ext.etcd.tls import make_test_certs
 from trainmover_ext.kv import EtcdClientConfig, EtcdKV
-from trainmover_ext.kv.job import JobSpace
+from trainmover_ext.kv.job import JobSpace, job_login
 from trainmover_ext.kv.torch_store import EtcdStore
 from trainmover_ext.metrics import ControlMetrics
 
@@ -94,6 +100,39 @@ def test_three_member_cluster_survives_losing_one(tmp_path):
         member.close()
         store.close()
         kv.close()
+
+
+def _pair_over_store(store, side, queue):
+    """One end of a gloo link whose rendezvous goes through ``store`` (a fresh client in this process)."""
+    store.set(f"hello/{side}", str(side))
+    store.wait([f"hello/{1 - side}"], timedelta(seconds=20))
+    peer = store.get(f"hello/{1 - side}").decode()
+    pair = connect_gloo_pair(store, "link/", side, timedelta(seconds=20), "127.0.0.1")
+    t = torch.tensor([side + 1.0])
+    pair.wait(pair.allreduce(t, dist.ReduceOp.SUM), timedelta(seconds=20))
+    queue.put((side, peer, t.item()))
+
+
+def test_a_new_client_whose_first_member_is_dead_fails_over_and_links_come_up(tmp_path, monkeypatch):
+    """A process that builds its first etcd client after a member died (a promoted standby) must not stay on
+    that member: the login, then the store's waits and sets, then a gloo pair's rendezvous all go through."""
+    with LocalEtcdCluster(base_dir=tmp_path / "cluster", size=3) as cluster:
+        cluster.kill_member(1)
+        dead = cluster.endpoints[1]
+        endpoints = [dead] + [ep for ep in cluster.endpoints if ep != dead]
+        # pyetcd starts each client on a random member (random.choice): make it the dead one, in every child.
+        monkeypatch.setattr(random, "choice", lambda seq: seq[0])
+        config = job_login(EtcdClientConfig(endpoints=endpoints, timeout_s=5, connect_timeout_s=5), "ha", "token")
+        store = EtcdStore(config, prefix="/trainmover/ha/store/1/", timeout=30)
+        ctx = mp.get_context("fork")
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_pair_over_store, args=(store, side, queue)) for side in (0, 1)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(60)
+        assert [proc.exitcode for proc in procs] == [0, 0]
+        assert sorted(queue.get(timeout=5) for _ in procs) == [(0, "1", 3.0), (1, "0", 3.0)]
 
 
 def test_single_etcd_restart_mid_run(tmp_path):

@@ -7,7 +7,9 @@ Contract:
   endpoints. A guarded :meth:`commit` whose reply was lost may have applied; a
   retry then finds its guard false and returns False, so callers re-read.
 - Construction checks that some endpoint answers (``connect_timeout_s``), so a
-  wrong ``--tm-etcd-endpoints`` fails at start with a clear message.
+  wrong ``--tm-etcd-endpoints`` fails at start with a clear message. Like every
+  call, that check and the login fail over: a client built while a member is
+  down (a promoted standby's first store client) works through the others.
 - Fork safety: a gRPC channel must not cross ``fork()``. An ``EtcdKV`` refuses
   use in a child process (:class:`StoreError`); build a new one there (the
   torch store does this for you).
@@ -148,6 +150,24 @@ def _is_unavailable(exc: BaseException) -> bool:
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.DEADLINE_EXCEEDED,
     )
+
+
+def _rotate(client: Any) -> None:
+    """Move ``client`` to its next endpoint after a failure (round-robin).
+
+    pyetcd's own failover returns to a failed endpoint as soon as its retry
+    window passes, and calls outside it (the login) never leave the endpoint the
+    client started on, which can pin a client to a dead member; rotating
+    explicitly makes every retry try a different member.
+    """
+    labels = list(client.endpoints)
+    if len(labels) < 2:
+        return
+    try:
+        # Setting the label drops the cached stubs, so the next call opens the new member's channel.
+        client._current_endpoint_label = labels[(labels.index(client._current_endpoint_label) + 1) % len(labels)]
+    except (ValueError, AttributeError):  # library internals changed: fall back to its own failover
+        pass
 
 
 class _EtcdWatch(WatchHandle):
@@ -317,11 +337,11 @@ class EtcdKV(KV):
                     etcdrpc.AuthenticateRequest(name=cfg.user, password=cfg.password), client.timeout
                 )
                 break
-            except grpc.RpcError as exc:
-                details = exc.details() or ""
+            except Exception as exc:
+                details = (exc.details() if isinstance(exc, grpc.RpcError) else None) or ""
                 if cfg.login_if_enabled and "not enabled" in details:
                     return  # the server has no auth: nothing to log in to
-                if exc.code() in (
+                if isinstance(exc, grpc.RpcError) and exc.code() in (
                     grpc.StatusCode.INVALID_ARGUMENT,
                     grpc.StatusCode.UNAUTHENTICATED,
                     grpc.StatusCode.PERMISSION_DENIED,
@@ -338,6 +358,9 @@ class EtcdKV(KV):
                     raise self._translate(exc, "login") from exc
                 if deadline.expired:
                     raise self._unreachable() from exc
+                # The auth stub is not under pyetcd's failover: without a rotation every retry goes to the
+                # member the client started on (a random one), and a dead member fails the whole login.
+                _rotate(client)
                 time.sleep(0.05)
         client.metadata = (("token", resp.token),)
         client.call_credentials = None
@@ -383,6 +406,7 @@ class EtcdKV(KV):
                     raise self._translate(exc, "connect") from exc
             if deadline.expired:
                 break
+            self._rotate()
             time.sleep(0.05)
         self._etcd.close()
         raise self._unreachable() from last
@@ -405,20 +429,8 @@ class EtcdKV(KV):
         return self._etcd
 
     def _rotate(self) -> None:
-        """Move to the next endpoint after a failure (round-robin).
-
-        pyetcd's own failover returns to a failed endpoint as soon as its retry
-        window passes, which can pin a client to a dead member; rotating
-        explicitly makes every retry try a different member.
-        """
-        labels = list(self._etcd.endpoints)
-        if len(labels) < 2:
-            return
-        try:
-            nxt = labels[(labels.index(self._etcd._current_endpoint_label) + 1) % len(labels)]
-            self._etcd._current_endpoint_label = nxt
-        except (ValueError, AttributeError):  # library internals changed: fall back to its own failover
-            pass
+        """Move to the next endpoint after a failure (see :func:`_rotate`)."""
+        _rotate(self._etcd)
 
     def _translate(self, exc: BaseException, what: str) -> StoreError:
         if isinstance(exc, StoreError):
