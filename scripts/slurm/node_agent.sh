@@ -11,7 +11,9 @@
 # TRAINMOVER_ETCD_ENDPOINTS, TRAINMOVER_JOB and TRAINMOVER_JOB_TOKEN variables.
 # The node's Slurm name is $SLURMD_NODENAME: `hostname` is the physical host,
 # which differs from the Slurm node when several slurmd share a machine.
-# The agent replaces this shell (exec), so its exit code is the task's.
+# The agent replaces this shell (exec), so its exit code is the task's. A SIGTERM (the job's time
+# limit, see trainmover.sbatch) gives the ranks --term-timeout (TM_TERM_TIMEOUT, default 120 s) to
+# save a checkpoint and exit.
 set -euo pipefail
 
 (($# >= 6)) || { echo "usage: $0 PY NPROC MASTER_ADDR MASTER_PORT MAX_RESTARTS SCRIPT [ARGS...]" >&2; exit 2; }
@@ -33,5 +35,6 @@ fi
 exec "$PY" -m trainmover_ext.cli launch \
   --nproc-per-node "$NPROC" "${PLACE[@]}" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --max-restarts "$MAX_RESTARTS" \
+  --term-timeout "${TM_TERM_TIMEOUT:-120}" \
   --metrics-port "${TM_METRICS_PORT:-0}" --metrics-host "${TM_METRICS_HOST:-127.0.0.1}" \
   "$SCRIPT" "$@"

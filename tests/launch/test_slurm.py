@@ -1,4 +1,4 @@
-"""scripts/slurm/trainmover.sbatch under a real Slurm (munged + slurmctld + 2 emulated slurmd).
+"""scripts/slurm/trainmover.sbatch under a real Slurm (munged + slurmctld + 3 emulated slurmd).
 
 The cluster is started once for the module and stopped by pid afterwards
 (after scancel and an empty squeue); see ``slurm_harness``. Slurm is installed
@@ -12,11 +12,12 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from harness.jobs import REPO_ROOT
-from helpers import pid_alive, read_metrics, tiny_args
+from helpers import pid_alive, read_metrics, run_job, tiny_args, trajectory
 from support.slurm_harness import SlurmCluster
 from trainmover_ext.netutil import free_ports
 
@@ -29,7 +30,7 @@ ITERS = 3
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=2, cpus_per_node=8)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"), nodes=3, cpus_per_node=8)
     cluster.start(timeout=60)
     try:
         yield cluster
@@ -159,6 +160,9 @@ def _failover_under_slurm(
             "0",
             "--tm-inject-fault",
             fault,
+            # 4 standbys of a standby node beside the ranks on 2 cores: the basic warm-up, and a TTL a
+            # starved process does not outlive (a lapsed lease would rightly cost a second migration)
+            *(["--tm-no-sandbox", "--tm-lease-ttl", "5"] if standby_nodes else []),
             "--tm-metrics-file",
             str(metrics),
         ],
@@ -301,3 +305,116 @@ def test_killed_rank_is_taken_over_by_a_standby_of_another_node(slurm, tmp_path)
     assert re.search(r"rank 3 \(worker-n1-1-\w+\) exited with code -9; reported", logs1), report
     assert re.search(r"epoch 1 \(failure\): rank 3 -> standby-n0-0-\w+ \(pid \d+\); state from replica", logs0), report
     assert "on another node" in logs1, report
+
+
+ETCD_MEMBERS_ON_NODE_LOSS = "1"
+
+
+def test_a_lost_node_moves_to_the_standby_node_and_the_allocation_survives(slurm, tmp_path):
+    """-N 3 --standby-nodes 1: n1 and n2 train 4 ranks each (TP2·PP2·DP2 with --use-tp-pp-dp-mapping, so
+    each node holds one data-parallel replica), n3 is a standby machine, and the job's embedded etcd has
+    one member on each node. Once n3's standbys are warm, n2 is lost: its slurmd and every process Slurm
+    runs there (agent, ranks, etcd member) are SIGKILLed. One plan moves all 4 ranks into n3's slots, etcd
+    keeps its quorum on n1 and n3, training completes bit-identically to a fault-free run of the same
+    flags, and Slurm keeps the allocation: the batch script ends once every rank finished."""
+    iters = 40
+    (master_port,) = free_ports(1)
+    etcd_port = _port_pair()
+    logs, out = tmp_path / "logs", tmp_path / "batch.out"
+    metrics = tmp_path / "metrics.jsonl"
+    flags = ["--trainmover", "--tm-standbys", "0", "--tm-standby-nice", "0", "--tm-no-sandbox"]
+    flags += ["--use-tp-pp-dp-mapping"]
+    train = tiny_args(None, tp=2, pp=2, iters=iters, gbs=8, extra=flags)
+    ref = trajectory(run_job(tmp_path, 8, train, name="ref").metrics_path)
+    job = slurm.submit(
+        SBATCH,
+        [
+            "--nproc-per-node", "4", "--standby-nodes", "1", "--master-port", str(master_port),
+            "--etcd-port", str(etcd_port), "--etcd-members", ETCD_MEMBERS_ON_NODE_LOSS, "--metrics-port", "0",
+            "--log-dir", str(logs),
+            "--python", sys.executable, "--", *train, "--tm-metrics-file", str(metrics),
+        ],
+        ["-N", "3", "--time", "8", "-o", str(out)],
+        cwd=REPO_ROOT,
+    )  # fmt: skip
+
+    def report() -> str:
+        parts = [f"batch output:\n{_read(out)[-3000:]}"]
+        for path in sorted(logs.glob("*.log")) + sorted(logs.glob("etcd-member-*.out")):
+            parts.append(f"--- {path.name}:\n{_read(path)[-3000:]}")
+        return "\n".join(parts)
+
+    try:
+        slurm.wait_running(job, timeout=60)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            warm = _read(logs / "standby-node-0.log").count("waiting to be promoted")
+            done = max((r["iteration"] for r in read_metrics(str(metrics))), default=0)
+            if warm == 4 and done >= 3:
+                break
+            assert slurm.job(job)["JobState"] == "RUNNING", report()
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"the standby node was not warm in time\n{report()}")
+        killed = slurm.lose_node("n2")
+        assert killed, "no process of the job ran on n2"
+        info = slurm.wait_job(job, timeout=300)
+    finally:
+        slurm.restore_node("n2")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", f"{info}\n{report()}"
+    if ETCD_MEMBERS_ON_NODE_LOSS == "3":
+        assert "3 members on n1 n2 n3" in _read(out), report()
+    assert "Node failure on n2" in _read(out), report()  # Slurm saw the node fail, and kept the job
+    assert trajectory(str(metrics)) == ref, f"not bit-identical to the fault-free run\n{report()}"
+    machine = _read(logs / "standby-node-0.log")
+    assert "node n2 lost 4 ranks: all to machine n3 (4 in their own slot)" in machine, report()
+    assert sorted(re.findall(r"promoted to rank (\d) \(local rank (\d),", machine)) == [
+        ("4", "0"), ("5", "1"), ("6", "2"), ("7", "3"),
+    ], report()  # fmt: skip
+
+
+def test_the_time_limit_signal_saves_a_checkpoint_and_requeues(slurm, tmp_path):
+    """`sbatch --signal=B:USR1@T --requeue` with --save/--load and --exit-signal-handler: Slurm's warning
+    before the time limit (sent here at once with `scancel --signal=USR1 --batch`) makes the batch script
+    stop the agents with SIGTERM; the ranks save a checkpoint at the next iteration boundary and exit; the
+    job is requeued, and the second run resumes from that checkpoint, with a fresh embedded etcd, and
+    trains every remaining iteration exactly as an uninterrupted run does."""
+    iters = 30
+    (master_port,) = free_ports(1)
+    etcd_port = _port_pair()
+    logs, out = tmp_path / "logs", tmp_path / "batch.out"
+    metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    flags = ["--trainmover", "--tm-standbys", "0", "--tm-no-sandbox", "--exit-signal-handler"]
+    train = tiny_args(None, pp=2, iters=iters, gbs=4, extra=flags)
+    ref = trajectory(run_job(tmp_path, 4, train, name="ref").metrics_path)
+    job = slurm.submit(
+        SBATCH,
+        [
+            "--nproc-per-node", "4", "--master-port", str(master_port), "--etcd-port", str(etcd_port),
+            "--metrics-port", "0", "--log-dir", str(logs), "--python", sys.executable, "--", *train,
+            "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1000", "--tm-metrics-file", str(metrics),
+        ],
+        ["-N", "1", "--requeue", "--open-mode=append", "--time", "8", "-o", str(out)],
+        cwd=REPO_ROOT,
+        env=dict(os.environ, TM_TERM_TIMEOUT="60"),
+    )  # fmt: skip
+    slurm.wait_running(job, timeout=60)
+    deadline = time.monotonic() + 180
+    while max((r["iteration"] for r in read_metrics(str(metrics))), default=0) < 4:
+        assert time.monotonic() < deadline, _read(out) + _read(logs / "node-0.log")
+        time.sleep(0.2)
+    slurm._run(["scancel", "--signal=USR1", "--batch", str(job)])
+    deadline = time.monotonic() + 120
+    while slurm.job(job).get("Restarts") != "1":  # requeued
+        assert time.monotonic() < deadline, _read(out) + _read(logs / "node-0.log")
+        time.sleep(0.3)
+    # Slurm holds a requeued job back for a while (BeginTime); the test need not wait for it.
+    slurm._run(["scontrol", "update", f"JobId={job}", "BeginTime=now"], check=False)
+    info = slurm.wait_job(job, timeout=400)
+    report = f"{info}\nbatch output:\n{_read(out)[-4000:]}\n--- node-0.log:\n{_read(logs / 'node-0.log')[-4000:]}"
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", report
+    assert info.get("Restarts") == "1", report
+    assert "SIGUSR1 (time limit near)" in _read(out) and f"requeueing job {job}" in _read(out), report
+    saved = sorted(int(p.name.split("_")[-1]) for p in ckpt.glob("iter_*"))
+    assert saved and 4 <= saved[0] < iters, f"no checkpoint saved at the signal: {saved}\n{report}"
+    assert trajectory(str(metrics)) == ref, f"the resumed run is not the uninterrupted one\n{report}"

@@ -322,6 +322,46 @@ class SlurmCluster:
                     p.kill()
                     p.wait(timeout=10)
 
+    # -- node loss ---------------------------------------------------------
+    def lose_node(self, name: str) -> list[int]:
+        """SIGKILL node ``name`` as a machine loss would end it: its slurmd, every task Slurm runs on it
+        (``SLURMD_NODENAME`` in their environment) and their slurmstepd. Returns the task pids killed."""
+        tasks = []
+        for pid in (int(d) for d in os.listdir("/proc") if d.isdigit()):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"SLURMD_NODENAME={name}".encode() in environ:
+                tasks.append(pid)
+        stepds = set()
+        for pid in tasks:
+            try:
+                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                if "slurmstepd" in Path(f"/proc/{ppid}/cmdline").read_text(errors="replace"):
+                    stepds.add(ppid)
+            except (OSError, ValueError, IndexError):
+                continue
+        self.procs[f"slurmd-{name}"].kill()
+        for pid in [*stepds, *tasks]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.procs[f"slurmd-{name}"].wait(timeout=10)
+        return tasks
+
+    def restore_node(self, name: str, timeout: float = 60) -> None:
+        """Start node ``name``'s slurmd again and return it to service once it is idle."""
+        self._spawn(f"slurmd-{name}", [_which("slurmd"), "-D", "-N", name, "-f", str(self.conf)])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._run(["scontrol", "update", f"NodeName={name}", "State=RESUME"], check=False)
+            if self._all_idle():
+                return
+            time.sleep(1)
+        raise SlurmError(f"node {name} did not return to service within {timeout:.0f}s\n{self.logs()}")
+
     def __enter__(self) -> SlurmCluster:
         return self.start()
 
