@@ -446,3 +446,13 @@ class JobProbe:
             ]
         finally:
             space.kv.close()
+
+
+def wait_until(pred, timeout_s: float, interval_s: float = 0.05) -> bool:
+    """Poll ``pred()`` until it is true (True) or ``timeout_s`` passed (False)."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval_s)
+    return True

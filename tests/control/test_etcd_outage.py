@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from helpers import run_job, start_job, tm_args, trajectory, wait_for, wait_iteration
+from helpers import run_job, start_job, tm_args, trajectory, wait_for, wait_iteration, wait_until
 from trainmover_ext.control.election import LeaderElection
 from trainmover_ext.control.membership import Membership, PlanInbox
 from trainmover_ext.control.records import MemberRecord, MigrationPlan, migration_key_suffix
@@ -28,15 +28,6 @@ from trainmover_ext.netutil import free_port
 
 TTL = 2
 OUTAGE_S = 3 * TTL
-
-
-def wait_until(pred, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def members(space: JobSpace) -> tuple[Membership, Membership]:

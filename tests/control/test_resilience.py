@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import wait_until
 from nccl_delta.transport_gloo import connect_gloo_pair
 from trainmover_ext.control.membership import LeaseKeeper, Membership
 from trainmover_ext.control.records import MemberRecord
@@ -264,12 +265,3 @@ def test_an_unpromoted_standby_registers_again_after_losing_its_lease(kv):
     finally:
         standby.close()
         worker.close()
-
-
-def wait_until(pred, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
