@@ -19,6 +19,9 @@ Every run trains with Megatron's dropout (0.1) in bf16 (``--precision``, ``--dro
   same job with ``--use-tp-pp-dp-mapping`` on two loopback nodes of 4 ranks and a standby machine of
   4 slots; node 1 is SIGKILLed whole at a random point inside an iteration once the machine is warm,
   over ``--node-loss-trials`` runs (0 skips): the median, and ``node_loss_over_unexpected`` (goal <= 1.5).
+- ``drain_s``: the same three nodes, ``trainmover drain --node n1`` once the machine is warm: node 1's 4
+  ranks move onto it in one two-phase planned epoch, measured as ``planned_s`` is, over ``--drain-trials``
+  runs (0 skips): the median, and ``drain_over_iteration`` (goal <= 1.5 steady iterations of that run).
 - ``scale``: ``unexpected_s`` at 4, 8 and 16 ranks (a smaller model, so that 16
   ranks fit on the machine), to show that the cost does not grow with the world;
   the median of ``--scale-trials`` SIGKILLs each (every trial in ``trials_s``).
@@ -49,17 +52,25 @@ import os
 import random
 import re
 import secrets
+import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import ROOT, print_table, rank_pids, read_events, start_launcher, wait_until, write_json  # noqa: E402
-from downtime_nodes import MAPPING, node_loss_runs  # noqa: E402
+from common import print_table, rank_pids, read_events, start_launcher, wait_until, write_json  # noqa: E402
+from downtime_nodes import (
+    MAPPING,
+    drain_runs,
+    node_loss_runs,
+    nodes_keys,
+    nodes_phase_rows,
+    nodes_rows,
+    trainmover_command,
+)  # noqa: E402
 from downtime_report import iterations, lost_time, phases_of, plot, resume_event, sleep_into_iteration, trajectory  # noqa: E402
 
 from harness.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus, model_args  # noqa: E402
@@ -130,7 +141,7 @@ class Etcd:
             ]
         finally:
             space.kv.close()
-        return [{"epoch": p.epoch, "reason": p.reason, "steps": p.steps} for p in plans]
+        return [{"epoch": p.epoch, "reason": p.reason, "steps": p.steps, "switch_at": p.switch_at} for p in plans]
 
     def stop(self) -> None:
         self.server.stop()
@@ -262,15 +273,7 @@ def kill_rank(rank: int, inside: float | None = None):
 
 def migrate_rank(rank: int, name: str, etcd: Etcd):
     def action(log: str) -> float:
-        t0 = time.time()
-        subprocess.run(
-            [sys.executable, "-m", "trainmover_ext.cli", "migrate", "--rank", str(rank), "--tm-job", name, *etcd.flags],
-            check=True,
-            cwd=ROOT,
-            capture_output=True,
-            timeout=120,
-        )
-        return t0
+        return trainmover_command(["migrate", "--rank", str(rank)], name, etcd.flags, timeout=120)[0]
 
     return action
 
@@ -343,9 +346,16 @@ def main(argv=None) -> int:
         "--node-loss-iters",
         type=int,
         default=40,
-        help="Iterations of the node-loss runs and their fault-free reference (the standby machine's 4 "
+        help="Iterations of the node-loss and drain runs and their fault-free reference (the standby machine's 4 "
         "standbys must warm, and 5 steady iterations pass, before the kill, and no earlier than after "
         "AT_ITERATION).",
+    )
+    parser.add_argument(
+        "--drain-trials",
+        type=int,
+        default=1,
+        help="Runs of the drain scenario (the node-loss job; `trainmover drain --node n1` once the machine is "
+        "warm); the median is drain_s. 0 skips it.",
     )
     parser.add_argument(
         "--precision",
@@ -381,14 +391,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.scale_trials < 1 or args.unexpected_trials < 1:
         parser.error("--scale-trials and --unexpected-trials must be at least 1")
-    if args.node_loss_trials < 0:
-        parser.error("--node-loss-trials must be 0 (skip) or more")
+    if args.node_loss_trials < 0 or args.drain_trials < 0:
+        parser.error("--node-loss-trials and --drain-trials must be 0 (skip) or more")
     SETTINGS.update(precision=args.precision, dropout=args.dropout)
     rng = random.Random(args.seed)
     ensure_corpus(args.data_prefix)
     workdir = tempfile.mkdtemp(prefix="tm_downtime_")
     etcd = Etcd(workdir)
     ok_run = nvrx_failed = False
+    node_loss = drain = None
     try:
         print("fault-free reference run (8 ranks) ...", flush=True)
         ref = reference(workdir, args.data_prefix, args.iters, 8)
@@ -425,21 +436,20 @@ def main(argv=None) -> int:
             migrate_rank(args.victim, "planned", etcd),
             etcd,
         )
-        node_loss = None
-        if args.node_loss_trials:
+        if args.node_loss_trials or args.drain_trials:
             print("fault-free reference run (8 ranks, --use-tp-pp-dp-mapping) ...", flush=True)
             ref_nodes = reference(
                 workdir, args.data_prefix, args.node_loss_iters, 8, name="reference_nodes", extra=tuple(MAPPING)
             )
-            node_loss = node_loss_runs(
-                workdir,
-                job_args(args.data_prefix, args.node_loss_iters, 8),
-                ref_nodes,
-                etcd,
-                args.node_loss_trials,
-                rng,
-                at_iteration=args.at_iteration,
-            )
+            nodes_args = job_args(args.data_prefix, args.node_loss_iters, 8)
+            if args.node_loss_trials:
+                node_loss = node_loss_runs(
+                    workdir, nodes_args, ref_nodes, etcd, args.node_loss_trials, rng, at_iteration=args.at_iteration
+                )
+            if args.drain_trials:
+                drain = drain_runs(
+                    workdir, nodes_args, ref_nodes, etcd, args.drain_trials, at_iteration=args.at_iteration
+                )
         restart = restart_fork = None
         if not args.skip_restart:
             print("stop-restart baseline (same job, checkpoint every 5 iterations), fresh interpreters ...", flush=True)
@@ -496,7 +506,8 @@ def main(argv=None) -> int:
         ok_run = True
     finally:
         etcd.stop()
-        if ok_run and not nvrx_failed:  # a failed nvrx run keeps its logs too
+        nodes_failed = any(runs and runs["failed"] for runs in (node_loss, drain))
+        if ok_run and not nvrx_failed and not nodes_failed:  # a failed nvrx or node run keeps its logs too
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             print(f"a run failed: its logs are kept in {workdir}", file=sys.stderr)
@@ -506,10 +517,11 @@ def main(argv=None) -> int:
         **{f"scale_{s['ranks']}": s["bit_identical"] for s in scale},
         **{f"sandbox_{c}": sandbox[c]["bit_identical"] for c in ("kept_rank", "other_rank") if sandbox},
         **({"node_loss": node_loss["bit_identical"]} if node_loss else {}),
+        **({"drain": drain["bit_identical"]} if drain else {}),
     }
     downtimes = [t["downtime_s"] for t in unexpected_trials]
     result = {
-        "command": " ".join(["python", "benchmarks/downtime.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": shlex.join(["python", "benchmarks/downtime.py", *(sys.argv[1:] if argv is None else argv)]),
         "job": f"demo: 8 ranks TP2 x PP2 x DP2, 4 layers, hidden 128, seq 128, {args.precision}, dropout "
         f"{args.dropout} (CPU gloo, 2 cores)",
         "config": {
@@ -523,6 +535,7 @@ def main(argv=None) -> int:
             "at_iteration": args.at_iteration,
             "node_loss_trials": args.node_loss_trials,
             "node_loss_iters": args.node_loss_iters,
+            "drain_trials": args.drain_trials,
         },
         "iteration_s": unexpected["iteration_s"],
         "unexpected_s": unexpected["downtime_s"],
@@ -541,12 +554,8 @@ def main(argv=None) -> int:
         "bit_identical_by_scenario": by_scenario,
         "scale": scale,
         "sandbox": sandbox,
-        "node_loss_s": node_loss["node_loss_s"] if node_loss else None,
-        "node_loss_trials_s": node_loss["node_loss_trials_s"] if node_loss else None,
-        "node_loss": node_loss,
+        **nodes_keys(node_loss, drain, unexpected["downtime_s"]),
     }
-    if node_loss:
-        result["node_loss_over_unexpected"] = node_loss["node_loss_s"] / result["unexpected_s"]
     if restart:
         result["unexpected_over_restart"] = result["unexpected_s"] / restart["restart_s"]
         result["unexpected_over_restart_fork"] = result["unexpected_s"] / restart_fork["restart_s"]
@@ -565,25 +574,14 @@ def main(argv=None) -> int:
             f"{max(downtimes):.3f}, kill points {[t['kill_inside_iteration'] for t in unexpected_trials]})",
         ),
         ("unexpected_s / restart_s", f"{result['unexpected_over_restart']:.4f} (goal <= 0.03)" if restart else "-"),
-        (
-            "node_loss_s (4 ranks at once, median)",
-            f"{node_loss['node_loss_s']:.3f} (trials {node_loss['node_loss_trials_s']}, iteration "
-            f"{node_loss['iteration_s']:.3f} s)"
-            if node_loss
-            else "skipped",
-        ),
-        (
-            "node_loss_s / unexpected_s",
-            f"{result['node_loss_over_unexpected']:.3f} (goal <= 1.5 x unexpected_s)" if node_loss else "-",
-        ),
+        *nodes_rows(result),
         ("planned_s", f"{result['planned_s']:.3f}"),
         ("nvrx_inprocess_s", f"{nvrx['nvrx_inprocess_s']:.3f}" if nvrx else "skipped"),
         ("iteration_s", f"{result['iteration_s']:.3f}"),
         ("bit_identical", f"{result['bit_identical']} {by_scenario}"),
     ]
     rows += [(f"  unexpected {k}", f"{v:.3f}") for k, v in unexpected.get("phases", {}).items()]
-    if node_loss:
-        rows += [(f"  node loss {k}", f"{v:.3f}") for k, v in node_loss["median"].get("phases", {}).items()]
+    rows += nodes_phase_rows(result)
     if nvrx:
         rows += [
             ("unexpected_s / nvrx_inprocess_s", f"{result['unexpected_over_nvrx']:.3f} (goal <= 0.5)"),

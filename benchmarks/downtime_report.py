@@ -25,9 +25,10 @@ def sleep_into_iteration(metrics: str, inside: float) -> None:
     time.sleep(inside * median([e["iteration_s"] for e in its[2:]] or [its[-1]["iteration_s"]]))
 
 
-def resume_event(metrics: str, t0: float) -> dict | None:
-    """The logging rank's first ``recovered`` event after ``t0``; when the logging rank itself was replaced,
-    its joiner's ``promoted`` event, timed at ``state_ready``. None when neither was logged."""
+def resume_event(metrics: str, t0: float, *, reason: str | None = None) -> dict | None:
+    """The logging rank's first ``recovered`` event after ``t0`` (of ``reason`` when given, e.g. ``planned``);
+    when the logging rank itself was replaced, its joiner's ``promoted`` event, timed at ``state_ready``.
+    None when neither was logged."""
     events = read_events(metrics)
     resumed = [e for e in events if e.get("event") == "recovered" and e["t"] > t0]
     if not resumed:
@@ -36,6 +37,7 @@ def resume_event(metrics: str, t0: float) -> dict | None:
             for e in events
             if e.get("event") == "promoted" and e.get("state_ready", 0) > t0
         ]
+    resumed = [e for e in resumed if reason is None or e.get("reason") == reason]
     return resumed[0] if resumed else None
 
 
@@ -72,13 +74,17 @@ def lost_time(
 
 
 def phases_of(steps: dict, t0: float) -> dict:
-    """Durations between consecutive timeline steps, starting at ``t0`` (the kill or the request)."""
+    """Durations between consecutive timeline steps, starting at ``t0`` (the kill, or the start of the
+    command that requested a planned move: ``requested`` is when it wrote the request)."""
     order = [
+        "requested",
         "detected",
         "decided",
         "joined",
         "links_rebuilt",
         "ready",
+        "leaver_waits",
+        "handed_over",
         "transferred",
         "checkpoint_loaded",
         "first_iteration",
