@@ -116,3 +116,12 @@ def test_a_single_failure_fills_a_machine_already_in_use_in_the_ranks_slot():
     del v.members["w6"]  # rank 6, local rank 2; its agent lives (no settle info: a new leader)
     (rep,) = _plan(decide(v, NOW)).plan.replacement_list()
     assert rep.joiner == "s-m2-2" and rep.local_rank == 2, rep
+
+
+def test_no_settle_where_no_other_node_holds_a_standby():
+    v = _view({})  # no standby machine: a whole-node plan cannot follow, so a hung rank is planned at once
+    v.members["b0"] = _member("b0", "standby", "n1", t=1)  # beside the ranks of the rank's own node
+    del v.members["w5"]
+    v.gone_at["w5"] = NOW - 0.1
+    (rep,) = _plan(decide(v, NOW)).plan.replacement_list()
+    assert (rep.rank, rep.joiner) == (5, "b0"), rep

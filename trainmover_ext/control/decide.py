@@ -151,9 +151,13 @@ def _lost_joiner(moving: dict[int, Replacement], rec: RankRecord, view: View, re
 
 
 def _settling(view: View, rec: RankRecord, now: float, lost: set[str]) -> bool:
-    """Whether ``rec``'s expired lease waits for its node's agent (see ``View.settle_s``)."""
+    """Whether ``rec``'s expired lease waits for its node's agent (see ``View.settle_s``): only where a
+    whole-node plan could follow, i.e. a standby lives on another node (a single-node job, or one whose
+    standbys all share the rank's node, would lose them with it)."""
     gone = view.gone_at.get(rec.member_id)
-    return rec.host in view.nodes and rec.host not in lost and gone is not None and now - gone < view.settle_s
+    if rec.host not in view.nodes or rec.host in lost or gone is None or now - gone >= view.settle_s:
+        return False
+    return any(m.kind == "standby" and m.host != rec.host for m in view.members.values())
 
 
 def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
