@@ -62,6 +62,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import print_table, rank_pids, read_events, start_launcher, wait_until, write_json  # noqa: E402
+from downtime_baselines import nvrx_baseline, restart_baseline  # noqa: E402
 from downtime_nodes import (
     MAPPING,
     drain_runs,
@@ -278,48 +279,6 @@ def migrate_rank(rank: int, name: str, etcd: Etcd):
     return action
 
 
-def restart_baseline(data_prefix: str, iters: int, method: str) -> dict:
-    from restart_baseline import one_trial
-
-    workdir = tempfile.mkdtemp(prefix="tm_restart_")
-    try:
-        return one_trial(
-            workdir,
-            data_prefix,
-            iters,
-            save_interval=5,
-            kill_after=2,
-            job_args=job_args(data_prefix, iters, 8),
-            restart_start_method=method,
-        )
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def nvrx_baseline(args, workdir: str, ref: dict[int, float]) -> tuple[dict | None, str | None]:
-    """``(result, None)`` from ``benchmarks/nvrx_inprocess.py`` (the same job, victim and iteration), or
-    ``(None, reason)`` when skipped. A failed nvrx run raises, and its logs stay under ``workdir/nvrx``."""
-    if args.skip_nvrx:
-        reason = "--skip-nvrx"
-    else:
-        from nvrx_inprocess import measure, unavailable_reason
-
-        reason = unavailable_reason()
-        if reason is None:
-            print(
-                f"NVIDIA resiliency-ext in-process restart, SIGKILL of rank {args.victim} after iteration "
-                f"{args.at_iteration} ...",
-                flush=True,
-            )
-            nvrx_dir = os.path.join(workdir, "nvrx")
-            os.makedirs(nvrx_dir)
-            return measure(
-                args.data_prefix, args.iters, args.victim, args.at_iteration, reference=ref, workdir=nvrx_dir
-            ), None
-    print(f"nvrx_inprocess_s skipped: {reason}", flush=True)
-    return None, reason
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None, help="Write the result as JSON to this path.")
@@ -453,9 +412,11 @@ def main(argv=None) -> int:
         restart = restart_fork = None
         if not args.skip_restart:
             print("stop-restart baseline (same job, checkpoint every 5 iterations), fresh interpreters ...", flush=True)
-            restart = restart_baseline(args.data_prefix, args.iters, "spawn")
+            restart = restart_baseline(args.data_prefix, args.iters, "spawn", job_args(args.data_prefix, args.iters, 8))
             print("stop-restart baseline, ranks forked from the warm agent ...", flush=True)
-            restart_fork = restart_baseline(args.data_prefix, args.iters, "fork")
+            restart_fork = restart_baseline(
+                args.data_prefix, args.iters, "fork", job_args(args.data_prefix, args.iters, 8)
+            )
         try:
             nvrx, nvrx_skipped = nvrx_baseline(args, workdir, ref)
         except Exception as exc:  # noqa: BLE001 - one failed baseline must not lose the other figures

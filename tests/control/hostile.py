@@ -45,6 +45,7 @@ WRONG = {  # JSON values of the wrong type for each annotation the records use; 
     "str": [[], None, 3, 1.5, True, {}],
     "int": ["3", None, 1.5, 3.0, True, False, [], {}, INF, NAN],
     "float": ["1.5", None, True, [], {}, INF, NAN],
+    "bool": ["true", None, 1, 0, [], {}],
     "int | None": ["3", 1.5, True, [], {}, INF],
     "str | None": [[], 3, True, {}],
     "float | None": ["x", True, [], INF, NAN],

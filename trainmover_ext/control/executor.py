@@ -29,7 +29,7 @@ import logging
 import time
 from typing import Any
 
-from trainmover_ext.control.decide import (
+from trainmover_ext.control.actions import (
     Action,
     CommitConvergence,
     CommitSwitchPoint,
