@@ -63,9 +63,10 @@ class ControlObserver(Protocol):
 
 
 def node_settle_s(ttl_s: float) -> float:
-    """``View.settle_s`` for a lease TTL: one renewal interval (the spread of the expiries of leases whose
-    holders died together) plus etcd's half-second expiry check."""
-    return RecoveryTimeouts(ttl_s).renew_every_s + 0.5
+    """``View.settle_s`` for a lease TTL: one TTL plus etcd's half-second expiry check. The leases of
+    processes that died together expire within one TTL of each other: one renewal interval apart when
+    their keepers ran on time, up to a whole TTL when a starved keeper renewed late."""
+    return float(ttl_s) + 0.5
 
 
 _TRIGGERS = ("members", "nodes", "ranks", "reports", "requests", "epoch", "leader", "checkpoint", "recovery")

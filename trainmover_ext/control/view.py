@@ -82,7 +82,7 @@ class View:
     """The job's machines by host (``nodes/<host>``); a node whose agent is no member is lost."""
     settle_s: float = 0.0
     """How long a rank whose lease expired on a node whose agent still looks alive waits before it is
-    planned alone: the other leases of a lost node expire within one renewal interval of each other,
+    planned alone: the other leases of a lost node expire within one TTL of each other,
     so waiting this long lets one plan replace the whole node. Set by the runner (0: plan at once)."""
 
 
