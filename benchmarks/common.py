@@ -18,11 +18,12 @@ from harness.jobs import launch_cmd  # noqa: E402
 
 
 def read_events(path: str) -> list[dict]:
-    """All JSON-line records of a ``--tm-metrics-file``."""
+    """All complete JSON-line records of a ``--tm-metrics-file`` (a running job may be writing its last
+    line: a line without its newline is left for the next read)."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
 def start_launcher(nproc: int, script_args: list[str], launch_flags: list[str], log_prefix: str) -> subprocess.Popen:

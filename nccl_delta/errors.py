@@ -16,7 +16,15 @@ class DeltaConfigError(DeltaError, ValueError):
 
 
 class CommLinkError(DeltaError):
-    """A communication link failed; the message names the peer, the group and the op."""
+    """A communication link failed; the message names the peer, the group and the op.
+
+    ``peers`` are the ranks this rank suspects: whose connection closed, or whose link failed in the
+    transport itself (empty when the link was cut by this rank, a neighbour's error, or the control
+    plane). A suspicion is not proof of death: the caller reports it and the control plane checks."""
+
+    def __init__(self, message: str = "", *, peers: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.peers = tuple(peers)
 
 
 class CommAbandoned(CommLinkError):

@@ -120,7 +120,8 @@ def connect(link_id: LinkId, me: int, store: Store, config: DeltaConfig) -> Link
         cls = CommTimeout if waited >= config.connect_timeout_s * 0.95 else CommLinkError
         raise cls(
             f"could not connect to rank {peer} in group {link_id.group!r} (generation {link_id.generation}) "
-            f"after {waited:.1f}s: {exc}. Check that the peer is alive and built the same groups in the same order."
+            f"after {waited:.1f}s: {exc}. Check that the peer is alive and built the same groups in the same order.",
+            peers=(peer,),
         ) from exc
     return Link(link_id=link_id, me=me, peer=peer, handle=handle, op_timeout_s=config.op_timeout_s)
 
@@ -158,13 +159,17 @@ class Link:
         if self.state != "open":
             raise self._error(op, f"link is {self.state} ({self.error}); it is never reused")
 
-    def _error(self, op: str, why: str, cls: type[CommLinkError] = CommLinkError) -> CommLinkError:
+    def _error(
+        self, op: str, why: str, cls: type[CommLinkError] = CommLinkError, *, suspect: bool = False
+    ) -> CommLinkError:
+        """``suspect``: the transport itself failed the op (the peer closed, reset or stopped answering)."""
         if self._abandon_reason is not None:
-            cls = CommAbandoned
+            cls, suspect = CommAbandoned, False
             why = f"{self._abandon_reason}; {why}"
         return cls(
             f"{op} with peer rank {self.peer} failed: {why}. "
-            "The link is broken: the control plane must replace the peer or recover the epoch."
+            "The link is broken: the control plane must replace the peer or recover the epoch.",
+            peers=(self.peer,) if suspect else (),
         )
 
     def _start(self, op: str, send_tag: int | None = None) -> None:
@@ -250,7 +255,7 @@ class Link:
                 self.state = "broken"
                 self.error = str(exc).splitlines()[0][:200]
         cls = CommTimeout if "imed out" in str(exc) else CommLinkError
-        return self._error(op, self.error or str(exc), cls)
+        return self._error(op, self.error or str(exc), cls, suspect=True)
 
     def sever(self, reason: str, *, abandoned: bool = True) -> None:
         """Fail pending and future ops on both ends now (any thread); the link is then broken.

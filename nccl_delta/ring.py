@@ -153,7 +153,7 @@ class Ring:
                 {link.peer for link in links if link.probe_then_sever(f"{self.op} failed on a neighbouring link")}
             )
             if down:
-                raise type(exc)(f"{exc} Ring peers whose connection closed: ranks {down}.") from exc
+                raise type(exc)(f"{exc} Ring peers whose connection closed: ranks {down}.", peers=tuple(down)) from exc
             raise
         except BaseException:
             self._sever(links)

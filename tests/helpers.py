@@ -447,6 +447,17 @@ class JobProbe:
         finally:
             space.kv.close()
 
+    def events(self, what: str) -> list[dict]:
+        """The details of the job's timeline events named ``what`` (``events/``), oldest first."""
+        from trainmover_ext.control.records import Event
+
+        space = self._space()
+        try:
+            entries = space.kv.get_prefix(space.key("events") + "/").entries
+            return [ev.detail for ev in (Event.from_bytes(e.value, key=e.key) for e in entries) if ev.what == what]
+        finally:
+            space.kv.close()
+
 
 def wait_until(pred, timeout_s: float, interval_s: float = 0.05) -> bool:
     """Poll ``pred()`` until it is true (True) or ``timeout_s`` passed (False)."""

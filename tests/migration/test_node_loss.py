@@ -46,3 +46,5 @@ def test_a_lost_node_moves_whole_to_one_standby_machine(nodes_job, corpus, refer
     )
     assert promoted == [("4", "0"), ("5", "1"), ("6", "2"), ("7", "3")], promoted
     assert "falling back" not in job.err(0) + job.err(2)
+    whys = {r["rank"]: r.get("why") for ev in probe.events("migration_planned") for r in ev["replacements"]}
+    print(f"detected: {whys}; steps {plans[0].steps}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainmover_ext.control.records import Alert, ConvergenceRecord, MigrationPlan, RankRecord
+from trainmover_ext.control.records import Alert, ConvergenceRecord, MigrationPlan, ProbeRecord, RankRecord
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +27,14 @@ class PlanMigration:
 class DropStaleReport:
     key: str
     reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeHost:
+    """Ask a node's agent whether it lives (write ``probes/<host>``), deleting the suspicions it answers."""
+
+    probe: ProbeRecord
+    consumed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,5 +77,12 @@ class RepairEpoch:
 
 
 Action = (
-    PlanMigration | DropStaleReport | RaiseAlert | RejectRequest | CommitConvergence | CommitSwitchPoint | RepairEpoch
+    PlanMigration
+    | DropStaleReport
+    | ProbeHost
+    | RaiseAlert
+    | RejectRequest
+    | CommitConvergence
+    | CommitSwitchPoint
+    | RepairEpoch
 )

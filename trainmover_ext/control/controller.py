@@ -11,7 +11,8 @@ Contract:
   decision.
 - Rounds are triggered by a watch on the job's control keys (members, ranks,
   reports, requests, epoch, leader, the stayers' recovery reports), so a failure is acted on within
-  milliseconds; a round also runs every ``ttl_s / 3`` as a backstop.
+  milliseconds; a round also runs every ``ttl_s / 3`` as a backstop, and when a pending probe of a
+  node runs out (:mod:`~trainmover_ext.control.probes`).
 - :meth:`Controller.close` stops the thread and resigns (revoking the leader
   lease so a successor is elected at once). It is safe to call twice, or on a
   controller that never started.
@@ -36,6 +37,7 @@ from typing import Protocol
 from trainmover_ext.control.decide import PlanMigration, RaiseAlert, decide
 from trainmover_ext.control.election import LeaderElection
 from trainmover_ext.control.executor import Executor, Outcome
+from trainmover_ext.control.probes import next_probe_deadline, probe_timeout_s
 from trainmover_ext.control.view import read_view
 from trainmover_ext.deadline import RecoveryTimeouts
 from trainmover_ext.errors import ConfigError, LeadershipLost, TrainMoverError
@@ -69,7 +71,18 @@ def node_settle_s(ttl_s: float) -> float:
     return float(ttl_s) + 0.5
 
 
-_TRIGGERS = ("members", "nodes", "ranks", "reports", "requests", "epoch", "leader", "checkpoint", "recovery")
+_TRIGGERS = (
+    "members",
+    "nodes",
+    "ranks",
+    "reports",
+    "probes",
+    "requests",
+    "epoch",
+    "leader",
+    "checkpoint",
+    "recovery",
+)
 
 
 @dataclass(kw_only=True)
@@ -103,6 +116,8 @@ class Controller:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._gone_at: dict[str, float] = {}
+        self._probe_due: float | None = None
+        """When the earliest pending probe of the last view runs out."""
         self._thread: threading.Thread | None = None
         self._watch: WatchHandle | None = None
 
@@ -163,7 +178,10 @@ class Controller:
                 # etcd unreachable or refusing: keep the thread alive and retry; the error is visible to callers.
                 self.error = exc
                 logger.warning("controller %s round failed: %s", self.config.controller_id, exc)
-            self._wake.wait(backstop)
+            wait = backstop
+            if self._probe_due is not None:  # a pending probe runs out: decide again right then
+                wait = min(wait, max(0.0, self._probe_due - time.time() + 0.005))
+            self._wake.wait(wait)
             self._wake.clear()
 
     def _reconcile(self) -> None:
@@ -172,6 +190,8 @@ class Controller:
             view = read_view(self.space)
             view.gone_at = dict(self._gone_at)
             view.settle_s = node_settle_s(self.config.ttl_s)
+            view.probe_s = probe_timeout_s(self.config.ttl_s)
+            self._probe_due = next_probe_deadline(view, time.time())
             if self.metrics is not None:
                 self.metrics.observe_view(dict(Counter(m.kind for m in view.members.values())), view.epoch)
             actions = decide(view, time.time(), decided_by=self.config.controller_id)

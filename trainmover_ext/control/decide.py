@@ -26,8 +26,15 @@ Cases:
   way; the ranks restart recovery at the newest epoch (a stayer whose state a
   cut-short copy spoiled reports ``None`` and receives a copy like a joiner).
 - **two failures at once**: one plan replaces every failed rank (one epoch step).
+- **suspicion**: a rank whose link to r broke reports r as a suspect (``suspect`` in
+  its report). That alone replaces nothing: r's agent reports r's exit itself. The
+  controller probes r's node instead (``probes/<host>``, :class:`ProbeHost`); an agent
+  that does not answer within ``View.probe_s`` died with its machine, and its node is
+  lost (below) without waiting for the agent's lease. An answered probe settles the
+  suspicions it consumed; a hung rank is then found by its lease.
 - **node lost**: a node (``nodes/<host>``) whose agent is no member any more and one
-  of whose ranks failed lost every rank it ran: one plan replaces them all,
+  of whose ranks failed or is suspected, or whose agent left a probe unanswered, lost
+  every rank it ran: one plan replaces them all,
   preferably with the free slots of one standby machine, each rank in the slot of
   its own local rank (a tensor-parallel group that shared a node shares one
   again); the standbys of a lost node are never chosen. A rank whose lease
@@ -87,10 +94,12 @@ from trainmover_ext.control.placement import (
     pick_standby,
     slot_or,
 )
+from trainmover_ext.control.probes import node_lost, suspicions, unresponsive_hosts
 from trainmover_ext.control.records import (
     MAX_EPOCH,
     Alert,
     ConvergenceRecord,
+    FailureReport,
     MigrationPlan,
     MigrationRequest,
     RankRecord,
@@ -186,9 +195,10 @@ def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
             )
             if move.leaver not in view.members:
                 failed.setdefault(move.rank, leaver_lost[move.rank])
+    suspects: dict[str, list[tuple[str, FailureReport]]] = {}
     for key, rep in sorted(view.reports.items()):
         rec = view.ranks.get(rep.rank)
-        if rep.rank in leaver_lost and rep.member_id == moving[rep.rank].leaver:
+        if rep.rank in leaver_lost and rep.member_id == moving[rep.rank].leaver and not rep.suspect:
             f = failed.setdefault(rep.rank, leaver_lost[rep.rank])
             f.consumed.append(key)
             if f.detected_at is None or rep.reported_at < f.detected_at:
@@ -197,19 +207,26 @@ def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
         if rec is None or rec.member_id != rep.member_id or rep.rank in view.finished:
             actions.append(DropStaleReport(key=key, reason=f"rank {rep.rank} is no longer served by {rep.member_id}"))
             continue
+        if rep.suspect:
+            suspects.setdefault(rec.host, []).append((key, rep))
+            continue
         leaving, why = _lost_joiner(moving, rec, view, f"link broken: {rep.reason}")
         f = failed.setdefault(rep.rank, _Failure(rank=leaving, reason=why, detected_at=rep.reported_at))
         f.consumed.append(key)
         if f.detected_at is None or rep.reported_at < f.detected_at:
             f.detected_at = rep.reported_at
     # A lost node took every rank it ran, whether or not their own leases have expired yet. An agent
-    # whose lease lapsed while its ranks all live (a stall) loses nothing.
-    for host in sorted(lost & {f.rank.host for f in failed.values()}):
+    # whose lease lapsed while its ranks all live (a stall) loses nothing; one that left a probe
+    # unanswered was probed because a rank of its node was suspected.
+    for host in sorted((lost & ({f.rank.host for f in failed.values()} | set(suspects))) | view.unresponsive):
+        why, detected = node_lost(view, host)
         for r, rec in sorted(view.ranks.items()):
             if rec.host == host and r not in failed and r not in view.finished:
-                why = f"node {host} lost: its agent's lease expired"
-                failed[r] = _Failure(rank=rec, reason=why, detected_at=view.gone_at.get(view.nodes[host].agent))
-    return [failed[r] for r in sorted(failed)], actions
+                failed[r] = _Failure(rank=rec, reason=why, detected_at=detected)
+    probes, consumed = suspicions(view, now, suspects, set(failed))
+    for r, keys in consumed.items():
+        failed[r].consumed += keys
+    return [failed[r] for r in sorted(failed)], actions + probes
 
 
 def _state_source(view: View, rec: RankRecord, failed: set[int]) -> dict[str, Any]:
@@ -566,6 +583,7 @@ def decide(view: View, now: float, *, decided_by: str = "") -> list[Action]:
                 garbage=f"epoch {view.epoch}, behind the plan of epoch {newest}",
             )
         ]
+    view = dataclasses.replace(view, unresponsive=unresponsive_hosts(view, now))
     failures, actions = _failures(view, now)
     if failures:
         return actions + _plan_failures(view, now, failures, decided_by)

@@ -10,7 +10,8 @@ revision. Hence at most one migration commits per epoch, and a decision is
 either wholly visible or absent. A :class:`CommitConvergence` writes
 ``convergence/<e>`` only while the epoch is unchanged (a newer failure voids it)
 and deletes the stayers' reports it settles. A :class:`CommitSwitchPoint` rewrites the
-planned move's plan with its switch point, compare-and-swap on the plan key.
+planned move's plan with its switch point, compare-and-swap on the plan key. A :class:`ProbeHost`
+writes ``probes/<host>`` and deletes the suspicions it answers.
 
 A lost race returns ``Outcome.CONFLICT`` (re-read and decide again); a lost
 leadership raises :class:`LeadershipLost`.
@@ -35,6 +36,7 @@ from trainmover_ext.control.actions import (
     CommitSwitchPoint,
     DropStaleReport,
     PlanMigration,
+    ProbeHost,
     RaiseAlert,
     RejectRequest,
     RepairEpoch,
@@ -178,6 +180,16 @@ class Executor:
         if isinstance(action, DropStaleReport):
             return self._delete_with_event(
                 action.key, "stale_report_dropped", {"key": action.key, "reason": action.reason}
+            )
+        if isinstance(action, ProbeHost):
+            p = action.probe
+            return self._commit(
+                [],
+                [
+                    Put(s.key("probes", p.host), p.to_bytes()),
+                    *[Delete(k) for k in action.consumed],
+                    event_put(s, "node_probed", {"host": p.host, "agent": p.agent, "ranks": p.ranks}, p.probed_at),
+                ],
             )
         if isinstance(action, RaiseAlert):
             a = action.alert

@@ -16,9 +16,10 @@ Contract:
   that serves no rank (an unpromoted standby, ``rejoin_on_loss``) registers
   again when it finds its lease lost, instead of leaving.
   ``close()`` revokes the lease: a clean leave is seen at once.
-- :func:`report_failure` is the fast detection path: a process whose link to
-  rank r broke writes ``reports/<r>/<reporter>``; the controller acts on it
-  without waiting for r's lease.
+- :func:`report_failure` is the fast detection path: an agent whose child died
+  writes ``reports/<r>/<reporter>``, and the controller acts on it without waiting
+  for r's lease. A rank whose link to r broke writes a suspicion (``suspect``):
+  the controller then probes r's node (:mod:`~trainmover_ext.control.probes`).
 - :class:`PlanInbox` is every process's one inbox of ``migrations/<e>``: it hears of each plan
   within milliseconds of the controller's commit, keeps the newest write of each, and wakes waiters.
 
@@ -76,6 +77,10 @@ RETRY_FIRST_S = 0.05
 """The first wait before a keeper asks again after etcd did not answer; it doubles up to the refresh
 interval. Short: an etcd that comes back extends each lease by only one TTL from then."""
 
+LATE_SHARE = 0.6
+"""A renewal that comes more than this share of the TTL after the last one (or takes that long) is
+logged: a lease expires when the gap reaches the TTL."""
+
 WARN_EVERY_S = 5.0
 """A keeper that cannot reach etcd logs a warning at most this often (an outage can last minutes)."""
 
@@ -104,8 +109,19 @@ class LeaseKeeper:
     def _run(self) -> None:
         interval = RecoveryTimeouts(self.ttl_s).renew_every_s
         wait, warned_at = interval, -WARN_EVERY_S
+        renewed_at = time.monotonic()
         while not self._stop.wait(wait):
             asked_at = time.monotonic()
+            if asked_at - renewed_at > LATE_SHARE * self.ttl_s:
+                # The thread ran late (its process starved of CPU, or the GIL held by native code): say so,
+                # since a lease that then expires looks like a hung member to the controller.
+                logger.warning(
+                    "%s keepalive ran %.1fs after the last renewal (TTL %ds): this process is starved of CPU "
+                    "or a native call holds the GIL",
+                    self.name,
+                    asked_at - renewed_at,
+                    self.ttl_s,
+                )
             try:
                 remaining = self.space.kv.refresh_lease(self.lease_id)
             except LeaseNotFound:
@@ -134,7 +150,11 @@ class LeaseKeeper:
                     self.lease_id,
                 )
                 self.unreachable_since, warned_at = None, -WARN_EVERY_S
-            wait = interval
+            renewed_at, wait = time.monotonic(), interval
+            if renewed_at - asked_at > LATE_SHARE * self.ttl_s:
+                logger.warning(
+                    "%s keepalive: etcd took %.1fs to renew (TTL %ds)", self.name, renewed_at - asked_at, self.ttl_s
+                )
 
     def mark_lost(self) -> None:
         """Declare the lease gone (etcd said so): sets ``lost`` and runs ``on_lost`` once."""
@@ -261,10 +281,19 @@ def init_job(space: JobSpace, ranks: list[RankRecord]) -> None:
         space.put_if_absent(space.key("ranks", rec.rank), rec.to_bytes())
 
 
-def report_failure(space: JobSpace, *, rank: int, member_id: str, reporter: str, reason: str, epoch: int) -> None:
-    """Fast path: say that the link to ``rank`` (served by ``member_id``) broke."""
+def report_failure(
+    space: JobSpace, *, rank: int, member_id: str, reporter: str, reason: str, epoch: int, suspect: bool = False
+) -> None:
+    """Fast path: say that ``rank`` (served by ``member_id``) died (its agent saw it exit), or with
+    ``suspect`` that the reporter's link to it broke (the controller then probes its node)."""
     rep = FailureReport(
-        rank=rank, member_id=member_id, reporter=reporter, reason=reason, epoch=epoch, reported_at=time.time()
+        rank=rank,
+        member_id=member_id,
+        reporter=reporter,
+        reason=reason,
+        epoch=epoch,
+        reported_at=time.time(),
+        suspect=suspect,
     )
     space.put(space.key("reports", rank, reporter), rep.to_bytes())
 

@@ -12,8 +12,9 @@ from trainmover_ext.control.view import View
 
 
 def lost_hosts(view: View) -> set[str]:
-    """Hosts of ``nodes/`` whose agent is no member any more (it died with its machine, or hangs)."""
-    return {host for host, node in view.nodes.items() if node.agent not in view.members}
+    """Hosts of ``nodes/`` whose agent is no member any more (it died with its machine, or hangs), or left
+    the controller's probe unanswered (``View.unresponsive``)."""
+    return {host for host, node in view.nodes.items() if node.agent not in view.members} | set(view.unresponsive)
 
 
 def available_standbys(view: View, excluded: set[str]) -> list[str]:

@@ -224,6 +224,28 @@ class FailureReport(Record):
     reason: str
     epoch: int
     reported_at: float
+    suspect: bool = False
+    """A peer rank's report (its link to the rank broke): on its own not proof that the rank died, as
+    the rank's agent reports a dead child itself. The controller probes the rank's node instead
+    (:class:`ProbeRecord`); an agent's report of a child's exit is not a suspicion."""
+
+
+@dataclass(kw_only=True)
+class ProbeRecord(Record):
+    """The controller asks a node's agent whether it lives (``probes/<host>``): written when a rank of the
+    node is suspected, answered by the agent with ``acked_at``. Left unanswered for ``View.probe_s``,
+    the node is lost (its agent died with the machine) before the agent's lease says so."""
+
+    KIND: ClassVar[str] = "probe"
+    host: str
+    agent: str
+    """The agent asked (a probe of an agent that has since been replaced on the host counts for nothing)."""
+    probed_at: float
+    suspected_at: float
+    """When the first suspicion that led to the probe was reported (the start of detection)."""
+    ranks: list[int] = field(default_factory=list)
+    """The suspected ranks of the node."""
+    acked_at: float | None = None
 
 
 @dataclass(kw_only=True)

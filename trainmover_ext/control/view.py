@@ -29,6 +29,7 @@ from trainmover_ext.control.records import (
     MigrationPlan,
     MigrationRequest,
     NodeRecord,
+    ProbeRecord,
     RankRecord,
     migration_key_suffix,
 )
@@ -80,6 +81,14 @@ class View:
     """When the controller saw a member's key disappear (lease expiry); filled by the runner, optional."""
     nodes: dict[str, NodeRecord] = field(default_factory=dict)
     """The job's machines by host (``nodes/<host>``); a node whose agent is no member is lost."""
+    probes: dict[str, ProbeRecord] = field(default_factory=dict)
+    """The controller's liveness probes of nodes by host (``probes/<host>``)."""
+    probe_s: float = 0.0
+    """How long a node's agent has to answer a probe before the node counts as lost. Set by the runner;
+    0 turns probing off (suspicions then wait for the leases)."""
+    unresponsive: frozenset[str] = frozenset()
+    """Hosts whose agent left a probe unanswered for ``probe_s``: lost like a node whose agent's lease
+    expired. Derived by ``decide`` from ``probes`` and its ``now``."""
     settle_s: float = 0.0
     """How long a rank whose lease expired on a node whose agent still looks alive waits before it is
     planned alone: the other leases of a lost node expire within one TTL of each other,
@@ -120,6 +129,10 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
                 view.ranks[r.rank] = r
             elif head == "reports" and rest:
                 view.reports[key] = FailureReport.from_bytes(entry.value, key=key, strict=True)
+            elif head == "probes" and rest:
+                probe = ProbeRecord.from_bytes(entry.value, key=key, strict=True)
+                _own_key(rest, probe.host, key)
+                view.probes[probe.host] = probe
             elif head == "requests" and rest:
                 view.requests[key] = MigrationRequest.from_bytes(entry.value, key=key, strict=True)
             elif head == "alerts" and rest:

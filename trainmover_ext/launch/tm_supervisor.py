@@ -88,7 +88,7 @@ class TrainMoverSupervisor:
         """Epochs whose placement notes were logged."""
         self.report_retry: dict[int, float] = {}
         """When a report etcd could not take may be tried again, by rank."""
-        self.space = self.controller = self.member = self.inbox = self.archive = None
+        self.space = self.controller = self.member = self.inbox = self.archive = self.probes = None
         self.epoch = 0
         self.standbys_started = 0
         self.reserves: list[Reserve] = []
@@ -238,6 +238,10 @@ class TrainMoverSupervisor:
             registered_at=time.time(),
         )
         self.space.put(self.space.key("nodes", ident.host), node.to_bytes())
+        from trainmover_ext.control.probes import ProbeResponder
+
+        # The controller asks whether this node lives when a peer suspects one of its ranks.
+        self.probes = ProbeResponder(self.space, host=ident.host, agent_id=ident.member_id).start()
         self.controller = Controller(
             self.space, ControllerConfig(controller_id=ident.member_id, ttl_s=ttl), metrics=self.agent.metrics
         ).start()
@@ -258,7 +262,7 @@ class TrainMoverSupervisor:
         reserves, self.reserves = self.reserves, []
         for reserve in reserves:
             discard(reserve)
-        for obj in (self.archive, self.inbox, self.controller, self.member):
+        for obj in (self.probes, self.archive, self.inbox, self.controller, self.member):
             if obj is not None:
                 try:
                     obj.close()

@@ -34,10 +34,17 @@ from typing import TYPE_CHECKING, cast
 
 from trainmover_ext.config import TrainMoverConfig
 from trainmover_ext.control.convergence import GridShape
-from trainmover_ext.control.membership import Membership, PlanInbox, init_job
+from trainmover_ext.control.membership import Membership, PlanInbox, init_job, report_failure
 from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord, migration_key_suffix
 from trainmover_ext.deadline import Deadline, RecoveryTimeouts
-from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded, StoreError
+from trainmover_ext.errors import (
+    CommLinkError,
+    MalformedValue,
+    MembershipLost,
+    MigrationAborted,
+    RecoverySuperseded,
+    StoreError,
+)
 from trainmover_ext.kv.codec import encode
 from trainmover_ext.launch.identity import Identity, identity_from_env, open_space
 from trainmover_ext.migration.planned import HandoverChannel, hand_over
@@ -228,6 +235,31 @@ class WorkerRuntime(Runtime):
         return plan
 
     # -- unexpected failure ---------------------------------------------------
+    def _report_suspects(self, exc: BaseException, after: int) -> None:
+        """Report the peers ``exc`` suspects (``CommLinkError.peers``) unless a failure plan newer than
+        epoch ``after`` is already known; best effort (the leases are the fallback)."""
+        peers = getattr(exc, "peers", ())
+        if not peers or self.newest_failure_epoch() > after:
+            return
+        for peer in peers:
+            key = self.space.key("ranks", peer)
+            try:
+                entry = self.space.kv.get(key)
+                if entry is None:
+                    continue
+                serving = RankRecord.from_bytes(entry.value, key=key).member_id
+                report_failure(
+                    self.space,
+                    rank=peer,
+                    member_id=serving,
+                    reporter=self.ident.member_id,
+                    reason=f"rank {self.layout.rank}'s link broke: {str(exc)[:200]}",
+                    epoch=after,
+                    suspect=True,
+                )
+            except (StoreError, MalformedValue) as err:
+                logger.info("rank %d: could not report suspect rank %d: %s", self.layout.rank, peer, err)
+
     def recover(self, session: Session, exc: BaseException) -> None:
         """The current iteration (or migration step) was abandoned: carry out the newest failure epoch,
         and start again at the newest one whenever a newer plan cuts an attempt short."""
@@ -235,7 +267,9 @@ class WorkerRuntime(Runtime):
         after = self.epoch
         while True:
             # Detection is the control plane's: the agent reports a dead child at once and a hung
-            # one loses its lease; we only wait for the decision (which also abandoned our links).
+            # one loses its lease; we say which peers our failed op suspects (a lost machine's agent
+            # cannot report) and wait for the decision (which also abandoned our links).
+            self._report_suspects(exc, after)
             try:
                 plan = self._wait_failure_plan(after, self.timeout_s)
             except MigrationAborted as abort:
