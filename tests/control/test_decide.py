@@ -515,12 +515,16 @@ def test_the_planned_leaver_gone_after_its_hand_over_is_not_a_failure():
     assert [type(a) for a in decide(v, 200.0)] == [DropStaleReport]
 
 
-def test_the_controller_commits_the_planned_switch_point_once_the_leaver_waits():
+def test_the_controller_commits_the_planned_switch_point_once_the_leaver_is_ready():
     v = _moving({"ready": 1.0})
     assert not [a for a in decide(v, 200.0) if isinstance(a, CommitSwitchPoint)], "the leaver has not said where"
     v.last_plan.leaver_at, v.last_plan.last_boundary, v.last_plan_rev = 7, 11, 77
     act = only(decide(v, 200.0), CommitSwitchPoint)
-    assert (act.epoch, act.switch_at, act.expected_plan_rev) == (4, 8, 77), "the boundary after the leaver's"
+    assert (act.epoch, act.switch_at, act.expected_plan_rev) == (4, 9, 77), (
+        "two boundaries on: the leaver trains one more iteration and waits at the next"
+    )
+    v.last_plan.leaver_at = 10
+    assert only(decide(v, 200.0), CommitSwitchPoint).switch_at == 11, "the last boundary comes first"
     v.last_plan.leaver_at = 11
     assert only(decide(v, 200.0), CommitSwitchPoint).switch_at == 11, "never beyond the last boundary"
     v.last_plan.switch_at = 11

@@ -59,9 +59,10 @@ Cases:
 - **drain**: a request for a node (``trainmover drain``) moves every rank it serves in one
   planned epoch, each leaver the state source of its rank, to one standby machine (slots as
   for a lost node); rejected when no machine has that many idle warm standbys.
-- **switch point**: once a planned move's joiner is ready and its leaver waits
+- **switch point**: once a planned move's joiner is ready and its leaver said so
   at a boundary (``leaver_at``), the controller commits the boundary where the
-  leaver hands over and the stayers switch (``switch_at`` in the plan).
+  leaver hands over and the stayers switch (``switch_at`` in the plan): two
+  boundaries on, so the leaver trains on while the controller decides.
 - **epoch race / malformed epoch**: an unreadable epoch, or one behind the newest
   ``migrations/<e>`` key (rolled back by hand: a plan for it + 1 would reopen a
   planned epoch), is repaired from the newest plan (each plan opened one epoch,
@@ -391,9 +392,11 @@ def _decide_convergence(view: View, now: float, decided_by: str) -> list[Action]
 
 
 def _decide_switch_point(view: View) -> list[Action]:
-    """The planned move's switch point, once its joiner is ready and its leaver waits at a boundary: the
-    next boundary (no rank can complete the iteration after the leaver's boundary without it), or the
-    last one when the leaver waits there."""
+    """The planned move's switch point, once its joiner is ready and its leaver said so at boundary b
+    (``leaver_at``): b + 2, or the last boundary if that comes first. The leaver trains iteration b + 1
+    meanwhile and waits at boundary b + 1 until the point is known, so no rank can complete iteration
+    b + 2 before it, and each reads the point at boundary b + 2 at the latest (at the last boundary
+    everyone waits for it). A leaver that said so at the last boundary waits there: that one."""
     plan = view.last_plan
     if (
         plan is None
@@ -408,7 +411,7 @@ def _decide_switch_point(view: View) -> list[Action]:
     return [
         CommitSwitchPoint(
             epoch=plan.epoch,
-            switch_at=min(plan.leaver_at + 1, max(last, plan.leaver_at)),
+            switch_at=min(plan.leaver_at + 2, max(last, plan.leaver_at)),
             expected_plan_rev=view.last_plan_rev,
         )
     ]

@@ -310,13 +310,15 @@ class MigrationPlan(Record):
     steps: dict[str, float] = field(default_factory=dict)
     """Per-step wall-clock timestamps (``detected``, ``decided``, and later steps by the migration layer)."""
     leaver_at: int | None = None
-    """A planned move: the iteration boundary (completed steps) where the leaver, its joiner ready, waits
-    for the switch point; written by the leaver."""
+    """A planned move: the iteration boundary (completed steps) where the leaver, its joiner ready, said
+    so; written by the leaver, which trains one more iteration and waits at the next boundary for the
+    switch point (at the last boundary it waits at once)."""
     last_boundary: int | None = None
     """A planned move: the job's last iteration boundary (``--train-iters`` - 1), written with ``leaver_at``."""
     switch_at: int | None = None
     """A planned move: the boundary where the leaver hands over and the stayers switch; committed by the
-    controller from ``leaver_at`` (nobody can pass the boundary after the leaver's while it waits)."""
+    controller from ``leaver_at``: two boundaries later, or the last boundary (nobody can pass the
+    boundary after the one where the leaver waits)."""
     drain: str | None = None
     """A planned move of every rank of this node at once (``trainmover drain``)."""
     placement: list[str] = field(default_factory=list)

@@ -4,7 +4,9 @@ Contract:
 - Both ends open one 2-rank gloo pair of their own, ``transfer/<e>/<rank>``
   on the job's rendezvous store (the leaver and the joiner serve the same
   logical rank, so no communicator link joins them); a move of several ranks
-  (a drain) has one pair per rank. The pair is built on a
+  (a drain) has one pair per rank. The leaver starts its end as soon as it
+  learns of the move (:func:`prepare_hand_over`) and trains on meanwhile, so the
+  pair is up by the boundary. The pair is built on a
   daemon thread while the caller polls: a newer failure plan (the leaver died,
   or another rank did) makes the wait give up at once with
   :class:`RecoverySuperseded`, and severs a pair already in use, so neither
@@ -21,7 +23,7 @@ import datetime
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from trainmover_ext.control.records import MigrationPlan
 from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
@@ -63,41 +65,72 @@ class HandoverChannel:
         self.pair.close()
 
 
-def open_handover(
-    store: Store, name: str, side: int, timeout_s: float, cancelled: Callable[[], bool]
-) -> HandoverChannel:
-    """Build the hand-over pair ``name`` (both ends call this); gives up when ``cancelled()`` turns true."""
-    from nccl_delta.transport_gloo import connect_gloo_pair
+class PendingHandover:
+    """A hand-over pair being built on a daemon thread (see :func:`start_handover`)."""
 
-    host = os.environ.get("NCCL_DELTA_LINK_HOST") or "127.0.0.1"
-    lock = threading.Lock()
-    out: dict[str, Any] = {}
-    done = threading.Event()
+    def __init__(self, store: Store, name: str, side: int, timeout_s: float) -> None:
+        self.name, self.timeout_s = name, timeout_s
+        self._lock = threading.Lock()
+        self._pair: GlooPair | None = None
+        self._error: BaseException | None = None
+        self._gave_up = False
+        self._done = threading.Event()
+        threading.Thread(target=self._build, args=(store, side), name=f"tm_handover_{name}", daemon=True).start()
 
-    def build() -> None:
+    def _build(self, store: Store, side: int) -> None:
+        from nccl_delta.transport_gloo import connect_gloo_pair
+
+        host = os.environ.get("NCCL_DELTA_LINK_HOST") or "127.0.0.1"
         try:
-            pair = connect_gloo_pair(store, f"transfer/{name}/", side, datetime.timedelta(seconds=timeout_s), host)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
-            out["error"] = exc
+            pair = connect_gloo_pair(
+                store, f"transfer/{self.name}/", side, datetime.timedelta(seconds=self.timeout_s), host
+            )
+        except BaseException as exc:  # noqa: BLE001 - re-raised by channel()
+            self._error = exc
         else:
-            with lock:
-                if out.get("gave_up"):
+            with self._lock:
+                if self._gave_up:
                     pair.sever()
                     pair.close()
                 else:
-                    out["pair"] = pair
+                    self._pair = pair
         finally:
-            done.set()
+            self._done.set()
 
-    threading.Thread(target=build, name=f"tm_handover_{name}", daemon=True).start()
-    while not done.wait(0.02):
-        if cancelled():
-            with lock:
-                out["gave_up"] = True
-            raise RecoverySuperseded(f"hand-over link {name!r}: a newer failure plan superseded the move")
-    if "error" in out:
-        raise MigrationAborted(f"hand-over link {name!r} could not be built: {out['error']}") from out["error"]
-    return HandoverChannel(out["pair"], timeout_s)
+    def channel(self, cancelled: Callable[[], bool]) -> HandoverChannel:
+        """Wait for the pair (at most its timeout); gives up when ``cancelled()`` turns true."""
+        while not self._done.wait(0.02):
+            if cancelled():
+                self.cancel()
+                raise RecoverySuperseded(f"hand-over link {self.name!r}: a newer failure plan superseded the move")
+        if self._error is not None:
+            raise MigrationAborted(f"hand-over link {self.name!r} could not be built: {self._error}") from self._error
+        with self._lock:
+            pair, self._pair = self._pair, None
+        if pair is None:
+            raise MigrationAborted(f"hand-over link {self.name!r} was given up")
+        return HandoverChannel(pair, self.timeout_s)
+
+    def cancel(self) -> None:
+        """Drop the pair (now, or once built); idempotent."""
+        with self._lock:
+            self._gave_up = True
+            pair, self._pair = self._pair, None
+        if pair is not None:
+            pair.sever()
+            pair.close()
+
+
+def start_handover(store: Store, name: str, side: int, timeout_s: float) -> PendingHandover:
+    """Start building the hand-over pair ``name`` (both ends call this, or :func:`open_handover`)."""
+    return PendingHandover(store, name, side, timeout_s)
+
+
+def open_handover(
+    store: Store, name: str, side: int, timeout_s: float, cancelled: Callable[[], bool]
+) -> HandoverChannel:
+    """Build the hand-over pair ``name`` and wait for it; gives up when ``cancelled()`` turns true."""
+    return start_handover(store, name, side, timeout_s).channel(cancelled)
 
 
 def _use(rt: WorkerRuntime, channel: HandoverChannel, epoch: int, transfer: Callable[[], int]) -> None:
@@ -130,10 +163,18 @@ def _superseded(rt: WorkerRuntime, epoch: int) -> Callable[[], bool]:
     return lambda: rt.newest_failure_epoch() > epoch
 
 
-def hand_over(rt: WorkerRuntime, session: Session, plan: MigrationPlan) -> None:
-    """The planned leaver, at the agreed boundary: stream state to the joiner, then leave."""
+def prepare_hand_over(rt: WorkerRuntime, plan: MigrationPlan) -> PendingHandover:
+    """The planned leaver, once it learns of the move: build its hand-over pair in the background, so
+    that at the boundary only the state crosses (the joiner's end connects once it has joined)."""
+    return start_handover(_handover_store(rt), f"{plan.epoch}/{rt.layout.rank}", 0, rt.timeout_s)
+
+
+def hand_over(rt: WorkerRuntime, session: Session, plan: MigrationPlan, pending: PendingHandover | None = None) -> None:
+    """The planned leaver, at the agreed boundary: stream state to the joiner (over ``pending``, the pair
+    :func:`prepare_hand_over` started, or a new one), then leave."""
     rank = rt.layout.rank
-    channel = open_handover(_handover_store(rt), f"{plan.epoch}/{rank}", 0, rt.timeout_s, _superseded(rt, plan.epoch))
+    pending = pending or prepare_hand_over(rt, plan)
+    channel = pending.channel(_superseded(rt, plan.epoch))
     try:
         _use(
             rt,

@@ -47,7 +47,7 @@ from trainmover_ext.errors import (
 )
 from trainmover_ext.kv.codec import encode
 from trainmover_ext.launch.identity import Identity, identity_from_env, open_space
-from trainmover_ext.migration.planned import HandoverChannel, hand_over
+from trainmover_ext.migration.planned import HandoverChannel, PendingHandover, hand_over, prepare_hand_over
 from trainmover_ext.migration.recovery import converge
 from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults
@@ -97,8 +97,12 @@ class WorkerRuntime(Runtime):
         under way: one cut short leaves it unusable until a later recovery copies it again)."""
         self.handover: HandoverChannel | None = None
         """The planned hand-over's channel while in use (a newer failure plan severs it)."""
+        self._handover_pairs: dict[int, PendingHandover] = {}
+        """A planned leaver's hand-over pairs by epoch, built from when it learns of the move."""
         self.timeout_s = RecoveryTimeouts(config.lease_ttl_s).decision_s
         self._switch_at: dict[int, int] = {}
+        self._leaver_at: dict[int, int] = {}
+        """A planned leaver's ``leaver_at`` by epoch, once written."""
         self._replaced = False
         self._checkpoint_unsaid: int | None = None
         """rank 0: a checkpoint iteration not yet written to etcd (it was unreachable)."""
@@ -148,6 +152,7 @@ class WorkerRuntime(Runtime):
         return cls(session, config, ident, space, member)
 
     def close(self) -> None:
+        self._drop_handover_pairs()
         try:
             self.inbox.close()
         finally:
@@ -234,6 +239,11 @@ class WorkerRuntime(Runtime):
             )
         return plan
 
+    def _drop_handover_pairs(self) -> None:
+        pairs, self._handover_pairs = self._handover_pairs, {}
+        for pending in pairs.values():
+            pending.cancel()
+
     # -- unexpected failure ---------------------------------------------------
     def _report_suspects(self, exc: BaseException, after: int) -> None:
         """Report the peers ``exc`` suspects (``CommLinkError.peers``) unless a failure plan newer than
@@ -265,6 +275,7 @@ class WorkerRuntime(Runtime):
         and start again at the newest one whenever a newer plan cuts an attempt short."""
         layout = session.layout
         after = self.epoch
+        self._drop_handover_pairs()  # a failure supersedes any planned move this rank was leaving in
         while True:
             # Detection is the control plane's: the agent reports a dead child at once and a hung
             # one loses its lease; we say which peers our failed op suspects (a lost machine's agent
@@ -306,10 +317,11 @@ class WorkerRuntime(Runtime):
         """The boundary of the planned move ``plan`` once the controller committed it; None: train on.
 
         The leaver (``leaver``: of a move of several ranks, the lowest), once every joiner is ready
-        (``ready``), says at which boundary it waits (``leaver_at``) and waits there for the controller's
-        ``switch_at``: no rank can complete the next iteration without it, so nobody passes the point the
-        controller picks. A stayer, and any other leaver, reads the plan at each boundary until the point
-        is known (its watch may lag by an iteration)."""
+        (``ready``), says so at its boundary (``leaver_at``), trains one more iteration and waits at the
+        next boundary for the controller's ``switch_at`` (one boundary later): no rank can complete the
+        iteration after that without it, so nobody passes the point the controller picks. A stayer, and
+        any other leaver, reads the plan at each boundary until the point is known (its watch may lag by
+        an iteration)."""
         e, args = plan.epoch, session.args
         if e in self._switch_at:
             return self._switch_at[e]
@@ -327,7 +339,13 @@ class WorkerRuntime(Runtime):
                     self.timeout_s,
                 )
                 return None
-            mark_step(self.space, e, "leaver_waits", fields={"leaver_at": args.iteration, "last_boundary": last})
+            if e not in self._leaver_at:
+                # Say that we are ready here and train one more iteration while the controller commits the
+                # switch point (two boundaries on); wait at the next boundary if it is not known by then.
+                mark_step(self.space, e, "leaver_waits", fields={"leaver_at": args.iteration, "last_boundary": last})
+                self._leaver_at[e] = args.iteration
+                if not at_last:
+                    return None
             if not self._wait_plan_field(e, lambda p: p.switch_at is not None, self.timeout_s):
                 raise MigrationAborted(
                     f"rank {self.layout.rank}: the controller committed no switch point for the "
@@ -377,6 +395,8 @@ class WorkerRuntime(Runtime):
         leaver = layout.rank in moving
         if leaver:
             faults.at("prepare", rank=layout.rank, epoch=plan.epoch)
+            if plan.epoch not in self._handover_pairs:
+                self._handover_pairs[plan.epoch] = prepare_hand_over(self, plan)
         else:
             import nccl_delta
 
@@ -390,7 +410,7 @@ class WorkerRuntime(Runtime):
             return True
         if leaver:
             try:
-                hand_over(self, session, plan)
+                hand_over(self, session, plan, self._handover_pairs.pop(plan.epoch, None))
             except RecoverySuperseded as exc:
                 raise MembershipLost(
                     f"rank {layout.rank}: the planned move of epoch {plan.epoch} was superseded by a "
