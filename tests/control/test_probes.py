@@ -142,11 +142,14 @@ def test_without_probing_a_suspicion_waits_for_the_leases():
     assert decide(v, NOW) == []
 
 
-def test_a_suspect_on_a_node_whose_agent_lease_expired_loses_the_node_at_once():
+def test_a_suspect_on_a_node_whose_agent_lease_expired_waits_for_a_failed_rank():
     v = _probing_view()
     del v.members["a1"]
     v.gone_at["a1"] = NOW - 0.1
     _suspect(v, 4, "w0")
+    assert decide(v, NOW) == [], "a stalled agent with live ranks loses nothing on a suspicion alone"
+    del v.members["w5"]
+    v.gone_at["w5"] = NOW - 0.1
     act = _plan(decide(v, NOW))
     assert sorted(r.rank for r in act.plan.replacement_list()) == [4, 5, 6, 7]
     assert dict(act.why)[4] == "node n1 lost: its agent's lease expired"

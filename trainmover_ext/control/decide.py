@@ -217,9 +217,10 @@ def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
         if f.detected_at is None or rep.reported_at < f.detected_at:
             f.detected_at = rep.reported_at
     # A lost node took every rank it ran, whether or not their own leases have expired yet. An agent
-    # whose lease lapsed while its ranks all live (a stall) loses nothing; one that left a probe
-    # unanswered was probed because a rank of its node was suspected.
-    for host in sorted((lost & ({f.rank.host for f in failed.values()} | set(suspects))) | view.unresponsive):
+    # whose lease lapsed while its ranks all live (a stall) loses nothing, even where a peer suspects
+    # one of them (a neighbour that cut its links looks like a closed connection); one that left a
+    # probe unanswered was probed because a rank of its node was suspected.
+    for host in sorted((lost & {f.rank.host for f in failed.values()}) | view.unresponsive):
         why, detected = node_lost(view, host)
         for r, rec in sorted(view.ranks.items()):
             if rec.host == host and r not in failed and r not in view.finished:

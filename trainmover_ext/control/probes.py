@@ -134,6 +134,8 @@ class ProbeResponder:
         """Probes answered so far."""
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._seen: tuple[bytes, int] | None = None
+        """The value and revision of the newest probe the watch delivered."""
         self._watch: WatchHandle | None = None
         self._thread = threading.Thread(target=self._run, name=f"tm-probe-responder-{host}", daemon=True)
 
@@ -145,7 +147,9 @@ class ProbeResponder:
         return self
 
     def _on_events(self, events: list[WatchEvent]) -> None:
-        if any(ev.key == self.key and ev.kind == "put" for ev in events):
+        puts = [ev for ev in events if ev.key == self.key and ev.kind == "put"]
+        if puts:
+            self._seen = (puts[-1].value, puts[-1].mod_revision)  # answered without reading it again
             self._wake.set()
 
     def _run(self) -> None:
@@ -164,19 +168,23 @@ class ProbeResponder:
                 self._stop.wait(0.1)
 
     def _answer(self) -> None:
+        seen, self._seen = self._seen, None
         for _ in range(8):  # the controller may probe again between our read and our write
-            entry = self.space.kv.get(self.key)
-            if entry is None:
-                return
+            if seen is None:
+                entry = self.space.kv.get(self.key)
+                if entry is None:
+                    return
+                seen = (entry.value, entry.mod_revision)
+            (value, revision), seen = seen, None
             try:
-                probe = ProbeRecord.from_bytes(entry.value, key=self.key, strict=True)
+                probe = ProbeRecord.from_bytes(value, key=self.key, strict=True)
             except MalformedValue as exc:
                 logger.warning("ignoring an unreadable probe: %s", exc)
                 return
             if probe.agent != self.agent_id or probe.acked_at is not None:
                 return
             acked = dataclasses.replace(probe, acked_at=time.time())
-            if self.space.kv.compare_and_swap(self.key, entry.mod_revision, acked.to_bytes()):
+            if self.space.kv.compare_and_swap(self.key, revision, acked.to_bytes()):
                 self.answered += 1
                 logger.info("answered the probe of node %s (suspected ranks %s)", self.host, probe.ranks)
                 return
