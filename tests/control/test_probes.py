@@ -156,9 +156,9 @@ def test_a_suspect_on_a_node_whose_agent_lease_expired_waits_for_a_failed_rank()
 
 
 def test_the_probe_timeout_follows_the_lease_ttl():
-    assert probe_timeout_s(2) == 0.5
-    assert probe_timeout_s(8) == 2.0
-    assert probe_timeout_s(0.4) == 0.25
+    assert probe_timeout_s(2) == 0.25
+    assert probe_timeout_s(8) == 1.0
+    assert probe_timeout_s(1) == 0.25
 
 
 def test_the_agent_answers_its_own_probes_only(kv):

@@ -13,6 +13,8 @@ Contract:
   reports, requests, epoch, leader, the stayers' recovery reports), so a failure is acted on within
   milliseconds; a round also runs every ``ttl_s / 3`` as a backstop, and when a pending probe of a
   node runs out (:mod:`~trainmover_ext.control.probes`).
+- A standby machine's agent is the preferred leader (``ControllerConfig.preferred``): losing a
+  machine that runs ranks then never takes the controller with it.
 - :meth:`Controller.close` stops the thread and resigns (revoking the leader
   lease so a successor is elected at once). It is safe to call twice, or on a
   controller that never started.
@@ -38,9 +40,10 @@ from trainmover_ext.control.decide import PlanMigration, RaiseAlert, decide
 from trainmover_ext.control.election import LeaderElection
 from trainmover_ext.control.executor import Executor, Outcome
 from trainmover_ext.control.probes import next_probe_deadline, probe_timeout_s
-from trainmover_ext.control.view import read_view
+from trainmover_ext.control.records import NodeRecord
+from trainmover_ext.control.view import View, read_view
 from trainmover_ext.deadline import RecoveryTimeouts
-from trainmover_ext.errors import ConfigError, LeadershipLost, TrainMoverError
+from trainmover_ext.errors import ConfigError, LeadershipLost, MalformedValue, TrainMoverError
 from trainmover_ext.kv.base import WatchEvent, WatchHandle
 from trainmover_ext.kv.job import JobSpace
 
@@ -62,6 +65,21 @@ class ControlObserver(Protocol):
 
     def observe_alert(self) -> None:
         """An alert was raised (a rank left with no standby to take it)."""
+
+
+def quiet(view: View) -> bool:
+    """Nothing in flight: no report, request or pending probe, and the newest plan carried out (a failure
+    plan converged, a planned move transferred). Only then may the lead change hands by choice."""
+    if view.reports or view.requests:
+        return False
+    if any(p.acked_at is None and p.agent in view.members for p in view.probes.values()):
+        return False
+    plan = view.last_plan
+    if plan is None:
+        return True
+    if plan.epoch != view.epoch:
+        return False
+    return plan.epoch in view.converged if plan.reason == "failure" else "transferred" in plan.steps
 
 
 def node_settle_s(ttl_s: float) -> float:
@@ -95,6 +113,12 @@ class ControllerConfig:
     """Leader lease TTL in seconds (``--tm-lease-ttl``); failover happens within about this long."""
     max_rounds: int = 8
     """Decide/apply rounds per trigger before waiting again (bounds work under constant conflicts)."""
+    preferred: bool = False
+    """This candidate's machine runs no ranks (a standby machine's agent). It campaigns at once; the
+    others, while a preferred candidate lives, campaign only once the leader key has been gone for
+    ``defer_s``, and a leader that is not preferred hands the lead to a live preferred candidate
+    whenever nothing is in flight. So losing a machine that runs ranks does not take the controller
+    with it (its new leader would be elected only after the dead one's lease expired)."""
 
     def __post_init__(self) -> None:
         if not self.controller_id:
@@ -116,6 +140,11 @@ class Controller:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._gone_at: dict[str, float] = {}
+        self._handed_to: set[str] = set()
+        """Preferred candidates this leader resigned for (never twice for one)."""
+        self._vacant_since: float | None = None
+        """``time.monotonic()`` when this candidate first saw the lead vacant (None: somebody leads)."""
+        self._defer_due: float | None = None
         self._probe_due: float | None = None
         """When the earliest pending probe of the last view runs out."""
         self._thread: threading.Thread | None = None
@@ -163,12 +192,69 @@ class Controller:
         if relevant:
             self._wake.set()
 
+    @property
+    def defer_s(self) -> float:
+        """How long a candidate that is not preferred lets a live preferred one take a vacant lead."""
+        return self.config.ttl_s / 4
+
+    def _preferred_alive(self) -> bool:
+        """Whether another candidate that is preferred (a standby machine's agent) is a live member."""
+        kv, prefix = self.space.kv, self.space.key("nodes") + "/"
+        for entry in kv.get_prefix(prefix).entries:
+            try:
+                node = NodeRecord.from_bytes(entry.value, key=entry.key)
+            except MalformedValue:
+                continue
+            if node.role == "standby" and node.agent != self.config.controller_id:
+                if kv.get(self.space.key("members", node.agent)) is not None:
+                    return True
+        return False
+
+    def _may_campaign(self) -> bool:
+        """Whether to campaign now (see ``ControllerConfig.preferred``)."""
+        if self.config.preferred or self.election.is_leader:
+            return True
+        if self.space.kv.get(self.election.key) is not None:
+            self._vacant_since = None
+            return False  # somebody leads: a campaign could only lose
+        now = time.monotonic()
+        if self._vacant_since is None:
+            self._vacant_since = now
+        if now - self._vacant_since >= self.defer_s or not self._preferred_alive():
+            return True
+        self._defer_due = self._vacant_since + self.defer_s
+        return False
+
+    def _hand_over_if_quiet(self, view: View) -> None:
+        """A leader that is not preferred resigns for a live preferred candidate when nothing is in flight."""
+        if self.config.preferred or not quiet(view):
+            return
+        others = [
+            n.agent
+            for n in view.nodes.values()
+            if n.role == "standby"
+            and n.agent in view.members
+            and n.agent != self.config.controller_id
+            and n.agent not in self._handed_to
+        ]
+        if not others:
+            return
+        # Once per candidate: one that took the lead and lost it again (its controller is not working)
+        # is not handed the lead a second time.
+        self._handed_to.update(others)
+        logger.info("controller %s hands the lead to a standby machine's agent (%s)", self.config.controller_id, others)
+        self.election.resign()
+        self._vacant_since = time.monotonic()
+
     def _run(self) -> None:
         backstop = RecoveryTimeouts(self.config.ttl_s).renew_every_s
         while not self._stop.is_set():
+            self._defer_due = None
             try:
-                if self.election.campaign():
-                    self._reconcile()
+                if self._may_campaign() and self.election.campaign():
+                    view = self._reconcile()
+                    if view is not None:
+                        self._hand_over_if_quiet(view)
                 if self.metrics is not None:
                     self.metrics.observe_leadership(self.election.is_leader)
             except LeadershipLost as exc:
@@ -181,10 +267,14 @@ class Controller:
             wait = backstop
             if self._probe_due is not None:  # a pending probe runs out: decide again right then
                 wait = min(wait, max(0.0, self._probe_due - time.time() + 0.005))
+            if self._defer_due is not None:  # the vacant lead is ours to take then
+                wait = min(wait, max(0.0, self._defer_due - time.monotonic() + 0.005))
             self._wake.wait(wait)
             self._wake.clear()
 
-    def _reconcile(self) -> None:
+    def _reconcile(self) -> View | None:
+        """Decide and apply until a round has nothing to do; returns that round's view (None when the
+        rounds ran out first)."""
         executor = Executor(self.space, leader_guard=self.election.guard())
         for _ in range(self.config.max_rounds):
             view = read_view(self.space)
@@ -196,7 +286,7 @@ class Controller:
                 self.metrics.observe_view(dict(Counter(m.kind for m in view.members.values())), view.epoch)
             actions = decide(view, time.time(), decided_by=self.config.controller_id)
             if not actions:
-                return
+                return view
             conflict = False
             for action in actions:
                 outcome = executor.apply(action)
@@ -205,7 +295,8 @@ class Controller:
                     break
                 self._record(action)
             if not conflict:
-                return
+                return None
+        return None
 
     def _record(self, action: object) -> None:
         if isinstance(action, PlanMigration):

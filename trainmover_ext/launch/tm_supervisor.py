@@ -243,7 +243,9 @@ class TrainMoverSupervisor:
         # The controller asks whether this node lives when a peer suspects one of its ranks.
         self.probes = ProbeResponder(self.space, host=ident.host, agent_id=ident.member_id).start()
         self.controller = Controller(
-            self.space, ControllerConfig(controller_id=ident.member_id, ttl_s=ttl), metrics=self.agent.metrics
+            self.space,
+            ControllerConfig(controller_id=ident.member_id, ttl_s=ttl, preferred=self.standby_machine),
+            metrics=self.agent.metrics,
         ).start()
         if self.agent.metrics_feed is not None:
             controller = self.controller
