@@ -284,6 +284,13 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="Write the result as JSON to this path.")
     parser.add_argument("--plot", default=None, help="Also draw the downtimes side by side as a PNG.")
     parser.add_argument("--iters", type=int, default=16, help="Training iterations of each run.")
+    parser.add_argument(
+        "--planned-iters",
+        type=int,
+        default=30,
+        help="Training iterations of the planned-move run: enough that the standby joins and the move "
+        "lands while the job trains (at 16, a slow join met the job's last boundary, where every rank waits).",
+    )
     parser.add_argument("--victim", type=int, default=5, help="Rank killed / migrated (8-rank layout).")
     parser.add_argument("--at-iteration", type=int, default=6, help="Act once this iteration is logged.")
     parser.add_argument(
@@ -385,11 +392,17 @@ def main(argv=None) -> int:
         print(
             f"TrainMover, trainmover migrate --rank {args.victim} after iteration {args.at_iteration} ...", flush=True
         )
+        # Its own length: the move must land while the job trains, not at its last boundary (a joiner
+        # that is ready only after the job's last iteration makes every rank wait there).
+        ref_planned = ref
+        if args.planned_iters != args.iters:
+            print(f"fault-free reference run (8 ranks, {args.planned_iters} iterations) ...", flush=True)
+            ref_planned = reference(workdir, args.data_prefix, args.planned_iters, 8, name="reference_planned")
         planned, traj_p, _ = run_trainmover(
             workdir,
             "planned",
             args.data_prefix,
-            args.iters,
+            args.planned_iters,
             8,
             args.at_iteration,
             migrate_rank(args.victim, "planned", etcd),
@@ -474,7 +487,7 @@ def main(argv=None) -> int:
             print(f"a run failed: its logs are kept in {workdir}", file=sys.stderr)
     by_scenario = {
         "unexpected": all(t["bit_identical"] for t in unexpected_trials),
-        "planned": traj_p == ref,
+        "planned": traj_p == ref_planned,
         **{f"scale_{s['ranks']}": s["bit_identical"] for s in scale},
         **{f"sandbox_{c}": sandbox[c]["bit_identical"] for c in ("kept_rank", "other_rank") if sandbox},
         **({"node_loss": node_loss["bit_identical"]} if node_loss else {}),
@@ -492,6 +505,7 @@ def main(argv=None) -> int:
             "seed": args.seed,
             "unexpected_trials": args.unexpected_trials,
             "iters": args.iters,
+            "planned_iters": args.planned_iters,
             "victim": args.victim,
             "at_iteration": args.at_iteration,
             "node_loss_trials": args.node_loss_trials,
