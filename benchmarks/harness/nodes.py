@@ -33,10 +33,12 @@ PER_NODE = 4
 
 @dataclass(frozen=True)
 class Node:
-    """``standbys``: the script's ``--tm-standbys`` on an active node; ``machine``: a standby machine."""
+    """``standbys``: the script's ``--tm-standbys`` on an active node; ``machine``: a standby machine;
+    ``env``: extra environment of the node's agent (e.g. ``CUDA_VISIBLE_DEVICES``: the node's GPUs)."""
 
     standbys: int = 0
     machine: bool = False
+    env: tuple[tuple[str, str], ...] = ()
 
 
 class NodesJob:
@@ -56,10 +58,11 @@ class NodesJob:
         *,
         etcd=None,
         token: str | None = None,
+        per_node: int = PER_NODE,
     ):
         from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig, free_port
 
-        self.dir, self.name, self.nodes = Path(workdir), name, nodes
+        self.dir, self.name, self.nodes, self.per_node = Path(workdir), name, nodes, per_node
         self.dir.mkdir(parents=True, exist_ok=True)
         self._own_etcd = etcd is None
         if etcd is None:
@@ -77,7 +80,7 @@ class NodesJob:
             role = ["--tm-role", "standby"] if node.machine else ["--node-rank", str(node_rank)]
             node_rank += not node.machine
             cmd = launch_cmd(
-                PER_NODE,
+                per_node,
                 script,
                 "--nnodes",
                 str(active),
@@ -95,7 +98,7 @@ class NodesJob:
                 "--tm-job-token",
                 self.token,
             )
-            env = dict(os.environ, TRAINMOVER_NODE_NAME=f"n{i}", PYTHONUNBUFFERED="1")
+            env = dict(os.environ, TRAINMOVER_NODE_NAME=f"n{i}", PYTHONUNBUFFERED="1") | dict(node.env)
             self.procs.append(
                 subprocess.Popen(
                     cmd,
@@ -138,7 +141,7 @@ class NodesJob:
         raise AssertionError(f"iteration {iteration} not reached:\n{self.errs()}")
 
     def wait_warm_machine(self, host: str, view: Callable[[], object], timeout: float = 240) -> None:
-        """Until machine ``host`` is registered and each of its :data:`PER_NODE` standbys is warm for some
+        """Until machine ``host`` is registered and each of its ``per_node`` standbys is warm for some
         role, as ``view()`` (a :class:`~trainmover_ext.control.view.View` reader) shows it."""
         deadline = time.time() + timeout
         seen: object = None
@@ -151,7 +154,7 @@ class NodesJob:
                 continue
             members = current.members.values()
             warm = [m for m in members if m.kind == "standby" and m.host == host and m.warm_roles]
-            if len(warm) == PER_NODE and host in current.nodes:
+            if len(warm) == self.per_node and host in current.nodes:
                 return
             seen = (sorted(current.nodes), [(m.member_id, m.host, m.warm_roles) for m in members])
             self._assert_running(seen)
@@ -160,7 +163,7 @@ class NodesJob:
 
     def rank_pid(self, rank: int) -> int:
         """The pid of ``rank`` as its active node started it."""
-        return json.loads(re.findall(r"pids (\[[\d, ]+\])", self.err(rank // PER_NODE))[0])[rank % PER_NODE]
+        return json.loads(re.findall(r"pids (\[[\d, ]+\])", self.err(rank // self.per_node))[0])[rank % self.per_node]
 
     def kill_node(self, node: int) -> None:
         """SIGKILL node ``node``'s agent and every process of its group: the machine is gone."""

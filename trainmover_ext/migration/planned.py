@@ -20,71 +20,41 @@ Contract:
 from __future__ import annotations
 
 import datetime
-import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from trainmover_ext.control.records import MigrationPlan
 from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
+from trainmover_ext.migration.handover_transport import HandoverChannel, connect_handover
 from trainmover_ext.migration.recovery import recv_and_report, send_and_report
 from trainmover_ext.migration.timeline import mark_rank_step
 
 if TYPE_CHECKING:
     import torch
-    from torch.distributed.distributed_c10d import Store, Work
+    from torch.distributed.distributed_c10d import Store
 
-    from nccl_delta.transport_gloo import GlooPair, _Send
     from trainmover_ext.migration.worker import WorkerRuntime
     from trainmover_training.training import Session
-
-
-class HandoverChannel:
-    """The state transfer over the hand-over's gloo pair (``nccl_delta``'s :class:`GlooPair`): the
-    leaver is side 0 and sends, the joiner side 1 receives. :meth:`sever` (any thread) cuts it."""
-
-    def __init__(self, pair: GlooPair, timeout_s: float) -> None:
-        self.pair = pair
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-
-    def send(self, tensor: torch.Tensor, tag: int) -> _Send:
-        work: _Send = self.pair.isend(tensor, tag)
-        return work
-
-    def recv(self, tensor: torch.Tensor, tag: int) -> Work:
-        work: Work = self.pair.irecv(tensor, tag)
-        return work
-
-    def wait_sends(self, works: list[_Send]) -> None:
-        self.pair.wait_sends(works, self.timeout)
-
-    def sever(self) -> None:
-        self.pair.sever()
-
-    def close(self) -> None:
-        self.pair.close()
 
 
 class PendingHandover:
     """A hand-over pair being built on a daemon thread (see :func:`start_handover`)."""
 
-    def __init__(self, store: Store, name: str, side: int, timeout_s: float) -> None:
+    def __init__(self, store: Store, name: str, side: int, timeout_s: float, device: torch.device) -> None:
         self.name, self.timeout_s = name, timeout_s
         self._lock = threading.Lock()
-        self._pair: GlooPair | None = None
+        self._pair: HandoverChannel | None = None
         self._error: BaseException | None = None
         self._gave_up = False
         self._done = threading.Event()
-        threading.Thread(target=self._build, args=(store, side), name=f"tm_handover_{name}", daemon=True).start()
+        threading.Thread(
+            target=self._build, args=(store, side, device), name=f"tm_handover_{name}", daemon=True
+        ).start()
 
-    def _build(self, store: Store, side: int) -> None:
-        from nccl_delta.transport_gloo import connect_gloo_pair
-
-        host = os.environ.get("NCCL_DELTA_LINK_HOST") or "127.0.0.1"
+    def _build(self, store: Store, side: int, device: torch.device) -> None:
         try:
-            pair = connect_gloo_pair(
-                store, f"transfer/{self.name}/", side, datetime.timedelta(seconds=self.timeout_s), host
-            )
+            pair = connect_handover(store, self.name, side, self.timeout_s, device)
         except BaseException as exc:  # noqa: BLE001 - re-raised by channel()
             self._error = exc
         else:
@@ -109,7 +79,7 @@ class PendingHandover:
             pair, self._pair = self._pair, None
         if pair is None:
             raise MigrationAborted(f"hand-over link {self.name!r} was given up")
-        return HandoverChannel(pair, self.timeout_s)
+        return pair
 
     def cancel(self) -> None:
         """Drop the pair (now, or once built); idempotent."""
@@ -121,16 +91,28 @@ class PendingHandover:
             pair.close()
 
 
-def start_handover(store: Store, name: str, side: int, timeout_s: float) -> PendingHandover:
-    """Start building the hand-over pair ``name`` (both ends call this, or :func:`open_handover`)."""
-    return PendingHandover(store, name, side, timeout_s)
+def start_handover(store: Store, name: str, side: int, timeout_s: float, device: torch.device) -> PendingHandover:
+    """Start building the hand-over pair ``name`` for state on ``device`` (both ends call this, or
+    :func:`open_handover`)."""
+    return PendingHandover(store, name, side, timeout_s, device)
 
 
 def open_handover(
-    store: Store, name: str, side: int, timeout_s: float, cancelled: Callable[[], bool]
+    store: Store, name: str, side: int, timeout_s: float, cancelled: Callable[[], bool], device: torch.device
 ) -> HandoverChannel:
     """Build the hand-over pair ``name`` and wait for it; gives up when ``cancelled()`` turns true."""
-    return start_handover(store, name, side, timeout_s).channel(cancelled)
+    return start_handover(store, name, side, timeout_s, device).channel(cancelled)
+
+
+def state_device(session: Session) -> torch.device:
+    """Where the rank's training state lives (its first parameter's device)."""
+    import torch
+
+    for chunk in session.model:
+        for param in chunk.parameters():
+            device: torch.device = param.device
+            return device
+    return torch.device("cpu")
 
 
 def _use(rt: WorkerRuntime, channel: HandoverChannel, epoch: int, transfer: Callable[[], int]) -> None:
@@ -163,18 +145,19 @@ def _superseded(rt: WorkerRuntime, epoch: int) -> Callable[[], bool]:
     return lambda: rt.newest_failure_epoch() > epoch
 
 
-def prepare_hand_over(rt: WorkerRuntime, plan: MigrationPlan) -> PendingHandover:
+def prepare_hand_over(rt: WorkerRuntime, session: Session, plan: MigrationPlan) -> PendingHandover:
     """The planned leaver, once it learns of the move: build its hand-over pair in the background, so
     that at the boundary only the state crosses (the joiner's end connects once it has joined)."""
-    return start_handover(_handover_store(rt), f"{plan.epoch}/{rt.layout.rank}", 0, rt.timeout_s)
+    return start_handover(_handover_store(rt), f"{plan.epoch}/{rt.layout.rank}", 0, rt.timeout_s, state_device(session))
 
 
 def hand_over(rt: WorkerRuntime, session: Session, plan: MigrationPlan, pending: PendingHandover | None = None) -> None:
     """The planned leaver, at the agreed boundary: stream state to the joiner (over ``pending``, the pair
     :func:`prepare_hand_over` started, or a new one), then leave."""
     rank = rt.layout.rank
-    pending = pending or prepare_hand_over(rt, plan)
+    pending = pending or prepare_hand_over(rt, session, plan)
     channel = pending.channel(_superseded(rt, plan.epoch))
+    print(f"[trainmover] rank {rank}: planned hand-over of epoch {plan.epoch} on {channel.transport}", flush=True)
     try:
         _use(
             rt,
@@ -196,7 +179,9 @@ def receive_from_leaver(rt: WorkerRuntime, session: Session, plan: MigrationPlan
     Raises :class:`RecoverySuperseded` (or a link error) when a newer failure plan cuts the move
     short; the state is then unusable (``rt.state_valid`` is False) until a recovery copies it."""
     rank = rt.layout.rank
-    channel = open_handover(_handover_store(rt), f"{plan.epoch}/{rank}", 1, rt.timeout_s, _superseded(rt, plan.epoch))
+    channel = open_handover(
+        _handover_store(rt), f"{plan.epoch}/{rank}", 1, rt.timeout_s, _superseded(rt, plan.epoch), state_device(session)
+    )
     _use(
         rt,
         channel,

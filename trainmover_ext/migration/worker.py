@@ -47,7 +47,8 @@ from trainmover_ext.errors import (
 )
 from trainmover_ext.kv.codec import encode
 from trainmover_ext.launch.identity import Identity, identity_from_env, open_space
-from trainmover_ext.migration.planned import HandoverChannel, PendingHandover, hand_over, prepare_hand_over
+from trainmover_ext.migration.handover_transport import HandoverChannel
+from trainmover_ext.migration.planned import PendingHandover, hand_over, prepare_hand_over
 from trainmover_ext.migration.recovery import converge
 from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults
@@ -396,7 +397,7 @@ class WorkerRuntime(Runtime):
         if leaver:
             faults.at("prepare", rank=layout.rank, epoch=plan.epoch)
             if plan.epoch not in self._handover_pairs:
-                self._handover_pairs[plan.epoch] = prepare_hand_over(self, plan)
+                self._handover_pairs[plan.epoch] = prepare_hand_over(self, session, plan)
         else:
             import nccl_delta
 

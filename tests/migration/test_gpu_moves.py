@@ -1,0 +1,53 @@
+"""GPU: a planned move and a failover on NCCL (run by scripts/gpu_check.sh). One active node of 2 ranks
+(TP1·PP1·DP2, GPUs 0-1) and a standby machine of 2 slots (GPUs 2-3), agents on loopback. Rank 0 moves
+to the machine's slot 0, its state handed over on an NCCL pair (two distinct GPUs); then rank 1 is
+killed and the machine's slot 1 takes it, its state from rank 0's new process over the job's NCCL links."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from harness.nodes import Node, NodesJob
+from helpers import JobProbe, tm_args, trainmover_cli, wait_until
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 4,
+        reason="needs 4 CUDA devices: 2 ranks and a standby machine of 2 slots, one process per device",
+    ),
+]
+
+
+def test_a_planned_move_and_a_failover_on_nccl(tmp_path, corpus):
+    args = tm_args(corpus, tp=1, pp=1, iters=60)
+    nodes = [
+        Node(env=(("CUDA_VISIBLE_DEVICES", "0,1"),)),
+        Node(machine=True, env=(("CUDA_VISIBLE_DEVICES", "2,3"),)),
+    ]
+    job = NodesJob(tmp_path, args, nodes, "gpumoves", per_node=2)
+    try:
+        probe = JobProbe(job.etcd.endpoints, job.name, job.token)
+        job.wait_warm_machine("n1", probe.view)
+        job.wait_iteration(3)
+        flags = ["--tm-etcd-endpoints", ",".join(job.etcd.endpoints), "--tm-job", job.name, "--tm-job-token", job.token]
+        out = trainmover_cli("migrate", "--rank", "0", *flags, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr + job.errs()
+        moved = wait_until(lambda: any("transferred" in p.steps for p in probe.plans()), 240, 0.5)
+        assert moved, job.errs()
+        os.kill(job.rank_pid(1), signal.SIGKILL)
+        assert job.finish() == [0, 0], job.errs()
+        plans = sorted(probe.plans(), key=lambda p: p.epoch)
+        assert [(p.reason, [r.rank for r in p.replacement_list()]) for p in plans] == [
+            ("planned", [0]),
+            ("failure", [1]),
+        ], plans
+        logs = "".join(open(job.dir / f"n{i}.{kind}").read() for i in range(2) for kind in ("out", "err"))
+        assert "planned hand-over of epoch 1 on nccl" in logs, logs[-4000:]
+        assert "falling back" not in logs
+    finally:
+        job.close()
