@@ -4,9 +4,9 @@ Contract:
 - Both ends open one 2-rank gloo pair of their own, ``transfer/<e>/<rank>``
   on the job's rendezvous store (the leaver and the joiner serve the same
   logical rank, so no communicator link joins them); a move of several ranks
-  (a drain) has one pair per rank. The leaver starts its end as soon as it
-  learns of the move (:func:`prepare_hand_over`) and trains on meanwhile, so the
-  pair is up by the boundary. The pair is built on a
+  (a drain) has one pair per rank. The leaver starts its end once every joiner
+  is ready (each opens its end then, :func:`prepare_hand_over`) and trains on
+  meanwhile, so the pair is up by the switch point two boundaries later. The pair is built on a
   daemon thread while the caller polls: a newer failure plan (the leaver died,
   or another rank did) makes the wait give up at once with
   :class:`RecoverySuperseded`, and severs a pair already in use, so neither
@@ -146,8 +146,8 @@ def _superseded(rt: WorkerRuntime, epoch: int) -> Callable[[], bool]:
 
 
 def prepare_hand_over(rt: WorkerRuntime, session: Session, plan: MigrationPlan) -> PendingHandover:
-    """The planned leaver, once it learns of the move: build its hand-over pair in the background, so
-    that at the boundary only the state crosses (the joiner's end connects once it has joined)."""
+    """The planned leaver, once every joiner is ready: build its hand-over pair in the background, so
+    that at the boundary only the state crosses (the joiner opens its end when it is ready)."""
     return start_handover(_handover_store(rt), f"{plan.epoch}/{rt.layout.rank}", 0, rt.timeout_s, state_device(session))
 
 

@@ -396,7 +396,8 @@ class WorkerRuntime(Runtime):
         leaver = layout.rank in moving
         if leaver:
             faults.at("prepare", rank=layout.rank, epoch=plan.epoch)
-            if plan.epoch not in self._handover_pairs:
+            if plan.epoch not in self._handover_pairs and "ready" in plan.steps:
+                # Every joiner is ready and opens its end now: build the pair while training goes on.
                 self._handover_pairs[plan.epoch] = prepare_hand_over(self, session, plan)
         else:
             import nccl_delta
