@@ -4,13 +4,20 @@ crosses as it is on CPU. The GPU side runs in scripts/gpu_check.sh."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 import threading
 
 import pytest
 import torch
 from torch.distributed import HashStore
 
-from trainmover_ext.migration.handover_transport import DeviceInfo, choose_transport, connect_handover
+from trainmover_ext.migration.handover_transport import (
+    DeviceInfo,
+    HandoverChannel,
+    choose_transport,
+    connect_handover,
+)
 
 GPU0 = DeviceInfo(node="n0", device="cuda:0", nccl=True)
 
@@ -30,30 +37,54 @@ def test_both_ends_choose_the_same_transport(other, expected):
     assert choose_transport(other, GPU0) == expected, "both ends must agree"
 
 
+def _exchange(results) -> None:
+    """Both ends in this (forked) process, on threads: agree, connect, send the state, compare."""
+    try:
+        store = HashStore()
+        out: dict[int, object] = {}
+
+        def end(side: int) -> None:
+            try:
+                out[side] = connect_handover(store, "7/3", side, 30.0, torch.device("cpu"))
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                out[side] = exc
+
+        threads = [threading.Thread(target=end, args=(side,)) for side in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        leaver, joiner = out.get(0), out.get(1)
+        if not isinstance(leaver, HandoverChannel) or not isinstance(joiner, HandoverChannel):
+            results.send({"error": repr(out)})
+            return
+        sent = [torch.arange(10, dtype=torch.float32) * 1.5, torch.tensor([1, 2, 3], dtype=torch.int64)]
+        got = [torch.zeros(10), torch.zeros(3, dtype=torch.int64)]
+        recvs = [joiner.recv(t, tag) for tag, t in enumerate(got)]
+        leaver.wait_sends([leaver.send(t, tag) for tag, t in enumerate(sent)])
+        for work in recvs:
+            work.wait()
+        same = all(torch.equal(a, b) for a, b in zip(sent, got, strict=True))
+        results.send({"transports": [leaver.transport, joiner.transport], "same": same})
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        results.send({"error": repr(exc)})
+    finally:
+        os._exit(0)  # no gloo teardown at exit: the pairs die with the process
+
+
 def test_two_cpu_ends_agree_on_gloo_and_the_state_crosses_intact():
-    store = HashStore()
-    out: dict[int, object] = {}
-
-    def end(side: int) -> None:
-        try:
-            out[side] = connect_handover(store, "7/3", side, 30.0, torch.device("cpu"))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            out[side] = exc
-
-    threads = [threading.Thread(target=end, args=(side,)) for side in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    leaver, joiner = out[0], out[1]
-    assert not isinstance(leaver, BaseException) and not isinstance(joiner, BaseException), out
-    assert leaver.transport == joiner.transport == "gloo"
-    sent = [torch.arange(10, dtype=torch.float32) * 1.5, torch.tensor([1, 2, 3], dtype=torch.int64)]
-    got = [torch.zeros(10), torch.zeros(3, dtype=torch.int64)]
-    recvs = [joiner.recv(t, tag) for tag, t in enumerate(got)]
-    leaver.wait_sends([leaver.send(t, tag) for tag, t in enumerate(sent)])
-    for work in recvs:
-        work.wait()
-    assert all(torch.equal(a, b) for a, b in zip(sent, got, strict=True))
-    leaver.close()
-    joiner.close()
+    """In a child process: gloo pairs (and their device's threads) never live in the test runner."""
+    ctx = mp.get_context("fork")
+    mine, theirs = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_exchange, args=(theirs,))
+    child.start()
+    try:
+        assert mine.poll(120), "the child process reported nothing within 120 s"
+        got = mine.recv()
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    assert "error" not in got, got
+    assert got["transports"] == ["gloo", "gloo"]
+    assert got["same"], "the state did not cross intact"
