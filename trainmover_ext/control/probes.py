@@ -48,18 +48,21 @@ def probe_timeout_s(ttl_s: float) -> float:
     return max(0.25, float(ttl_s) / 8)
 
 
+def _unanswered(view: View) -> dict[str, ProbeRecord]:
+    """The probes, by host, that the host's current agent has not answered (a probe of an agent since
+    replaced on the host counts for nothing)."""
+    return {
+        host: probe
+        for host, probe in view.probes.items()
+        if host in view.nodes and probe.agent == view.nodes[host].agent and probe.acked_at is None
+    }
+
+
 def unresponsive_hosts(view: View, now: float) -> frozenset[str]:
     """Hosts whose current agent left the controller's probe unanswered for ``view.probe_s``."""
     if view.probe_s <= 0:
         return frozenset()
-    return frozenset(
-        host
-        for host, probe in view.probes.items()
-        if host in view.nodes
-        and probe.agent == view.nodes[host].agent
-        and probe.acked_at is None
-        and now - probe.probed_at >= view.probe_s
-    )
+    return frozenset(host for host, probe in _unanswered(view).items() if now - probe.probed_at >= view.probe_s)
 
 
 def node_lost(view: View, host: str) -> tuple[str, float | None]:
@@ -82,6 +85,7 @@ def suspicions(
     single-node job), waits for the leases."""
     actions: list[Action] = []
     consumed: dict[int, list[str]] = {}
+    pending_probes = _unanswered(view)
     for host, reps in sorted(suspects.items()):
         pending = []
         for key, rep in reps:
@@ -94,8 +98,7 @@ def suspicions(
             continue
         if not any(m.kind == "standby" and m.host != host for m in view.members.values()):
             continue  # no standby elsewhere could take the node's ranks: a lost node ends the job anyway
-        probe = view.probes.get(host)
-        if probe is not None and probe.agent == node.agent and probe.acked_at is None:
+        if host in pending_probes:
             continue
         actions.append(
             ProbeHost(
@@ -116,12 +119,8 @@ def next_probe_deadline(view: View, now: float) -> float | None:
     """When the earliest pending probe runs out after ``now`` (the controller decides again then), or None."""
     if view.probe_s <= 0:
         return None
-    pending = [
-        p.probed_at + view.probe_s
-        for host, p in view.probes.items()
-        if p.acked_at is None and host in view.nodes and p.agent == view.nodes[host].agent
-    ]
-    return min((due for due in pending if due > now), default=None)
+    dues = (probe.probed_at + view.probe_s for probe in _unanswered(view).values())
+    return min((due for due in dues if due > now), default=None)
 
 
 class ProbeResponder:
