@@ -60,25 +60,24 @@ class PairGroup(Protocol):
 Address: TypeAlias = "tuple[str | int, ...]"
 """A socket's (host, port)."""
 
-# One gloo device (listener + event loop) per process and host: every pair of
-# the process shares it, so a link costs one socket, not a thread and a port.
-_devices: dict[str | None, ProcessGroupGloo.Device] = {}
 # Above every tag the groups use (all below 2**30, see nccl_delta.group): never matched by a send.
 PROBE_TAG = (1 << 30) + 1
-_devices_lock = threading.Lock()
 
 
-def _gloo_device(host: str | None) -> ProcessGroupGloo.Device:
-    with _devices_lock:
-        if host not in _devices:
-            iface = os.environ.get("GLOO_SOCKET_IFNAME")
-            if host is not None:
-                _devices[host] = ProcessGroupGloo.create_device(hostname=host)
-            elif iface:
-                _devices[host] = ProcessGroupGloo.create_device(interface=iface.split(",")[0])
-            else:
-                _devices[host] = ProcessGroupGloo.create_default_device()
-        return _devices[host]
+def _link_device(host: str | None) -> ProcessGroupGloo.Device:
+    """A gloo device (listener + event loop thread) of the link's own.
+
+    Each link gets its own, as torch gives each process group: the device then lives exactly as
+    long as the link's group, so closing a link also stops the listener and the loop that served
+    it. A device shared by every link of the process outlived the groups closed on it, and
+    processes that built and closed links on one shared device were seen to crash in a gloo
+    thread (docs/nccl_delta.md). The cost is one thread and one listening port per link."""
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if host is not None:
+        return ProcessGroupGloo.create_device(hostname=host)
+    if iface:
+        return ProcessGroupGloo.create_device(interface=iface.split(",")[0])
+    return ProcessGroupGloo.create_default_device()
 
 
 def _socket_fds() -> set[int]:
@@ -288,7 +287,7 @@ def connect_gloo_pair(store: Store, prefix: str, side: int, timeout: datetime.ti
     """Build the 2-rank gloo group of one link; both ends call this with the same ``prefix``."""
     opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stub's Options lacks _devices/_threads
     opts._timeout = timeout
-    opts._devices = [_gloo_device(host)]
+    opts._devices = [_link_device(host)]
     # Only send/recv run on a pair, inline on the caller's thread, so one worker thread is enough.
     opts._threads = 1
     link_store = PrefixStore(prefix, store)

@@ -231,7 +231,6 @@ def _pair_end(port: int, side: int, queue) -> None:
 
     code = 1
     try:
-        transport_gloo._devices.clear()
         store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
         if side == 0:
             real_fds, calls = transport_gloo._socket_fds, []
