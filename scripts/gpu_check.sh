@@ -5,8 +5,8 @@
 #      it trains the tiny GPT on one GPU with NCCL and checks the loss falls);
 #   3. the communicator benchmark on GPU, when it exists;
 #   4. nccl_delta's framing on real NCCL links (2+ GPUs): one link's groups kept apart;
-#   5. a planned move (its hand-over on an NCCL pair) and a failover of a 2-rank job onto a standby
-#      machine of 2 slots (4+ GPUs).
+#   5. a planned move and a failover of a 2-rank job onto a standby machine of 2 slots (2+ GPUs; with
+#      4+ the machine has GPUs of its own and the hand-over runs on an NCCL pair).
 # Usage: bash scripts/gpu_check.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -35,12 +35,12 @@ if [ "$NGPU" -ge 2 ]; then
 else
   echo "nccl framing on NCCL links: NOT RUN (needs 2 GPUs, found $NGPU)" | tee "$OUT/nccl_framing.log"
 fi
-# A planned move and a failover on NCCL (tests/migration/test_gpu_moves.py): needs 4 GPUs.
-if [ "$NGPU" -ge 4 ]; then
+# A planned move and a failover on NCCL (tests/migration/test_gpu_moves.py): needs 2 GPUs.
+if [ "$NGPU" -ge 2 ]; then
   $PY -m pytest -q -rs --timeout 900 tests/migration/test_gpu_moves.py 2>&1 | tee "$OUT/gpu_moves.log"
   if [ "${PIPESTATUS[0]}" -ne 0 ] || grep -q "skipped" "$OUT/gpu_moves.log"; then status=1; fi
 else
-  echo "planned move and failover on NCCL: NOT RUN (needs 4 GPUs, found $NGPU)" | tee "$OUT/gpu_moves.log"
+  echo "planned move and failover on NCCL: NOT RUN (needs 2 GPUs, found $NGPU)" | tee "$OUT/gpu_moves.log"
 fi
 RANKS=$([ "$NGPU" -ge 4 ] && echo 2,4 || echo 2)
 $PY benchmarks/comm.py --quick --ranks "$RANKS" --sizes-mb 1,16,64,256 --json "$OUT/comm_gpu.json" 2>&1 \

@@ -37,6 +37,22 @@ def test_both_ends_choose_the_same_transport(other, expected):
     assert choose_transport(other, GPU0) == expected, "both ends must agree"
 
 
+@pytest.mark.parametrize(
+    ("other", "expected"),
+    [
+        # Two node names on one machine's GPUs (loopback nodes, or a standby machine sharing them).
+        (DeviceInfo(node="n1", device="cuda:0", nccl=True, uuid="GPU-a"), "gloo"),
+        # Another CUDA_VISIBLE_DEVICES: cuda:1 there is this end's GPU.
+        (DeviceInfo(node="n0", device="cuda:1", nccl=True, uuid="GPU-a"), "gloo"),
+        (DeviceInfo(node="n0", device="cuda:0", nccl=True, uuid="GPU-b"), "nccl"),
+    ],
+)
+def test_the_gpu_uuid_decides_which_device_an_end_is_on(other, expected):
+    mine = DeviceInfo(node="n0", device="cuda:0", nccl=True, uuid="GPU-a")
+    assert choose_transport(mine, other) == expected
+    assert choose_transport(other, mine) == expected, "both ends must agree"
+
+
 def _exchange(results) -> None:
     """Both ends in this (forked) process, on threads: agree, connect, send the state, compare."""
     try:

@@ -38,19 +38,28 @@ class DeviceInfo:
     """``str(torch.device)``: ``cpu`` or ``cuda:N``."""
     nccl: bool
     """Whether this end's torch can run NCCL on that device."""
+    uuid: str = ""
+    """The physical GPU's UUID (empty for the CPU): two node names can share one machine's GPUs, and
+    ``cuda:N`` names a GPU only under the process's ``CUDA_VISIBLE_DEVICES``."""
 
     @classmethod
     def of(cls, device: torch.device) -> DeviceInfo:
         from nccl_delta.transport_nccl import nccl_available
         from trainmover_ext.launch.identity import node_name
 
-        return cls(node=node_name(), device=str(device), nccl=device.type == "cuda" and nccl_available())
+        uuid = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
+        return cls(node=node_name(), device=str(device), nccl=device.type == "cuda" and nccl_available(), uuid=uuid)
 
 
 def choose_transport(a: DeviceInfo, b: DeviceInfo) -> str:
-    """``nccl`` when both ends' states are on distinct CUDA devices with NCCL, else ``gloo``; symmetric."""
+    """``nccl`` when both ends' states are on distinct CUDA devices with NCCL, else ``gloo``; symmetric.
+
+    The same device: the same GPU UUID where both ends know it, else the same node and device name."""
     both_gpu = a.nccl and b.nccl and a.device.startswith("cuda") and b.device.startswith("cuda")
-    same_device = a.node == b.node and a.device == b.device
+    if a.uuid and b.uuid:
+        same_device = a.uuid == b.uuid
+    else:
+        same_device = a.node == b.node and a.device == b.device
     return "nccl" if both_gpu and not same_device else "gloo"
 
 
