@@ -39,6 +39,7 @@ Every run checkpoints every ``--save-interval`` iterations. Reported, per run:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -50,7 +51,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import median, print_table, rank_pids, read_events, start_launcher, wait_until, write_json  # noqa: E402
+from common import (  # noqa: E402
+    LastIteration,
+    Tail,
+    median,
+    print_table,
+    read_events,
+    start_launcher,
+    wait_until,
+    write_json,
+)
 
 from harness.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
 
@@ -100,37 +110,37 @@ def make_schedule(
         events.append(ev)
 
 
-def iterations(metrics: str) -> list[dict]:
-    return [e for e in read_events(metrics) if e.get("event") == "iteration"]
-
-
-def last_iteration(metrics: str) -> int:
-    its = iterations(metrics)
-    return its[-1]["iteration"] if its else 0
-
-
 class Pids:
-    """Which process serves each rank, from the launcher's log (initial pids, restarts, plans)."""
+    """Which process serves each rank, from the launcher's log (initial pids, restarts, plans), read
+    incrementally: the harness polls it while the job runs (see ``common.Tail``)."""
 
     def __init__(self, err_path: str):
-        self.err_path = err_path
+        self._tail = Tail(err_path)
+        self._text_so_far = ""
+        self._plans: list[re.Match] = []
 
     def _text(self) -> str:
-        return open(self.err_path).read() if os.path.exists(self.err_path) else ""
+        new = self._tail.lines()
+        if new:
+            chunk = "\n".join(new) + "\n"
+            self._plans.extend(PLAN_RE.finditer(chunk))  # one plan is one line: new lines hold the new plans
+            self._text_so_far += chunk
+        return self._text_so_far
 
     def of(self, rank: int) -> int | None:
         text = self._text()
         starts = [m.end() for m in re.finditer(r"started \d+ ranks(?: \(\w+\))?, pids", text)]
         if not starts:
             return None
-        pid = rank_pids(self.err_path)[-1][rank]
+        pid = json.loads(re.findall(r"pids (\[[\d, ]+\])", text)[-1])[rank]
         for m in PLAN_RE.finditer(text, starts[-1]):
             if int(m[3]) == rank:
                 pid = int(m[5])
         return pid
 
     def plans(self) -> list[re.Match]:
-        return list(PLAN_RE.finditer(self._text()))
+        self._text()
+        return list(self._plans)
 
 
 def _signal(pid: int | None, sig: int) -> bool:
@@ -158,12 +168,11 @@ def run(
     log = os.path.join(workdir, name)
     proc = start_launcher(WORLD, args + ["--tm-metrics-file", metrics], launch_flags, log)
     pids = Pids(log + ".err")
+    last_iteration = LastIteration(metrics)
     kills: list[dict] = []
     try:
         for n, ev in enumerate(schedule):
-            wait_until(
-                lambda ev=ev: last_iteration(metrics) >= ev["after_iteration"] or proc.poll() is not None, 1800, 0.01
-            )
+            wait_until(lambda ev=ev: last_iteration() >= ev["after_iteration"] or proc.poll() is not None, 1800, 0.01)
             if proc.poll() is not None:
                 break
             time.sleep(ev["inside"] * steady_s)
