@@ -447,6 +447,19 @@ class JobProbe:
         finally:
             space.kv.close()
 
+    def members(self, kind: str | None = None) -> list[dict]:
+        """The ``members/<id>`` records as stored, of ``kind`` if given: a standby's holds its ``warmup``
+        report (mode, per-role timings, where its recordings were copied from), which the view drops."""
+        from trainmover_ext.kv.codec import decode
+
+        space = self._space()
+        try:
+            entries = space.kv.get_prefix(space.key("members") + "/").entries
+            found = [decode(e.value, kind="member", key=e.key) for e in entries]
+            return [m for m in found if kind is None or m["kind"] == kind]
+        finally:
+            space.kv.close()
+
     def events(self, what: str) -> list[dict]:
         """The details of the job's timeline events named ``what`` (``events/``), oldest first."""
         from trainmover_ext.control.records import Event

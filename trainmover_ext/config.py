@@ -51,14 +51,15 @@ class TrainMoverConfig:
     record_iters: int = 2
     """``--tm-record-iters``: iterations whose collectives are recorded for the sandbox."""
     record_dir: str | None = None
-    """``--tm-record-dir``: shared directory for recorded collective tensors: the job records its first
-    ``record_iters`` iterations there and standbys warm from them in the sandbox. ``trainmover launch``
+    """``--tm-record-dir``: directory for recorded collective tensors: the job records its first
+    ``record_iters`` iterations there and standbys warm from them in the sandbox; a standby whose directory
+    lacks them (another node's) copies them from the recording node's agent. ``trainmover launch``
     passes ``<run dir>/recordings`` when the script has none (unless ``--tm-no-sandbox``)."""
     sandbox: bool = True
     """``--tm-no-sandbox`` sets it False: nothing is recorded and standbys do only the basic warm-up."""
     record_timeout_s: float = 300.0
     """``--tm-record-timeout``: seconds a standby waits for the job's recordings before it falls back to
-    the basic warm-up (and says so)."""
+    the basic warm-up (and says so); copying them from another node has as long again."""
     fingerprint_timeout_s: float = 600.0
     """``--tm-fingerprint-timeout``: seconds a standby waits for the job's model fingerprint (published by
     its first worker once the model is built) before it gives up; it advertises no warm role before."""
@@ -127,7 +128,7 @@ class TrainMoverConfig:
         if not self.sandbox and self.record_dir is not None:
             raise ConfigError("--tm-no-sandbox and --tm-record-dir contradict each other: drop one")
         if self.record_dir is not None and not self.record_dir.strip():
-            raise ConfigError("--tm-record-dir must name a directory (shared by the job and its standbys)")
+            raise ConfigError("--tm-record-dir must name a directory")
         if any(getattr(self, name) for name in ("etcd_cert", "etcd_key")) and not (self.etcd_cert and self.etcd_key):
             raise ConfigError("--tm-etcd-cert and --tm-etcd-key must be given together")
 
@@ -207,10 +208,11 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument(
         "--tm-record-dir",
         default=None,
-        help="Directory, shared by the job and its standbys, where the job records its first "
-        "--tm-record-iters iterations' collective results; standbys warm every pipeline role from them "
-        "in the sandbox. Default under `trainmover launch`: <run dir>/recordings. Without it (and "
-        "without the launcher) standbys do the basic warm-up and say why.",
+        help="Directory where the job records its first --tm-record-iters iterations' collective results; "
+        "standbys warm every pipeline role from them in the sandbox. Under `trainmover launch` it need not "
+        "be shared: a standby on another node copies them from the recording node's agent (job token "
+        "required). Default under `trainmover launch`: <run dir>/recordings. Without it (and without the "
+        "launcher) standbys do the basic warm-up and say why.",
     )
     g.add_argument(
         "--tm-no-sandbox",
@@ -223,7 +225,8 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--tm-record-timeout",
         type=float,
         default=None,
-        help="Seconds a standby waits for the job's recordings before the basic warm-up (default 300).",
+        help="Seconds a standby waits for the job's recordings before the basic warm-up (default 300); "
+        "copying them from another node may take as long again.",
     )
     g.add_argument(
         "--tm-fingerprint-timeout",

@@ -26,12 +26,12 @@ def reference(tmp_path_factory, corpus):
 
 @pytest.fixture
 def nodes_job(tmp_path):
-    """``nodes_job(args, nodes, name)`` starts a :class:`~harness.nodes.NodesJob`; every one is killed after
-    the test (each node's whole process group) and its etcd stopped."""
+    """``nodes_job(args, nodes, name, **options)`` starts a :class:`~harness.nodes.NodesJob` (``options``: e.g.
+    ``per_node``); every one is killed after the test (each node's whole process group) and its etcd stopped."""
     jobs: list[NodesJob] = []
 
-    def start(args: list[str], nodes: list[Node], name: str) -> NodesJob:
-        jobs.append(NodesJob(tmp_path, args, nodes, name))
+    def start(args: list[str], nodes: list[Node], name: str, **options) -> NodesJob:
+        jobs.append(NodesJob(tmp_path, args, nodes, name, **options))
         return jobs[-1]
 
     yield start

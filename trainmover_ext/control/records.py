@@ -16,7 +16,8 @@ key                     value                                          written b
                                                                                                    every later worker
 ``members/<id>``        :class:`MemberRecord` on the member's lease    each member                 controller, ``status``, metrics
 ``nodes/<host>``        :class:`NodeRecord`: a machine and its agent   its agent (at start)        controller (node loss),
-                        (no lease: it outlives the agent)                                          ``status``
+                        (no lease: it outlives the agent)                                          ``status``, standbys (the
+                                                                                                   recordings URL)
 ``ranks/<r>``           :class:`RankRecord`: who serves rank r         launcher; controller        controller, agents, ``status``
 ``epoch``               ``{"epoch": e}``, compare-and-swap only         controller                  controller
 ``migrations/<e>``      :class:`MigrationPlan` that opened epoch e     controller; steps: ranks    every rank, agent, controller
@@ -191,6 +192,9 @@ class NodeRecord(Record):
     slots: int
     """Processes per node (``--nproc-per-node``): ranks of an active node, standbys of a standby machine."""
     registered_at: float = 0.0
+    recordings_url: str = ""
+    """Where the node's agent serves its sandbox recordings to standbys of other nodes (``http://host:port``,
+    job token required, see :mod:`trainmover_ext.launch.recording_server`); empty: it serves none."""
 
 
 @dataclass(kw_only=True)

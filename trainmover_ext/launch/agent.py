@@ -274,10 +274,18 @@ class Agent:
             return
         record_dir = os.path.abspath(os.path.join(self.run_dir(), "recordings"))
         os.makedirs(record_dir, exist_ok=True)
+        cfg.record_dir = record_dir
         cfg.script_args = list(cfg.script_args) + ["--tm-record-dir", record_dir]
+        if cfg.role == "standby":
+            self.log(
+                f"sandbox: this machine's standbys copy the job's recordings into {record_dir} from the agent "
+                "of the node that recorded them, and warm every pipeline role from them (--tm-no-sandbox "
+                "turns it off)"
+            )
+            return
         self.log(
             f"sandbox: the job records its first iterations into {record_dir}; standbys warm every pipeline "
-            "role from them (a standby on another node needs that path shared; --tm-no-sandbox turns it off)"
+            "role from them, those on other nodes through this agent (--tm-no-sandbox turns it off)"
         )
 
     def _prepare_metrics(self) -> None:

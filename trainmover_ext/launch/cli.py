@@ -158,6 +158,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="127.0.0.1",
         help="Address /metrics binds to (default loopback; 0.0.0.0 for a Prometheus server on another host).",
     )
+    parser.add_argument(
+        "--recordings-host",
+        default=None,
+        help="Address this agent serves its node's sandbox recordings on, to standbys on other nodes "
+        "(authenticated with the job token; see docs/sandbox.md). Default: the address this node "
+        "reaches --master-addr from.",
+    )
     add_connection_flags(parser)
     parser.add_argument("script", help="Training script, e.g. pretrain_gpt.py.")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Arguments for the training script.")
@@ -291,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
         record_dir=tm["tm_record_dir"],
         etcd_tls=args.tm_etcd_tls,
         run_dir=args.run_dir,
+        recordings_host=args.recordings_host,
         role=args.tm_role,
         script=args.script,
         script_args=list(args.script_args),

@@ -57,7 +57,11 @@ class LaunchConfig:
     sandbox: bool = True
     """Not ``--tm-no-sandbox`` in the script: it records, and standbys warm in the sandbox."""
     record_dir: str | None = None
-    """``--tm-record-dir`` of the script; None: the agent passes ``<run dir>/recordings`` (with ``sandbox``)."""
+    """``--tm-record-dir`` of the script; None: the agent passes ``<run dir>/recordings`` (with ``sandbox``)
+    and sets this to it."""
+    recordings_host: str | None = None
+    """``--recordings-host``: where the agent of an active node serves its recordings to standbys on other
+    nodes; None: the address this node reaches ``master_addr`` from."""
     etcd_tls: bool = False
     """``--tm-etcd-tls``: the embedded etcd serves TLS with client certificates from a job CA (``etcd.pki``)."""
     run_dir: str | None = None

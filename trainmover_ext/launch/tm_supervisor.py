@@ -3,6 +3,9 @@
 Contract (one agent per node; the single-node case is what runs today):
 - Ranks and ``--tm-standbys`` standbys are forked from the warm agent before
   the agent opens any etcd (gRPC) connection; each gets ``TRAINMOVER_MEMBER_ID``.
+- An active node's agent then serves its ``--tm-record-dir`` to standbys on other nodes
+  (:mod:`~trainmover_ext.launch.recording_server`, job token required) and writes the URL on its
+  node record; without the job token it serves nothing and says why.
 - The agent then registers as a member and runs a leader-elected
   :class:`~trainmover_ext.control.controller.Controller`.
 - A rank process that exits non-zero is reported at once
@@ -57,6 +60,8 @@ from trainmover_ext.launch.process import (
     spawn_rank,
     wait_any_exit,
 )
+from trainmover_ext.launch.recording_server import RecordingServer
+from trainmover_ext.netutil import address_towards
 
 MAX_STANDBY_FAILURES = 3
 REPLENISH_AFTER_S = 60.0
@@ -89,6 +94,8 @@ class TrainMoverSupervisor:
         self.report_retry: dict[int, float] = {}
         """When a report etcd could not take may be tried again, by rank."""
         self.space = self.controller = self.member = self.inbox = self.archive = self.probes = None
+        self.recordings: RecordingServer | None = None
+        """Serves this node's recordings to standbys on other nodes (an active node with the sandbox)."""
         self.epoch = 0
         self.standbys_started = 0
         self.reserves: list[Reserve] = []
@@ -198,7 +205,39 @@ class TrainMoverSupervisor:
             f"started {len(self.serving)} ranks, pids {[p.pid for p, _ in self.serving.values()]}, "
             f"and {len(self.standbys)} standby(s)"
         )
+        self._serve_recordings()  # after every fork, like /metrics
         self._connect()
+
+    def _serve_recordings(self) -> None:
+        """Serve this node's recordings to standbys on other nodes (see ``launch.recording_server``); its
+        URL goes on the node record. Without the sandbox or the job token nothing is served, and why is logged."""
+        cfg = self.cfg
+        if not cfg.sandbox or cfg.record_dir is None:
+            return
+        if not cfg.rendezvous.token:
+            self.agent.log(
+                "sandbox: this node's recordings are not served to other nodes: the job has no token to "
+                "authenticate standbys with (pass --tm-job-token); standbys elsewhere do the basic warm-up"
+            )
+            return
+        try:
+            host = cfg.recordings_host or address_towards(cfg.master_addr)
+            # bound to every interface, it is still reached at one address: the one the job's nodes use
+            shown = address_towards(cfg.master_addr) if host in ("0.0.0.0", "::") else None
+            self.recordings = RecordingServer(
+                cfg.record_dir, cfg.rendezvous.token, host, advertise=shown, log=self.agent.log
+            ).start()
+        except OSError as exc:
+            self.agent.log(
+                f"sandbox: cannot serve this node's recordings on {cfg.recordings_host or cfg.master_addr} "
+                f"({exc}); standbys on other nodes do the basic warm-up unless --tm-record-dir is shared "
+                "(--recordings-host picks the address)"
+            )
+            return
+        self.agent.log(
+            f"sandbox: serving {cfg.record_dir} to standbys on other nodes at {self.recordings.url} "
+            "(job token required)"
+        )
 
     def _connect(self) -> None:
         """Open etcd only now: a gRPC channel must not be inherited by forked ranks."""
@@ -236,6 +275,7 @@ class TrainMoverSupervisor:
             role="standby" if self.standby_machine else "active",
             slots=self.cfg.nproc_per_node,
             registered_at=time.time(),
+            recordings_url=self.recordings.url if self.recordings is not None else "",
         )
         self.space.put(self.space.key("nodes", ident.host), node.to_bytes())
         from trainmover_ext.control.probes import ProbeResponder
@@ -264,7 +304,7 @@ class TrainMoverSupervisor:
         reserves, self.reserves = self.reserves, []
         for reserve in reserves:
             discard(reserve)
-        for obj in (self.probes, self.archive, self.inbox, self.controller, self.member):
+        for obj in (self.probes, self.archive, self.inbox, self.controller, self.member, self.recordings):
             if obj is not None:
                 try:
                     obj.close()

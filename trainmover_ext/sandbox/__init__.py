@@ -10,7 +10,8 @@ Standby side: ``migration.standby.warm_up`` calls
 config fingerprint, run shadow iterations of every role against a replay
 world, report warm roles and timings on the member record.
 
-Modules: ``recorder`` (class hooks), ``recording`` (files, checksums),
+Modules: ``recorder`` (class hooks), ``recording`` (files, checksums), ``fetch`` (copying
+a recording from the node that recorded it),
 ``registry`` (etcd index, waiting), ``replay`` (the ``tm_replay`` backend),
 ``shadow`` (shadow iterations), ``standby`` (the general standby),
 ``fingerprint`` (ConfigMismatch), ``compile`` (``--tm-compile``), ``hook``

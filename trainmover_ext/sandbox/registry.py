@@ -6,11 +6,14 @@ Who calls it
   tensors live) to ``recordings/<role>`` through the job's
   :class:`~trainmover_ext.kv.job.JobSpace`. The per-call list is included
   when it is small (etcd values are capped at about 1.5 MB); the
-  ``index_sha256`` always pins the exact ``index.json`` on the shared disk.
+  ``index_sha256`` always pins the exact ``index.json``, wherever a standby reads it.
 - A standby: :func:`wait_for_recordings` polls etcd (or, without a job space,
   the directory) until every role its job has is published, then opens each
   recording and verifies it. It never waits longer than ``timeout_s``:
-  :class:`RecordingNotFound` says which roles are missing.
+  :class:`RecordingNotFound` says which roles are missing. A role its own
+  ``record_dir`` lacks (a standby on another node than the recorder's) is first
+  copied there by the caller's ``fetch`` (``sandbox.fetch``); the summary names
+  the recorder's ``node`` for that.
 
 A recording whose ``index.json`` or data differs from what etcd says raises
 :class:`RecordingCorrupt` and is never used.
@@ -18,6 +21,7 @@ A recording whose ``index.json`` or data differs from what etcd says raises
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,8 +30,9 @@ from collections.abc import Callable
 
 from trainmover_ext.deadline import Deadline
 from trainmover_ext.errors import ConfigError, RecordingCorrupt, RecordingNotFound
+from trainmover_ext.launch.identity import node_name
 
-from .recording import INDEX_FILE, Recording
+from .recording import DATA_FILE, INDEX_FILE, Recording
 
 RECORDING_KIND = "recording"
 MAX_CALLS_IN_ETCD = 256 * 1024
@@ -84,13 +89,14 @@ def published_summary(index: dict, record_dir: str) -> dict:
 
 def publish(space, role: str, record_dir: str, **extra) -> dict:
     """Write ``recordings/<role>`` from the sealed ``index.json`` (token-gated, no lease: it outlives the
-    recorder); ``extra`` (e.g. the recording overhead) is added to the summary. Returns the summary."""
+    recorder); the summary names this ``node`` (whose agent serves the files to other nodes), and ``extra``
+    (e.g. the recording overhead) is added to it. Returns the summary."""
     from trainmover_ext.kv.codec import encode
 
     summary = _summary_from_disk(record_dir, role)
     if summary is None:
         raise RecordingNotFound(f"{record_dir}/{role}/{INDEX_FILE} does not exist: nothing to publish")
-    summary.update(extra)
+    summary.update({"node": node_name(), **extra})
     space.put(space.key("recordings", role), encode(RECORDING_KIND, summary))
     return summary
 
@@ -126,8 +132,13 @@ def wait_for_recordings(
     space=None,
     poll_s: float = 0.25,
     should_stop: Callable[[], bool] | None = None,
+    fetch: Callable[[dict], None] | None = None,
 ) -> dict[str, Recording]:
-    """Every role in ``roles``, opened and verified, once all are sealed; see the module docstring."""
+    """Every role in ``roles``, opened and verified, once all are sealed; see the module docstring.
+
+    ``fetch(summary)`` copies a published role that ``record_dir`` lacks into it (raising
+    :class:`RecordingNotFound` when it cannot); a copy that fails verification is deleted and
+    :class:`RecordingCorrupt` raised, so that no later standby opens it."""
     deadline = Deadline(timeout_s)
     found: dict[str, dict] = {}
     while True:
@@ -141,16 +152,34 @@ def wait_for_recordings(
             if summary is not None:
                 found[role] = summary
         if len(found) == len(roles):
-            return {role: open_published(found[role], record_dir) for role in roles}
+            return {role: _open_or_fetch(found[role], record_dir, fetch) for role in roles}
         if deadline.expired or (should_stop is not None and should_stop()):
             missing = [r for r in roles if r not in found]
             where = "etcd (recordings/<role>)" if space is not None else record_dir
             raise RecordingNotFound(
                 f"no recording of role(s) {missing} in {where} after {timeout_s:.0f}s: the job records its first "
-                "--tm-record-iters iterations into --tm-record-dir once it trains; check that the job and the "
-                "standby name the same shared directory, or raise --tm-record-timeout"
+                "--tm-record-iters iterations into --tm-record-dir once it trains; check that the job trains "
+                "with the sandbox on (no --tm-no-sandbox), or raise --tm-record-timeout"
             )
         time.sleep(min(poll_s, deadline.remaining()))
+
+
+def _open_or_fetch(summary: dict, record_dir: str, fetch: Callable[[dict], None] | None) -> Recording:
+    role_path = os.path.join(record_dir, summary["role"])
+    if fetch is None or os.path.isfile(os.path.join(role_path, INDEX_FILE)):
+        return open_published(summary, record_dir)
+    fetch(summary)
+    try:
+        return open_published(summary, record_dir)
+    except RecordingCorrupt as exc:
+        for name in (INDEX_FILE, DATA_FILE):  # the index first: nobody may find an index without its data
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(role_path, name))
+        raise RecordingCorrupt(
+            f"the recording of role {summary['role']} downloaded from node {summary.get('node')!r} is not the "
+            f"one the job published ({exc}); the copy was deleted. Check the network path between the nodes, "
+            "or share --tm-record-dir"
+        ) from exc
 
 
 def _summary_from_disk(record_dir: str, role: str) -> dict | None:

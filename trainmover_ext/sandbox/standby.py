@@ -4,7 +4,10 @@ Who calls it: a standby process (``pretrain_gpt.py ... --tm-role standby``)
 after it has registered with no warm roles. :func:`warm_general_standby`
 
 1. waits (at most ``--tm-record-timeout``) for the job's recordings of every
-   role its pipeline has, published in etcd at ``recordings/<role>``;
+   role its pipeline has, published in etcd at ``recordings/<role>``; a role
+   missing from its own ``--tm-record-dir`` is copied from the agent of the
+   node that recorded it (``sandbox/fetch.py``, within another
+   ``--tm-record-timeout``);
 2. refuses with :class:`ConfigMismatch` if its own model, parallel config or
    library versions differ from any recording's;
 3. runs shadow iterations of first, middle and last in turn, against a
@@ -17,7 +20,7 @@ after it has registered with no warm roles. :func:`warm_general_standby`
    carries over in both cases is the process-wide warm state (imports,
    allocator, data index, compiled code).
 
-Failure: :class:`RecordingNotFound` (timeout) and :class:`RecordingCorrupt`
+Failure: :class:`RecordingNotFound` (timeout, or a copy that failed) and :class:`RecordingCorrupt`
 propagate, and the caller falls back to the basic warm-up and says so.
 :class:`ConfigMismatch` and :class:`ReplayMismatch` mean this standby runs
 another program than the job: the caller refuses to serve.
@@ -33,6 +36,7 @@ from typing import Any
 from trainmover_ext.control.records import MemberRecord
 
 from .adopt import KeptRole
+from .fetch import RecordingFetcher
 from .pacing import Pacer
 from .registry import control_role, keep_role_of_job, roles_of_job, wait_for_recordings
 from .shadow import WarmResult, peak_rss_bytes, program_from_providers, warm_standby
@@ -75,14 +79,24 @@ def warm_general_standby(
     serves = [control_role(r) for r in roles]
     # Its fingerprint matched: it may serve any role now, colder until the roles below are warm.
     member.update(warm_roles=serves, warming=True, warmup={"mode": "warming", "waiting_for": roles})
+    who = member.record.member_id
+    fetch = RecordingFetcher(
+        space,
+        config.record_dir,
+        config.record_timeout_s,
+        lambda msg: print(f"[trainmover] standby {who}: {msg}", flush=True),
+    )
     recordings = wait_for_recordings(
         record_dir=config.record_dir,
         roles=roles,
         timeout_s=config.record_timeout_s,
         space=space,
         should_stop=should_stop,
+        fetch=fetch,
     )
     report: dict[str, Any] = {"mode": "sandbox", "wait_s": round(time.time() - t0, 4), "roles": []}
+    if fetch.copies:  # where the recordings came from, when not from this node's directory
+        report["copied"] = fetch.copies
 
     def on_role_done(result: WarmResult) -> None:
         report["paused_s"] = round(pacer.paused_s, 4)
