@@ -10,6 +10,7 @@ refused and deleted.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import time
 import urllib.parse
@@ -231,3 +232,33 @@ def test_a_node_that_serves_nothing_says_what_to_do(served, space, monkeypatch, 
         RecordingNotFound, match="node 'n0', which recorded it, serves no recordings.*share --tm-record-dir"
     ):
         _wait(space, str(tmp_path / "standby-machine"), [])
+
+
+def test_a_copy_of_an_earlier_recording_is_copied_again(served, space, monkeypatch, tmp_path):
+    """A standby machine started again in the same run directory holds a copy of the job's earlier
+    recording: it is replaced by the current one. On the recorder's node a differing index is
+    corruption, not a stale copy: refused, and nothing is deleted."""
+    server, src = served
+    _publish_from_node(space, monkeypatch, src, server.url)
+    dst = str(tmp_path / "standby-machine")
+
+    def leave_an_earlier_copy() -> None:
+        os.makedirs(os.path.join(dst, "first"), exist_ok=True)
+        for name in FILES:  # another index (one field more), so another sha256 than etcd pins
+            data = open(os.path.join(src, "first", name), "rb").read()
+            if name == "index.json":
+                data = json.dumps({**json.loads(data), "stale": True}).encode()
+            open(os.path.join(dst, "first", name), "wb").write(data)
+
+    leave_an_earlier_copy()
+    monkeypatch.setenv("TRAINMOVER_NODE_NAME", "n2")  # the standby machine
+    lines: list[str] = []
+    rec = _wait(space, dst, lines)["first"]
+    assert rec.dir == os.path.join(dst, "first") and "stale" not in rec.index
+    assert len(lines) == 1 and "from node n0" in lines[0], lines
+
+    leave_an_earlier_copy()
+    monkeypatch.setenv("TRAINMOVER_NODE_NAME", "n0")  # the recorder's node
+    with pytest.raises(RecordingCorrupt):
+        _wait(space, dst, [])
+    assert "stale" in json.loads(open(os.path.join(dst, "first", "index.json")).read())

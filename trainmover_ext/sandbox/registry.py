@@ -167,19 +167,30 @@ def wait_for_recordings(
 def _open_or_fetch(summary: dict, record_dir: str, fetch: Callable[[dict], None] | None) -> Recording:
     role_path = os.path.join(record_dir, summary["role"])
     if fetch is None or os.path.isfile(os.path.join(role_path, INDEX_FILE)):
-        return open_published(summary, record_dir)
+        try:
+            return open_published(summary, record_dir)
+        except RecordingCorrupt:
+            # A copy left by an earlier run from another node's recording (a standby machine started again
+            # in the same run directory): copy the current one. The recorder's own files are never replaced.
+            if fetch is None or summary.get("node") in (None, node_name()):
+                raise
+            _delete_copy(role_path)
     fetch(summary)
     try:
         return open_published(summary, record_dir)
     except RecordingCorrupt as exc:
-        for name in (INDEX_FILE, DATA_FILE):  # the index first: nobody may find an index without its data
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(role_path, name))
+        _delete_copy(role_path)
         raise RecordingCorrupt(
             f"the recording of role {summary['role']} downloaded from node {summary.get('node')!r} is not the "
             f"one the job published ({exc}); the copy was deleted. Check the network path between the nodes, "
             "or share --tm-record-dir"
         ) from exc
+
+
+def _delete_copy(role_path: str) -> None:
+    for name in (INDEX_FILE, DATA_FILE):  # the index first: nobody may find an index without its data
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(role_path, name))
 
 
 def _summary_from_disk(record_dir: str, role: str) -> dict | None:
