@@ -253,9 +253,10 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         metavar="N",
         help="How much lower (a niceness, 0..19; default 19) a standby's CPU priority is from its "
         "start until its promotion, so that starting and warming a standby (the pool is refilled "
-        "after every promotion) does not take the ranks' cores. Applied only where a promoted "
-        "standby can raise its priority back (root, CAP_SYS_NICE or RLIMIT_NICE >= 20); the "
-        "launcher says when it cannot. 0 turns it off.",
+        "after every promotion) does not take the ranks' cores; a lowered standby also runs under "
+        "Linux's idle scheduling policy (SCHED_IDLE), so a rank that wakes preempts it at once. "
+        "Applied only where a promoted standby can raise its priority back (root, CAP_SYS_NICE or "
+        "RLIMIT_NICE >= 20); the launcher says when it cannot. 0 turns it off.",
     )
     g.add_argument(
         "--tm-standby-reserves",

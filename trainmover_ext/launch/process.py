@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from trainmover_ext.deadline import Deadline
+from trainmover_ext.launch import priority
 from trainmover_ext.launch.logs import ProcessOutput
 
 _PR_SET_PDEATHSIG = 1
@@ -156,8 +157,7 @@ def _run_child(parent: int, niceness: int, task) -> None:
         _die_with_parent(parent)
         for reserve_sock in _reserve_socks:  # another reserve's wake-up line is not ours to hold open
             reserve_sock.close()
-        if niceness > 0:
-            os.nice(niceness)
+        priority.lower(niceness)
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         what = task()
@@ -316,9 +316,9 @@ def spawn_rank(
     full_env.update(env)
     full_env[ENV_PARENT_PID] = str(os.getpid())
     fds = output.child_fds if output is not None else {}
-    nice = ["nice", "-n", str(niceness)] if niceness > 0 else []  # before the interpreter runs any Python
+    lowered = priority.spawn_prefix(niceness)  # before the interpreter runs any Python
     popen = subprocess.Popen(
-        [*nice, sys.executable, "-u", script, *script_args],
+        [*lowered, sys.executable, "-u", script, *script_args],
         env=full_env,
         start_new_session=True,
         stdout=fds.get("stdout"),
