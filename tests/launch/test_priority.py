@@ -1,6 +1,7 @@
 """A standby's CPU priority (launch.priority): lowered, it runs at the given niceness under the idle
-policy, and so do the threads it starts later; restored at promotion, every thread is back at
-niceness 0 under the normal policy. Also the command prefix a spawned standby starts with.
+policy, and so do the threads it starts later, except its lease keepalive, which leaves the idle
+policy; restored at promotion, every thread is back at niceness 0 under the normal policy. Also the
+command prefix a spawned standby starts with.
 
 Each case runs in a fresh interpreter (the test process may hold gRPC channels, and a lowered
 priority cannot be undone without privilege)."""
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 DRIVER = textwrap.dedent("""
     import os, threading
+    from trainmover_ext.control.membership import _leave_idle_policy
     from trainmover_ext.launch import priority
 
     def state(tid=0):
@@ -34,6 +36,9 @@ DRIVER = textwrap.dedent("""
     thread = threading.Thread(target=lambda: seen.update(later=state()))
     thread.start(); thread.join()
     print("lowered", state(), "later thread", seen["later"])
+    keeper = threading.Thread(target=lambda: (_leave_idle_policy(), seen.update(keeper=state())))
+    keeper.start(); keeper.join()
+    print("lease keepalive", seen["keeper"])
     stop = threading.Event()
     waiting = threading.Thread(target=stop.wait); waiting.start()
     print("restore failed", priority.restore())
@@ -53,7 +58,9 @@ def test_a_lowered_standby_runs_idle_and_its_promotion_restores_every_thread():
     lines = _run(19)
     assert lines[0] == "start (False, 0)", lines
     assert lines[1] == "lowered (True, 19) later thread (True, 19)", lines
-    assert lines[2:] == ["restore failed 0", "restored [(False, 0)]"], lines
+    # A lease keepalive leaves the idle policy (it must not starve) but keeps the standby's niceness.
+    assert lines[2] == "lease keepalive (False, 19)", lines
+    assert lines[3:] == ["restore failed 0", "restored [(False, 0)]"], lines
 
 
 def test_niceness_zero_leaves_the_priority_alone():

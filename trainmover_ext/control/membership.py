@@ -85,6 +85,21 @@ WARN_EVERY_S = 5.0
 """A keeper that cannot reach etcd logs a warning at most this often (an outage can last minutes)."""
 
 
+def _leave_idle_policy() -> None:
+    """Put the calling thread back under the normal scheduling policy if it inherited the idle one.
+
+    A standby with lowered priority runs under ``SCHED_IDLE`` (``launch.priority``), which gets no CPU
+    while the ranks keep the cores busy. Its keepalive must not starve with it, or its lease would
+    lapse: the thread keeps the standby's niceness and leaves only the idle policy."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return
+    try:
+        if os.sched_getscheduler(0) == os.SCHED_IDLE:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except OSError as exc:
+        logger.warning("lease keepalive stays under the idle scheduling policy (%s): it may renew late", exc)
+
+
 class LeaseKeeper:
     """One lease kept alive on a daemon thread; see the module docstring.
 
@@ -107,6 +122,7 @@ class LeaseKeeper:
         self._thread.start()
 
     def _run(self) -> None:
+        _leave_idle_policy()
         interval = RecoveryTimeouts(self.ttl_s).renew_every_s
         wait, warned_at = interval, -WARN_EVERY_S
         renewed_at = time.monotonic()

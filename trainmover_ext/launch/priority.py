@@ -17,7 +17,8 @@ Contract:
 - The launcher applies the niceness and the idle policy before the standby's interpreter runs
   any Python (``chrt --idle 0 nice -n N`` for a spawned standby, :func:`lower` in a forked one,
   whose threads all start later and inherit both). Where the idle policy is unavailable the
-  niceness still applies.
+  niceness still applies. The one thread that leaves the idle policy (keeping the niceness) is a
+  lease keepalive (``control.membership``): starved, it would let the standby's lease lapse.
 - :func:`restore` (at promotion) sets every thread of the process back to niceness 0 and the
   normal policy (Linux keeps both per thread).
 """
