@@ -267,6 +267,12 @@ class MetricsFeed:
         if is_leader is not None:
             self.is_leader = is_leader
 
+    def detach(self) -> None:
+        """Stop reading the job from etcd and keep the job-wide series as they are: called when this agent
+        stops, before its controller resigns, so that the figures of a finished job stay exported (an
+        agent whose controller merely lost the lead clears them instead)."""
+        self.space = None
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread after one last round, so a finished job's final numbers are exported."""
         self._stop.set()
@@ -342,6 +348,8 @@ class MetricsFeed:
         from trainmover_ext.errors import MalformedValue
 
         m, job, space = self.metrics, self.metrics.job, self.space
+        if space is None:  # detached meanwhile (the agent stops)
+            return
         if not self.is_leader():
             for series in (m.members, m.epoch, m.standbys_ready, m.migrations, m.migration_phase, m.migration_downtime):
                 series.clear()

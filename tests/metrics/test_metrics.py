@@ -145,6 +145,31 @@ def test_job_wide_series_come_from_the_leader_only():
     assert ("trainmover_migrations_total", (("kind", "failure"),)) in samples(out)
 
 
+def test_a_stopping_agent_keeps_its_last_job_wide_figures():
+    """The agent detaches its feed before its controller resigns: the finished job's migrations stay
+    exported. Companion: an agent whose controller merely lost the lead clears them."""
+    space = JobSpace.create(MemoryKV(), "j", "tok")
+    plan = MigrationPlan(epoch=1, reason="failure", replacements=[], resume_iteration=5)
+    space.put(space.key("migrations", migration_key_suffix(1)), plan.to_bytes())
+    leading = {"now": True}
+    for detach in (True, False):
+        m = AgentMetrics(job="j")
+        feed = MetricsFeed(m, metrics_file=None)
+        feed.attach(space, is_leader=lambda: leading["now"])
+        leading["now"] = True
+        feed.poll()
+        assert value(m.render().decode(), "trainmover_migrations_total", kind="failure") == 1
+        if detach:
+            feed.detach()
+        leading["now"] = False  # the controller resigned
+        feed.poll()
+        exported = [k for k in samples(m.render().decode()) if k[0] == "trainmover_migrations_total"]
+        if detach:
+            assert value(m.render().decode(), "trainmover_migrations_total", kind="failure") == 1
+        else:
+            assert exported == [], exported
+
+
 # -- a real job ------------------------------------------------------------------------
 
 

@@ -304,6 +304,10 @@ class TrainMoverSupervisor:
         reserves, self.reserves = self.reserves, []
         for reserve in reserves:
             discard(reserve)
+        if self.agent.metrics_feed is not None:
+            # Before the controller resigns: a stopping agent keeps exporting its last job-wide figures
+            # (migrations, members) instead of clearing them as an agent that lost the lead would.
+            self.agent.metrics_feed.detach()
         for obj in (self.probes, self.archive, self.inbox, self.controller, self.member, self.recordings):
             if obj is not None:
                 try:
