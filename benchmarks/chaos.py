@@ -8,7 +8,8 @@ iterations (300 by default) three times, one run after the other, on this machin
   trajectory and the steady iteration time.
 - ``trainmover``: the same, while the schedule kills ranks. Each event waits until its
   iteration is logged, then kills the process serving its rank at a random point inside the
-  next iteration: SIGKILL, or SIGSTOP (a hang: the lease expires and the agent fences it).
+  next iteration: SIGKILL, or SIGSTOP (a hang: its agent sees the heartbeat stop while the
+  process uses no CPU, and fences and reports it, ``launch.heartbeat``).
   Some events cascade into a kill during the migration they caused: of the **joiner** as
   soon as the plan names it, or of **another rank** just after the plan. Standbys are
   refilled as the job goes (``--tm-standby-duty`` paces their warm-up).

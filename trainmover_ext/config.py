@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, fields
 from trainmover_ext.errors import ConfigError
 
 KEEP_ROLES = ("first", "middle", "last", "none")
+DEFAULT_HANG_TIMEOUT_S = 0.5
+"""``--tm-hang-timeout``'s default (the launcher reads the flag too)."""
 
 # flag attribute -> why it cannot be used yet. Remove an entry when wiring it.
 NOT_WIRED: dict[str, str] = {}
@@ -46,6 +48,10 @@ class TrainMoverConfig:
     """``--tm-etcd-password``: etcd password for password auth."""
     lease_ttl_s: float = 2.0
     """``--tm-lease-ttl``: membership lease TTL in seconds; refreshed every TTL/3."""
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
+    """``--tm-hang-timeout``: the agent fences and reports a rank whose heartbeat is this old and whose
+    process used no CPU time meanwhile (frozen), without waiting for its lease; 0 turns this off
+    (``trainmover_ext.launch.heartbeat``)."""
     standbys: int = 0
     """``--tm-standbys``: number of warm standbys the launcher keeps."""
     record_iters: int = 2
@@ -100,6 +106,8 @@ class TrainMoverConfig:
             raise ConfigError("--tm-role must be 'worker' or 'standby'")
         if self.lease_ttl_s <= 0:
             raise ConfigError("--tm-lease-ttl must be positive")
+        if self.hang_timeout_s < 0:
+            raise ConfigError("--tm-hang-timeout must be >= 0 seconds (0 leaves hangs to the lease TTL)")
         if self.standbys < 0:
             raise ConfigError("--tm-standbys must be >= 0")
         if self.leaver_becomes_standby and not self.enabled:
@@ -145,6 +153,7 @@ _FLAG_TO_FIELD = {
     "tm_etcd_user": "etcd_user",
     "tm_etcd_password": "etcd_password",
     "tm_lease_ttl": "lease_ttl_s",
+    "tm_hang_timeout": "hang_timeout_s",
     "tm_standbys": "standbys",
     "tm_record_iters": "record_iters",
     "tm_record_dir": "record_dir",
@@ -197,6 +206,15 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         type=float,
         default=None,
         help="Membership lease TTL in seconds (default 2); a hung member is declared dead after it.",
+    )
+    g.add_argument(
+        "--tm-hang-timeout",
+        type=float,
+        default=None,
+        help=f"Seconds (default {DEFAULT_HANG_TIMEOUT_S:g}) after which the launcher's agent kills and reports a "
+        "rank whose process is frozen: its heartbeat thread has not beaten for this long and the process "
+        "used no CPU time meanwhile (e.g. SIGSTOP). Faster than the lease TTL, which still covers every "
+        "other hang. 0 turns it off (e.g. while a debugger holds a rank stopped).",
     )
     g.add_argument("--tm-standbys", type=int, default=None, help="Number of warm standbys to keep (default 0).")
     g.add_argument(

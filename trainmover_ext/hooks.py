@@ -29,10 +29,12 @@ class TrainMoverHooks:
 
     def start(self, args) -> None:
         from trainmover_ext.config import config_from_args
+        from trainmover_ext.launch import heartbeat
         from trainmover_ext.launch.process import die_with_parent_from_env
         from trainmover_ext.logconfig import configure as configure_logging
 
         die_with_parent_from_env()  # a rank spawned by `trainmover launch` never outlives its agent
+        heartbeat.start_from_env()  # its agent sees a frozen process (launch.heartbeat)
         configure_logging(getattr(args, "tm_log_level", None), getattr(args, "tm_log_json", None))
         self.config = config_from_args(args)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from helpers import (
@@ -53,15 +55,28 @@ def test_llama_architecture_in_bf16_is_replaced_bit_identically(tmp_path, corpus
     assert_recovered(job, ref, 5)
 
 
-def test_hung_rank_is_detected_by_lease_and_fenced(tmp_path, corpus, reference):
-    """SIGSTOP: no link error, no exit; the lease expires, the rank is replaced and the hung process killed."""
+def test_hung_rank_is_fenced_by_its_agent(tmp_path, corpus, reference):
+    """SIGSTOP: no link error, no exit. Its agent sees the heartbeat stop while the process uses no CPU,
+    kills it and reports the hang (launch.heartbeat), well before its lease would expire."""
     ref = reference("tp2pp2dp2", 8, tm_args(corpus))
     job = run_job(
         tmp_path, 8, tm_args(corpus, extra=["--tm-inject-fault", "4:6:forward:STOP"]), name="hung", timeout=300
     )
     assert_recovered(job, ref, 4)
     whys = [r["why"] for r in replaced(job, "failure")]
-    assert whys and not any("exited with code" in w for w in whys), f"the hung rank was reported by its exit: {whys}"
+    assert len(whys) == 1 and whys[0].startswith("link broken: hung: no heartbeat for"), whys
+    log = job.stderr()
+    assert re.search(r"rank 4 \(worker-n0-4-\w+\) hung: no heartbeat for [\d.]+s and no CPU time used", log), log[-3000:]
+
+
+@pytest.mark.slow
+def test_hung_rank_is_detected_by_lease_without_the_hang_path(tmp_path, corpus, reference):
+    """``--tm-hang-timeout 0``: the lease expiry finds the frozen rank, and the plan fences it."""
+    args = tm_args(corpus, extra=["--tm-hang-timeout", "0"])
+    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
+    job = run_job(tmp_path, 8, args + ["--tm-inject-fault", "4:6:forward:STOP"], name="hung_lease", timeout=300)
+    assert_recovered(job, ref, 4)
+    assert [r["why"] for r in replaced(job, "failure")] == ["lease expired"]
 
 
 MIDDLE = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from trainmover_ext.config import DEFAULT_HANG_TIMEOUT_S
 from trainmover_ext.control.cli import add_connection_flags
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.kv.job import new_token
@@ -178,6 +179,7 @@ def peek_trainmover_flags(script_args: list[str]) -> dict:
     peek.add_argument("--trainmover", action="store_true")
     peek.add_argument("--tm-standbys", type=int, default=0)
     peek.add_argument("--tm-lease-ttl", type=float, default=2.0)
+    peek.add_argument("--tm-hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S)
     peek.add_argument("--tm-leaver-becomes-standby", action="store_true")
     peek.add_argument("--tm-standby-nice", type=int, default=19)
     peek.add_argument("--tm-standby-reserves", type=int, default=4)
@@ -291,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
         trainmover=tm["trainmover"],
         standbys=tm["tm_standbys"],
         lease_ttl_s=tm["tm_lease_ttl"],
+        hang_timeout_s=tm["tm_hang_timeout"],
         leaver_becomes_standby=tm["tm_leaver_becomes_standby"],
         standby_nice=tm["tm_standby_nice"],
         standby_reserves=tm["tm_standby_reserves"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from trainmover_ext.config import DEFAULT_HANG_TIMEOUT_S
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.launch.logs import LogConfig
 from trainmover_ext.launch.rendezvous import RendezvousPlan
@@ -48,6 +49,9 @@ class LaunchConfig:
     """``--tm-standbys`` of the script: warm standbys the agent keeps."""
     lease_ttl_s: float = 2.0
     """``--tm-lease-ttl`` of the script: membership lease TTL (controller and agent use it too)."""
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
+    """``--tm-hang-timeout`` of the script: a serving process frozen this long is fenced and reported by
+    this agent (``launch.heartbeat``); 0: only its lease expiry tells."""
     leaver_becomes_standby: bool = False
     """``--tm-leaver-becomes-standby`` of the script: a planned leaver stays alive as one of this agent's standbys."""
     standby_reserves: int = 4
@@ -86,6 +90,8 @@ class LaunchConfig:
             raise ConfigError("--nproc-per-node must be >= 1")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ConfigError("--node-rank must be in [0, --nnodes)")
+        if self.hang_timeout_s < 0:
+            raise ConfigError("--tm-hang-timeout must be >= 0 seconds (0 leaves hangs to the lease TTL)")
         if self.standby_reserves < 0:
             raise ConfigError("--tm-standby-reserves must be >= 0")
         if self.standbys and not self.trainmover:

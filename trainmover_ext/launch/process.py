@@ -69,6 +69,9 @@ class RankProcess:
     pid: int
     popen: subprocess.Popen | None = None
     returncode: int | None = None
+    heartbeat: str = ""
+    """The key of its heartbeat file in the agent's :class:`~trainmover_ext.launch.heartbeat.HangWatch`
+    (the member id it was started as), '' when it has none."""
     _pidfd: int | None = field(default=None, repr=False)
 
     def poll(self) -> int | None:

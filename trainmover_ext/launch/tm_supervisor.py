@@ -49,6 +49,7 @@ import uuid
 from trainmover_ext.control.fingerprint import describe_diff, read_refusal
 from trainmover_ext.deadline import RecoveryTimeouts
 from trainmover_ext.errors import STANDBY_REFUSED_EXIT_CODE, StoreError
+from trainmover_ext.launch.heartbeat import HangWatch
 from trainmover_ext.launch.identity import ENV_MEMBER_ID, ENV_SLOT, leaver_standby_id
 from trainmover_ext.launch.process import (
     RankProcess,
@@ -94,6 +95,8 @@ class TrainMoverSupervisor:
         self.report_retry: dict[int, float] = {}
         """When a report etcd could not take may be tried again, by rank."""
         self.space = self.controller = self.member = self.inbox = self.archive = self.probes = None
+        self.hangs = HangWatch(0)
+        """Sees a serving process freeze (``launch.heartbeat``); made in :meth:`start`, before any fork."""
         self.recordings: RecordingServer | None = None
         """Serves this node's recordings to standbys on other nodes (an active node with the sandbox)."""
         self.epoch = 0
@@ -134,6 +137,7 @@ class TrainMoverSupervisor:
             env[ENV_SLOT] = str(slot)
             self.slots[member] = slot
         env[ENV_MEMBER_ID] = member
+        env.update(self.hangs.env_for(member))
         args = list(cfg.script_args) + ["--tm-role", "standby"]
         output = cfg.logs.open(member, 0, self.agent.restarts)
         proc = None
@@ -143,6 +147,7 @@ class TrainMoverSupervisor:
         if proc is None:
             start = fork_rank if method == "fork" else spawn_rank
             proc = start(-1, env, cfg.script, args, output, niceness=self.standby_nice)
+        proc.heartbeat = member if self.hangs.enabled else ""
         self.standbys[member] = proc
         self.agent.log(f"started standby {member} (pid {proc.pid}, {method})")
         if self.space is not None:  # a refill (the first standbys start before etcd is opened)
@@ -175,6 +180,7 @@ class TrainMoverSupervisor:
                 "root, CAP_SYS_NICE or RLIMIT_NICE >= 20); see --tm-standby-nice"
             )
         self.port = cfg.master_port or free_port(cfg.master_addr)
+        self.hangs = HangWatch(cfg.hang_timeout_s)
         preimport_for_fork()
         if self.standby_machine:
             for slot in range(cfg.nproc_per_node):
@@ -189,11 +195,10 @@ class TrainMoverSupervisor:
         for i in range(cfg.nproc_per_node):
             rank = cfg.node_rank * cfg.nproc_per_node + i
             member = _member_id("worker", self.node_label, i)
-            env = self.agent.rank_env(i, self.port) | {ENV_MEMBER_ID: member}
-            self.serving[rank] = (
-                fork_rank(rank, env, cfg.script, cfg.script_args, cfg.logs.open(str(rank), i, self.agent.restarts)),
-                member,
-            )
+            env = self.agent.rank_env(i, self.port) | {ENV_MEMBER_ID: member} | self.hangs.env_for(member)
+            proc = fork_rank(rank, env, cfg.script, cfg.script_args, cfg.logs.open(str(rank), i, self.agent.restarts))
+            proc.heartbeat = member if self.hangs.enabled else ""
+            self.serving[rank] = (proc, member)
         for _ in range(cfg.standbys):
             self._start_standby("fork")
         # Last, so that no rank or standby holds a reserve's wake-up line.
@@ -308,7 +313,7 @@ class TrainMoverSupervisor:
             # Before the controller resigns: a stopping agent keeps exporting its last job-wide figures
             # (migrations, members) instead of clearing them as an agent that lost the lead would.
             self.agent.metrics_feed.detach()
-        for obj in (self.probes, self.archive, self.inbox, self.controller, self.member, self.recordings):
+        for obj in (self.probes, self.archive, self.inbox, self.controller, self.member, self.recordings, self.hangs):
             if obj is not None:
                 try:
                     obj.close()
@@ -425,23 +430,47 @@ class TrainMoverSupervisor:
             return "its model fingerprint differs from the job's (see its log for the fields)"
         return describe_diff(fields)
 
-    def _report(self, rank: int, member: str, code: int, *, track: bool = True) -> None:
-        """Report ``member``'s exit; ``track``: expect a plan for the rank within the deadline (a planned
-        leaver's report is moot once its hand-over is done, so it is not tracked)."""
-        from trainmover_ext.control.supervise import report_exit
+    def _report(self, rank: int, member: str, code: int, *, track: bool = True, hung: str = "") -> None:
+        """Report ``member``'s exit, or with ``hung`` (what was seen) its hang; ``track``: expect a plan for
+        the rank within the deadline (a planned leaver's report is moot once its hand-over is done, so it
+        is not tracked)."""
+        from trainmover_ext.control.supervise import report_exit, report_hang
 
         if time.time() < self.report_retry.get(rank, 0.0):
             return
+        what = f"hang ({hung})" if hung else f"exit (code {code})"
         try:
-            report_exit(self.space, rank=rank, member_id=member, reporter=self.agent_id, code=code, epoch=self.epoch)
+            if hung:
+                report_hang(self.space, rank=rank, member_id=member, reporter=self.agent_id, why=hung, epoch=self.epoch)
+            else:
+                report_exit(
+                    self.space, rank=rank, member_id=member, reporter=self.agent_id, code=code, epoch=self.epoch
+                )
         except StoreError as exc:  # etcd unreachable: report again in a second (the lease is the fallback)
             self.report_retry[rank] = time.time() + 1.0
-            self.agent.log(f"could not report rank {rank}'s exit (code {code}): {exc}; trying again")
+            self.agent.log(f"could not report rank {rank}'s {what}: {exc}; trying again")
             return
         self.report_retry.pop(rank, None)
         if track:
             self.reported[rank] = time.time()
-        self.agent.log(f"rank {rank} ({member}) exited with code {code}; reported to the controller")
+        if hung:
+            self.agent.log(f"rank {rank} ({member}) hung: {hung}; killed it and reported to the controller")
+        else:
+            self.agent.log(f"rank {rank} ({member}) exited with code {code}; reported to the controller")
+
+    def _fence_hung(self) -> None:
+        """Kill and report every serving process that froze (``launch.heartbeat``): its rank is then
+        replaced like a killed one's, without waiting a lease TTL. A report etcd refused is made again as
+        the exit of the killed process."""
+        watched = {
+            proc.heartbeat: (rank, proc, member)
+            for rank, (proc, member) in self.serving.items()
+            if proc.heartbeat and rank not in self.reported and proc.poll() is None
+        }
+        for key, why in self.hangs.hung({key: proc.pid for key, (_, proc, _) in watched.items()}):
+            rank, proc, member = watched[key]
+            proc.signal(signal.SIGKILL)  # fenced first: it must never touch the job again
+            self._report(rank, member, -signal.SIGKILL, hung=why)
 
     def supervise(self) -> tuple[bool, int]:
         """Block until done. Returns (finished_ok, exit code); (False, code) asks for the classic fallback."""
@@ -458,6 +487,7 @@ class TrainMoverSupervisor:
             for rank, (code, member) in codes.items():
                 if code not in (None, 0) and rank not in self.reported:
                     self._report(rank, member, code)
+            self._fence_hung()
             for rank, (proc, member) in list(self.leaving.items()):
                 code = proc.poll()
                 if code is not None:

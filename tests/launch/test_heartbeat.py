@@ -1,0 +1,133 @@
+"""The agent's fast hang path (launch.heartbeat) on real processes: a frozen process (SIGSTOP) is found
+hung within the timeout; a process whose heartbeat thread is held up while it still computes is not;
+a process that has not beaten yet is not judged; 0 turns the path off.
+
+Each process is a fresh interpreter that starts its heartbeat the way a rank's hooks do
+(``heartbeat.start_from_env``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from trainmover_ext.launch.heartbeat import HangWatch, cpu_time_ns
+
+TIMEOUT_S = 0.5
+
+BEATING = textwrap.dedent("""
+    import sys, time
+    from trainmover_ext.launch import heartbeat
+    assert heartbeat.start_from_env()
+    print("beating", flush=True)
+    if sys.argv[1] == "gil":
+        # The heartbeat thread cannot run while this holds the GIL, yet the process computes.
+        import re
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            re.match(r"(a|aa)*c", "a" * 36)  # one call holds the GIL for about a second or more
+    else:
+        time.sleep(60)
+""")
+
+
+@pytest.fixture
+def watch():
+    w = HangWatch(TIMEOUT_S)
+    yield w
+    w.close()
+
+
+def _start(watch: HangWatch, member: str, mode: str) -> subprocess.Popen:
+    env = dict(os.environ) | watch.env_for(member)
+    proc = subprocess.Popen([sys.executable, "-c", BEATING, mode], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "beating"
+    return proc
+
+
+def _judge(watch: HangWatch, member: str, pid: int, for_s: float) -> tuple[float | None, str]:
+    """Ask every 50 ms (as the agent does) for ``for_s``: (seconds until found hung or None, why)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < for_s:
+        found = dict(watch.hung({member: pid}))
+        if member in found:
+            return time.monotonic() - t0, found[member]
+        time.sleep(0.05)
+    return None, ""
+
+
+def test_a_stopped_process_is_found_hung_within_the_timeout(watch):
+    proc = _start(watch, "w0", "sleep")
+    try:
+        assert _judge(watch, "w0", proc.pid, 1.0)[0] is None, "a live process was taken for a hung one"
+        os.kill(proc.pid, signal.SIGSTOP)
+        after, why = _judge(watch, "w0", proc.pid, 5.0)
+        assert after is not None, "a stopped process was not found hung"
+        # its last beat was at most one interval before the stop; two polls of slack
+        assert TIMEOUT_S - watch.interval_s <= after <= TIMEOUT_S + 0.2, after
+        assert "no heartbeat for" in why and "no CPU time used" in why, why
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_process_that_computes_while_its_heartbeat_waits_is_not_hung(watch):
+    """The regex holds the GIL for seconds per call: no beats, but CPU time keeps growing."""
+    proc = _start(watch, "w1", "gil")
+    try:
+        # the beats do stop for longer than the timeout (else this test would prove nothing)...
+        t0 = time.monotonic()
+        while time.monotonic() - watch.last_beat("w1") <= TIMEOUT_S * 1.5:
+            assert time.monotonic() - t0 < 10, "the heartbeat never paused: this test proves nothing"
+            time.sleep(0.02)
+        # ...yet it is never found hung, since it uses CPU
+        assert _judge(watch, "w1", proc.pid, 3.0)[0] is None
+        os.kill(proc.pid, signal.SIGSTOP)  # and once it freezes, it is
+        assert _judge(watch, "w1", proc.pid, 5.0)[0] is not None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_process_before_its_first_beat_is_not_judged(watch):
+    watch.file_for("w2")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # never beats
+    try:
+        time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert watch.last_beat("w2") is None
+        assert _judge(watch, "w2", proc.pid, 2 * TIMEOUT_S + 0.2)[0] is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_zero_turns_the_path_off():
+    off = HangWatch(0)
+    assert off.env_for("w3") == {} and off.file_for("w3") == "" and not off.directory
+    assert off.hung({"w3": os.getpid()}) == []
+    with pytest.raises(ValueError):
+        HangWatch(-1)
+
+
+def test_cpu_time_sums_every_thread_and_stops_when_stopped():
+    proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        first = cpu_time_ns(proc.pid)
+        time.sleep(0.2)
+        assert cpu_time_ns(proc.pid) > first
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        stopped = cpu_time_ns(proc.pid)
+        time.sleep(0.3)
+        assert cpu_time_ns(proc.pid) == stopped
+    finally:
+        proc.kill()
+        proc.wait()
+    assert cpu_time_ns(proc.pid) is None  # reaped: /proc cannot tell

@@ -1,0 +1,197 @@
+"""The fast hang path: a frozen rank is fenced and reported by its own agent within ``--tm-hang-timeout``.
+
+A rank that exits is seen by its agent at once (``wait_any_exit``). A rank that *hangs* without
+exiting (SIGSTOP, a frozen cgroup, a deadlock that holds the GIL) was seen only when its etcd lease
+lapsed, a whole TTL later. This module lets the agent see it sooner, on the node itself.
+
+Contract:
+- **The rank** (:func:`start_from_env`, called by the process's hooks at start-up): when
+  ``TRAINMOVER_HEARTBEAT_FILE`` names a file, a daemon thread writes ``CLOCK_MONOTONIC`` into its
+  first 8 bytes every ``TRAINMOVER_HEARTBEAT_INTERVAL`` seconds. Nothing else; a write that fails
+  ends the thread quietly (the lease remains).
+- **The agent** (:class:`HangWatch`) gives every process it starts its own file, in a node-local
+  directory (``/dev/shm`` when there is one), and asks :meth:`HangWatch.hung` about the processes
+  that serve ranks. A process is **hung** when both hold:
+
+  1. its last beat is older than ``timeout_s``, and
+  2. it used no CPU time at all, summed over its threads (``/proc/<pid>/task/*/schedstat``), over
+     the last ``timeout_s / 2`` or more.
+
+  The second keeps a slow process from being taken for a dead one: a process that computes while
+  its heartbeat thread waits for the GIL, or one starved of cores for a moment, still uses CPU.
+  A stopped or frozen process uses none.
+- A process that has not written its first beat yet (imports, start-up) is not judged.
+- The agent then SIGKILLs the process (it must never touch the job again) and reports a failure
+  of its rank, as for an exit. What this cannot see (a process that still uses CPU but makes no
+  progress, a whole node frozen with its agent) is left to the lease TTL, as before.
+- ``timeout_s`` 0 turns the path off.
+
+Example (the agent)::
+
+    watch = HangWatch(timeout_s=0.5)
+    env[ENV_HEARTBEAT_FILE], env[ENV_HEARTBEAT_INTERVAL] = watch.file_for(member), str(watch.interval_s)
+    ...
+    for member, why in watch.hung({member: proc.pid}):
+        ...  # SIGKILL, then report the rank's failure
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+ENV_HEARTBEAT_FILE = "TRAINMOVER_HEARTBEAT_FILE"
+ENV_HEARTBEAT_INTERVAL = "TRAINMOVER_HEARTBEAT_INTERVAL"
+_BEAT = struct.Struct("<d")
+
+_started: threading.Thread | None = None
+
+
+def _beat_loop(fd: int, interval_s: float) -> None:
+    try:
+        while True:
+            os.pwrite(fd, _BEAT.pack(time.monotonic()), 0)
+            time.sleep(interval_s)
+    except OSError:
+        return  # the agent removed the directory (it is stopping): the lease remains
+    finally:
+        os.close(fd)
+
+
+def start_from_env(environ: dict[str, str] | None = None) -> bool:
+    """In a process the agent started: beat into ``TRAINMOVER_HEARTBEAT_FILE`` until the process ends.
+    Returns whether a heartbeat runs (started now or before; not when the variable is unset or the file
+    cannot be opened). Safe to call more than once."""
+    global _started
+    environ = os.environ if environ is None else environ
+    path = environ.get(ENV_HEARTBEAT_FILE)
+    if not path:
+        return False
+    if _started is not None and _started.is_alive():
+        return True
+    try:
+        interval_s = float(environ.get(ENV_HEARTBEAT_INTERVAL, "0.1"))
+        fd = os.open(path, os.O_WRONLY)
+    except (OSError, ValueError):
+        return False
+    os.pwrite(fd, _BEAT.pack(time.monotonic()), 0)  # the first beat before this returns
+    _started = threading.Thread(target=_beat_loop, args=(fd, max(0.01, interval_s)), name="tm_heartbeat", daemon=True)
+    _started.start()
+    return True
+
+
+def cpu_time_ns(pid: int) -> int | None:
+    """CPU time used by every thread of ``pid`` so far, in ns (None when ``/proc`` cannot tell)."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile used what it used
+    return total
+
+
+@dataclass
+class _Judged:
+    cpu_ns: int
+    at: float
+
+
+class HangWatch:
+    """See the module docstring. Not thread-safe: the agent's supervision loop owns it."""
+
+    def __init__(self, timeout_s: float, directory: str | None = None) -> None:
+        if timeout_s < 0:
+            raise ValueError("the hang timeout must be >= 0 (0 turns the fast hang path off)")
+        self.timeout_s = timeout_s
+        self.interval_s = round(min(1.0, max(0.02, timeout_s / 5)), 3)
+        """How often a rank beats: five beats per timeout."""
+        self.enabled = timeout_s > 0
+        base = directory or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+        self.directory = tempfile.mkdtemp(prefix="trainmover-heartbeats-", dir=base) if self.enabled else ""
+        self._files: dict[str, str] = {}
+        self._samples: dict[str, _Judged] = {}
+
+    def file_for(self, member: str) -> str:
+        """Create (or reuse) ``member``'s heartbeat file; '' when the path is off."""
+        if not self.enabled:
+            return ""
+        path = self._files.get(member)
+        if path is None:
+            path = os.path.join(self.directory, member)
+            with open(path, "wb") as f:
+                f.write(_BEAT.pack(0.0))
+            self._files[member] = path
+        return path
+
+    def env_for(self, member: str) -> dict[str, str]:
+        """The variables a process serving as ``member`` needs to beat (none when the path is off)."""
+        if not self.enabled:
+            return {}
+        return {ENV_HEARTBEAT_FILE: self.file_for(member), ENV_HEARTBEAT_INTERVAL: str(self.interval_s)}
+
+    def last_beat(self, member: str) -> float | None:
+        """``member``'s last beat (``time.monotonic()``), or None before its first."""
+        path = self._files.get(member)
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                (beat,) = _BEAT.unpack(f.read(_BEAT.size))
+        except (OSError, struct.error):
+            return None
+        return beat or None
+
+    def hung(self, processes: dict[str, int]) -> list[tuple[str, str]]:
+        """``(member, why)`` for each of ``processes`` (member -> pid) that is hung (module docstring)."""
+        if not self.enabled:
+            return []
+        found = []
+        now = time.monotonic()
+        for member, pid in processes.items():
+            beat = self.last_beat(member)
+            if beat is None or now - beat < self.timeout_s / 2:
+                self._samples.pop(member, None)
+                continue
+            cpu = cpu_time_ns(pid)
+            if cpu is None:
+                continue
+            sample = self._samples.get(member)
+            if sample is None or sample.cpu_ns != cpu:
+                self._samples[member] = _Judged(cpu, now)  # it ran since: judge again from here
+                continue
+            if now - beat >= self.timeout_s and now - sample.at >= self.timeout_s / 2:
+                found.append(
+                    (
+                        member,
+                        f"no heartbeat for {now - beat:.2f}s and no CPU time used for {now - sample.at:.2f}s",
+                    )
+                )
+        return found
+
+    def forget(self, member: str) -> None:
+        """Stop judging ``member`` (it exited or left); its file goes."""
+        self._samples.pop(member, None)
+        path = self._files.pop(member, None)
+        if path is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Remove every file (the processes' heartbeats then stop quietly)."""
+        if self.directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        self._files.clear()
+        self._samples.clear()
