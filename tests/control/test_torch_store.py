@@ -154,3 +154,25 @@ def test_megatron_group_creation_on_etcd_store(etcd):
         ("megatron", 2, 0, 1, 5.0),
         ("megatron", 3, 1, 1, 5.0),
     ]
+
+
+def test_connect_opens_the_one_client_before_threads_call_the_store(etcd, monkeypatch):
+    """A joiner's link threads call the store from several gloo constructors at once: ``connect()``
+    (called by ``rank_store``) has opened the process's one client before, so none of them logs in."""
+    import trainmover_ext.kv.torch_store as torch_store
+
+    opened = []
+    real = torch_store.EtcdKV
+    monkeypatch.setattr(torch_store, "EtcdKV", lambda config: opened.append(config) or real(config))
+    s = EtcdStore(etcd.endpoints, prefix="/trainmover/t/store/conn/", timeout=5)
+    try:
+        assert opened == []
+        assert s.connect() is s and len(opened) == 1
+        threads = [threading.Thread(target=s.set, args=(f"k{i}", b"v")) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(opened) == 1 and s.num_keys() == 8
+    finally:
+        s.close()

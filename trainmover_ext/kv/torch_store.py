@@ -96,6 +96,13 @@ class EtcdStore(c10d.Store):  # = torch.distributed.Store, which torch does not 
     def _timeout_s(self, timeout: timedelta | None = None) -> float:
         return (timeout or self.timeout).total_seconds()
 
+    def connect(self) -> EtcdStore:
+        """Open this process's etcd client now (it is otherwise opened by the first call). A process that
+        will call the store from several threads at once (a joiner's link threads, each inside a gloo
+        constructor) opens it first, so that none of them logs in while the others wait."""
+        self._kv()
+        return self
+
     def close(self) -> None:
         """Close this process's etcd client (the keys stay)."""
         kv = self._kv_by_pid.pop(os.getpid(), None)

@@ -86,4 +86,5 @@ def rank_store(timeout: datetime.timedelta):
         return None
     from trainmover_ext.kv.torch_store import EtcdStore
 
-    return EtcdStore(etcd_config_from_env(), prefix=os.environ[ENV_PREFIX], timeout=timeout)
+    # connected here, before the groups' link threads call it from several gloo constructors at once
+    return EtcdStore(etcd_config_from_env(), prefix=os.environ[ENV_PREFIX], timeout=timeout).connect()
