@@ -29,6 +29,7 @@ from trainmover_ext.control.records import ROLES, MemberRecord
 from trainmover_ext.errors import LaunchError
 from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
 from trainmover_ext.kv.job import JobSpace
+from trainmover_ext.launch import heartbeat
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         ttl_s=args.ttl,
     )
     member.register()
+    heartbeat.start_from_env()  # when spawned with a HangWatch's variables (benchmarks/detection.py)
     ctl = (
         Controller(space, ControllerConfig(controller_id=args.member_id, ttl_s=args.ttl)).start()
         if args.controller
@@ -68,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def spawn_member(endpoints, job, token, member_id, *, kind="worker", ttl=2, controller=False, host="h0", timeout=30.0):
-    """Start ``member_main`` and return the Popen once it printed READY (it holds a registered lease then)."""
+def spawn_member(
+    endpoints, job, token, member_id, *, kind="worker", ttl=2, controller=False, host="h0", timeout=30.0, env=None
+):
+    """Start ``member_main`` and return the Popen once it printed READY (it holds a registered lease then).
+    ``env``: more variables for it (a :class:`HangWatch`'s, so that it beats)."""
     cmd = [
         sys.executable,
         "-m",
@@ -92,8 +97,9 @@ def spawn_member(endpoints, job, token, member_id, *, kind="worker", ttl=2, cont
     if controller:
         cmd.append("--controller")
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # benchmarks/, where `harness` lives
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=full_env)
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
     deadline = time.monotonic() + timeout
@@ -145,3 +151,27 @@ class ExitWatch:
     def expected_exit(self) -> None:
         """The child is being stopped on purpose: do not report its exit."""
         self._expected.set()
+
+
+class HangFence:
+    """What a launcher's supervisor does for a serving child that beats (``launch.heartbeat``), on a thread:
+    every 50 ms, ask ``watch`` whether ``proc`` (beating as ``key``) hung; if so, SIGKILL it and report the
+    hang through :func:`~trainmover_ext.control.supervise.report_hang`."""
+
+    def __init__(self, space, watch, proc, key: str, *, rank: int, member_id: str, reporter: str) -> None:
+        from trainmover_ext.control.supervise import report_hang
+
+        self._stop = threading.Event()
+
+        def fence() -> None:
+            while not self._stop.wait(0.05):
+                found = dict(watch.hung({key: proc.pid}))
+                if key in found:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    report_hang(space, rank=rank, member_id=member_id, reporter=reporter, why=found[key], epoch=0)
+                    return
+
+        threading.Thread(target=fence, name=f"hang-fence-{rank}", daemon=True).start()
+
+    def close(self) -> None:
+        self._stop.set()

@@ -1,5 +1,5 @@
-"""Failure detection with a real etcd and real processes: SIGKILL (fast path), SIGSTOP (lease expiry),
-and leader failover without a lost or repeated decision."""
+"""Failure detection with a real etcd and real processes: SIGKILL (fast path), SIGSTOP (the agent's
+heartbeat watch, and lease expiry without it), and leader failover without a lost or repeated decision."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import time
 
 import pytest
 
-from harness.member import ExitWatch
+from harness.member import ExitWatch, HangFence
 from trainmover_ext.control.controller import Controller, ControllerConfig
 from trainmover_ext.control.membership import PlanInbox, init_job
-from trainmover_ext.control.records import RankRecord
+from trainmover_ext.control.records import Event, RankRecord
 from trainmover_ext.control.view import read_view
 from trainmover_ext.kv import EtcdClientConfig, EtcdKV
 from trainmover_ext.kv.job import JobSpace
+from trainmover_ext.launch.heartbeat import HangWatch
 
 from .procs import reap, spawn_member
 
@@ -25,8 +26,13 @@ def space(kv):
     return JobSpace.create(kv, "det")
 
 
-def start_job(etcd, space, ttl):
-    workers = [spawn_member(etcd.endpoints, "det", space.token, f"w{r}", ttl=ttl, host=f"h{r}") for r in range(2)]
+def start_job(etcd, space, ttl, watch=None):
+    workers = [
+        spawn_member(
+            etcd.endpoints, "det", space.token, f"w{r}", ttl=ttl, host=f"h{r}", env=watch.env_for(f"w{r}") if watch else None
+        )
+        for r in range(2)
+    ]
     standby = spawn_member(etcd.endpoints, "det", space.token, "s0", kind="standby", ttl=ttl, host="h9")
     init_job(
         space,
@@ -94,6 +100,39 @@ def test_sigstop_is_detected_by_lease_expiry(etcd, kv, space):
         assert (rep.rank, rep.leaver, rep.joiner) == (0, "w0", "s0")
     finally:
         ctl.close()
+        reap(*workers, standby)
+
+
+def test_sigstop_is_detected_by_the_agents_heartbeat_watch(etcd, kv, space):
+    """The agent's fast hang path (launch.heartbeat): well before the 2 s lease, the frozen worker is
+    killed and its hang reported, and the plan says so."""
+    ttl, timeout = 2, 0.5
+    watch = HangWatch(timeout)
+    workers, standby = start_job(etcd, space, ttl, watch)
+    ctl = Controller(space, ControllerConfig(controller_id="c0", ttl_s=ttl)).start()
+    fence = HangFence(space, watch, workers[0], "w0", rank=0, member_id="w0", reporter="agent-h0")
+    try:
+        time.sleep(3 * watch.interval_s)  # beating
+        t_stop = time.time()
+        os.kill(workers[0].pid, signal.SIGSTOP)
+        view = wait_plan(space, 1, timeout=ttl + 1)
+        latency = view.last_plan.decided_at - t_stop
+        assert timeout - watch.interval_s <= latency < timeout + 0.25, f"hang detection took {latency:.2f}s"
+        rep = view.last_plan.replacement_list()[0]
+        assert (rep.rank, rep.leaver, rep.joiner) == (0, "w0", "s0")
+        planned = [
+            event.detail
+            for entry in space.kv.get_prefix(space.key("events") + "/").entries
+            for event in [Event.from_bytes(entry.value, key=entry.key)]
+            if event.what == "migration_planned"
+        ]
+        (why,) = [r["why"] for p in planned for r in p["replacements"]]
+        assert why.startswith("link broken: hung: no heartbeat for"), why
+        assert workers[0].wait(timeout=5) == -signal.SIGKILL  # fenced
+    finally:
+        fence.close()
+        ctl.close()
+        watch.close()
         reap(*workers, standby)
 
 
