@@ -176,3 +176,33 @@ def test_connect_opens_the_one_client_before_threads_call_the_store(etcd, monkey
         assert len(opened) == 1 and s.num_keys() == 8
     finally:
         s.close()
+
+
+class _AnswerLostOnce:
+    """The real etcd KV, except that the first commit is sent twice, as ``EtcdKV`` retries an attempt whose
+    answer was lost: the first applies, the second (whose guard now fails) is the answer the caller sees."""
+
+    def __init__(self, kv):
+        self._kv, self.lost = kv, 0
+
+    def commit(self, guards, ops):
+        if self.lost == 0:
+            self.lost += 1
+            self._kv.commit(guards, ops)
+        return self._kv.commit(guards, ops)
+
+    def __getattr__(self, name):
+        return getattr(self._kv, name)
+
+
+@pytest.mark.parametrize("op", ["add", "append"])
+def test_an_applied_attempt_whose_answer_was_lost_is_not_applied_again(kv, op):
+    store = EtcdStore(["unused:0"], prefix=f"/trainmover/t/store/lost-{op}/", timeout=5, kv=_AnswerLostOnce(kv))
+    if op == "add":
+        assert store.add("n", 5) == 5
+        assert store.get("n") == b"5" and store.add("n", 1) == 6
+    else:
+        store.append("a", b"x")
+        assert store.get("a") == b"x"
+    assert store.num_keys() == 1  # no receipt left, none counted
+    assert kv.get_prefix(store.prefix).entries[0].key == store.prefix + ("n" if op == "add" else "a")

@@ -15,6 +15,11 @@ Contract:
   not cross ``fork()``).
 - ``add`` is a compare-and-swap loop, so concurrent adds from many ranks are
   exact. Values written by ``add`` are ASCII decimals, as with TCPStore.
+- ``add`` and ``append`` apply once even when etcd applied an attempt whose answer
+  was lost: the client retries it, its guard then fails, and a plain loop would
+  add again. Each call's transaction also writes a receipt (``~receipts/<id>``
+  under the prefix, deleted once read; ``num_keys`` leaves receipts out), and a
+  failed guard whose receipt exists means the call already took effect.
 - Losing the etcd server blocks calls for up to the client timeout, then raises
   :class:`EtcdUnavailable`; with a multi-member etcd the calls fail over.
 
@@ -29,14 +34,20 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed.distributed_c10d as c10d
 
 from trainmover_ext.deadline import Deadline
 from trainmover_ext.errors import ConfigError, StoreTimeout
-from trainmover_ext.kv.base import KV, Guard, Put, wait_prefix
+from trainmover_ext.kv.base import KV, Entry, Guard, Put, wait_prefix
 from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
+
+
+RECEIPTS = "~receipts/"
+"""Where (under a store's prefix) ``add`` and ``append`` leave the receipt of their one write."""
 
 
 def _as_bytes(value: object) -> bytes:
@@ -123,19 +134,29 @@ class EtcdStore(c10d.Store):  # = torch.distributed.Store, which torch does not 
                 raise StoreTimeout(f"key {key!r} under {self.prefix} vanished while being read")
         return entry.value
 
-    def add(self, key: str, amount: int) -> int:
+    def _update_once(self, key: str, op: str, update: Callable[[Entry | None], bytes]) -> bytes:
+        """Compare-and-swap ``key`` to ``update(entry)`` exactly once (module docstring: receipts); returns
+        the value written."""
         kv, full = self._kv(), self._full(key)
+        receipt = self._full(RECEIPTS + uuid.uuid4().hex)
         deadline = Deadline(self._timeout_s())
         while True:
             entry = kv.get(full)
-            current = int(entry.value) if entry else 0
-            new = current + int(amount)
-            if kv.commit(
-                [Guard.mod_revision(full, entry.mod_revision if entry else 0)], [Put(full, str(new).encode())]
-            ):
-                return new
+            new = update(entry)
+            guard = Guard.mod_revision(full, entry.mod_revision if entry else 0)
+            applied = kv.commit([guard], [Put(full, new), Put(receipt, new)])
+            done: bytes | None = new
+            if not applied:  # a lost race leaves no receipt; an attempt applied before a retry does
+                found = kv.get(receipt)
+                done = found.value if found is not None else None
+            if done is not None:
+                kv.delete(receipt)
+                return done
             if deadline.expired:  # only under pathological contention
-                raise StoreTimeout(f"add({key!r}) lost every compare-and-swap race for {self._timeout_s():.0f}s")
+                raise StoreTimeout(f"{op}({key!r}) lost every compare-and-swap race for {self._timeout_s():.0f}s")
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._update_once(key, "add", lambda e: str((int(e.value) if e else 0) + int(amount)).encode()))
 
     def compare_set(self, key: str, expected_value: object, desired_value: object) -> bytes:
         kv, full = self._kv(), self._full(key)
@@ -157,7 +178,8 @@ class EtcdStore(c10d.Store):  # = torch.distributed.Store, which torch does not 
         return self._kv().delete(self._full(key))
 
     def num_keys(self) -> int:
-        return len(self._kv().get_prefix(self.prefix).entries)
+        receipts = self._full(RECEIPTS)
+        return sum(not e.key.startswith(receipts) for e in self._kv().get_prefix(self.prefix).entries)
 
     def check(self, keys: list[str]) -> bool:
         kv = self._kv()
@@ -170,12 +192,8 @@ class EtcdStore(c10d.Store):  # = torch.distributed.Store, which torch does not 
             self._wait_one(key, deadline.remaining(), total=budget, all_keys=keys)
 
     def append(self, key: str, value: object) -> None:
-        kv, full = self._kv(), self._full(key)
-        while True:
-            entry = kv.get(full)
-            new = (entry.value if entry else b"") + _as_bytes(value)
-            if kv.commit([Guard.mod_revision(full, entry.mod_revision if entry else 0)], [Put(full, new)]):
-                return
+        data = _as_bytes(value)
+        self._update_once(key, "append", lambda e: (e.value if e else b"") + data)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
