@@ -105,6 +105,26 @@ def test_a_wrong_token_or_a_stale_proof_is_refused(served, tmp_path):
     assert not os.path.exists(tmp_path / "dst" / "first" / "index.json")
 
 
+def test_refusals_are_logged_once_per_client_and_window(tmp_path, monkeypatch):
+    """A client that keeps retrying with a wrong token cannot flood the agent's log: one line per client
+    per REFUSAL_LOG_S, the next one counting those left unlogged."""
+    from trainmover_ext.launch import recording_server
+
+    src = str(tmp_path / "src")
+    _record(src)
+    lines: list[str] = []
+    server = RecordingServer(src, TOKEN, "127.0.0.1", log=lines.append).start()
+    try:
+        for _ in range(20):
+            assert _get(server.url, "/recordings/first/tensors.bin", token="wrong")[0] == 403
+        assert len(lines) == 1 and "refused /recordings/first/tensors.bin to 127.0.0.1" in lines[0], lines
+        monkeypatch.setattr(recording_server, "REFUSAL_LOG_S", 0.0)  # the window has passed
+        assert _get(server.url, "/recordings/first/index.json", token="wrong")[0] == 403
+        assert len(lines) == 2 and lines[1].endswith("(19 more refused since the last line)"), lines
+    finally:
+        server.close()
+
+
 def test_paths_outside_the_recordings_and_missing_files_are_not_found(served, tmp_path):
     server, src = served
     (tmp_path / "secret").mkdir()

@@ -51,6 +51,8 @@ MAX_SKEW_S = 300.0
 """How far a proof's time may be from the server's clock (the nodes' clocks must agree this well)."""
 CHUNK = 1 << 20
 SOCKET_TIMEOUT_S = 30.0
+REFUSAL_LOG_S = 60.0
+"""A client's refusals are logged once per this many seconds, with the count of those left unlogged."""
 """Longest wait for one socket operation, on both ends: a stalled peer never holds a thread forever."""
 _PATH = re.compile(r"/recordings/([A-Za-z0-9_-]{1,64})/(index\.json|tensors\.bin)")
 _LIVE: weakref.WeakSet[RecordingServer] = weakref.WeakSet()
@@ -86,7 +88,7 @@ class _Handler(BaseHTTPRequestHandler):
         if match is None:
             return self._refuse(404, "no such recording file")
         if not proof_is_valid(self.server.key, "GET", self.path, self.headers.get(PROOF_HEADER, ""), time.time()):
-            self.server.log(f"refused {self.path} to {self.client_address[0]}: no valid job-token proof")
+            self.server.refused(self.client_address[0], self.path)
             return self._refuse(403, "a valid job-token proof is required")
         root = os.path.realpath(self.server.record_dir)
         path = os.path.realpath(os.path.join(root, match.group(1), match.group(2)))
@@ -125,6 +127,22 @@ class _Server(ThreadingHTTPServer):
     record_dir: str
     key: bytes
     log: Callable[[str], None]
+    _refusals: dict[str, tuple[float, int]]
+    """Per client address: when its last refusal was logged, and how many were refused since."""
+    _refusals_lock: threading.Lock
+
+    def refused(self, client: str, path: str) -> None:
+        """Log a refusal, at most one line per client per :data:`REFUSAL_LOG_S` (a client that retries, or
+        scans, cannot flood the agent's log)."""
+        now = time.monotonic()
+        with self._refusals_lock:
+            logged_at, unlogged = self._refusals.get(client, (-REFUSAL_LOG_S, 0))
+            if now - logged_at < REFUSAL_LOG_S:
+                self._refusals[client] = (logged_at, unlogged + 1)
+                return
+            self._refusals[client] = (now, 0)
+        more = f" ({unlogged} more refused since the last line)" if unlogged else ""
+        self.log(f"refused {path} to {client}: no valid job-token proof{more}")
 
 
 class _Server6(_Server):
@@ -150,6 +168,7 @@ class RecordingServer:
         self._advertise = advertise
         self._server = (_Server6 if ":" in host else _Server)((host, port), _Handler)
         self._server.record_dir, self._server.key, self._server.log = record_dir, _key(token), log
+        self._server._refusals, self._server._refusals_lock = {}, threading.Lock()
         self._thread = threading.Thread(target=self._server.serve_forever, name="tm-recordings", daemon=True)
         _LIVE.add(self)
 
