@@ -321,8 +321,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--standby-duty",
         type=float,
-        default=0.5,
-        help="--tm-standby-duty of the TrainMover runs (pacing of a refilled standby's warm-up).",
+        default=0.25,
+        help="--tm-standby-duty of the TrainMover runs (pacing of a refilled standby's warm-up; default 0.25, "
+        "where benchmarks/warmup.py's isolation probe puts a warming standby's cost under 2%%).",
     )
     parser.add_argument(
         "--standby-reserves",
@@ -390,7 +391,7 @@ def main(argv=None) -> int:
         ratios = post_promotion(tm["events"], tm["kills"], steady_s)
         trainmover.update(
             post_promotion_ratio=max(ratios) if ratios else None,
-            post_promotion_median_ratio=median(ratios),
+            post_promotion_median_ratio=round(median(ratios), 3) if ratios else None,
             post_promotion_ratios=ratios,
         )
         stop_restart = None
