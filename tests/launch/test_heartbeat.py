@@ -107,6 +107,20 @@ def test_a_process_before_its_first_beat_is_not_judged(watch):
         proc.wait()
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's SCHED_IDLE")
+def test_a_process_under_the_idle_policy_is_not_judged(watch):
+    """A standby not yet promoted runs under SCHED_IDLE: starved on busy cores it uses no CPU and does not
+    beat, so a stop there is left to its lease."""
+    proc = _start(watch, "w4", "sleep")
+    try:
+        os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert _judge(watch, "w4", proc.pid, 2 * TIMEOUT_S + 0.3)[0] is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_zero_turns_the_path_off():
     off = HangWatch(0)
     assert off.env_for("w3") == {} and off.file_for("w3") == "" and not off.directory

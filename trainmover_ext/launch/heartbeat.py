@@ -20,7 +20,9 @@ Contract:
   The second keeps a slow process from being taken for a dead one: a process that computes while
   its heartbeat thread waits for the GIL, or one starved of cores for a moment, still uses CPU.
   A stopped or frozen process uses none.
-- A process that has not written its first beat yet (imports, start-up) is not judged.
+- A process that has not written its first beat yet (imports, start-up) is not judged, nor one that
+  runs under Linux's idle scheduling policy (a standby not yet promoted, ``launch.priority``): on busy
+  cores such a process gets no CPU at all, and would look frozen.
 - The agent then SIGKILLs the process (it must never touch the job again) and reports a failure
   of its rank, as for an exit. What this cannot see (a process that still uses CPU but makes no
   progress, a whole node frozen with its agent) is left to the lease TTL, as before.
@@ -101,6 +103,17 @@ def cpu_time_ns(pid: int) -> int | None:
     return total
 
 
+def _idle_policy(pid: int) -> bool:
+    """Whether ``pid`` runs under ``SCHED_IDLE`` (False where Linux cannot tell)."""
+    idle = getattr(os, "SCHED_IDLE", None)
+    if idle is None:
+        return False
+    try:
+        return os.sched_getscheduler(pid) == idle
+    except OSError:
+        return False
+
+
 @dataclass
 class _Judged:
     cpu_ns: int
@@ -160,7 +173,7 @@ class HangWatch:
         now = time.monotonic()
         for member, pid in processes.items():
             beat = self.last_beat(member)
-            if beat is None or now - beat < self.timeout_s / 2:
+            if beat is None or now - beat < self.timeout_s / 2 or _idle_policy(pid):
                 self._samples.pop(member, None)
                 continue
             cpu = cpu_time_ns(pid)
