@@ -63,38 +63,6 @@ def test_a_lowered_standby_runs_idle_and_its_promotion_restores_every_thread():
     assert lines[3:] == ["restore failed 0", "restored [(False, 0)]"], lines
 
 
-def test_the_agent_restores_a_lowered_joiner_from_outside():
-    """``restore(pid)``: every thread of another process, the later ones included, back to normal."""
-    child = textwrap.dedent("""
-        import os, sys, threading
-        from trainmover_ext.launch import priority
-        priority.lower(19)
-        stop = threading.Event()
-        threads = [threading.Thread(target=stop.wait) for _ in range(3)]
-        for t in threads: t.start()
-        print("ready", flush=True)
-        sys.stdin.readline()
-        print(sorted({(priority.is_idle(int(t)), os.getpriority(os.PRIO_PROCESS, int(t)))
-                      for t in os.listdir("/proc/self/task")}), flush=True)
-        stop.set()
-    """)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        tids = os.listdir(f"/proc/{proc.pid}/task")
-        assert len(tids) >= 4 and all(priority.is_idle(int(t)) for t in tids)
-        assert priority.restore(proc.pid) == 0
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        assert proc.stdout.readline().strip() == "[(False, 0)]"
-    finally:
-        proc.kill()
-        proc.wait()
-    assert priority.restore(proc.pid) == 0  # gone: nothing to restore, nothing failed
-
-
 def test_niceness_zero_leaves_the_priority_alone():
     assert _run(0)[1] == "lowered (False, 0) later thread (False, 0)"
 

@@ -20,9 +20,7 @@ Contract:
   niceness still applies. The one thread that leaves the idle policy (keeping the niceness) is a
   lease keepalive (``control.membership``): starved, it would let the standby's lease lapse.
 - :func:`restore` (at promotion) sets every thread of the process back to niceness 0 and the
-  normal policy (Linux keeps both per thread). The joiner's agent also restores it from outside as
-  soon as it reads the plan (``restore(pid)``): a joiner still under the idle policy would wait for
-  an idle core to even read its promotion, while the stayers rebuild their links.
+  normal policy (Linux keeps both per thread).
 """
 
 from __future__ import annotations
@@ -62,22 +60,20 @@ def is_idle(tid: int = 0) -> bool:
     return hasattr(os, "SCHED_IDLE") and os.sched_getscheduler(tid) == os.SCHED_IDLE
 
 
-def restore(pid: int | None = None) -> int:
-    """Set every thread of process ``pid`` (None: this one) back to niceness 0 and the normal policy;
-    returns how many threads could not be (a thread that ended meanwhile does not count)."""
+def restore() -> int:
+    """Set every thread of this process back to niceness 0 and the normal policy; returns how many
+    threads could not be."""
     failed = 0
     try:
-        tids = [int(t) for t in os.listdir(f"/proc/{'self' if pid is None else pid}/task")]
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
-        tids = [0] if pid is None else []
+        tids = [0]
     for tid in tids:
         try:
             if is_idle(tid):
                 _set_policy(tid, idle=False)
             if os.getpriority(os.PRIO_PROCESS, tid) != 0:
                 os.setpriority(os.PRIO_PROCESS, tid, 0)
-        except ProcessLookupError:
-            continue  # the thread ended
         except OSError:
             failed += 1
     return failed

@@ -388,8 +388,6 @@ class TrainMoverSupervisor:
                         )
                     continue
                 self.serving[rep.rank] = (proc, rep.joiner)
-                if self.standby_nice:
-                    self._raise_joiner(proc, rep.joiner)
                 self.agent.log(
                     f"epoch {plan.epoch} ({plan.reason}): rank {rep.rank} -> {rep.joiner} "
                     f"(pid {proc.pid}); state from {rep.state_source.get('kind')}"
@@ -400,15 +398,6 @@ class TrainMoverSupervisor:
                 if not rejoined and not self.standby_machine:
                     self.replenish.append((plan.epoch, time.time() + REPLENISH_AFTER_S))
         return None
-
-    def _raise_joiner(self, proc: RankProcess, member: str) -> None:
-        """Give a lowered standby named as joiner normal priority now: under the idle policy it would wait
-        for an idle core to even read its promotion (``launch.priority``); it restores itself as well."""
-        from trainmover_ext.launch import priority
-
-        failed = priority.restore(proc.pid)
-        if failed:
-            self.agent.log(f"could not raise joiner {member}'s priority on {failed} thread(s); it restores it itself")
 
     def _replenish(self) -> None:
         latest = self.inbox.snapshot()
