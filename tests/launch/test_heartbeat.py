@@ -121,6 +121,35 @@ def test_a_process_under_the_idle_policy_is_not_judged(watch):
         proc.wait()
 
 
+EXITING = textwrap.dedent("""
+    import time
+    from trainmover_ext.launch import heartbeat
+
+    class SlowTeardown:  # a C++ destructor that waits, as a process group's may: run after the threads stop
+        def __del__(self):
+            time.sleep(2)
+
+    keep = SlowTeardown()
+    assert heartbeat.start_from_env()
+    print("exiting", flush=True)
+""")
+
+
+def test_a_process_in_its_interpreter_teardown_is_not_judged(watch):
+    """Teardown stops every Python thread, the heartbeat's too, and may then wait on no CPU: the exit path
+    reports the process's exit, the hang watch does not kill it first."""
+    env = dict(os.environ) | watch.env_for("w5")
+    proc = subprocess.Popen([sys.executable, "-c", EXITING], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "exiting"
+        assert _judge(watch, "w5", proc.pid, 1.5)[0] is None
+        assert proc.wait(10) == 0
+        assert watch.last_beat("w5") == float("inf")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_zero_turns_the_path_off():
     off = HangWatch(0)
     assert off.env_for("w3") == {} and off.file_for("w3") == "" and not off.directory

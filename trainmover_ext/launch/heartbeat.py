@@ -20,6 +20,9 @@ Contract:
   The second keeps a slow process from being taken for a dead one: a process that computes while
   its heartbeat thread waits for the GIL, or one starved of cores for a moment, still uses CPU.
   A stopped or frozen process uses none.
+- A process that is exiting is not judged either: at interpreter exit (``atexit``) the heartbeat
+  stops and writes +inf. Interpreter teardown stops every Python thread and may then wait, on no CPU,
+  in a C++ destructor; its exit is the exit path's to report.
 - A process that has not written its first beat yet (imports, start-up) is not judged, nor one that
   runs under Linux's idle scheduling policy (a standby not yet promoted, ``launch.priority``): on busy
   cores such a process gets no CPU at all, and would look frozen.
@@ -39,6 +42,8 @@ Example (the agent)::
 
 from __future__ import annotations
 
+import atexit
+import math
 import os
 import shutil
 import struct
@@ -52,17 +57,33 @@ ENV_HEARTBEAT_INTERVAL = "TRAINMOVER_HEARTBEAT_INTERVAL"
 _BEAT = struct.Struct("<d")
 
 _started: threading.Thread | None = None
+_stop = threading.Event()
 
 
 def _beat_loop(fd: int, interval_s: float) -> None:
     try:
-        while True:
+        while not _stop.is_set():
             os.pwrite(fd, _BEAT.pack(time.monotonic()), 0)
-            time.sleep(interval_s)
+            _stop.wait(interval_s)
     except OSError:
         return  # the agent removed the directory (it is stopping): the lease remains
     finally:
         os.close(fd)
+
+
+def _exiting(path: str) -> None:
+    """At interpreter exit: stop beating and say so (+inf), so that the teardown is not judged."""
+    _stop.set()
+    if _started is not None:
+        _started.join(1.0)
+    try:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, _BEAT.pack(math.inf), 0)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def start_from_env(environ: dict[str, str] | None = None) -> bool:
@@ -82,8 +103,10 @@ def start_from_env(environ: dict[str, str] | None = None) -> bool:
     except (OSError, ValueError):
         return False
     os.pwrite(fd, _BEAT.pack(time.monotonic()), 0)  # the first beat before this returns
+    _stop.clear()
     _started = threading.Thread(target=_beat_loop, args=(fd, max(0.01, interval_s)), name="tm_heartbeat", daemon=True)
     _started.start()
+    atexit.register(_exiting, path)
     return True
 
 
@@ -154,7 +177,7 @@ class HangWatch:
         return {ENV_HEARTBEAT_FILE: self.file_for(member), ENV_HEARTBEAT_INTERVAL: str(self.interval_s)}
 
     def last_beat(self, member: str) -> float | None:
-        """``member``'s last beat (``time.monotonic()``), or None before its first."""
+        """``member``'s last beat (``time.monotonic()``), None before its first, +inf once it is exiting."""
         path = self._files.get(member)
         if path is None:
             return None
@@ -173,7 +196,7 @@ class HangWatch:
         now = time.monotonic()
         for member, pid in processes.items():
             beat = self.last_beat(member)
-            if beat is None or now - beat < self.timeout_s / 2 or _idle_policy(pid):
+            if beat is None or math.isinf(beat) or now - beat < self.timeout_s / 2 or _idle_policy(pid):
                 self._samples.pop(member, None)
                 continue
             cpu = cpu_time_ns(pid)
