@@ -29,7 +29,13 @@ def space(kv):
 def start_job(etcd, space, ttl, watch=None):
     workers = [
         spawn_member(
-            etcd.endpoints, "det", space.token, f"w{r}", ttl=ttl, host=f"h{r}", env=watch.env_for(f"w{r}") if watch else None
+            etcd.endpoints,
+            "det",
+            space.token,
+            f"w{r}",
+            ttl=ttl,
+            host=f"h{r}",
+            env=watch.env_for(f"w{r}") if watch else None,
         )
         for r in range(2)
     ]

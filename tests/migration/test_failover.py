@@ -66,7 +66,9 @@ def test_hung_rank_is_fenced_by_its_agent(tmp_path, corpus, reference):
     whys = [r["why"] for r in replaced(job, "failure")]
     assert len(whys) == 1 and whys[0].startswith("link broken: hung: no heartbeat for"), whys
     log = job.stderr()
-    assert re.search(r"rank 4 \(worker-n0-4-\w+\) hung: no heartbeat for [\d.]+s and no CPU time used", log), log[-3000:]
+    assert re.search(r"rank 4 \(worker-n0-4-\w+\) hung: no heartbeat for [\d.]+s and no CPU time used", log), log[
+        -3000:
+    ]
 
 
 @pytest.mark.slow

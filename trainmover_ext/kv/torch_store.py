@@ -45,7 +45,6 @@ from trainmover_ext.errors import ConfigError, StoreTimeout
 from trainmover_ext.kv.base import KV, Entry, Guard, Put, wait_prefix
 from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
 
-
 RECEIPTS = "~receipts/"
 """Where (under a store's prefix) ``add`` and ``append`` leave the receipt of their one write."""
 
