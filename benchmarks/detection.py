@@ -35,7 +35,6 @@ from harness.member import (  # noqa: E402
     reap,
     spawn_member,
 )
-from trainmover_ext.config import DEFAULT_HANG_TIMEOUT_S  # noqa: E402
 from trainmover_ext.control.controller import Controller, ControllerConfig  # noqa: E402
 from trainmover_ext.control.membership import init_job  # noqa: E402
 from trainmover_ext.control.records import RankRecord  # noqa: E402
@@ -43,7 +42,7 @@ from trainmover_ext.control.view import read_view  # noqa: E402
 from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig  # noqa: E402
 from trainmover_ext.kv import EtcdClientConfig, EtcdKV  # noqa: E402
 from trainmover_ext.kv.job import JobSpace  # noqa: E402
-from trainmover_ext.launch.heartbeat import HangWatch  # noqa: E402
+from trainmover_ext.launch.heartbeat import DEFAULT_HANG_TIMEOUT_S, HangWatch  # noqa: E402
 
 
 def one_trial(etcd: EmbeddedEtcd, kv: EtcdKV, job: str, sig: int, ttl: int, watch: HangWatch) -> float:

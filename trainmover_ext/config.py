@@ -13,10 +13,9 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 from trainmover_ext.errors import ConfigError
+from trainmover_ext.launch.heartbeat import DEFAULT_HANG_TIMEOUT_S
 
 KEEP_ROLES = ("first", "middle", "last", "none")
-DEFAULT_HANG_TIMEOUT_S = 0.5
-"""``--tm-hang-timeout``'s default (the launcher reads the flag too)."""
 
 # flag attribute -> why it cannot be used yet. Remove an entry when wiring it.
 NOT_WIRED: dict[str, str] = {}

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 
-from trainmover_ext.config import DEFAULT_HANG_TIMEOUT_S
 from trainmover_ext.control.cli import add_connection_flags
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.kv.job import new_token
 from trainmover_ext.launch.agent import Agent, MetricsEndpoint
 from trainmover_ext.launch.config import LaunchConfig
+from trainmover_ext.launch.heartbeat import DEFAULT_HANG_TIMEOUT_S
 from trainmover_ext.launch.logs import LogConfig, parse_std_spec
 from trainmover_ext.launch.rendezvous import RendezvousPlan
 

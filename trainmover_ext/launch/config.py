@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from trainmover_ext.config import DEFAULT_HANG_TIMEOUT_S
 from trainmover_ext.errors import ConfigError
+from trainmover_ext.launch.heartbeat import DEFAULT_HANG_TIMEOUT_S
 from trainmover_ext.launch.logs import LogConfig
 from trainmover_ext.launch.rendezvous import RendezvousPlan
 

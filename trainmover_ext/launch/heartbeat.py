@@ -52,6 +52,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+DEFAULT_HANG_TIMEOUT_S = 0.5
+"""``--tm-hang-timeout``'s default."""
 ENV_HEARTBEAT_FILE = "TRAINMOVER_HEARTBEAT_FILE"
 ENV_HEARTBEAT_INTERVAL = "TRAINMOVER_HEARTBEAT_INTERVAL"
 _BEAT = struct.Struct("<d")
