@@ -143,6 +143,9 @@ def _idle_policy(pid: int) -> bool:
 class _Judged:
     cpu_ns: int
     at: float
+    """When the process was first seen at ``cpu_ns``."""
+    checked_at: float
+    """When ``/proc`` was last read for it."""
 
 
 class HangWatch:
@@ -201,13 +204,16 @@ class HangWatch:
             if beat is None or math.isinf(beat) or now - beat < self.timeout_s / 2 or _idle_policy(pid):
                 self._samples.pop(member, None)
                 continue
+            sample = self._samples.get(member)
+            if sample is not None and now - sample.checked_at < self.timeout_s / 4:
+                continue  # read /proc at most 4 times a timeout: a starved machine has many stale beats
             cpu = cpu_time_ns(pid)
             if cpu is None:
                 continue
-            sample = self._samples.get(member)
             if sample is None or sample.cpu_ns != cpu:
-                self._samples[member] = _Judged(cpu, now)  # it ran since: judge again from here
+                self._samples[member] = _Judged(cpu, now, now)  # it ran since: judge again from here
                 continue
+            sample.checked_at = now
             if now - beat >= self.timeout_s and now - sample.at >= self.timeout_s / 2:
                 found.append(
                     (
