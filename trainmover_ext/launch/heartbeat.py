@@ -34,7 +34,7 @@ Contract:
 Example (the agent)::
 
     watch = HangWatch(timeout_s=0.5)
-    env[ENV_HEARTBEAT_FILE], env[ENV_HEARTBEAT_INTERVAL] = watch.file_for(member), str(watch.interval_s)
+    env.update(watch.env_for(member))  # before the process starts
     ...
     for member, why in watch.hung({member: proc.pid}):
         ...  # SIGKILL, then report the rank's failure
