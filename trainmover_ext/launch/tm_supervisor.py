@@ -147,11 +147,15 @@ class TrainMoverSupervisor:
         if proc is None:
             start = fork_rank if method == "fork" else spawn_rank
             proc = start(-1, env, cfg.script, args, output, niceness=self.standby_nice)
-        proc.heartbeat = member if self.hangs.enabled else ""
+        self._watch_hangs(proc, member)
         self.standbys[member] = proc
         self.agent.log(f"started standby {member} (pid {proc.pid}, {method})")
         if self.space is not None:  # a refill (the first standbys start before etcd is opened)
             self._event("standby_started", {"member": member, "pid": proc.pid, "how": method, "node": cfg.node_rank})
+
+    def _watch_hangs(self, proc: RankProcess, member: str) -> None:
+        """Judge ``proc`` by the heartbeat file it was started with (``member``'s) once it serves a rank."""
+        proc.heartbeat = member if self.hangs.enabled else ""
 
     def _event(self, what: str, detail: dict) -> None:
         """One line of the job's events timeline (``trainmover events``); etcd trouble is logged only."""
@@ -197,7 +201,7 @@ class TrainMoverSupervisor:
             member = _member_id("worker", self.node_label, i)
             env = self.agent.rank_env(i, self.port) | {ENV_MEMBER_ID: member} | self.hangs.env_for(member)
             proc = fork_rank(rank, env, cfg.script, cfg.script_args, cfg.logs.open(str(rank), i, self.agent.restarts))
-            proc.heartbeat = member if self.hangs.enabled else ""
+            self._watch_hangs(proc, member)
             self.serving[rank] = (proc, member)
         for _ in range(cfg.standbys):
             self._start_standby("fork")
