@@ -174,3 +174,23 @@ def test_cpu_time_sums_every_thread_and_stops_when_stopped():
         proc.kill()
         proc.wait()
     assert cpu_time_ns(proc.pid) is None  # reaped: /proc cannot tell
+
+
+def test_a_killed_agents_heartbeat_directory_is_removed_by_the_next_watch(tmp_path):
+    """An agent killed with SIGKILL never closes its watch; the next agent's watch on the machine removes
+    that directory, and leaves a live agent's alone."""
+    code = (
+        "import os, sys; from trainmover_ext.launch.heartbeat import HangWatch; "
+        "w = HangWatch(0.5, sys.argv[1]); w.file_for('w0'); print(w.directory, flush=True); os.kill(os.getpid(), 9)"
+    )
+    agent = subprocess.run([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert agent.returncode == -signal.SIGKILL
+    dead = agent.stdout.strip()
+    assert os.path.exists(os.path.join(dead, "w0"))
+    live = HangWatch(0.5, str(tmp_path))
+    try:
+        assert not os.path.exists(dead)
+        HangWatch(0.5, str(tmp_path)).file_for("w1")  # not closed, but its agent (this process) lives
+        assert len(os.listdir(tmp_path)) == 2 and os.path.isdir(live.directory)
+    finally:
+        live.close()

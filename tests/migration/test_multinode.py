@@ -11,7 +11,7 @@ import time
 import pytest
 
 from harness.nodes import Node, NodesJob
-from helpers import JobProbe, tm_args, trajectory
+from helpers import JobProbe, tm_args, trajectory, wait_until
 
 
 @pytest.fixture
@@ -47,6 +47,8 @@ def test_hung_leader_loses_the_migration_to_the_other_controller(two_nodes, corp
     job = two_nodes((1, 1), "hungleader")
     probe = JobProbe(job.etcd.endpoints, job.name, job.token)
     job.wait_iteration(4)
+    assert not probe.plans(), f"a migration before the drill: {probe.plans()}\n{job.errs()}"
+    assert wait_until(probe.leader, timeout_s=30), "no controller leader"
     leader = probe.leader()
     node = int(re.match(r"agent-n(\d)-", leader).group(1))
     other = 1 - node

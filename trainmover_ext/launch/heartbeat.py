@@ -148,6 +148,22 @@ class _Judged:
     """When ``/proc`` was last read for it."""
 
 
+_DIR_PREFIX = "trainmover-heartbeats-"
+
+
+def _remove_orphans(base: str) -> None:
+    """Remove the heartbeat directories of agents that died without :meth:`HangWatch.close` (SIGKILL):
+    each is named after its agent's pid."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(_DIR_PREFIX) :].split("-", 1)[0]
+        if name.startswith(_DIR_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+
+
 class HangWatch:
     """See the module docstring. Not thread-safe: the agent's supervision loop owns it."""
 
@@ -159,7 +175,10 @@ class HangWatch:
         """How often a rank beats: five beats per timeout."""
         self.enabled = timeout_s > 0
         base = directory or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
-        self.directory = tempfile.mkdtemp(prefix="trainmover-heartbeats-", dir=base) if self.enabled else ""
+        self.directory = ""
+        if self.enabled:
+            _remove_orphans(base or tempfile.gettempdir())
+            self.directory = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=base)
         self._files: dict[str, str] = {}
         self._samples: dict[str, _Judged] = {}
 
