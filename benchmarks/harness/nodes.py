@@ -34,11 +34,13 @@ PER_NODE = 4
 @dataclass(frozen=True)
 class Node:
     """``standbys``: the script's ``--tm-standbys`` on an active node; ``machine``: a standby machine;
-    ``env``: extra environment of the node's agent (e.g. ``CUDA_VISIBLE_DEVICES``: the node's GPUs)."""
+    ``env``: extra environment of the node's agent (e.g. ``CUDA_VISIBLE_DEVICES``: the node's GPUs);
+    ``flags``: extra flags of its ``trainmover launch``."""
 
     standbys: int = 0
     machine: bool = False
     env: tuple[tuple[str, str], ...] = ()
+    flags: tuple[str, ...] = ()
 
 
 class NodesJob:
@@ -97,6 +99,7 @@ class NodesJob:
                 ",".join(self.etcd.endpoints),
                 "--tm-job-token",
                 self.token,
+                *node.flags,
             )
             env = dict(os.environ, TRAINMOVER_NODE_NAME=f"n{i}", PYTHONUNBUFFERED="1") | dict(node.env)
             self.procs.append(

@@ -80,3 +80,9 @@ def test_ranks_inherit_the_node_name(monkeypatch):
     monkeypatch.setenv("SLURMD_NODENAME", "emulated-node-2")
     agent = Agent(LaunchConfig(script=PRETRAIN, rendezvous=RendezvousPlan(backend="tcp")))
     assert agent.rank_env(0, 1234)["TRAINMOVER_NODE_NAME"] == "emulated-node-2"
+
+
+@pytest.mark.parametrize("port", [-1, 65536])
+def test_a_recordings_port_out_of_range_is_refused(port):
+    with pytest.raises(ConfigError, match="--recordings-port must be a TCP port"):
+        LaunchConfig(script=PRETRAIN, rendezvous=RendezvousPlan(backend="tcp"), recordings_port=port)

@@ -18,6 +18,7 @@ import pytest
 from harness.nodes import Node
 from helpers import JobProbe, tm_args, trajectory
 from trainmover_ext.errors import StoreError
+from trainmover_ext.etcd import free_port
 
 ITERS = 400
 """Long enough that the machine's two standbys copy and warm two roles (at iteration 130-150 of 300 on the
@@ -49,7 +50,10 @@ def test_a_standby_machine_warms_from_another_nodes_recordings_and_takes_a_lost_
     # The reference records nothing: recording and copying must leave no trace in the training either.
     ref = reference(f"tp1pp2dp2_tp_pp_dp_{ITERS}", 4, args)
     sandbox = tm_args(corpus, tp=1, pp=2, iters=ITERS, extra=["--use-tp-pp-dp-mapping"], sandbox=True)
-    job = nodes_job(sandbox, [Node(), Node(), Node(machine=True)], "remotesandbox", per_node=2)
+    port = free_port()  # a fixed port, as where a firewall opens only known ones
+    job = nodes_job(
+        sandbox, [Node(flags=("--recordings-port", str(port))), Node(), Node(machine=True)], "remotesandbox", per_node=2
+    )
     probe = JobProbe(job.etcd.endpoints, job.name, job.token)
     standbys = _warm_in_sandbox(probe, job)
     print(f"warm at iteration {job.last_iteration()}")
@@ -63,7 +67,7 @@ def test_a_standby_machine_warms_from_another_nodes_recordings_and_takes_a_lost_
     assert {c["node"] for c in copies} == {"n0"}, copies
     assert sorted(c["role"] for c in copies if c["bytes"] > 0) == ["first", "last"], copies
     assert os.path.isfile(job.dir / "n2.run" / "recordings" / "first" / "tensors.bin")
-    assert probe.view().nodes["n0"].recordings_url.startswith("http://127.0.0.1:")
+    assert probe.view().nodes["n0"].recordings_url == f"http://127.0.0.1:{port}", probe.view().nodes["n0"]
     killed_at = job.last_iteration()
     assert killed_at < ITERS - 5, f"the machine was warm only at iteration {killed_at}: too late to test"
     job.kill_node(1)

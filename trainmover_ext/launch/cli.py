@@ -166,6 +166,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "(authenticated with the job token; see docs/sandbox.md). Default: the address this node "
         "reaches --master-addr from.",
     )
+    parser.add_argument(
+        "--recordings-port",
+        type=int,
+        default=0,
+        help="Port for --recordings-host (0, the default: a free port, written on this node's record for "
+        "the standbys). Give one where a firewall opens only known ports between nodes.",
+    )
     add_connection_flags(parser)
     parser.add_argument("script", help="Training script, e.g. pretrain_gpt.py.")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Arguments for the training script.")
@@ -302,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
         etcd_tls=args.tm_etcd_tls,
         run_dir=args.run_dir,
         recordings_host=args.recordings_host,
+        recordings_port=args.recordings_port,
         role=args.tm_role,
         script=args.script,
         script_args=list(args.script_args),

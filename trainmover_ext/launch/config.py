@@ -66,6 +66,8 @@ class LaunchConfig:
     recordings_host: str | None = None
     """``--recordings-host``: where the agent of an active node serves its recordings to standbys on other
     nodes; None: the address this node reaches ``master_addr`` from."""
+    recordings_port: int = 0
+    """``--recordings-port``: the port of ``recordings_host``; 0 picks a free one."""
     etcd_tls: bool = False
     """``--tm-etcd-tls``: the embedded etcd serves TLS with client certificates from a job CA (``etcd.pki``)."""
     run_dir: str | None = None
@@ -102,6 +104,10 @@ class LaunchConfig:
             raise ConfigError("--start-method must be 'fork' or 'spawn'")
         if self.restart_start_method not in ("fork", "spawn"):
             raise ConfigError("--restart-start-method must be 'fork' or 'spawn'")
+        if not 0 <= self.recordings_port <= 65535:
+            raise ConfigError(
+                f"--recordings-port must be a TCP port (0-65535; 0 picks a free one), not {self.recordings_port}"
+            )
         if self.nnodes > 1 and self.master_port == 0:
             raise ConfigError("--master-port is required with --nnodes > 1")
         if self.etcd_tls and (self.rendezvous.endpoints or self.rendezvous.backend != "etcd"):

@@ -234,13 +234,14 @@ class TrainMoverSupervisor:
             # bound to every interface, it is still reached at one address: the one the job's nodes use
             shown = address_towards(cfg.master_addr) if host in ("0.0.0.0", "::") else None
             self.recordings = RecordingServer(
-                cfg.record_dir, cfg.rendezvous.token, host, advertise=shown, log=self.agent.log
+                cfg.record_dir, cfg.rendezvous.token, host, cfg.recordings_port, advertise=shown, log=self.agent.log
             ).start()
         except OSError as exc:
             self.agent.log(
-                f"sandbox: cannot serve this node's recordings on {cfg.recordings_host or cfg.master_addr} "
-                f"({exc}); standbys on other nodes do the basic warm-up unless --tm-record-dir is shared "
-                "(--recordings-host picks the address)"
+                f"sandbox: cannot serve this node's recordings on {cfg.recordings_host or cfg.master_addr}"
+                f"{f':{cfg.recordings_port}' if cfg.recordings_port else ''} ({exc}); standbys on other nodes "
+                "do the basic warm-up unless --tm-record-dir is shared (--recordings-host and --recordings-port "
+                "pick the address)"
             )
             return
         self.agent.log(
