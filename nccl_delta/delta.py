@@ -269,11 +269,20 @@ def agree_on_kept_links(world: DeltaWorld, epoch: int, replaced: set[int]) -> se
     }
 
 
+POLL_FIRST_S = 0.005
+POLL_MAX_S = 0.08
+"""How often :func:`_wait_keys` looks: after 5 ms, then twice as long each time, up to 80 ms. Peers
+publish their ledgers within milliseconds of each other, so the first looks find them; a long wait (a
+peer starved or hung) then reads every key 12 times a second rather than 50, which on a crowded
+machine leaves the CPU to the peers being waited for."""
+
+
 def _wait_keys(world: DeltaWorld, keys: list[str], epoch: int) -> None:
     """Block until every key is in the store; :class:`CommAbandoned` once a newer epoch supersedes
     ``epoch`` (a peer that died before publishing never does), :class:`CommTimeout` after
-    ``connect_timeout_s``."""
+    ``connect_timeout_s``. Looks at the store with a growing pause (:data:`POLL_FIRST_S`)."""
     deadline = time.monotonic() + world.config.connect_timeout_s
+    pause = POLL_FIRST_S
     while not world.store.check(keys):
         if world.superseded(epoch):
             raise CommAbandoned(f"rank {world.rank}: ledgers of epoch {epoch} given up: {world.abandoned}")
@@ -282,7 +291,8 @@ def _wait_keys(world: DeltaWorld, keys: list[str], epoch: int) -> None:
                 f"rank {world.rank}: the ledgers {keys} were not all published within "
                 f"{world.config.connect_timeout_s:.0f}s; a peer of epoch {epoch} is hung or gone"
             )
-        time.sleep(0.02)
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_MAX_S)
 
 
 def ledgers_match(ours: Ledger | None, theirs: Ledger | None) -> bool:
