@@ -192,6 +192,14 @@ LLAMA = [
 ITERS = 12
 
 
+CROWDED_TTL = ["--tm-lease-ttl", "6"]
+"""For a job of 12 ranks, six busy processes per core on the 2-core test machine (a standby beside them).
+While the ranks start, a rank's lease keepalive was seen to run up to 1.6 s late; with the default TTL
+of 2 s the lease of a live rank expired, and the controller replaced a rank nobody killed (with the only
+standby). These jobs' faults are SIGKILLs, found by the exit path: the TTL bounds only how soon a hang
+would be found."""
+
+
 def tm_args(corpus, *, tp=2, pp=2, gbs=8, iters=ITERS, extra=None, standby_nice: int | None = 0, sandbox: bool = False):
     """The tiny GPT under --trainmover with one standby.
 
