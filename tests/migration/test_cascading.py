@@ -4,6 +4,7 @@ etcd, dropout 0.1). Drills: ``--tm-inject-fault`` (``trainmover_ext.runtime.faul
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -147,6 +148,19 @@ def test_the_planned_leaver_dies_during_the_move(tmp_path, corpus, reference, ph
     # the leaver was lost before its hand-over: the planned joiner keeps the rank in the failure epoch
     moves = replaced(job)
     assert moves[1]["joiner"] == moves[0]["joiner"] and moves[1]["leaver"] == moves[0]["leaver"], moves
+    assert (4, 6) in transfer_pairs(job), transfer_pairs(job)
+
+
+def test_the_planned_leaver_hangs_during_its_hand_over(tmp_path, corpus, reference):
+    """``trainmover migrate --rank 6``: the leaver freezes (SIGSTOP) while it sends its state. Its agent
+    sees the heartbeat stop while the process uses no CPU, as for a serving rank: it kills the leaver and
+    reports the hang, without waiting for the lease. The planned joiner keeps rank 6, state from its
+    replica."""
+    job = _move_rank_6_while(tmp_path, corpus, reference, "6:1:handover:STOP", 1, "leaver_hangs")
+    moves = replaced(job)
+    assert moves[1]["joiner"] == moves[0]["joiner"] and moves[1]["leaver"] == moves[0]["leaver"], moves
+    assert moves[1]["why"] == "the leaver of a planned move was lost before its hand-over", moves[1]
+    assert re.search(r"rank 6 \(worker-n0-6-\w+\) hung: no heartbeat for", job.stderr()), job.stderr()[-3000:]
     assert (4, 6) in transfer_pairs(job), transfer_pairs(job)
 
 

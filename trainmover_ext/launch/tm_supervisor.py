@@ -464,18 +464,27 @@ class TrainMoverSupervisor:
             self.agent.log(f"rank {rank} ({member}) exited with code {code}; reported to the controller")
 
     def _fence_hung(self) -> None:
-        """Kill and report every serving process that froze (``launch.heartbeat``): its rank is then
-        replaced like a killed one's, without waiting a lease TTL. A report etcd refused is made again as
-        the exit of the killed process."""
+        """Kill and report every serving process and planned leaver that froze (``launch.heartbeat``): its
+        rank is then replaced like a killed one's, without waiting a lease TTL. A serving process's report
+        that etcd refused is made again as the exit of the killed process; a leaver's, like its exit's, is
+        made once (its lease is the fallback)."""
         watched = {
-            proc.heartbeat: (rank, proc, member)
+            proc.heartbeat: (rank, proc, member, False)
             for rank, (proc, member) in self.serving.items()
             if proc.heartbeat and rank not in self.reported and proc.poll() is None
         }
-        for key, why in self.hangs.hung({key: proc.pid for key, (_, proc, _) in watched.items()}):
-            rank, proc, member = watched[key]
+        watched |= {
+            proc.heartbeat: (rank, proc, member, True)
+            for rank, (proc, member) in self.leaving.items()
+            if proc.heartbeat and proc.poll() is None
+        }
+        for key, why in self.hangs.hung({key: proc.pid for key, (_, proc, _, _) in watched.items()}):
+            rank, proc, member, leaver = watched[key]
             proc.signal(signal.SIGKILL)  # fenced first: it must never touch the job again
-            self._report(rank, member, -signal.SIGKILL, hung=why)
+            if leaver:  # its exit is reported here, as hung, not again by the leavers' watch
+                del self.leaving[rank]
+                self.retired.append(proc)
+            self._report(rank, member, -signal.SIGKILL, track=not leaver, hung=why)
 
     def supervise(self) -> tuple[bool, int]:
         """Block until done. Returns (finished_ok, exit code); (False, code) asks for the classic fallback."""
