@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from trainmover_ext.launch.heartbeat import HangWatch, cpu_time_ns
+from trainmover_ext.launch.heartbeat import ORPHAN_AFTER_S, HangWatch, cpu_time_ns
 
 TIMEOUT_S = 0.5
 
@@ -178,7 +178,7 @@ def test_cpu_time_sums_every_thread_and_stops_when_stopped():
 
 def test_a_killed_agents_heartbeat_directory_is_removed_by_the_next_watch(tmp_path):
     """An agent killed with SIGKILL never closes its watch; the next agent's watch on the machine removes
-    that directory, and leaves a live agent's alone."""
+    that directory once its files are stale, and leaves a live agent's alone."""
     code = (
         "import os, sys; from trainmover_ext.launch.heartbeat import HangWatch; "
         "w = HangWatch(0.5, sys.argv[1]); w.file_for('w0'); print(w.directory, flush=True); os.kill(os.getpid(), 9)"
@@ -186,7 +186,12 @@ def test_a_killed_agents_heartbeat_directory_is_removed_by_the_next_watch(tmp_pa
     agent = subprocess.run([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     assert agent.returncode == -signal.SIGKILL
     dead = agent.stdout.strip()
-    assert os.path.exists(os.path.join(dead, "w0"))
+    beat = os.path.join(dead, "w0")
+    assert os.path.exists(beat)
+    HangWatch(0.5, str(tmp_path)).close()
+    assert os.path.exists(dead), "removed while a rank might still beat (another pid namespace)"
+    stale = time.time() - ORPHAN_AFTER_S - 1
+    os.utime(beat, (stale, stale))
     live = HangWatch(0.5, str(tmp_path))
     try:
         assert not os.path.exists(dead)

@@ -149,19 +149,30 @@ class _Judged:
 
 
 _DIR_PREFIX = "trainmover-heartbeats-"
+ORPHAN_AFTER_S = 60.0
+"""A heartbeat directory is an orphan only once nothing in it was written for this long: an agent in
+another pid namespace that shares ``/dev/shm`` is not visible in ``/proc``, but its ranks beat."""
 
 
 def _remove_orphans(base: str) -> None:
     """Remove the heartbeat directories of agents that died without :meth:`HangWatch.close` (SIGKILL):
-    each is named after its agent's pid."""
+    each is named after its agent's pid, and is removed when that pid is gone and its files are stale
+    (:data:`ORPHAN_AFTER_S`)."""
     try:
         names = os.listdir(base)
     except OSError:
         return
     for name in names:
         pid = name[len(_DIR_PREFIX) :].split("-", 1)[0]
-        if name.startswith(_DIR_PREFIX) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+        if not (name.startswith(_DIR_PREFIX) and pid.isdigit()) or os.path.exists(f"/proc/{pid}"):
+            continue
+        path = os.path.join(base, name)
+        try:
+            newest = max((e.stat().st_mtime for e in os.scandir(path)), default=0.0)
+        except OSError:
+            continue
+        if time.time() - newest >= ORPHAN_AFTER_S:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class HangWatch:
