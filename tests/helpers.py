@@ -194,9 +194,9 @@ ITERS = 12
 
 CROWDED_TTL = ["--tm-lease-ttl", "6"]
 """For a job of 12 ranks, six busy processes per core on the 2-core test machine (a standby beside them).
-While the ranks start, a rank's lease keepalive was seen to run up to 1.6 s late; with the default TTL
-of 2 s the lease of a live rank expired, and the controller replaced a rank nobody killed (with the only
-standby). These jobs' faults are SIGKILLs, found by the exit path: the TTL bounds only how soon a hang
+While the ranks start, and in the seconds after a failure plan, a rank's lease keepalive was seen to
+run up to 2.4 s late; with the default TTL of 2 s leases of live ranks expired, and the controller
+replaced ranks nobody killed. These jobs' faults are SIGKILLs, found by the exit path: the TTL bounds only how soon a hang
 would be found."""
 
 

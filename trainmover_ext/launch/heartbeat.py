@@ -185,10 +185,10 @@ class HangWatch:
         self.interval_s = round(min(1.0, max(0.02, timeout_s / 5)), 3)
         """How often a rank beats: five beats per timeout."""
         self.enabled = timeout_s > 0
-        base = directory or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+        base = directory or ("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
         self.directory = ""
         if self.enabled:
-            _remove_orphans(base or tempfile.gettempdir())
+            _remove_orphans(base)
             self.directory = tempfile.mkdtemp(prefix=f"{_DIR_PREFIX}{os.getpid()}-", dir=base)
         self._files: dict[str, str] = {}
         self._samples: dict[str, _Judged] = {}
