@@ -39,14 +39,19 @@ class DeltaConfig:
     """Pipeline segment of the ring algorithms: a chunk is sent in pieces of this size so the
     reduction of one piece overlaps the transfer of the next. Env: ``NCCL_DELTA_SEGMENT_BYTES``."""
 
+    finish_grace_s: float = 5.0
+    """How long a collective in progress inside :meth:`~nccl_delta.world.DeltaWorld.finishing` may run
+    on after an abandon when its peer neither finishes it nor stops (a stopped peer publishes its
+    ledgers, which ends the wait at once); then its link is severed. Env: ``NCCL_DELTA_FINISH_GRACE_S``."""
+
     small_bytes: int = 64 << 10
     """All-reduces up to this many bytes use gather-then-reduce (n-1 hops instead of 2(n-1))."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"transport={self.transport!r} is not one of {TRANSPORTS}: set NCCL_DELTA_TRANSPORT")
-        if self.op_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ConfigError("op_timeout_s and connect_timeout_s must be > 0")
+        if self.op_timeout_s <= 0 or self.connect_timeout_s <= 0 or self.finish_grace_s <= 0:
+            raise ConfigError("op_timeout_s, connect_timeout_s and finish_grace_s must be > 0")
         if self.segment_bytes < 4096:
             raise ConfigError(f"segment_bytes={self.segment_bytes} is below 4096: raise it")
         if self.small_bytes < 0:
@@ -62,6 +67,8 @@ class DeltaConfig:
             values["link_host"] = os.environ["NCCL_DELTA_LINK_HOST"]
         if "NCCL_DELTA_OP_TIMEOUT_S" in os.environ:
             values["op_timeout_s"] = float(os.environ["NCCL_DELTA_OP_TIMEOUT_S"])
+        if "NCCL_DELTA_FINISH_GRACE_S" in os.environ:
+            values["finish_grace_s"] = float(os.environ["NCCL_DELTA_FINISH_GRACE_S"])
         if "NCCL_DELTA_SEGMENT_BYTES" in os.environ:
             values["segment_bytes"] = int(os.environ["NCCL_DELTA_SEGMENT_BYTES"])
         values.update(overrides)

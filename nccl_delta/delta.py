@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING
 
 from nccl_delta.errors import CommAbandoned, CommTimeout, SwapAborted
 
+from .finishing import defer
 from .links import Ledger, Link
 
 if TYPE_CHECKING:
@@ -195,7 +196,9 @@ def abandon(world: DeltaWorld, epoch: int, reason: str, *, dead: Iterable[int] =
     """Make every op in flight or to come fail fast (any thread); returns how many links were severed.
 
     Links to ``dead`` ranks and links with an op in flight are severed; idle ones are quiesced
-    (see the module docstring). A no-op once this process is in ``epoch`` (``recover`` or ``switch``
+    (see the module docstring). Inside :meth:`DeltaWorld.finishing` every link to a live peer is
+    deferred instead, so the step's last collective ends alike on all its members
+    (:mod:`nccl_delta.finishing`). A no-op once this process is in ``epoch`` (``recover`` or ``switch``
     reached it): a late call, e.g. from a watch thread that saw the plan again, must not touch the
     links the new epoch is building. The check and the abandon hold the world's lock, which
     ``recover`` takes to enter the epoch."""
@@ -206,8 +209,11 @@ def abandon(world: DeltaWorld, epoch: int, reason: str, *, dead: Iterable[int] =
         world.abandoned = f"epoch {epoch} abandoned: {reason}"
         dead = set(dead)
         severed = 0
-        for (_, peer), link in world.links_snapshot():
-            if peer in dead or not link.quiesce(world.abandoned):
+        for (transport, peer), link in world.links_snapshot():
+            if peer not in dead and world.in_finishing:
+                defer(world, (transport, peer), link, epoch)  # see nccl_delta.finishing
+            elif peer in dead or not link.quiesce(world.abandoned):
+                world.deferred.pop((transport, peer), None)
                 link.sever(world.abandoned)
                 severed += 1
         return severed
@@ -245,7 +251,7 @@ def recover(world: DeltaWorld, epoch: int, *, replaced: Iterable[int] = ()) -> R
     return RecoverReport(epoch=epoch, kept=len(keep), rebuilt=rebuilt)
 
 
-def _ledger_key(epoch: int, rank: int) -> str:
+def ledger_key(epoch: int, rank: int) -> str:
     return f"nccl_delta/ledgers/e{epoch}/{rank}"
 
 
@@ -256,12 +262,12 @@ def agree_on_kept_links(world: DeltaWorld, epoch: int, replaced: set[int]) -> se
     links. Both ends of a link compare the same two ledgers, so they decide alike."""
     entries = {key: link for key, link in world.links_snapshot() if key[1] not in replaced}
     mine = {f"{transport}/{peer}": link.ledger() for (transport, peer), link in entries.items()}
-    world.store.set(_ledger_key(epoch, world.rank), json.dumps(mine))
+    world.store.set(ledger_key(epoch, world.rank), json.dumps(mine))
     peers = sorted({peer for (transport, peer) in entries if mine[f"{transport}/{peer}"] is not None})
     if not peers:
         return set()
-    _wait_keys(world, [_ledger_key(epoch, p) for p in peers], epoch)
-    theirs_by_peer = {p: json.loads(world.store.get(_ledger_key(epoch, p))) for p in peers}
+    _wait_keys(world, [ledger_key(epoch, p) for p in peers], epoch)
+    theirs_by_peer = {p: json.loads(world.store.get(ledger_key(epoch, p))) for p in peers}
     return {
         (transport, peer)
         for transport, peer in entries

@@ -147,6 +147,9 @@ class Link:
         """Transport collectives completed on the pair (2-member all-reduces)."""
         self.in_flight = 0
         """Ops posted and not yet waited for successfully."""
+        self.awaiting = 0
+        """Of those, the ones only the peer can complete: receives and pair collectives
+        (:mod:`nccl_delta.finishing` severs a link whose stopped peer leaves one pending)."""
 
     def __repr__(self) -> str:
         return (
@@ -172,12 +175,13 @@ class Link:
             peers=(self.peer,) if suspect else (),
         )
 
-    def _start(self, op: str, send_tag: int | None = None) -> None:
+    def _start(self, op: str, send_tag: int | None = None, awaits: bool = False) -> None:
         """Check the link and count one op in flight (and a send's message), atomically with
-        :meth:`quiesce`."""
+        :meth:`quiesce`. ``awaits``: a receive or a pair collective (see :attr:`awaiting`)."""
         with self._lock:
             self._check(op)
             self.in_flight += 1
+            self.awaiting += awaits
             if send_tag is not None:
                 self.sent[send_tag] = self.sent.get(send_tag, 0) + 1
 
@@ -189,15 +193,16 @@ class Link:
             raise self._fail(op, exc) from exc
 
     def irecv(self, tensor: torch.Tensor, tag: int, op: str) -> LinkWork:
-        self._start(op)
+        self._start(op, awaits=True)
         try:
             return LinkWork(self, self.handle.irecv(tensor, tag), op, recv_tag=tag)
         except Exception as exc:
             raise self._fail(op, exc) from exc
 
-    def _done(self, recv_tag: int | None) -> None:
+    def _done(self, recv_tag: int | None, awaits: bool = False) -> None:
         with self._lock:
             self.in_flight -= 1
+            self.awaiting -= awaits or recv_tag is not None
             if recv_tag is not None:
                 self.received[recv_tag] = self.received.get(recv_tag, 0) + 1
 
@@ -235,10 +240,10 @@ class Link:
         """All-reduce ``tensor`` with the peer in one transport call (a 2-member group's whole
         collective); the transport must offer ``allreduce``. On failure the link is severed so the
         peer fails fast too, as a ring does."""
-        self._start(op)
+        self._start(op, awaits=True)
         try:
             # The caller checked that the transport has an all-reduce (DeltaGroup.allreduce).
-            work = LinkWork(self, cast(PairAllreduce, self.handle).allreduce(tensor, reduce_op), op)
+            work = LinkWork(self, cast(PairAllreduce, self.handle).allreduce(tensor, reduce_op), op, awaits=True)
         except Exception as exc:
             raise self._fail(op, exc) from exc
         try:
@@ -337,14 +342,15 @@ def _reaper() -> queue.SimpleQueue[TransportHandle]:
 class LinkWork:
     """A pending send or receive on a link; :meth:`wait` blocks at most the op timeout."""
 
-    __slots__ = ("link", "work", "op", "done", "recv_tag")
+    __slots__ = ("link", "work", "op", "done", "recv_tag", "awaits")
 
-    def __init__(self, link: Link, work: object, op: str, recv_tag: int | None = None):
+    def __init__(self, link: Link, work: object, op: str, recv_tag: int | None = None, awaits: bool = False):
         self.link = link
         self.work = work
         self.op = op
         self.done = False
         self.recv_tag = recv_tag
+        self.awaits = awaits
 
     def wait(self) -> None:
         if self.done:
@@ -354,7 +360,7 @@ class LinkWork:
         except Exception as exc:
             raise self.link._fail(self.op, exc) from exc
         self.done = True
-        self.link._done(self.recv_tag)
+        self.link._done(self.recv_tag, self.awaits)
 
 
 def wait_sends(works: list[LinkWork]) -> None:

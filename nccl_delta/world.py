@@ -30,6 +30,7 @@ Contract
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -77,6 +78,11 @@ class DeltaWorld:
         if join_epoch is not None:
             self.epoch = join_epoch
             self.incarnation[rank] = join_epoch
+        self.in_finishing = False
+        """Whether the training thread is inside :meth:`finishing` (see :mod:`nccl_delta.finishing`)."""
+        self.deferred: dict[tuple[str, int], Link] = {}
+        """Links an abandon inside :meth:`finishing` left to their op, watched until the block ends."""
+        self.finish_watcher: threading.Thread | None = None
         self.prepared: dict[int, PreparedSwap] = {}
         self.world_group_name: str | None = None
         self._lock = threading.Lock()
@@ -201,6 +207,13 @@ class DeltaWorld:
         from .delta import abandon
 
         return abandon(self, epoch, reason, dead=dead)
+
+    def finishing(self) -> contextlib.AbstractContextManager[None]:
+        """The block of an iteration's last collectives (the optimizer step): an abandon arriving in
+        it lets the collective in progress end alike on every live member (:mod:`nccl_delta.finishing`)."""
+        from .finishing import finishing
+
+        return finishing(self)
 
     def recover(self, epoch: int, *, replaced: Iterable[int] = ()) -> RecoverReport:
         from .delta import recover

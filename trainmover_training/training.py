@@ -239,6 +239,11 @@ class Runtime:
         """Wraps an evaluation at an iteration boundary (forward-only work that is not an iteration)."""
         return contextlib.nullcontext()
 
+    def finishing(self, session: Session) -> contextlib.AbstractContextManager:
+        """Wraps an iteration's last collectives (loss reduction, optimizer step): the block whose
+        collectives decide whether this rank completes the iteration."""
+        return contextlib.nullcontext()
+
     def after_iteration(self, session: Session, loss: float | None) -> None:
         """Called after each completed iteration."""
 
@@ -249,11 +254,14 @@ class Runtime:
         """Release the runtime's resources; safe to call twice."""
 
 
-def train_step(session: Session) -> float | None:
+def train_step(session: Session, finishing: contextlib.AbstractContextManager | None = None) -> float | None:
     """One iteration. Increments ``args.iteration`` right after the optimizer step, so after an
     abandoned iteration ``args.iteration`` is exactly the number of completed steps. After the step
     every last-stage rank keeps the iteration's record in ``session.last_record`` and the logging rank
-    writes it (a re-run after an abandon writes the same values)."""
+    writes it (a re-run after an abandon writes the same values).
+
+    ``finishing`` wraps the iteration's last collectives (the loss reduction and the optimizer step;
+    :meth:`Runtime.finishing`)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -274,14 +282,15 @@ def train_step(session: Session) -> float | None:
         forward_only=False,
     )
     loss = None
-    if layout.is_last_stage:
-        loss_t = torch.stack([entry["lm loss"] for entry in losses]).mean().detach().clone()
-        if layout.dp_size > 1:
-            torch.distributed.all_reduce(loss_t, group=mpu.get_data_parallel_group())
-            loss_t /= layout.dp_size
-        loss = loss_t.item()
     lr = optimizer.param_groups[0]["lr"]
-    optimizer.step()
+    with finishing or contextlib.nullcontext():
+        if layout.is_last_stage:
+            loss_t = torch.stack([entry["lm loss"] for entry in losses]).mean().detach().clone()
+            if layout.dp_size > 1:
+                torch.distributed.all_reduce(loss_t, group=mpu.get_data_parallel_group())
+                loss_t /= layout.dp_size
+            loss = loss_t.item()
+        optimizer.step()
     session.scheduler.step(increment=args.global_batch_size)
     if layout.is_last_stage:  # after the step: iteration_s covers the whole iteration
         t_end = time.time()
@@ -517,7 +526,7 @@ def train_loop(session: Session, runtime: Runtime) -> dict:
             if args.iteration >= args.train_iters or not runtime.before_iteration(session):
                 break
             t0 = time.time()
-            loss = train_step(session)
+            loss = train_step(session, runtime.finishing(session))
         except runtime.recoverable as exc:
             runtime.recover(session, exc)
             session.saved_iteration = _checkpointed_iteration(args)

@@ -26,6 +26,7 @@ Contract (every rank, main thread unless noted):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -175,6 +176,15 @@ class WorkerRuntime(Runtime):
             logger.warning("could not record checkpoint %d in etcd (%s); trying again", self._checkpoint_unsaid, exc)
             return
         self._checkpoint_unsaid = None
+
+    def finishing(self, session: Session) -> contextlib.AbstractContextManager[None]:
+        """An abandon during the step's last collectives lets them end alike on every live member, so
+        no rank completes an iteration that its model-parallel peers abandon (:mod:`nccl_delta.finishing`)."""
+        if self.layout.comm != "nccl_delta":
+            return contextlib.nullcontext()
+        import nccl_delta
+
+        return nccl_delta.current_world().finishing()
 
     def after_iteration(self, session: Session, loss: float | None) -> None:
         for epoch in self.pending_first_iteration:
