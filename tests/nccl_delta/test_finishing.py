@@ -9,7 +9,7 @@ freed by the peer's published ledgers, not by the grace).
 
 The same loop without ``finishing`` severs the links of the op in flight: a rank whose last receive
 had arrived keeps the op and its neighbours lose it (``NCCL_DELTA_TEST_NO_FINISHING=1`` runs the
-test that way, and it fails).
+test that way, and it fails in most runs).
 """
 
 from __future__ import annotations
