@@ -86,10 +86,17 @@ def _watch(world: DeltaWorld, epoch: int) -> None:
                 continue
             with world._lock:
                 taken = world.deferred.pop(key, None) is link
-            if taken:
-                why = "no finish within the grace" if expired else "the peer stopped"
-                logger.info("rank %d: severing deferred link to rank %d (%s)", world.rank, key[1], why)
-                link.sever(reason)
+            if not taken:
+                continue
+            if expired:
+                logger.warning(
+                    "rank %d: the collective with rank %d neither finished nor stopped within %.1fs of the "
+                    "abandon (finish_grace_s); severing the link",
+                    world.rank,
+                    key[1],
+                    world.config.finish_grace_s,
+                )
+            link.sever(reason)
 
 
 def _peer_stopped(world: DeltaWorld, key: tuple[str, int], link: Link, ledger: str) -> bool:

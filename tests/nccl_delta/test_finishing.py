@@ -4,7 +4,7 @@ member: no rank completes a collective that a peer loses (see ``nccl_delta.finis
 Four ranks all-reduce 4 MB in a loop, each op inside ``finishing`` as the optimizer step is; the test
 process abandons the epoch at a random moment, every rank recovers, and the loop starts again, for
 several rounds. Each round, every rank must have completed the same number of all-reduces, and be
-free within a second of the abandon (the grace is 60 s: a rank waiting on a peer that stopped is
+free within 5 s of the abandon (the grace is 60 s: a rank waiting on a peer that stopped is
 freed by the peer's published ledgers, not by the grace).
 
 The same loop without ``finishing`` severs the links of the op in flight: a rank whose last receive
@@ -83,4 +83,4 @@ def test_an_abandon_never_splits_a_collective_in_the_finishing_block():
         why = {r: v["rounds"][i]["why"] for r, v in results.items()}
         assert len(set(done.values())) == 1, f"round {i + 1}: all-reduces completed per rank differ: {done} {why}"
         late = {r: round(v["rounds"][i]["raised"] - at, 2) for r, v in results.items()}
-        assert max(late.values()) < 1.0, f"round {i + 1}: seconds from the abandon to each rank's error: {late}"
+        assert max(late.values()) < 5.0, f"round {i + 1}: seconds from the abandon to each rank's error: {late}"
