@@ -195,14 +195,14 @@ class Link:
     def irecv(self, tensor: torch.Tensor, tag: int, op: str) -> LinkWork:
         self._start(op, awaits=True)
         try:
-            return LinkWork(self, self.handle.irecv(tensor, tag), op, recv_tag=tag)
+            return LinkWork(self, self.handle.irecv(tensor, tag), op, recv_tag=tag, awaits=True)
         except Exception as exc:
             raise self._fail(op, exc) from exc
 
     def _done(self, recv_tag: int | None, awaits: bool = False) -> None:
         with self._lock:
             self.in_flight -= 1
-            self.awaiting -= awaits or recv_tag is not None
+            self.awaiting -= awaits
             if recv_tag is not None:
                 self.received[recv_tag] = self.received.get(recv_tag, 0) + 1
 
