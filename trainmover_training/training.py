@@ -43,14 +43,18 @@ logger = logging.getLogger(__name__)
 
 
 def process_start_time() -> float:
-    """Wall-clock time at which this OS process started (fork or exec)."""
+    """Wall-clock time at which this OS process started (fork or exec), to a clock tick (10 ms).
+
+    ``/proc/self/stat`` gives the start in clock ticks since boot, on the clock ``CLOCK_BOOTTIME``
+    reads. It is placed on the wall clock by the offset between the two clocks now, not by
+    ``/proc/stat``'s ``btime``: that is whole seconds, so start times (and the restart phases
+    computed from them) were up to a second early, which made a phase negative."""
     try:
         with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            btime = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, StopIteration, ValueError, IndexError):
+        since_boot = ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
 
 
