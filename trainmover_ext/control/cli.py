@@ -35,8 +35,9 @@ from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
 from trainmover_ext.kv.job import JobSpace, job_login
 
 
-def add_connection_flags(p: argparse.ArgumentParser) -> None:
-    """The flags that locate a job in etcd (shared with other subcommands that need it)."""
+def add_connection_flags(p: argparse.ArgumentParser, *, call_timeout: bool = True) -> None:
+    """The flags that locate a job in etcd (shared with other subcommands that need it). ``call_timeout``
+    adds ``--tm-etcd-timeout`` (not on ``launch``, whose etcd calls follow the job's lease TTL)."""
     g = p.add_argument_group("job and etcd")
     g.add_argument(
         "--tm-etcd-endpoints",
@@ -79,6 +80,8 @@ def add_connection_flags(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("TRAINMOVER_ETCD_PASSWORD"),
         help="password of --tm-etcd-user (env TRAINMOVER_ETCD_PASSWORD)",
     )
+    if not call_timeout:
+        return
     g.add_argument(
         "--tm-etcd-timeout",
         type=float,

@@ -418,7 +418,8 @@ class EtcdKV(KV):
         return EtcdUnavailable(
             f"no etcd answered at {','.join(self.config.endpoints)} within "
             f"{self.config.connect_timeout_s:.1f}s{tls_hint}: "
-            "start etcd, fix --tm-etcd-endpoints, or omit it to let `trainmover launch` start an embedded etcd"
+            "is the job still running? Start etcd or fix --tm-etcd-endpoints (`trainmover launch` prints the job's "
+            "endpoints when it starts)"
         )
 
     def _client(self) -> Any:

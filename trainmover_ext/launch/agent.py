@@ -27,6 +27,7 @@ from trainmover_ext.fsutil import write_private
 from trainmover_ext.launch.config import LaunchConfig
 from trainmover_ext.launch.identity import ENV_NODE_NAME, node_name
 from trainmover_ext.launch.process import RankProcess, fork_rank, preimport_for_fork, spawn_rank
+from trainmover_ext.launch.summary import Failure, FailureLog, describe_code
 from trainmover_ext.netutil import free_port
 
 
@@ -48,15 +49,6 @@ class MetricsEndpoint:
             raise ConfigError("--metrics-port must be a TCP port, 0 for a free one, or -1 for none")
 
 
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
-
-
 class Agent:
     """Starts and supervises one node's ranks; see the module docstring."""
 
@@ -73,6 +65,8 @@ class Agent:
         self.stop_signal: int | None = None
         self.log = log or (lambda msg: print(f"[trainmover launch] {msg}", file=sys.stderr, flush=True))
         self.events: list[dict] = []
+        self.failures = FailureLog(config.script)
+        """Every process failure seen, printed as a summary when the launch fails (``launch.summary``)."""
         self.etcd = None
 
     def rank_env(self, local_rank: int, port: int) -> dict[str, str]:
@@ -87,6 +81,7 @@ class Agent:
             "MASTER_PORT": str(port),
             "TRAINMOVER_RESTART_COUNT": str(self.restarts),
             "TORCHELASTIC_RESTART_COUNT": str(self.restarts),  # as torchrun sets it
+            "TORCHELASTIC_RUN_ID": cfg.rendezvous.job,  # torchrun's --rdzv-id; here the job name
             ENV_NODE_NAME: node_name(),
             "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
             # Megatron wants 1 (TP/SP comm overlap); a user's own setting is kept.
@@ -141,7 +136,7 @@ class Agent:
         from trainmover_ext.launch.tm_supervisor import TrainMoverSupervisor
 
         if self.config.rendezvous.backend != "etcd":
-            raise LaunchError("--trainmover needs the etcd rendezvous (drop --rdzv-backend tcp)")
+            raise LaunchError("--trainmover needs the etcd rendezvous: drop --rdzv-backend")
         sup = TrainMoverSupervisor(self)
         try:
             sup.start()
@@ -361,7 +356,36 @@ class Agent:
             shutil.rmtree(self.etcd.config.data_dir, ignore_errors=True)
             self.etcd = None
 
+    def record_failure(self, rank: int, code: int, *, pid: int | None, member: str = "", note: str = "") -> None:
+        """Add a process failure to the summary printed when the launch fails."""
+        cfg = self.config
+        local = rank - cfg.node_rank * cfg.nproc_per_node
+        log_dir = cfg.logs.log_dir
+        self.failures.add(
+            Failure(
+                rank=rank,
+                local_rank=local if 0 <= local < cfg.nproc_per_node and cfg.role == "worker" else None,
+                pid=pid,
+                code=code,
+                time=time.time(),
+                host=node_name(),
+                member=member,
+                log_file=os.path.join(log_dir, f"attempt_{self.restarts}", member or str(rank), "stderr.log")
+                if log_dir
+                else None,
+                note=note,
+            )
+        )
+
     def run(self) -> int:
+        """Run the node until its ranks finish; on a non-zero exit (not asked to stop) print the failures."""
+        code = self._run()
+        if code != 0 and self.stop_signal is None:
+            for line in self.failures.render():
+                self.log(line)
+        return code
+
+    def _run(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             plan = self.config.rendezvous
@@ -393,7 +417,8 @@ class Agent:
                 code = failed.returncode
                 t_fail = time.time()
                 self.events.append({"event": "failure", "t": t_fail, "rank": failed.rank, "code": code})
-                self.log(f"rank {failed.rank} (pid {failed.pid}) failed with {_describe(code)}; stopping all ranks")
+                self.record_failure(failed.rank, code, pid=failed.pid)
+                self.log(f"rank {failed.rank} (pid {failed.pid}) failed with {describe_code(code)}; stopping all ranks")
                 self.stop_ranks()
                 if self.restarts >= self.config.max_restarts:
                     if self.config.max_restarts:

@@ -20,7 +20,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "launch",
         help="Start and supervise this node's ranks (like torchrun).",
         description="Start --nproc-per-node ranks of a training script on this node and supervise them. "
-        "Example: trainmover launch --nproc-per-node 8 pretrain_gpt.py --mock-data ...",
+        "Example: trainmover launch --nproc-per-node 8 pretrain_gpt.py --mock-data ... --trainmover. "
+        "The script's own --trainmover/--tm-* flags may also stand before the script, and the job and etcd "
+        "flags below after it: either way they reach the launcher and the ranks (a flag given twice with "
+        "two values is refused).",
+        allow_abbrev=False,  # an abbreviated launch flag would be mistaken for the script
     )
     # torchrun's spellings are accepted too (--nproc_per_node ...), so that a launch script written for
     # torchrun runs with `torchrun` replaced by `trainmover launch`.
@@ -38,7 +42,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="N",
         help="Number of nodes in the job (torchrun's MIN:MAX form is accepted when MIN = MAX).",
     )
-    parser.add_argument("--node-rank", "--node_rank", type=int, default=0, help="This node's index in [0, nnodes).")
+    parser.add_argument(
+        "--node-rank",
+        "--node_rank",
+        type=int,
+        default=None,
+        help="This node's index in [0, nnodes): 0 on the --master-addr node. Required with --nnodes > 1 (a node "
+        "without it would claim rank 0); ignored with --tm-role standby.",
+    )
     parser.add_argument(
         "--tm-role",
         choices=("worker", "standby"),
@@ -125,6 +136,53 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--term-timeout", type=float, default=5.0, help="Seconds between SIGTERM and SIGKILL when stopping ranks."
     )
     parser.add_argument(
+        "--monitor-interval",
+        "--monitor_interval",
+        type=float,
+        default=0.05,
+        metavar="SECONDS",
+        help="How often the agent polls its processes for an exit (default 0.05; torchrun's is 0.1).",
+    )
+    parser.add_argument(
+        "--local-ranks-filter",
+        "--local_ranks_filter",
+        default=None,
+        metavar="LOCAL,...",
+        help="Show only these local ranks' output on the console, e.g. 0 or 0,3 (log files under --log-dir "
+        "still get every rank's).",
+    )
+    parser.add_argument(
+        "--local-addr",
+        "--local_addr",
+        default=None,
+        metavar="HOST",
+        help="torchrun's address of this node: used as --recordings-host when that is not given.",
+    )
+    # torchrun flags with no counterpart here: declared so that --help says why, refused when given.
+    parser.add_argument(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        default=None,
+        metavar="KEY=VALUE,...",
+        help="Refused: torchrun's rendezvous options have no counterpart; etcd is named with "
+        "--tm-etcd-endpoints and the membership timeouts follow the script's --tm-lease-ttl.",
+    )
+    parser.add_argument(
+        "-m",
+        "--module",
+        action="store_true",
+        help="Refused: the script must be a file (its path), since ranks and standbys run it by path; e.g. "
+        "pass pretrain_gpt.py rather than -m pretrain_gpt.",
+    )
+    parser.add_argument(
+        "--no-python",
+        "--no_python",
+        action="store_true",
+        help="Refused: the agent forks its ranks from its own warm Python process (or starts `python "
+        "SCRIPT`), so the script must be a Python file; set the environment in the shell that runs "
+        "`trainmover launch` instead of in a wrapper.",
+    )
+    parser.add_argument(
         "--rdzv-backend",
         "--rdzv_backend",
         choices=["etcd", "tcp", "c10d", "static"],
@@ -173,10 +231,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="Port for --recordings-host (0, the default: a free port, written on this node's record for "
         "the standbys). Give one where a firewall opens only known ports between nodes.",
     )
-    add_connection_flags(parser)
+    add_connection_flags(parser, call_timeout=False)
     parser.add_argument("script", help="Training script, e.g. pretrain_gpt.py.")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="Arguments for the training script.")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, preflight=None)
     return parser
 
 
@@ -226,11 +284,11 @@ def job_token(args: argparse.Namespace) -> str:
 
 def nproc_per_node(value: str) -> int:
     """``--nproc-per-node``: a count, or torchrun's ``gpu``, ``cpu`` and ``auto``."""
-    import torch
-
     text = str(value).strip().lower()
     if text.isdigit():
         return int(text)
+    import torch  # only here: a count needs no device query, and importing torch takes seconds
+
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if text == "gpu":
         if not gpus:
@@ -256,9 +314,40 @@ def nnodes(value: str) -> int:
 
 
 def torchrun_compat(args: argparse.Namespace) -> None:
-    """Fold torchrun's --standalone, --rdzv-endpoint, --rdzv-id and backend names into ours."""
+    """Fold torchrun's --standalone, --rdzv-endpoint, --rdzv-id, --local-addr and backend names into ours;
+    refuse the torchrun flags that have no counterpart, with the reason."""
+    if args.rdzv_conf is not None:
+        raise ConfigError(
+            f"--rdzv-conf {args.rdzv_conf!r}: torchrun's rendezvous options have no counterpart here; name etcd "
+            "with --tm-etcd-endpoints (or let the launcher start one) and set the membership timeout with the "
+            "script's --tm-lease-ttl. Drop --rdzv-conf."
+        )
+    if args.module:
+        raise ConfigError(
+            f"-m/--module: give the script's path instead of a module name (ranks and standbys run it by path), "
+            f"e.g. `trainmover launch ... {args.script}.py` or the path `python -c 'import {args.script} as m; "
+            "print(m.__file__)'` prints"
+        )
+    if args.no_python:
+        raise ConfigError(
+            "--no-python: the agent forks its ranks from its own warm Python process (or starts `python SCRIPT`), "
+            "so the script must be a Python file; do the environment set-up in the shell that runs "
+            "`trainmover launch` and pass the Python script"
+        )
+    if args.monitor_interval <= 0:
+        raise ConfigError(f"--monitor-interval {args.monitor_interval}: give a positive number of seconds")
     args.nproc_per_node = nproc_per_node(args.nproc_per_node)
     args.nnodes = nnodes(args.nnodes)
+    if args.node_rank is None:
+        if args.nnodes > 1 and args.tm_role == "worker":
+            raise ConfigError(
+                f"--nnodes {args.nnodes} needs --node-rank on every node (0 on the --master-addr node, then "
+                f"1..{args.nnodes - 1}); without it every node would claim rank 0. Under Slurm, "
+                "scripts/slurm/trainmover.sbatch passes $SLURM_NODEID"
+            )
+        args.node_rank = 0
+    if args.local_addr and not args.recordings_host:
+        args.recordings_host = args.local_addr
     if args.rdzv_backend in ("c10d", "static"):
         args.rdzv_backend = "tcp"
     if args.standalone:
@@ -278,10 +367,51 @@ def torchrun_compat(args: argparse.Namespace) -> None:
         args.tm_job = args.rdzv_id
 
 
-def run(args: argparse.Namespace) -> int:
+def _cuda_visible() -> bool:
+    """Whether this node has a CUDA device (torch is imported only when asked)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def parse_ranks_filter(text: str | None) -> frozenset[int] | None:
+    """``--local-ranks-filter 0,3`` -> {0, 3}; None shows every rank."""
+    if text is None:
+        return None
+    try:
+        ranks = frozenset(int(part) for part in str(text).split(",") if part.strip())
+    except ValueError as exc:
+        raise ConfigError(
+            f"--local-ranks-filter {text!r}: give local ranks separated by commas, e.g. 0 or 0,3"
+        ) from exc
+    if not ranks or min(ranks) < 0:
+        raise ConfigError(f"--local-ranks-filter {text!r}: give local ranks (>= 0) separated by commas, e.g. 0,3")
+    return ranks
+
+
+def build(args: argparse.Namespace) -> tuple[LaunchConfig, MetricsEndpoint]:
+    """The agent's configuration from the parsed flags; raises :class:`ConfigError` before anything starts
+    (no etcd, no process): torchrun's spellings, the script's layout (``args.preflight``, which ``trainmover``
+    sets for a TrainMover script) and every combination of flags."""
+    given_backend = args.rdzv_backend
     torchrun_compat(args)
     tm = peek_trainmover_flags(list(args.script_args))
-    endpoints = [e for e in (args.tm_etcd_endpoints or "").split(",") if e.strip()]
+    if tm["trainmover"] and args.rdzv_backend != "etcd":
+        raise ConfigError(
+            f"--trainmover needs the etcd rendezvous (no rank may host a store the job depends on): drop "
+            f"--rdzv-backend {given_backend}"
+        )
+    if tm["tm_standbys"] > 0 and args.nnodes > 1 and _cuda_visible():
+        raise ConfigError(
+            f"--tm-standbys {tm['tm_standbys']} on a GPU job of {args.nnodes} nodes: a standby beside a node's ranks "
+            "has no GPU of its own (it warms on device 0, which a rank uses) and may be promoted into a rank of "
+            "another node, whose GPU index is busy here. Keep standby machines instead: --tm-standbys 0 on the "
+            "active nodes, and `trainmover launch --tm-role standby` on spare nodes (one standby per GPU, each "
+            "on the device of its slot; scripts/slurm/trainmover.sbatch --standby-nodes N)"
+        )
+    endpoints = [e.strip() for e in (args.tm_etcd_endpoints or "").split(",") if e.strip()]
     plan = RendezvousPlan(
         backend=args.rdzv_backend,
         endpoints=endpoints,
@@ -322,10 +452,12 @@ def run(args: argparse.Namespace) -> int:
         start_method=args.start_method,
         restart_start_method=args.restart_start_method,
         term_timeout_s=args.term_timeout,
+        monitor_interval_s=args.monitor_interval,
         logs=LogConfig(
             log_dir=args.log_dir,
             redirects=parse_std_spec(args.redirects, "--redirects"),
             tee=parse_std_spec(args.tee, "--tee"),
+            console_ranks=parse_ranks_filter(args.local_ranks_filter),
         ),
     )
     metrics = MetricsEndpoint(
@@ -334,4 +466,11 @@ def run(args: argparse.Namespace) -> int:
         metrics_file=tm["tm_metrics_file"],
         tokens_per_iteration=tm["seq_length"] * tm["global_batch_size"],
     )
+    if args.preflight is not None:  # last: the launcher's own flags are reported first
+        args.preflight(config.script, list(config.script_args), config.world_size)
+    return config, metrics
+
+
+def run(args: argparse.Namespace) -> int:
+    config, metrics = build(args)
     return Agent(config, write_token_file=not args.tm_job_token, metrics=metrics).run()

@@ -10,6 +10,8 @@ from trainmover_ext.launch.heartbeat import DEFAULT_HANG_TIMEOUT_S
 from trainmover_ext.launch.logs import LogConfig
 from trainmover_ext.launch.rendezvous import RendezvousPlan
 
+_TLS_FLAG = {"ca_cert": "ca", "client_cert": "cert", "client_key": "key", "user": "user", "password": "password"}
+
 
 @dataclass(kw_only=True)
 class LaunchConfig:
@@ -114,6 +116,13 @@ class LaunchConfig:
             raise ConfigError(
                 "--tm-etcd-tls secures the embedded etcd; an external etcd brings its own certificates: "
                 "pass --tm-etcd-ca/--tm-etcd-cert/--tm-etcd-key instead"
+            )
+        external = [name for name, value in self.rendezvous.tls.items() if value]
+        if external and not self.rendezvous.endpoints:
+            flags = ", ".join(f"--tm-etcd-{_TLS_FLAG[name]}" for name in external)
+            raise ConfigError(
+                f"{flags} log in to an external etcd: give its --tm-etcd-endpoints too (the embedded etcd the "
+                "launcher starts makes its own credentials; --tm-etcd-tls serves it over TLS)"
             )
         if self.rendezvous.backend == "etcd" and not self.rendezvous.endpoints and self.nnodes > 1:
             raise ConfigError(

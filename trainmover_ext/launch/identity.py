@@ -65,8 +65,8 @@ def identity_from_env() -> Identity:
     """Read the ids the launcher set; :class:`ConfigError` outside ``trainmover launch``."""
     if os.environ.get(rendezvous.ENV_BACKEND) != "etcd" or not os.environ.get(rendezvous.ENV_ENDPOINTS):
         raise ConfigError(
-            "--trainmover needs etcd: run under `trainmover launch` (which starts an embedded etcd) "
-            "or give it --tm-etcd-endpoints"
+            "--trainmover needs its launcher: run the script under `trainmover launch`, which starts an "
+            "embedded etcd or connects to the --tm-etcd-endpoints you give it (before or after the script)"
         )
     return Identity(
         member_id=os.environ.get(ENV_MEMBER_ID) or f"{socket.gethostname()}-{os.getpid()}",

@@ -6,7 +6,8 @@ Contract (the agent, main thread):
   ``stderr.log``, ``<name>`` being the global rank (a worker) or the member id (a standby), and
   ``<n>`` the restart count. ``--redirects`` says which streams go to the files only (0 none,
   1 stdout, 2 stderr, 3 both; ``0:3,1:2`` per local rank, the others 0); ``--tee`` which go to the
-  files and to the console. A stream named in both is teed.
+  files and to the console. A stream named in both is teed. ``--local-ranks-filter`` keeps the other
+  local ranks off the console: their streams go to their files only, or nowhere without ``--log-dir``.
 - A teed stream goes through a pipe that a daemon thread of the agent copies to the file and to
   the console until the process closes it; a redirected one is the file itself.
 """
@@ -56,6 +57,9 @@ class LogConfig:
     """``--redirects`` by local rank (-1: every rank)."""
     tee: dict[int, int] = field(default_factory=dict)
     """``--tee`` by local rank (-1: every rank)."""
+    console_ranks: frozenset[int] | None = None
+    """``--local-ranks-filter``: the local ranks whose output reaches the console (None: all). The others
+    write to their files only (with ``--log-dir``) or nowhere."""
 
     def __post_init__(self):
         if (self.redirects or self.tee) and not self.log_dir:
@@ -70,13 +74,22 @@ class LogConfig:
             tee = BOTH
         return redirect & ~tee, tee
 
+    def shown(self, local_rank: int) -> bool:
+        """Whether ``local_rank``'s output reaches the console (``--local-ranks-filter``)."""
+        return self.console_ranks is None or local_rank in self.console_ranks
+
     def open(self, name: str, local_rank: int, attempt: int) -> ProcessOutput:
         """The output of one process about to start (files created now)."""
         if not self.log_dir:
-            return ProcessOutput()
+            if self.shown(local_rank):
+                return ProcessOutput()
+            null = {s: os.open(os.devnull, os.O_WRONLY) for s in ("stdout", "stderr")}
+            return ProcessOutput(child_fds=null)
         directory = os.path.join(self.log_dir, f"attempt_{attempt}", name)
         os.makedirs(directory, exist_ok=True)
         redirect, tee = self.modes(local_rank)
+        if not self.shown(local_rank):  # to the files only
+            redirect, tee = BOTH, NONE
         out = ProcessOutput(directory=directory)
         for bit, stream, console in ((OUT, "stdout", sys.stdout), (ERR, "stderr", sys.stderr)):
             path = os.path.join(directory, f"{stream}.log")

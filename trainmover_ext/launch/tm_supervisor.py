@@ -444,6 +444,15 @@ class TrainMoverSupervisor:
         if time.time() < self.report_retry.get(rank, 0.0):
             return
         what = f"hang ({hung})" if hung else f"exit (code {code})"
+        if rank not in self.report_retry:  # once per failure, not per retry
+            proc = self.serving.get(rank, (None, ""))[0] or self.leaving.get(rank, (None, ""))[0]
+            self.agent.record_failure(
+                rank,
+                code,
+                pid=proc.pid if proc is not None else None,
+                member=member,
+                note=f"hung: {hung}" if hung else "",
+            )
         try:
             if hung:
                 report_hang(self.space, rank=rank, member_id=member, reporter=self.agent_id, why=hung, epoch=self.epoch)
