@@ -8,12 +8,12 @@
 #   DIR/etcd-data, log in DIR/etcd.log. Returns 0 once /health answers true
 #   (within TM_ETCD_START_TIMEOUT seconds, default 30), else stops it and
 #   returns 1. Sets EMBEDDED_ETCD_PID and EMBEDDED_ETCD_ENDPOINT (ADDR:PORT).
-#   With NAME and INITIAL_CLUSTER (name=http://addr:peerport,...) it is that
+#   With NAME and INITIAL_CLUSTER (name=http[s]://addr:peerport,...) it is that
 #   member of a cluster: a member reports healthy only once a majority runs, so
 #   start the others (etcd_member.sh) before this returns.
 #   With ETCD_TLS_DIR set (ca.pem, server.pem/.key, member.pem/.key from
 #   `python -m trainmover_ext.etcd.pki`), it serves https and requires client
-#   certificates signed by that CA.
+#   certificates signed by that CA, from clients and from the other members (peer URLs are https).
 # launch_etcd_member ADDR CLIENT_PORT DIR NAME INITIAL_CLUSTER
 #   The same without waiting for health; sets EMBEDDED_ETCD_PID and EMBEDDED_ETCD_URL.
 # stop_embedded_etcd
@@ -34,10 +34,14 @@ launch_etcd_member() {
   local scheme=http tls_args=()
   if [[ -n "${ETCD_TLS_DIR:-}" ]]; then
     scheme=https
+    # Peers too: a member accepts only another member with a certificate of the job CA (the server
+    # certificate is for server and client use, and names every member's address).
     tls_args=(--cert-file "$ETCD_TLS_DIR/server.pem" --key-file "$ETCD_TLS_DIR/server.key"
-              --trusted-ca-file "$ETCD_TLS_DIR/ca.pem" --client-cert-auth)
+              --trusted-ca-file "$ETCD_TLS_DIR/ca.pem" --client-cert-auth
+              --peer-cert-file "$ETCD_TLS_DIR/server.pem" --peer-key-file "$ETCD_TLS_DIR/server.key"
+              --peer-trusted-ca-file "$ETCD_TLS_DIR/ca.pem" --peer-client-cert-auth)
   fi
-  local client="$scheme://$addr:$port" peer="http://$addr:$((port + 1))"
+  local client="$scheme://$addr:$port" peer="$scheme://$addr:$((port + 1))"
   [[ -n "$initial" ]] || initial="$name=$peer"
   mkdir -p "$dir"
   # A login lasts a day (clients log in again after a restart); bcrypt is cheap for random passwords.

@@ -23,6 +23,9 @@ shift 6
 : "${SLURM_NNODES:?node_agent.sh must run inside srun (SLURM_NNODES is not set)}"
 NODE=${SLURMD_NODENAME:-$(hostname)}
 export TRAINMOVER_NODE_NAME=$NODE
+# What the agent may run on: trainmover.sbatch gives it every CPU of the node (--cpus-per-task).
+echo "[node_agent] node $NODE: cpus-per-task ${SLURM_CPUS_PER_TASK:-unset} of ${SLURM_CPUS_ON_NODE:-?}" \
+     "on the node, $(nproc) usable"
 
 if [[ ${TM_NODE_ROLE:-worker} == standby ]]; then
   : "${TM_ACTIVE_NODES:?a standby node needs TM_ACTIVE_NODES, the number of active nodes}"

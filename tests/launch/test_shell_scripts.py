@@ -49,7 +49,7 @@ def test_sbatch_help_and_refusals():
     unknown = _bash(sbatch, "--bogus")
     assert unknown.returncode == 2 and "options go before '--'" in unknown.stderr
     bad = _bash(sbatch, "--master-port", "http", env={"SLURM_JOB_ID": "7", "SLURM_NNODES": "1"})
-    assert bad.returncode == 2 and "MASTER_PORT must be a non-negative integer" in bad.stderr
+    assert bad.returncode == 2 and "--master-port must be a non-negative integer" in bad.stderr
 
 
 def test_drain_node_dry_run_and_refusals():

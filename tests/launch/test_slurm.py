@@ -119,6 +119,9 @@ def test_sbatch_trains_on_two_nodes(slurm, tmp_path, tls):
     for node_id, path in enumerate(node_logs):
         text = _read(path)
         assert f"node n{node_id + 1} (id {node_id} of 2)" in text and "all ranks finished" in text, report
+        # The agent's task holds every CPU of its node, not one (ConstrainCores would bind it to them).
+        assert "cpus-per-task 8 of 8 on the node" in text, report
+    assert "each node's agent: srun --cpus-per-task=8 --cpu-bind=none" in batch, report
     iters = sorted({rec["iteration"] for rec in read_metrics(str(metrics))})
     assert iters == list(range(1, ITERS + 1)), f"iterations logged: {iters}\n{report}"
     # The embedded etcd was stopped with the job, and the token file is private.
