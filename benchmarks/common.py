@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from harness.jobs import launch_cmd  # noqa: E402
+from harness.jobs import PRETRAIN, launch_cmd  # noqa: E402
 
 
 def read_events(path: str) -> list[dict]:
@@ -68,9 +68,19 @@ class LastIteration:
         return self.value
 
 
-def start_launcher(nproc: int, script_args: list[str], launch_flags: list[str], log_prefix: str) -> subprocess.Popen:
-    cmd = launch_cmd(nproc, script_args, *launch_flags)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def start_launcher(
+    nproc: int,
+    script_args: list[str],
+    launch_flags: list[str],
+    log_prefix: str,
+    *,
+    script: str = PRETRAIN,
+    env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """``trainmover launch`` of ``script`` in the background, its output in ``log_prefix.{out,err}``;
+    ``env``: more environment for it (and every process it starts)."""
+    cmd = launch_cmd(nproc, script_args, *launch_flags, script=script)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.Popen(
         cmd, stdout=open(log_prefix + ".out", "w"), stderr=open(log_prefix + ".err", "w"), cwd=ROOT, env=env
     )
@@ -101,6 +111,21 @@ def print_table(title: str, rows: list[tuple], headers: tuple) -> None:
     print("  ".join("-" * w for w in widths))
     for row in rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=False)))
+
+
+def measured_at() -> dict:
+    """When and on what code a figure was measured: UTC date, the commit, and whether tracked files
+    differed from it (another engineer's uncommitted work in the same tree counts)."""
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        return out.stdout.strip() if out.returncode == 0 else ""
+
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": git("rev-parse", "--short=12", "HEAD") or None,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -70,6 +70,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -77,6 +78,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ROOT, print_table, read_events, wait_until, write_json  # noqa: E402
 
 from harness.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
+from harness.recorder import RECORDS_ENV  # noqa: E402
 from trainmover_ext.netutil import free_port  # noqa: E402
 
 PACKAGE = "nvidia-resiliency-ext"
@@ -181,10 +183,60 @@ def _kill_token(token: str) -> list[int]:
     return killed
 
 
-def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
-    """Start ``ranks + spares`` workers, SIGKILL ``victim`` after ``at_iteration`` (if set), wait for
-    the job to finish (at most ``run_timeout_s``), and return its records. Raises RuntimeError, with the
-    log paths, when the job does not complete; every process of the run is SIGKILLed on the way out."""
+class NvrxTarget:
+    """An nvrx job as ``faults.inject`` sees it: which process serves each rank comes from the workers'
+    ``fn_start`` stamps (nvrx reassigns ranks at each restart), progress from the metrics file."""
+
+    def __init__(self, procs: list[subprocess.Popen], events_path: str, metrics_path: str):
+        from common import LastIteration, Tail
+
+        self.procs = procs
+        self._tail = Tail(events_path)
+        self._last = LastIteration(metrics_path)
+        self.by_iteration: dict[int, dict[int, int]] = {}
+        """nvrx iteration -> {active rank: pid} of the ranks that started training in it."""
+
+    def _read(self) -> None:
+        for line in self._tail.lines():
+            rec = json.loads(line)
+            if rec.get("event") == "fn_start":
+                self.by_iteration.setdefault(rec["nvrx_iteration"], {})[rec["rank"]] = rec["pid"]
+
+    def last_iteration(self) -> int:
+        return self._last()
+
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def pid_of(self, rank: int) -> int | None:
+        self._read()
+        for it in sorted(self.by_iteration, reverse=True):
+            if rank in self.by_iteration[it]:
+                return self.by_iteration[it][rank]
+        return self.procs[rank].pid if rank < len(self.procs) else None
+
+    def recoveries(self) -> int:
+        self._read()
+        return max(self.by_iteration, default=0)
+
+    def replacement_pid(self, rank: int, after: int) -> int | None:
+        self._read()
+        return next((self.by_iteration[it].get(rank) for it in sorted(self.by_iteration) if it > after), None)
+
+
+def run_job(
+    cfg: NvrxRunConfig,
+    workdir: str,
+    name: str,
+    *,
+    inject: Callable[[NvrxTarget], list[dict]] | None = None,
+    records_dir: str | None = None,
+) -> dict:
+    """Start ``ranks + spares`` workers, SIGKILL ``victim`` after ``at_iteration`` (if set) or let
+    ``inject`` carry out a fault schedule (``faults.inject``; what it did is ``injected``), wait for the
+    job to finish (at most ``run_timeout_s``), and return its records. ``records_dir``: where every
+    process writes its ``harness.recorder`` records. Raises RuntimeError, with the log paths, when the
+    job does not complete; every process of the run is SIGKILLed on the way out."""
     world = cfg.ranks + cfg.spares
     metrics = os.path.join(workdir, f"{name}.jsonl")
     events = os.path.join(workdir, f"{name}.events.jsonl")
@@ -214,9 +266,12 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
         PYTHONUNBUFFERED="1",
         **{TOKEN_ENV: token},
     )
+    if records_dir is not None:
+        env[RECORDS_ENV] = records_dir
     train_iters = int(cfg.job_args[cfg.job_args.index("--train-iters") + 1])
     procs: list[subprocess.Popen] = []
-    t_kill, terminated = None, []
+    t_kill, terminated, injected = None, [], []
+    victims: set[int] = set()
     # Both stores are hosted here, not by rank 0: nvrx's hard timeout may terminate rank 0 too (see the
     # module doc), and a store dying with its host takes every rank down. nvrx's TCPStore falls back to
     # a client when the port is taken.
@@ -248,7 +303,12 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
                 )
             )
         deadline = time.time() + cfg.run_timeout_s
-        if cfg.victim is not None:
+        if inject is not None:
+            injected = inject(NvrxTarget(procs, events, metrics))
+            pids = {p.pid: r for r, p in enumerate(procs)}
+            victims = {pids[i["pid"]] for i in injected if i["pid"] in pids}
+            victims |= {pids[i["cascade"]["pid"]] for i in injected if i["cascade"] and i["cascade"]["pid"] in pids}
+        elif cfg.victim is not None:
 
             def reached():
                 if any(p.poll() not in (None, 0) for p in procs):
@@ -262,8 +322,9 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
             os.kill(procs[cfg.victim].pid, signal.SIGKILL)
         codes = [proc.wait(max(1.0, deadline - time.time())) for proc in procs]
         # nvrx's hard timeout terminates a rank it sees stuck (SIGTERM, then SIGKILL): a recovery, not a failure.
-        terminated = [r for r, rc in enumerate(codes) if r != cfg.victim and rc in (-signal.SIGTERM, -signal.SIGKILL)]
-        failed = [r for r, rc in enumerate(codes) if r != cfg.victim and rc != 0 and r not in terminated]
+        victims.add(cfg.victim if inject is None else -1)
+        terminated = [r for r, rc in enumerate(codes) if r not in victims and rc in (-signal.SIGTERM, -signal.SIGKILL)]
+        failed = [r for r, rc in enumerate(codes) if r not in victims and rc != 0 and r not in terminated]
         done = [e for e in read_events(metrics) if e.get("event") == "iteration" and e["iteration"] >= train_iters]
         if failed or not done:
             raise RuntimeError(
@@ -284,6 +345,7 @@ def run_job(cfg: NvrxRunConfig, workdir: str, name: str) -> dict:
         del servers
     return {
         "t_kill": t_kill,
+        "injected": injected,
         "terminated_by_nvrx": terminated,
         "metrics_path": metrics,
         "metrics": read_events(metrics),

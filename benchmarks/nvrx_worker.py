@@ -4,7 +4,9 @@
 JSON the parent wrote (timings, ports, where to stamp events).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: nvrx finds the parameter of ``train`` that receives its
+# CallWrapper by comparing real annotation objects; string annotations make it raise (TypeError in
+# ``param_utils.check_type``), and every rank then exits before training.
 
 import datetime
 import faulthandler
@@ -31,6 +33,9 @@ def run_worker(spec_path: str) -> int:
     faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     with open(spec_path) as f:
         spec = json.load(f)
+    from harness import recorder
+
+    recorder.install_from_env()  # every rank's records, when the benchmark asks (TM_BENCH_RECORDS)
     t = spec["timings"]
     td = lambda s: datetime.timedelta(seconds=s)  # noqa: E731
     world = int(os.environ["WORLD_SIZE"])

@@ -12,6 +12,8 @@ import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(REPO_ROOT, "pretrain_gpt.py")
+RECORDED_PRETRAIN = os.path.join(REPO_ROOT, "benchmarks", "harness", "recorded_pretrain.py")
+"""``pretrain_gpt.py`` with the benchmarks' per-process records (``harness.recorder``)."""
 DEFAULT_CORPUS_PREFIX = os.path.join(REPO_ROOT, "data", "corpus")
 
 
@@ -99,8 +101,8 @@ def ensure_corpus(prefix: str = DEFAULT_CORPUS_PREFIX) -> str:
     return prefix
 
 
-def launch_cmd(nproc: int, script_args: list[str], *launch_flags: str) -> list[str]:
-    """``trainmover launch`` of ``pretrain_gpt.py`` with ``nproc`` ranks on this machine."""
+def launch_cmd(nproc: int, script_args: list[str], *launch_flags: str, script: str = PRETRAIN) -> list[str]:
+    """``trainmover launch`` of ``script`` (``pretrain_gpt.py``) with ``nproc`` ranks on this machine."""
     return [
         sys.executable,
         "-m",
@@ -109,6 +111,6 @@ def launch_cmd(nproc: int, script_args: list[str], *launch_flags: str) -> list[s
         "--nproc-per-node",
         str(nproc),
         *launch_flags,
-        PRETRAIN,
+        script,
         *script_args,
     ]
