@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import Counter as Tally
 from collections.abc import Callable
 
@@ -46,6 +47,20 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 
 _PHASE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITERATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 FINISHED_STATUSES = ("done", "aborted")
+
+
+class _ScrapeCounter:
+    """A collector that exports nothing and counts the reads of its registry (one per scrape)."""
+
+    def __init__(self, owner: ControlMetrics) -> None:
+        self.owner = owner
+
+    def describe(self) -> list:
+        return []  # registering must not count as a scrape
+
+    def collect(self) -> list:
+        self.owner.scrapes += 1
+        return []
 
 
 class ControlMetrics:
@@ -63,7 +78,12 @@ class ControlMetrics:
         )
         self.build_info.labels(job, *_versions()).set(1)
         self.members = Gauge("trainmover_members", "Live members by kind", labels + ["kind"], registry=self.registry)
-        self.epoch = Gauge("trainmover_epoch", "Current membership epoch", labels, registry=self.registry)
+        self.epoch = Gauge(
+            "trainmover_membership_epoch",
+            "Current membership epoch (bumped by every committed migration)",
+            labels,
+            registry=self.registry,
+        )
         self.is_leader = Gauge(
             "trainmover_controller_leader",
             "1 while this controller holds the leader key",
@@ -80,9 +100,17 @@ class ControlMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.alerts = Counter("trainmover_alerts", "Orphaned ranks with no standby", labels, registry=self.registry)
+        self.alerts = Counter(
+            "trainmover_unserved_ranks",
+            "Failed ranks that no warm standby could take (the job cannot go on without one)",
+            labels,
+            registry=self.registry,
+        )
         self.job = job
         self._server = None
+        self.scrapes = 0
+        """How many times /metrics was read (see :meth:`linger`)."""
+        self.registry.register(_ScrapeCounter(self))
         # Exported as 0 before the first occurrence, so that rate() and alert rules see the series.
         self.alerts.labels(job)
         for path in ("report", "lease"):
@@ -117,6 +145,19 @@ class ControlMetrics:
         self._server = server
         return server.server_address[1]
 
+    def linger(self, timeout_s: float) -> bool:
+        """Keep serving until /metrics is read once more, at most ``timeout_s``; returns whether it was.
+
+        A job's agent calls this at a clean finish, with ``trainmover_job_finished`` set, so that Prometheus
+        sees the finish before the series vanish (``TrainMoverJobDown`` stays quiet). Nothing waits when
+        nobody ever scraped this endpoint."""
+        if not self.serving or self.scrapes == 0 or timeout_s <= 0:
+            return False
+        seen, deadline = self.scrapes, time.monotonic() + timeout_s
+        while self.scrapes == seen and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.scrapes != seen
+
     @property
     def serving(self) -> bool:
         """True between :meth:`serve` and :meth:`close`."""
@@ -143,7 +184,10 @@ class AgentMetrics(ControlMetrics):
             registry=reg,
         )
         self.iteration_time = Gauge(
-            "trainmover_iteration_time_seconds", "Wall time of the last completed iteration", labels, registry=reg
+            "trainmover_last_iteration_seconds",
+            "Wall time of the last completed iteration (every iteration: trainmover_iteration_duration_seconds)",
+            labels,
+            registry=reg,
         )
         self.iteration_hist = Histogram(
             "trainmover_iteration_duration_seconds",
@@ -203,6 +247,19 @@ class AgentMetrics(ControlMetrics):
             "(end of the first iteration after resume) of a finished migration",
             labels + ["kind"],
             buckets=_PHASE_BUCKETS,
+            registry=reg,
+        )
+        self.migration_age = Gauge(
+            "trainmover_migration_in_progress_seconds",
+            "Age of the oldest committed migration that has not finished (0: none); a migration that never "
+            "finishes keeps growing it",
+            labels,
+            registry=reg,
+        )
+        self.job_finished = Gauge(
+            "trainmover_job_finished",
+            "1 once every rank of the job finished training (the job's series may then vanish: no alert)",
+            labels,
             registry=reg,
         )
         self.zero_migrations()
@@ -351,7 +408,16 @@ class MetricsFeed:
         if space is None:  # detached meanwhile (the agent stops)
             return
         if not self.is_leader():
-            for series in (m.members, m.epoch, m.standbys_ready, m.migrations, m.migration_phase, m.migration_downtime):
+            for series in (
+                m.members,
+                m.epoch,
+                m.standbys_ready,
+                m.migrations,
+                m.migration_phase,
+                m.migration_downtime,
+                m.migration_age,
+                m.job_finished,
+            ):
                 series.clear()
             self._seen_epochs.clear()  # counted again, from zero, if this agent leads later
             self._finished_epochs.clear()
@@ -367,11 +433,16 @@ class MetricsFeed:
                 if mem.kind == "standby" and mem.warm_roles and mem.health == "ok" and mem.member_id not in serving
             )
         )
+        m.job_finished.labels(job).set(1 if view.ranks and set(view.ranks) <= view.finished else 0)
+        oldest: float | None = None
         for entry in space.kv.get_prefix(space.key("migrations/")).entries:
             try:
                 plan = MigrationPlan.from_bytes(entry.value, key=entry.key)
             except MalformedValue:
                 continue
+            if plan.status not in FINISHED_STATUSES and plan.steps and plan.epoch == view.epoch:
+                started = min(plan.steps.values())  # an older unfinished plan was superseded by a newer one
+                oldest = started if oldest is None else min(oldest, started)
             if plan.epoch not in self._seen_epochs:
                 self._seen_epochs.add(plan.epoch)
                 m.migrations.labels(job, plan.reason).inc()
@@ -383,3 +454,4 @@ class MetricsFeed:
                     m.migration_downtime.labels(job, plan.reason).observe(
                         max(plan.steps.values()) - min(plan.steps.values())
                     )
+        m.migration_age.labels(job).set(0.0 if oldest is None else max(0.0, time.time() - oldest))

@@ -194,7 +194,7 @@ def test_metrics_are_served(etcd, kv):
         metrics.detection_latency.labels("m").observe(0.01)
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         assert 'trainmover_members{kind="worker",tm_job="m"} 3.0' in body
-        assert 'trainmover_epoch{tm_job="m"} 7.0' in body
+        assert 'trainmover_membership_epoch{tm_job="m"} 7.0' in body
         assert 'trainmover_detections_total{path="report",tm_job="m"} 1.0' in body
         assert "trainmover_detection_latency_seconds_bucket" in body
     finally:

@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from support.scraped_job import FAULT_ITER
 from trainmover_ext.control.records import MemberRecord, MigrationPlan, RankRecord, migration_key_suffix
+from trainmover_ext.control.view import epoch_value
 from trainmover_ext.kv.job import JobSpace
 from trainmover_ext.kv.memory import MemoryKV
 from trainmover_ext.metrics import AgentMetrics, MetricsFeed, migration_phases
@@ -60,7 +61,7 @@ def test_feed_tails_iterations_and_counts_a_rerun_once(tmp_path):
     feed.poll()
     out = m.render().decode()
     assert value(out, "trainmover_iterations_total") == 4, "iteration 3 re-ran after an abandon: counted once"
-    assert value(out, "trainmover_iteration_time_seconds") == 0.5
+    assert value(out, "trainmover_last_iteration_seconds") == 0.5
     assert value(out, "trainmover_tokens_per_second") == 2000
     assert value(out, "trainmover_iteration_duration_seconds_count") == 5
 
@@ -186,10 +187,50 @@ def test_scrape_during_a_failover(failover_run):
     last = scrapes[-1]
     # 5 for up to one lease TTL: the promoted standby registers as a worker before the dead one's lease expires
     assert max(value(s, "trainmover_members", kind="worker") for s in scrapes) >= 4
-    assert value(last, "trainmover_epoch") == 1
-    assert value(last, "trainmover_tokens_per_second") > 0 and value(last, "trainmover_iteration_time_seconds") > 0
+    assert value(last, "trainmover_membership_epoch") == 1
+    assert value(last, "trainmover_tokens_per_second") > 0 and value(last, "trainmover_last_iteration_seconds") > 0
     assert value(last, "trainmover_detection_latency_seconds_count") == 1
     assert value(last, "trainmover_migration_phase_seconds_count", kind="failure", phase="first_iteration") == 1
     assert max(value(s, "trainmover_standbys_ready") for s in scrapes) >= 1
     assert value(last, "trainmover_tokens_total") > 0 and value(last, "trainmover_loss") > 0
     assert value(last, "trainmover_last_progress_timestamp_seconds") > 0
+    # the migration finished, and the job's end was scraped before its series vanished (--metrics-linger)
+    assert value(last, "trainmover_migration_in_progress_seconds") == 0
+    assert value(last, "trainmover_job_finished") == 1 and value(scrapes[0], "trainmover_job_finished") == 0
+
+
+def test_an_unfinished_migration_ages_and_a_finished_one_does_not():
+    """``trainmover_migration_in_progress_seconds``: the age of the newest epoch's plan while it is not done."""
+    import time
+
+    space = JobSpace.create(MemoryKV(), "j", "tok")
+    space.put(space.key("epoch"), epoch_value(1))
+    plan = MigrationPlan(epoch=1, reason="failure", replacements=[], resume_iteration=5)
+    plan.steps = {"detected": time.time() - 400}
+    space.put(space.key("migrations", migration_key_suffix(1)), plan.to_bytes())
+    m = AgentMetrics(job="j")
+    feed = MetricsFeed(m, metrics_file=None)
+    feed.attach(space)
+    feed.poll()
+    assert value(m.render().decode(), "trainmover_migration_in_progress_seconds") >= 400
+    plan.status = "done"  # companion: finished, it no longer counts
+    space.put(space.key("migrations", migration_key_suffix(1)), plan.to_bytes())
+    feed.poll()
+    assert value(m.render().decode(), "trainmover_migration_in_progress_seconds") == 0
+
+
+def test_linger_waits_for_one_more_scrape_only_when_scraped():
+    import threading
+    import urllib.request
+
+    m = AgentMetrics(job="j")
+    port = m.serve(0)
+    try:
+        assert m.linger(5) is False  # nobody ever scraped: no wait
+        url = f"http://127.0.0.1:{port}/metrics"
+        urllib.request.urlopen(url, timeout=5).read()
+        threading.Timer(0.3, lambda: urllib.request.urlopen(url, timeout=5).read()).start()
+        assert m.linger(5) is True
+        assert m.linger(0.2) is False  # no scrape comes: it gives up at the limit
+    finally:
+        m.close()

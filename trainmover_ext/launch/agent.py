@@ -43,10 +43,15 @@ class MetricsEndpoint:
     """The workers' ``--tm-metrics-file`` the agent tails for iteration metrics (set by :meth:`Agent.run`)."""
     tokens_per_iteration: int = 0
     """Global batch size x sequence length, for tokens/s (0: not exported)."""
+    linger_s: float = 30.0
+    """``--metrics-linger``: after a clean finish, serve until the next scrape, at most this long (only when
+    something scraped the endpoint), so that Prometheus sees ``trainmover_job_finished 1``."""
 
     def __post_init__(self) -> None:
         if not -1 <= self.port <= 65535:
             raise ConfigError("--metrics-port must be a TCP port, 0 for a free one, or -1 for none")
+        if self.linger_s < 0:
+            raise ConfigError(f"--metrics-linger {self.linger_s}: give seconds >= 0 (0: exit at once)")
 
 
 class Agent:
@@ -65,6 +70,8 @@ class Agent:
         self.stop_signal: int | None = None
         self.log = log or (lambda msg: print(f"[trainmover launch] {msg}", file=sys.stderr, flush=True))
         self.events: list[dict] = []
+        self.finished_ok = False
+        """Every rank of this node finished (set just before :meth:`run` returns 0)."""
         self.failures = FailureLog(config.script)
         """Every process failure seen, printed as a summary when the launch fails (``launch.summary``)."""
         self.etcd = None
@@ -322,7 +329,12 @@ class Agent:
         if self.metrics is not None:
             self.metrics.restarts.labels(self.metrics.job).inc()
 
-    def _stop_metrics(self) -> None:
+    def _stop_metrics(self, finished: bool = False) -> None:
+        """Stop serving; after a clean finish (``finished``) first say so and wait for one more scrape."""
+        if finished and self.metrics is not None and self.metrics.serving:
+            self.metrics.job_finished.labels(self.metrics.job).set(1)
+            if self.metrics.linger(self.endpoint.linger_s):
+                self.log("metrics: Prometheus read that the job finished")
         if self.metrics_feed is not None:
             self.metrics_feed.close()
             self.metrics_feed = None
@@ -401,6 +413,7 @@ class Agent:
                 self._prepare_recordings()
                 code = self._run_trainmover()
                 if code is not None:
+                    self.finished_ok = code == 0
                     return code
             else:
                 self.start_ranks(self.config.start_method)
@@ -409,6 +422,7 @@ class Agent:
                 failed, ok = self._wait()
                 if ok:
                     self.log("all ranks finished")
+                    self.finished_ok = True
                     return 0
                 if failed is None:  # asked to stop
                     self.log(f"received {signal.Signals(self.stop_signal).name}; stopping ranks")
@@ -434,7 +448,7 @@ class Agent:
         finally:
             if any(p.poll() is None for p in self.procs):
                 self.stop_ranks()
-            self._stop_metrics()
+            self._stop_metrics(finished=self.finished_ok)
             self._stop_embedded_etcd()
             for sig, handler in old.items():
                 signal.signal(sig, handler)

@@ -213,6 +213,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "histograms, detection latency.",
     )
     parser.add_argument(
+        "--metrics-linger",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="After every rank finished, keep /metrics up until it is scraped once more, at most this long "
+        "(default 30; only if something scraped it during the job), so that Prometheus sees "
+        "trainmover_job_finished 1 and the dead-job alert stays quiet. Set it above your scrape interval; "
+        "0 exits at once.",
+    )
+    parser.add_argument(
         "--metrics-host",
         default="127.0.0.1",
         help="Address /metrics binds to (default loopback; 0.0.0.0 for a Prometheus server on another host).",
@@ -465,6 +475,7 @@ def build(args: argparse.Namespace) -> tuple[LaunchConfig, MetricsEndpoint]:
         host=args.metrics_host,
         metrics_file=tm["tm_metrics_file"],
         tokens_per_iteration=tm["seq_length"] * tm["global_batch_size"],
+        linger_s=args.metrics_linger,
     )
     if args.preflight is not None:  # last: the launcher's own flags are reported first
         args.preflight(config.script, list(config.script_args), config.world_size)
