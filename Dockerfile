@@ -2,6 +2,7 @@
 # megatron-core 0.19.2 (the compat stack's pin; it needs the image's Python 3.12).
 # Build:  docker build -t trainmover .
 # Run:    docker run --gpus all --ipc=host --network=host --rm trainmover launch --nproc-per-node 8 pretrain_gpt.py ...
+# GPU checks:  docker run --gpus all --entrypoint bash trainmover scripts/gpu_check.sh
 # Slurm (pyxis/enroot) and more: docs/container.md.
 #
 # tests/deploy/test_container.py lints this file with hadolint and (in `make test-compat`) replays its
@@ -26,9 +27,11 @@ WORKDIR /opt/trainmover
 # The image's torch and TransformerEngine stay: the NGC image pins them (and grpcio, protobuf, numpy)
 # through PIP_CONSTRAINT, and constraints-compat.txt pins none of those (the compat venv's torch pin
 # is in constraints-compat-base.txt, which is not copied here).
+# pytest and its plugins (the compat pins) let scripts/gpu_check.sh run the GPU tests inside the image.
 COPY constraints-compat.txt requirements-image.txt ./
 RUN pip install --no-cache-dir -r requirements-image.txt \
-    && python -c "import megatron.core, pyetcd, prometheus_client, matplotlib"
+    && pip install --no-cache-dir -c constraints-compat.txt pytest pytest-timeout hypothesis \
+    && python -c "import megatron.core, pyetcd, prometheus_client, matplotlib, pytest"
 
 # Then the source, installed as a regular package (not editable) and without dependencies.
 COPY setup.py pretrain_gpt.py ./
@@ -38,7 +41,13 @@ COPY trainmover_ext ./trainmover_ext
 COPY nccl_delta ./nccl_delta
 COPY scripts ./scripts
 RUN pip install --no-cache-dir --no-deps . \
-    && trainmover --help > /dev/null
+    && trainmover --version
+
+# What scripts/gpu_check.sh runs on a GPU (`docker run --gpus all --entrypoint bash trainmover
+# scripts/gpu_check.sh`): the tests, their helpers and the benchmarks they share. Not installed.
+COPY pytest.ini ./
+COPY tests ./tests
+COPY benchmarks ./benchmarks
 
 ENV PYTHONUNBUFFERED=1
 ENTRYPOINT ["trainmover"]

@@ -26,7 +26,7 @@ COMPAT_TESTS := tests/training/test_units.py tests/nccl_delta/test_units.py test
 	"tests/migration/test_planned.py::test_planned_migration_is_bit_identical[first-stage-tp1]" \
 	tests/deploy/test_container.py::test_dockerfile_install_steps_work_in_a_fresh_venv
 
-.PHONY: venv venv-compat etcd promtool lint test test-fast test-compat demo data bench clean help
+.PHONY: venv venv-compat etcd promtool lint test test-fast test-compat demo data clean help
 
 help:
 	@echo "make demo      - train the demo GPT (8 CPU ranks, TP2xPP2xDP2) on the bundled corpus"

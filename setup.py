@@ -35,9 +35,11 @@ setup(
     ),
     package_dir={"trainmover_ext.patches": "patches"},
     py_modules=["pretrain_gpt"],
+    # What a site's environment keeps: its own torch build (never pinned here, so `pip install .` leaves
+    # it alone), and a megatron-core the CPU patches target: 0.16.x (Python 3.11) or 0.19.x (3.12+).
     install_requires=[
-        "torch>=2.5",
-        "megatron-core>=0.16.1",
+        "torch>=2.6",
+        "megatron-core>=0.16.1,!=0.17.*,!=0.18.*,<0.20",
         pin("etcd-sdk-python"),
         pin("cryptography"),  # the job CA of --tm-etcd-tls
         "protobuf",
