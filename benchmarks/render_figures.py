@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""Render the README's and docs/benchmarks.md's figure tables from the committed ``benchmarks/results/*.json``.
+
+Contract: the only writer of the text between ``<!-- figures:begin`` (the whole marker line is kept) and
+``<!-- figures:end -->`` in ``README.md`` and ``docs/benchmarks.md``; nothing outside the markers is
+read or changed. Every figure shown is a median with its range and the number of runs it comes from,
+and every table names the date and commit its JSON was measured at. A figure whose key is missing, or a
+JSON from before the current definitions (no ``measured_at``), is rendered as "not yet measured under
+the new definitions", never filled in.
+
+    python benchmarks/render_figures.py           # rewrite both blocks
+    python benchmarks/render_figures.py --check   # exit 1, with a diff, when either differs
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from chaos_goals import GOALS  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEGIN, END = "<!-- figures:begin", "<!-- figures:end -->"
+NOT_YET = "not yet measured under the new definitions"
+COMMANDS = {
+    "downtime": "python benchmarks/downtime.py --json benchmarks/results/downtime.json",
+    "chaos": "python benchmarks/chaos.py --json benchmarks/results/chaos.json",
+}
+MIN_RUNS = 3
+
+
+def load(results_dir: str, name: str) -> dict | None:
+    """The JSON ``name`` if it is there and under the current definitions (``measured_at``), else None."""
+    path = os.path.join(results_dir, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) and "measured_at" in data else None
+
+
+def num(v: float | None, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    text = f"{v:.3f}" if abs(v) < 1 else (f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}")
+    return text + unit
+
+
+def spread_cell(s: dict | None, unit: str = " s") -> str:
+    """``median (min-max, n runs)``; fewer than :data:`MIN_RUNS` runs say so."""
+    if not s or not s.get("n"):
+        return NOT_YET
+    runs = f"{s['n']} run{'s' if s['n'] != 1 else ''}"
+    note = "" if s["n"] >= MIN_RUNS else f"; a figure needs {MIN_RUNS}"
+    return f"**{num(s['median'], unit)}** ({num(s['min'])}-{num(s['max'])}, {runs}{note})"
+
+
+def values_cell(values: list[float], unit: str = "") -> str:
+    if not values:
+        return NOT_YET
+    vals = sorted(values)
+    n = len(vals)
+    median = vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2
+    return spread_cell({"median": median, "min": vals[0], "max": vals[-1], "n": n}, unit)
+
+
+def stamp(data: dict) -> str:
+    m = data["measured_at"]
+    dirty = " plus uncommitted changes" if m.get("dirty") else ""
+    return f"Measured {m.get('date')} at commit `{m.get('commit')}`{dirty}: `{data.get('command')}`."
+
+
+def yes(v) -> str:
+    return "-" if v is None else ("yes" if v else "**no**")
+
+
+# ---------------------------------------------------------------------------- downtime
+
+
+DOWNTIME_ROWS = (
+    ("unexpected", "TrainMover, SIGKILL, a warm standby takes the rank", "unexpected_lost_s"),
+    ("restart", "stop-restart from the checkpoint, fresh interpreters", "restart_lost_s"),
+    ("restart_fork", "stop-restart from the checkpoint, forked ranks", "restart_fork_lost_s"),
+    ("nvrx", "NVIDIA resiliency-ext in-process restart", "nvrx_lost_s"),
+    ("planned", "TrainMover, `trainmover migrate` (planned)", "planned_lost_s"),
+)
+
+
+def downtime_table(data: dict | None) -> list[str]:
+    head = [
+        "| what (JSON key) | lost per failure: median (range, runs) | TrainMover's / this | loss / state identical |",
+        "|---|---|---|---|",
+    ]
+    if data is None:
+        rows = [f"| {what} (`{key}`) | {NOT_YET} | - | - |" for _, what, key in DOWNTIME_ROWS]
+        return head + rows + ["", f"Regenerate with `{COMMANDS['downtime']}`."]
+    scen = data.get("scenarios", {})
+    rows = []
+    for name, what, key in DOWNTIME_ROWS:
+        s = scen.get(name)
+        ratio = data.get(f"unexpected_over_{name}")
+        cell = (
+            spread_cell(s["lost_s"])
+            if s
+            else (f"skipped: {data['skipped'][name]}" if name in data.get("skipped", {}) else NOT_YET)
+        )
+        ident = f"{yes(s['bit_identical'])} / {yes(s['state_identical'])}" if s else "-"
+        rows.append(f"| {what} (`{key}`) | {cell} | {num(ratio) if ratio is not None else '-'} | {ident} |")
+    for s in data.get("scale", []):
+        rows.append(
+            f"| scale: {s['ranks']} ranks, the same model (`scale[].lost_s`) | {spread_cell(s['lost_s'])} | - | "
+            f"{yes(s['bit_identical'])} / {yes(s['state_identical'])} |"
+        )
+    steady = data.get("iteration_s")
+    tail = [
+        "",
+        f"Steady iteration {num(steady, ' s')}; the same fault for every strategy of a trial "
+        f"(checkpoint every {data.get('config', {}).get('save_interval')} iterations). {stamp(data)}",
+    ]
+    return head + rows + tail
+
+
+# ---------------------------------------------------------------------------- chaos
+
+
+CHAOS_ROWS = (
+    ("controllable_loss_iters_mean", "controllable loss per scheduled failure, mean (iterations)"),
+    ("controllable_loss_iters_max", "controllable loss, worst failure without a cascade (iterations)"),
+    ("controllable_loss_iters_cascade_max", "controllable loss, worst cascade as one event (iterations)"),
+    ("recovery_iters_median", "recovery with a warm joiner, detection to every rank's resume, median (iterations)"),
+    ("recovery_iters_max", "recovery with a warm joiner, worst (iterations)"),
+    ("penalty_iters_median", "post-promotion penalty over 20 iterations, median (iteration-equivalents)"),
+    ("penalty_iters_max", "post-promotion penalty, worst (iteration-equivalents)"),
+    ("ettr_rel_g25", "ETTR relative to the twin, a failure every ~25 iterations"),
+    ("ettr_rel_g100", "ETTR relative to the twin, a failure every ~100 iterations"),
+    ("lost_over_fork_restart", "lost time per failure / stop-restart with forked ranks'"),
+)
+
+
+def _chaos_values(data: dict, key: str) -> list[float]:
+    """Per-run values behind a chaos figure, for its range (per seed and rate)."""
+    runs = [r for r in data.get("runs", []) if r["strategy"] == "trainmover"]
+    gap = {"ettr_rel_g25": data["gaps"][0], "ettr_rel_g100": data["gaps"][-1]}.get(key)
+    if gap is not None:
+        return [r["ettr_rel"] for r in runs if r["gap"] == gap]
+    if key == "lost_over_fork_restart":
+        return [x["ratio"] for x in data["trainmover"].get("lost_over_fork_restart_by_run", [])]
+    return []
+
+
+def chaos_table(data: dict | None) -> list[str]:
+    head = ["| measure (`trainmover.` key) | measured | goal | met |", "|---|---|---|---|"]
+    if data is None:
+        rows = [f"| {what} (`{key}`) | {NOT_YET} | {' '.join(map(str, GOALS[key]))} | - |" for key, what in CHAOS_ROWS]
+        return head + rows + ["", f"Regenerate with `{COMMANDS['chaos']}`."]
+    tm, goals, met = data["trainmover"], data.get("goals", {}), data.get("goals_met", {})
+    rows = []
+    for key, what in CHAOS_ROWS:
+        values = _chaos_values(data, key)
+        if values:
+            cell = values_cell(values)
+        else:
+            cell = NOT_YET if tm.get(key) is None else f"**{num(tm[key])}**"
+        rows.append(f"| {what} (`{key}`) | {cell} | {goals.get(key, '-')} | {yes(met.get(key))} |")
+    ff = data.get("fault_free", {})
+    rows.append(
+        f"| state and loss bit-identical to the twin, every rank (`state_identical`) | "
+        f"{yes(tm.get('state_identical'))} / {yes(tm.get('bit_identical'))} | yes | "
+        f"{yes(tm.get('state_identical') and tm.get('bit_identical'))} |"
+    )
+    rows.append(
+        f"| the fault-free twins: plans / fenced processes (`fault_free`) | {ff.get('plans')} / {ff.get('fenced')} | "
+        f"0 / 0 | {yes(ff.get('plans') == 0 and ff.get('fenced') == 0)} |"
+    )
+    seeds, gaps = data.get("seeds", []), data.get("gaps", [])
+    base = data.get("restart_fork") or {}
+    tail = [
+        "",
+        f"Seeds {seeds}, a failure about every {' and '.join(str(g) for g in gaps)} iterations; "
+        f"{tm.get('scheduled_failures')} scheduled failures ({tm.get('kills_with_cascades')} kills with the "
+        f"cascades), {tm.get('warm_joiners')} with a warm joiner, {tm.get('restarts')} fallbacks to stop-restart. "
+        f"TrainMover lost {num(tm.get('lost_s_per_failure'), ' s')} per failure (median of runs), stop-restart "
+        f"with forked ranks {num(base.get('lost_s_per_failure'), ' s')}. {stamp(data)}",
+    ]
+    return head + rows + tail
+
+
+# ---------------------------------------------------------------------------- blocks
+
+
+def readme_block(results_dir: str) -> list[str]:
+    downtime, chaos = load(results_dir, "downtime"), load(results_dir, "chaos")
+    return [
+        "Every figure comes from `benchmarks/results/*.json` (rendered by `python benchmarks/render_figures.py`)",
+        "and is the median of its runs with the range. Lost time is the faulted run's wall time minus its",
+        "fault-free twin's over the same iterations, per scheduled failure, with the same faults for every",
+        "strategy ([docs/benchmarks.md](docs/benchmarks.md) has the method and the commands). 2-core shared",
+        "CPU machine: ratios come from runs side by side in one invocation; absolute seconds only mean",
+        "something on a GPU.",
+        "",
+        "**One failure** (the demo job: 8 ranks TP2·PP2·DP2, bf16, dropout 0.1; one SIGKILL at the same",
+        "random point inside the same iteration for every strategy):",
+        "",
+        *downtime_table(downtime),
+        "",
+        "**Chaos** (seeded schedules of kills, hangs and cascades; goals in the fault-free twin's steady",
+        "iterations):",
+        "",
+        *chaos_table(chaos),
+    ]
+
+
+def docs_block(results_dir: str) -> list[str]:
+    lines = readme_block(results_dir)
+    downtime = load(results_dir, "downtime")
+    if downtime:
+        lines += ["", "Per scenario, medians over the trials' events (seconds after the fault):", ""]
+        lines += event_table(downtime.get("events", []))
+    return lines
+
+
+def event_table(events: list[dict]) -> list[str]:
+    keys = ("fraction_inside", "detect_s", "recovery_s", "first_iteration_s", "penalty_s", "lost_s")
+    out = ["| scenario | events | " + " | ".join(f"`{k}`" for k in keys) + " |", "|---" * (len(keys) + 2) + "|"]
+    for name in dict.fromkeys(e["scenario"] for e in events):
+        evs = [e for e in events if e["scenario"] == name]
+        cells = [values_cell([e[k] for e in evs if e.get(k) is not None]) for k in keys]
+        out.append(f"| {name} | {len(evs)} | " + " | ".join(c.replace("**", "") for c in cells) + " |")
+    return out
+
+
+def splice(text: str, block: list[str], path: str) -> str:
+    """``text`` with the lines between its figure markers replaced by ``block``."""
+    lines = text.split("\n")
+    starts = [i for i, line in enumerate(lines) if line.startswith(BEGIN)]
+    ends = [i for i, line in enumerate(lines) if line.strip() == END]
+    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+        raise SystemExit(f"{path}: expected one '{BEGIN} ...' line and one '{END}' line after it")
+    return "\n".join(lines[: starts[0] + 1] + block + lines[ends[0] :])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="Exit 1 when a file differs from the rendering.")
+    parser.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results"))
+    parser.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    parser.add_argument("--docs", default=os.path.join(ROOT, "docs", "benchmarks.md"))
+    args = parser.parse_args(argv)
+    stale = []
+    for path, block in ((args.readme, readme_block(args.results)), (args.docs, docs_block(args.results))):
+        with open(path) as f:
+            text = f.read()
+        rendered = splice(text, block, path)
+        if rendered == text:
+            continue
+        if args.check:
+            stale.append(path)
+            diff = difflib.unified_diff(text.split("\n"), rendered.split("\n"), path, "rendered", lineterm="", n=1)
+            print("\n".join(list(diff)[:60]), file=sys.stderr)
+        else:
+            with open(path, "w") as f:
+                f.write(rendered)
+            print(f"rendered the figures of {path}")
+    if stale:
+        print(
+            f"{', '.join(stale)}: the figures differ from benchmarks/results/: run "
+            "`python benchmarks/render_figures.py` (never edit between the figure markers by hand)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

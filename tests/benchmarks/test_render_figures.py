@@ -1,0 +1,93 @@
+"""The README's and docs/benchmarks.md's figures are what ``benchmarks/render_figures.py`` renders from the
+committed ``benchmarks/results/*.json``; the companions show the check failing on an edited README and
+the rendering touching nothing outside the figure markers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import render_figures as rf
+
+from harness.jobs import REPO_ROOT
+
+SCRIPT = os.path.join(REPO_ROOT, "benchmarks", "render_figures.py")
+README = os.path.join(REPO_ROOT, "README.md")
+DOCS = os.path.join(REPO_ROOT, "docs", "benchmarks.md")
+
+
+def check(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, SCRIPT, "--check", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_readme_and_docs_match_the_committed_results():
+    proc = check()
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_check_fails_on_a_hand_edited_readme(tmp_path):
+    """Companion: one figure line changed inside the markers."""
+    text = open(README).read()
+    block = text[text.index(rf.BEGIN) : text.index(rf.END)]
+    line = next(x for x in block.split("\n") if x.startswith("| "))
+    edited = tmp_path / "README.md"
+    edited.write_text(text.replace(line, line.replace("|", "| 0.015 x restart_s |", 1), 1))
+    proc = check("--readme", str(edited), "--docs", DOCS)
+    assert proc.returncode == 1 and "render_figures.py" in proc.stderr, proc.stderr
+    assert "0.015 x restart_s" in proc.stderr  # the diff shows what differs
+
+
+def test_rendering_rewrites_only_between_the_markers(tmp_path):
+    readme, docs = tmp_path / "README.md", tmp_path / "benchmarks.md"
+    before = "# Title\n\nuser text\n"
+    after = "\n## Layout\nmore user text\n"
+    readme.write_text(f"{before}{rf.BEGIN} (keep this line) -->\nstale figures\n{rf.END}{after}")
+    shutil.copy(DOCS, docs)
+    args = ["--readme", str(readme), "--docs", str(docs)]
+    subprocess.run([sys.executable, SCRIPT, *args], check=True, capture_output=True, timeout=120)
+    text = readme.read_text()
+    assert text.startswith(f"{before}{rf.BEGIN} (keep this line) -->\n") and text.endswith(f"{rf.END}{after}")
+    assert "stale figures" not in text
+    assert check(*args).returncode == 0
+
+
+def test_a_result_from_before_the_definitions_renders_as_not_yet_measured(tmp_path):
+    (tmp_path / "downtime.json").write_text(json.dumps({"unexpected_s": 0.275, "restart_s": 18.1}))
+    lines = "\n".join(rf.readme_block(str(tmp_path)))
+    assert "0.275" not in lines and "18.1" not in lines
+    assert lines.count(rf.NOT_YET) >= len(rf.DOWNTIME_ROWS) + len(rf.CHAOS_ROWS)
+
+
+def _downtime(n_runs: int) -> dict:
+    lost = {"median": 0.8, "min": 0.6, "max": 1.1, "n": n_runs, "values": []}
+    scen = {"lost_s": lost, "bit_identical": True, "state_identical": True}
+    return {
+        "measured_at": {"date": "2026-12-04 10:00 UTC", "commit": "abc123def456", "dirty": True},
+        "command": "python benchmarks/downtime.py --json benchmarks/results/downtime.json",
+        "scenarios": {"unexpected": scen, "restart_fork": dict(scen, lost_s=dict(lost, median=8.0))},
+        "unexpected_over_restart_fork": 0.1,
+        "skipped": {"nvrx": "nvidia-resiliency-ext is not installed"},
+        "scale": [],
+        "iteration_s": 0.4,
+        "config": {"save_interval": 5},
+        "events": [],
+    }
+
+
+def test_a_figure_is_a_median_with_its_range_runs_date_and_commit(tmp_path):
+    (tmp_path / "downtime.json").write_text(json.dumps(_downtime(3)))
+    text = "\n".join(rf.readme_block(str(tmp_path)))
+    assert "**0.800 s** (0.600-1.10, 3 runs)" in text and "**8.00 s**" in text
+    assert "2026-12-04 10:00 UTC" in text and "`abc123def456` plus uncommitted changes" in text
+    assert "skipped: nvidia-resiliency-ext is not installed" in text
+    assert "| TrainMover, `trainmover migrate` (planned) (`planned_lost_s`) | " + rf.NOT_YET in text
+
+
+def test_fewer_than_three_runs_say_so(tmp_path):
+    (tmp_path / "downtime.json").write_text(json.dumps(_downtime(1)))
+    assert "(0.600-1.10, 1 run; a figure needs 3)" in "\n".join(rf.readme_block(str(tmp_path)))
