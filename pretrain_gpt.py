@@ -37,8 +37,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 
     args = get_args()
 
-    class _Layout:  # only the backend matters for the config here
+    class _Layout:  # only the backend and the communicator matter for the config here
         backend = select_backend(args.distributed_backend)
+        comm = torch.distributed.get_backend() if torch.distributed.is_initialized() else ""
 
     config = transformer_config_from_args(args, _Layout)
     return GPTModel(

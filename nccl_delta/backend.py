@@ -6,38 +6,40 @@ Contract
   available. After it, ``init_process_group(backend="nccl_delta", store=...)``
   makes WORLD ours, and every group megatron creates inherits it
   (``parallel_state.create_group`` passes ``backend=None``).
-- Collectives run inline on the calling thread and return completed work;
-  ``async_op=True`` therefore gives correct results without overlap.
-  ``send``/``recv`` return pending work, because ``batch_isend_irecv`` on a
-  ProcessGroup subclass issues separate isend/irecv and must not block.
-- Group ranks in torch's options are translated to logical ranks through the
-  group's member list, which never changes: a swap only changes which process
-  a link reaches, so every cached group handle keeps working.
-- Errors surface as :class:`CommLinkError` (naming peer, group and op) from the
-  call for collectives, and from ``wait()`` for send/recv.
+- Every group but WORLD is a :class:`~nccl_delta.native_group.NativeGroup`: each op is one call of
+  its native communicator (gloo on CPU, NCCL on GPU) and returns that call's work, asynchronous, so
+  megatron's overlap of the gradient reduction and the parameter gather works as on plain torch.
+- WORLD is a ring over links (:mod:`nccl_delta.group`): its collectives run inline and return
+  completed work (start-up object exchanges and checkpoint barriers only); its point-to-point ops
+  (megatron's second direction of a 2-stage pipeline) go to the pair communicator of the two ranks.
+  A replacement therefore never rebuilds a communicator of the whole job.
+- Group ranks in torch's options are the group's own; the member list (logical ranks) never
+  changes: a swap only changes which process serves a rank, so every cached handle keeps working.
+- Errors surface as :class:`CommLinkError` (naming the group, the op and a suspected peer where
+  known) from the call or from the work's ``wait()``.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import torch
 import torch.distributed as dist
-from torch.futures import Future
 
 from . import waiter
 from . import world as world_mod
 from .config import DeltaConfig
 from .group import DeltaGroup
+from .native_group import NativeGroup
+from .native_ops import DoneWork, NativeOps, as_list
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import (
         AllgatherOptions,
         AllreduceCoalescedOptions,
         AllreduceOptions,
+        AllToAllOptions,
         BarrierOptions,
         BroadcastOptions,
         GatherOptions,
@@ -47,8 +49,6 @@ if TYPE_CHECKING:
         _DistributedBackendOptions,
     )
     from torch.distributed.distributed_c10d import GroupName
-
-    from .links import LinkWork
 
 logger = logging.getLogger(__name__)
 
@@ -87,77 +87,14 @@ class NamedGroup:
         return self
 
 
-class DoneWork(dist.Work):
-    """Work of an op that already finished inline."""
-
-    def __init__(self, result: list[torch.Tensor] | None = None):
-        super().__init__()
-        self._result = result or []
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def exception(self) -> None:
-        return None
-
-    def result(self) -> list[torch.Tensor]:
-        return self._result
-
-    def get_future(self) -> Future[list[torch.Tensor]]:
-        fut: Future[list[torch.Tensor]] = Future()
-        fut.set_result(self._result)
-        return fut
-
-    def synchronize(self) -> None:
-        return None
-
-
-class LinkP2PWork(dist.Work):
-    """Pending send or receive; ``wait`` raises :class:`CommLinkError` if the link fails."""
-
-    def __init__(self, link_work: LinkWork, tensor: torch.Tensor):
-        super().__init__()
-        self._work = link_work
-        self._tensor = tensor
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        self._work.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._work.done
-
-    def is_success(self) -> bool:
-        return self._work.done
-
-    def exception(self) -> None:
-        return None
-
-    def result(self) -> list[torch.Tensor]:
-        return [self._tensor]
-
-    def get_future(self) -> Future[list[torch.Tensor]]:
-        self.wait()
-        fut: Future[list[torch.Tensor]] = Future()
-        fut.set_result([self._tensor])
-        return fut
-
-    def synchronize(self) -> None:
-        return None
-
-
 class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
     """What torch and megatron hold as a group handle; all work is done by its :class:`DeltaGroup`."""
 
-    def __init__(self, group: DeltaGroup):
+    def __init__(self, group: DeltaGroup | NativeGroup):
         super().__init__(group.index, group.size)  # type: ignore[call-arg]  # stub lacks the (rank, size) binding
         self.delta = group
+        self.native = NativeOps(group) if isinstance(group, NativeGroup) else None
+        """Every group but WORLD: its ops go to the group's native communicator, one call each."""
         self._group_name = group.name
 
     def getBackendName(self) -> str:
@@ -167,32 +104,29 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
         return f"DeltaProcessGroup({self.delta!r})"
 
     # --- collectives ---------------------------------------------------------------
+    # Every group but WORLD hands each op to its native communicator (``self.native``), one backend call,
+    # and returns that call's work: asynchronous. WORLD's collectives (object exchanges at start-up,
+    # checkpoint barriers: never on the training hot path) run inline on its ring of links, so that a
+    # replacement never rebuilds a communicator of the whole job; its point-to-point ops go to the pair
+    # communicator of the two ranks.
     # The ignore[override]s: torch's stub gives these methods the C++ ProcessGroup's convenience overloads too
     # (a tensor, an op, a timeout); c10d calls a Python backend with (tensors, opts) only.
-    def allreduce(self, tensors: _Tensors, opts: AllreduceOptions | None = None) -> DoneWork:  # type: ignore[override]
+    def allreduce(self, tensors: _Tensors, opts: AllreduceOptions | None = None) -> dist.Work:  # type: ignore[override]
+        if self.native is not None:
+            return self.native.allreduce(tensors, opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        for t in _as_list(tensors):
-            self.delta.allreduce(t, op)
-        return DoneWork(_as_list(tensors))
+        for t in as_list(tensors):
+            self._ring.allreduce(t, op)
+        return DoneWork(as_list(tensors))
 
     def allreduce_coalesced(
         self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions | None = None
-    ) -> DoneWork:
+    ) -> dist.Work:
+        if self.native is not None:
+            return self.native.allreduce_coalesced(tensors, opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        # One ring pass per dtype over a packed buffer: fewer hops than one ring per tensor.
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for t in tensors:
-            by_dtype.setdefault((t.dtype, t.device), []).append(t)
-        for group in by_dtype.values():
-            if len(group) == 1:
-                self.delta.allreduce(group[0], op)
-                continue
-            packed = torch.cat([t.reshape(-1) for t in group])
-            self.delta.allreduce(packed, op)
-            offset = 0
-            for t in group:
-                t.copy_(packed[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            self._ring.allreduce(t, op)
         return DoneWork(list(tensors))
 
     def allgather(  # type: ignore[override]
@@ -200,10 +134,12 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
         output_lists: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
         opts: AllgatherOptions | None = None,
-    ) -> DoneWork:
+    ) -> dist.Work:
+        if self.native is not None:
+            return self.native.allgather(output_lists, input_tensors, opts)
         for outs, inp in zip(output_lists, input_tensors, strict=False):
             flat = torch.empty(inp.numel() * self.delta.size, dtype=inp.dtype, device=inp.device)
-            self.delta.allgather_into(flat, inp.contiguous())
+            self._ring.allgather_into(flat, inp.contiguous())
             for k, out in enumerate(outs):
                 out.copy_(flat[k * inp.numel() : (k + 1) * inp.numel()].view_as(out))
         return DoneWork([t for outs in output_lists for t in outs])
@@ -213,22 +149,28 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
         output_lists: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
         opts: AllgatherOptions | None = None,
-    ) -> DoneWork:
+    ) -> dist.Work:
+        if self.native is not None:
+            return self.native.allgather_coalesced(output_lists, input_tensors, opts)
         return self.allgather(output_lists, input_tensors, opts)
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None
-    ) -> DoneWork:
-        self.delta.allgather_into(output, input.contiguous())
+    ) -> dist.Work:
+        if self.native is not None:
+            return self.native.allgather_base(output, input, opts)
+        self._ring.allgather_into(output, input.contiguous())
         return DoneWork([output])
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: AllgatherOptions | None = None
-    ) -> DoneWork:
+    ) -> dist.Work:
+        if self.native is not None:
+            return self.native.allgather_into_tensor_coalesced(outputs, inputs, opts)
         for out, inp in zip(outputs, inputs, strict=False):
-            self.delta.allgather_into(out, inp.contiguous())
+            self._ring.allgather_into(out, inp.contiguous())
         return DoneWork(list(outputs))
 
     # c10d calls these aliases positionally; only their parameter names differ from the stub's.
@@ -236,19 +178,23 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: ReduceScatterOptions | None = None
-    ) -> DoneWork:
+    ) -> dist.Work:
+        if self.native is not None:
+            return self.native.reduce_scatter_base(output, input, opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        self.delta.reduce_scatter(output, input, op)
+        self._ring.reduce_scatter(output, input, op)
         return DoneWork([output])
 
     _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]  # names differ, as above
 
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: ReduceScatterOptions | None = None
-    ) -> DoneWork:
+    ) -> dist.Work:
+        if self.native is not None:
+            return self.native.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for out, inp in zip(outputs, inputs, strict=False):
-            self.delta.reduce_scatter(out, inp, op)
+            self._ring.reduce_scatter(out, inp, op)
         return DoneWork(list(outputs))
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # type: ignore[assignment]  # names, as above
@@ -258,77 +204,114 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
         outputs: list[torch.Tensor],
         input_lists: list[list[torch.Tensor]],
         opts: ReduceScatterOptions | None = None,
-    ) -> DoneWork:
+    ) -> dist.Work:
+        if self.native is not None:
+            return self.native.reduce_scatter(outputs, input_lists, opts)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         for out, inputs in zip(outputs, input_lists, strict=False):
             packed = torch.cat([t.reshape(-1) for t in inputs])
-            self.delta.reduce_scatter(out, packed, op)
+            self._ring.reduce_scatter(out, packed, op)
         return DoneWork(list(outputs))
 
-    def broadcast(self, tensors: _Tensors, opts: BroadcastOptions | None = None) -> DoneWork:  # type: ignore[override]
+    def broadcast(self, tensors: _Tensors, opts: BroadcastOptions | None = None) -> dist.Work:  # type: ignore[override]
+        if self.native is not None:
+            return self.native.broadcast(tensors, opts)
         root = opts.rootRank if opts is not None else 0
-        for t in _as_list(tensors):
-            self.delta.broadcast(t, root)
-        return DoneWork(_as_list(tensors))
+        for t in as_list(tensors):
+            self._ring.broadcast(t, root)
+        return DoneWork(as_list(tensors))
 
-    def reduce(self, tensors: _Tensors, opts: ReduceOptions | None = None) -> DoneWork:  # type: ignore[override]
-        # Rarely used (megatron never calls it): an all-reduce gives the root the right value.
+    def reduce(self, tensors: _Tensors, opts: ReduceOptions | None = None) -> dist.Work:  # type: ignore[override]
+        if self.native is not None:
+            return self.native.reduce(tensors, opts)
+        # WORLD: an all-reduce gives the root the right value.
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        for t in _as_list(tensors):
-            self.delta.allreduce(t, op)
-        return DoneWork(_as_list(tensors))
+        for t in as_list(tensors):
+            self._ring.allreduce(t, op)
+        return DoneWork(as_list(tensors))
 
     def gather(  # type: ignore[override]
         self,
         output_lists: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
         opts: GatherOptions | None = None,
-    ) -> DoneWork:
+    ) -> dist.Work:
+        if self.native is not None:
+            return self.native.gather(output_lists, input_tensors, opts)
         root = opts.rootRank if opts is not None else 0
         for inp in input_tensors:
             flat = torch.empty(inp.numel() * self.delta.size, dtype=inp.dtype, device=inp.device)
-            self.delta.allgather_into(flat, inp.contiguous())
+            self._ring.allgather_into(flat, inp.contiguous())
             if self.delta.index == root:
                 for k, out in enumerate(output_lists[0]):
                     out.copy_(flat[k * inp.numel() : (k + 1) * inp.numel()].view_as(out))
         return DoneWork()
 
-    def barrier(self, opts: BarrierOptions | None = None) -> DoneWork:  # type: ignore[override]
-        self.delta.barrier()
+    def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:  # type: ignore[override]
+        if self.native is not None:
+            return self.native.barrier(opts)
+        self._ring.barrier()
         return DoneWork()
-
-    # --- point to point ----------------------------------------------------------------
-    def send(self, tensors: _Tensors, dstRank: int, tag: int = 0) -> LinkP2PWork:
-        t = _as_list(tensors)[0]
-        return LinkP2PWork(self.delta.isend(t, dstRank, tag), t)
-
-    def recv(self, tensors: _Tensors, srcRank: int, tag: int = 0) -> LinkP2PWork:
-        t = _as_list(tensors)[0]
-        return LinkP2PWork(self.delta.irecv(t, srcRank, tag), t)
-
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> NoReturn:
-        raise NotImplementedError("nccl_delta has no receive-from-any-source: name the source rank")
-
-    def alltoall(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise NotImplementedError("nccl_delta does not implement alltoall (megatron's dense training never calls it)")
 
     def scatter(  # type: ignore[override]
         self,
         output_tensors: list[torch.Tensor],
         input_lists: list[list[torch.Tensor]],
         opts: ScatterOptions | None = None,
-    ) -> DoneWork:
-        """The root's k-th input lands in member k's output: a broadcast of the root's packed inputs, each
-        member keeping its slice (rare and small: torch.distributed.checkpoint's planning, scatter_object_list)."""
+    ) -> dist.Work:
+        """WORLD: the root's k-th input lands in member k's output: a broadcast of the root's packed inputs,
+        each member keeping its slice (rare and small: torch.distributed.checkpoint's planning,
+        scatter_object_list)."""
+        if self.native is not None:
+            return self.native.scatter(output_tensors, input_lists, opts)
         root = opts.rootRank if opts is not None else 0
         for n, out in enumerate(output_tensors):
             flat = torch.empty(out.numel() * self.delta.size, dtype=out.dtype, device=out.device)
             if self.delta.index == root:
                 flat.copy_(torch.cat([t.reshape(-1) for t in input_lists[n]]))
-            self.delta.broadcast(flat, root)
+            self._ring.broadcast(flat, root)
             k = self.delta.index
             out.copy_(flat[k * out.numel() : (k + 1) * out.numel()].view_as(out))
         return DoneWork(list(output_tensors))
+
+    def alltoall_base(  # type: ignore[override]
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: AllToAllOptions | None = None,
+    ) -> dist.Work:
+        if self.native is None:
+            raise NotImplementedError("all-to-all over WORLD is not supported by nccl_delta: use a group")
+        return self.native.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
+
+    def alltoall(  # type: ignore[override]
+        self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor], opts: AllToAllOptions | None = None
+    ) -> dist.Work:
+        if self.native is None:
+            raise NotImplementedError("all-to-all over WORLD is not supported by nccl_delta: use a group")
+        return self.native.alltoall(output_tensors, input_tensors, opts)
+
+    # --- point to point ----------------------------------------------------------------
+    def send(self, tensors: _Tensors, dstRank: int, tag: int = 0) -> dist.Work:
+        if self.native is not None:
+            return self.native.send(tensors, dstRank, tag)
+        return self.delta.world.pair(self.delta.members[dstRank]).send(tensors, tag)
+
+    def recv(self, tensors: _Tensors, srcRank: int, tag: int = 0) -> dist.Work:
+        if self.native is not None:
+            return self.native.recv(tensors, srcRank, tag)
+        return self.delta.world.pair(self.delta.members[srcRank]).recv(tensors, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        if self.native is not None:
+            return self.native.recv_anysource(tensors, tag)
+        raise NotImplementedError("nccl_delta has no receive-from-any-source over WORLD: name the source rank")
+
+    @property
+    def _ring(self) -> DeltaGroup:
+        return cast(DeltaGroup, self.delta)
 
     # --- lifecycle ----------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -341,10 +324,6 @@ class DeltaProcessGroup(NamedGroup, dist.ProcessGroup):
 
     def abort(self) -> None:
         self.shutdown()
-
-
-def _as_list(tensors: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
 def _world_group_name(world: world_mod.DeltaWorld) -> str | None:

@@ -1,60 +1,57 @@
-"""The two-phase membership API: replace the process behind logical rank r by touching only r's links.
+"""The two-phase membership API: replace the process behind logical rank r by rebuilding only r's groups.
+
+What is rebuilt: the native communicator of every group that contains r (TP, PP, DP, the model-parallel
+group ... a number set by the layout, not by the world size), WORLD's ring links to r, and the pair
+communicators with r (built again on first use). No other group, and never a communicator of the whole
+job: WORLD has none (see :mod:`nccl_delta.backend`).
 
 Protocol for a planned migration of logical rank ``r`` (or of several ranks at once, e.g. every
 rank of a drained node: each step then covers all of them) at epoch ``e``
-1. Joiner process (new): ``nccl_delta.expect_join(e)``, then the same
-   ``init_process_group`` and group creation as the job (e.g. megatron's
-   ``initialize_model_parallel``), which builds no links, then
-   ``current_world().join(e)``: it connects to every ring neighbour of r (in
-   any group), one link per neighbour, all at once, and blocks until all are
-   up (deadline: ``connect_timeout_s``). A neighbour that is replaced in the
-   same epoch is another joiner: the two meet in generation e.
-2. Every stayer: ``prepare(ranks, e)`` (phase 1). Returns at once. A stayer
-   that is a ring neighbour of a replaced rank in some group builds its one new
-   link to each such rank on a background thread while training continues on
-   the old links; any other stayer only records the epoch.
-3. At an iteration boundary, every stayer: ``switch(e)`` (phase 2). A
-   neighbour re-points its link to r (every group using it follows), closes
-   the old one, and reports how many links it touched. No barrier and no
-   global rebuild: cost is independent of world size.
+1. Joiner process (new): ``nccl_delta.expect_join(e)``, then the same ``init_process_group`` and
+   group creation as the job (e.g. megatron's ``initialize_model_parallel``), which builds nothing,
+   then ``current_world().join(e)``: it builds every group's communicator in generation e (all at
+   once), then its WORLD ring links, and blocks until all are up (deadline: ``connect_timeout_s``).
+2. Every stayer: ``prepare(ranks, e)`` (phase 1). Returns at once. A stayer in a group with a
+   replaced rank builds that group's replacement communicator (generation e, with the joiner in r's
+   place; on NCCL with a warm-up op) on background threads while training continues on the old one;
+   a WORLD ring neighbour of r builds its new link likewise.
+3. At an iteration boundary, every stayer: ``switch(e)`` (phase 2). The groups swap to their
+   replacements behind the same handles, the old communicators are closed, the pair communicators
+   with r are dropped. No barrier: each stayer only touches its own groups with r.
 4. The leaver stops using the communicator and exits.
 
-Unexpected failure of rank ``r`` (a link raised :class:`CommLinkError`, or the
-lease of r expired):
-1. Every live process: ``abandon(e, dead={r})`` (any thread). Every link with
-   an op in flight, and every link to r, is severed, so any op in flight on any
-   thread raises :class:`CommAbandoned` at once, even one waiting on a hung
-   peer. An idle link is only quiesced: new ops on it raise, it stays
-   connected. Processes that will exit instead should call ``os._exit`` after
-   cleanup (gloo aborts at exit with abandoned ops).
-2. Every stayer: ``recover(e, replaced={r})``; the joiner: ``join(e)``. The
-   stayers publish each quiet link's ledger (messages sent and received per
-   tag, pair collectives) under ``nccl_delta/ledgers/e<e>/<rank>`` in the store
-   and keep a link only when both ends are quiet and the ledgers match: no
-   message is left in the pair, so the streams stay in step. Every other link
-   to a ring neighbour is rebuilt in generation e, all at once. So a failure
-   rebuilds the links that were busy or touched r, not every link of the job.
+Unexpected failure of rank ``r`` (an op raised :class:`CommLinkError`, or the control plane said so):
+1. Every live process: ``abandon(e, dead={r})`` (any thread). Every group with r, and every group
+   with an op in flight, is aborted: its pending ops raise :class:`CommAbandoned` at once, even one
+   waiting on a hung peer. An idle group is only quiesced: new ops raise, its communicator stays.
+   WORLD's links are severed or quiesced by the same rule.
+2. Every stayer: ``recover(e, replaced={r})``; the joiner: ``join(e)``. The stayers publish their
+   ledgers (:mod:`nccl_delta.ledgers`) and keep a quiet group (or link) only when every member agrees
+   nothing is left in it. Every other group is rebuilt in generation e, all at once.
 
-Failures: ``switch`` raises :class:`~nccl_delta.errors.SwapAborted` (links unchanged, the
-old epoch stays in force) if the new links are not up within its deadline or
-failed to connect.
+Failures: ``switch`` raises :class:`~nccl_delta.errors.SwapAborted` (nothing swapped, the old epoch
+stays in force) if the replacements are not up within its deadline or failed to build.
 """
 
 from __future__ import annotations
 
-import json
+import functools
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from nccl_delta.errors import CommAbandoned, CommTimeout, SwapAborted
+from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout, SwapAborted
 
-from .finishing import defer
-from .links import Ledger, Link
+from . import sockets
+from .finishing import defer, defer_group
+from .ledgers import agree_on_kept
+from .links import Link
 
 if TYPE_CHECKING:
+    from .native import NativeComm
+    from .native_group import NativeGroup
     from .world import DeltaWorld
 
 
@@ -69,10 +66,11 @@ class PreparedSwap:
     joiner: str | None = None
     """Control-plane id of the joining member (for messages only)."""
     links: list[tuple[str, int, Link]] = field(default_factory=list)
-    """New links to the joiners: (transport, rank, link), one per replaced rank that is a ring neighbour
-    in some group."""
+    """New WORLD ring links to the joiners: (transport, rank, link)."""
+    groups: list[tuple[NativeGroup, NativeComm]] = field(default_factory=list)
+    """Replacement communicators of this stayer's groups with a replaced rank."""
     planned: int = 0
-    """How many links this stayer must build (0 when it neighbours no replaced rank)."""
+    """How many links and communicators this stayer must build (0 when it shares nothing with a replaced rank)."""
     error: BaseException | None = None
     """The first error of the background build, if any."""
     done: threading.Event = field(default_factory=threading.Event)
@@ -86,6 +84,13 @@ class PreparedSwap:
         """The first replaced rank (for messages)."""
         return self.ranks[0]
 
+    def discard(self) -> None:
+        for *_, link in self.links:
+            link.close()
+        for _, comm in self.groups:
+            comm.abort()
+            comm.close()
+
 
 @dataclass(kw_only=True)
 class SwitchReport:
@@ -95,7 +100,9 @@ class SwitchReport:
     """The first replaced rank; ``ranks`` has them all."""
     epoch: int
     links_touched: int
-    """Links re-pointed to the joiner plus stale links to the leaver that were closed."""
+    """WORLD ring links re-pointed to the joiner, stale links and pair communicators to the leaver closed."""
+    groups_switched: int
+    """Groups whose communicator was swapped for its replacement."""
     switch_s: float
     """Seconds spent in phase 2 on this process (excluding any wait for phase 1)."""
     wait_s: float
@@ -109,14 +116,52 @@ class RecoverReport:
 
     epoch: int
     kept: int
-    """Quiet links kept, their ledgers matching at both ends."""
+    """Quiet WORLD links kept, their ledgers matching at both ends."""
     rebuilt: int
-    """Ring links built anew in generation ``epoch``."""
+    """WORLD ring links built anew in generation ``epoch``."""
+    groups_kept: int = 0
+    """Quiet groups kept, every member's ledger agreeing."""
+    groups_rebuilt: int = 0
+    """Groups whose communicator was built anew in generation ``epoch``."""
+    members_rebuilt: int = 0
+    """The members of those groups, summed (the size of the communicator set-ups this rank took part in)."""
+
+
+def affected_groups(world: DeltaWorld, ranks: Iterable[int]) -> list[NativeGroup]:
+    """This process's groups (pairs aside) that contain one of ``ranks``: what a replacement rebuilds."""
+    ranks = set(ranks)
+    pairs = {id(pair.group) for pair in list(world.pairs.values())}
+    return [g for g in world.native_groups() if id(g) not in pairs and set(g.members) & ranks]
+
+
+def build_groups(world: DeltaWorld, groups: list[NativeGroup], generation: int) -> dict[str, NativeComm]:
+    """Build the communicators of ``groups`` in ``generation``, all at once (see :func:`build_concurrently`)."""
+    from .world import build_concurrently
+
+    def build(group: NativeGroup) -> NativeComm:
+        start = time.monotonic()
+        try:
+            return group.build(generation)
+        except Exception as exc:  # gloo and NCCL raise RuntimeError for a timeout and a refused peer alike
+            waited = time.monotonic() - start
+            cls = CommTimeout if waited >= world.config.connect_timeout_s * 0.95 else CommLinkError
+            raise cls(
+                f"rank {world.rank}: could not build group {group.name!r} (members {group.members}, generation "
+                f"{generation}) after {waited:.1f}s: {exc}. Check that every member is alive and built the same "
+                "groups in the same order."
+            ) from exc
+
+    def discard(comm: NativeComm) -> None:
+        comm.abort()
+        comm.close()
+
+    builders: dict[str, Callable[[], NativeComm]] = {g.name: functools.partial(build, g) for g in groups}
+    return build_concurrently(world, builders, discard, "communicator set-up")
 
 
 def prepare(world: DeltaWorld, rank: int | Iterable[int], epoch: int, *, joiner: str | None = None) -> PreparedSwap:
-    """Phase 1 on a stayer: start building links to the joiners of ``rank`` (one rank or several) in the
-    background."""
+    """Phase 1 on a stayer: start building the replacements of the groups and links of ``rank`` (one
+    rank or several) in the background."""
     ranks = [rank] if isinstance(rank, int) else sorted(set(rank))
     if not ranks:
         raise SwapAborted(f"prepare({epoch}) without a rank to replace")
@@ -127,14 +172,18 @@ def prepare(world: DeltaWorld, rank: int | Iterable[int], epoch: int, *, joiner:
     swap = PreparedSwap(ranks=ranks, epoch=epoch, joiner=joiner)
     neighbours = world.ring_neighbours()
     todo = {r: neighbours[r] for r in ranks if r in neighbours}
-    swap.planned = len(todo)
+    groups = affected_groups(world, ranks)
+    swap.planned = len(todo) + len(groups)
     world.prepared[epoch] = swap
-    if not todo:
+    if not swap.planned:
         swap.done.set()
         return swap
 
     def build() -> None:
         try:
+            # Groups first, then links: the joiner's join() builds in the same order.
+            comms = build_groups(world, groups, epoch)
+            swap.groups += [(g, comms[g.name]) for g in groups]
             links = world.connect_links(todo, world.transport, generation=epoch, install=False)
             swap.links += [(world.transport, r, link) for r, link in sorted(links.items())]
         except BaseException as exc:  # reported by switch()
@@ -147,7 +196,7 @@ def prepare(world: DeltaWorld, rank: int | Iterable[int], epoch: int, *, joiner:
 
 
 def switch(world: DeltaWorld, epoch: int, *, timeout_s: float | None = None) -> SwitchReport:
-    """Phase 2 on a stayer: re-point the replaced ranks to their joiners; touches only their links."""
+    """Phase 2 on a stayer: swap the replaced ranks' groups to their replacements; touches nothing else."""
     swap = world.prepared.get(epoch)
     if swap is None:
         raise SwapAborted(f"switch({epoch}) without prepare(rank, {epoch}) on rank {world.rank}")
@@ -155,30 +204,34 @@ def switch(world: DeltaWorld, epoch: int, *, timeout_s: float | None = None) -> 
     t0 = time.perf_counter()
     if not swap.wait(timeout_s):
         raise SwapAborted(
-            f"rank {world.rank}: links to the joiners for ranks {swap.ranks} (epoch {epoch}) not up after "
-            f"{timeout_s:.1f}s; the old links stay in use. Check that the joiners called join({epoch})."
+            f"rank {world.rank}: the replacements for ranks {swap.ranks} (epoch {epoch}) were not up after "
+            f"{timeout_s:.1f}s; the old communicators stay in use. Check that the joiners called join({epoch})."
         )
     wait_s = time.perf_counter() - t0
     world.prepared.pop(epoch, None)
     if swap.error is not None:
-        for *_, link in swap.links:
-            link.close()
+        swap.discard()
         raise SwapAborted(
-            f"rank {world.rank}: building links to the joiners for ranks {swap.ranks} failed: {swap.error}"
+            f"rank {world.rank}: building the replacements for ranks {swap.ranks} failed: {swap.error}"
         ) from swap.error
     t1 = time.perf_counter()
+    for group, comm in swap.groups:
+        group.install(comm)
     touched = 0
     replaced: set[tuple[str, int]] = set()
     for transport, rank, link in swap.links:
         world.install(transport, rank, link)
         replaced.add((transport, rank))
         touched += 1
-    # A link to a leaver that phase 1 did not rebuild (a p2p link outside every ring, another
-    # transport) is closed; both ends rebuild it on first use in the new generation.
+    # A link to a leaver that phase 1 did not rebuild (another transport) is closed; both ends rebuild
+    # it on first use in the new generation. Pair communicators with a leaver likewise.
     for rank in swap.ranks:
         for transport, _ in world.links_to(rank):
             if (transport, rank) not in replaced and world.install(transport, rank, None):
                 touched += 1
+        if rank in world.pairs:
+            world.drop_pair(rank)
+            touched += 1
         world.incarnation[rank] = epoch
     with world._lock:  # abandon(epoch) is a no-op from here on
         world.epoch = epoch
@@ -187,40 +240,57 @@ def switch(world: DeltaWorld, epoch: int, *, timeout_s: float | None = None) -> 
         ranks=list(swap.ranks),
         epoch=epoch,
         links_touched=touched,
+        groups_switched=len(swap.groups),
         switch_s=time.perf_counter() - t1,
         wait_s=wait_s,
     )
 
 
 def abandon(world: DeltaWorld, epoch: int, reason: str, *, dead: Iterable[int] = ()) -> int:
-    """Make every op in flight or to come fail fast (any thread); returns how many links were severed.
+    """Make every op in flight or to come fail fast (any thread); returns how many groups and links were cut.
 
-    Links to ``dead`` ranks and links with an op in flight are severed; idle ones are quiesced
-    (see the module docstring). Inside :meth:`DeltaWorld.finishing` every link to a live peer is
-    deferred instead, so the step's last collective ends alike on all its members
+    Groups and links with a ``dead`` rank, and those with an op in flight, are cut; idle ones are
+    quiesced (see the module docstring). Inside :meth:`DeltaWorld.finishing` everything without a dead
+    rank is deferred instead, so the step's last collective ends alike on all its members
     (:mod:`nccl_delta.finishing`). A no-op once this process is in ``epoch`` (``recover`` or ``switch``
-    reached it): a late call, e.g. from a watch thread that saw the plan again, must not touch the
-    links the new epoch is building. The check and the abandon hold the world's lock, which
-    ``recover`` takes to enter the epoch."""
+    reached it): a late call, e.g. from a watch thread that saw the plan again, must not touch what
+    the new epoch is building. The check and the abandon hold the world's lock, which ``recover``
+    takes to enter the epoch."""
     with world._lock:
         if world.epoch >= epoch:
             return 0
         world.newest_abandon = max(world.newest_abandon, epoch)
         world.abandoned = f"epoch {epoch} abandoned: {reason}"
         dead = set(dead)
-        severed = 0
+        cut = 0
+        endpoints: list[sockets.Endpoints] = []
+
+        def seen() -> sockets.Endpoints:  # the process's connections, read once for every gloo group cut
+            if not endpoints:
+                endpoints.append(sockets.connected_endpoints() if world.device_type == "cpu" else {})
+            return endpoints[0]
+
+        for group in world.native_groups():
+            if set(group.members) & dead:
+                group.abort(world.abandoned, seen())
+                cut += 1
+            elif world.in_finishing:
+                defer_group(world, group, epoch)  # see nccl_delta.finishing
+            elif not group.quiesce(world.abandoned):
+                group.abort(world.abandoned, seen())
+                cut += 1
         for (transport, peer), link in world.links_snapshot():
             if peer not in dead and world.in_finishing:
-                defer(world, (transport, peer), link, epoch)  # see nccl_delta.finishing
+                defer(world, (transport, peer), link, epoch)
             elif peer in dead or not link.quiesce(world.abandoned):
                 world.deferred.pop((transport, peer), None)
                 link.sever(world.abandoned)
-                severed += 1
-        return severed
+                cut += 1
+        return cut
 
 
 def recover(world: DeltaWorld, epoch: int, *, replaced: Iterable[int] = ()) -> RecoverReport:
-    """After ``abandon``: keep the quiet links both ends agree on, rebuild the other ring links in
+    """After ``abandon``: keep the quiet groups and links every end agrees on, rebuild the others in
     generation ``epoch`` (all stayers and the joiner at once); see the module docstring."""
     if epoch <= world.base_generation and world.abandoned is None:
         raise SwapAborted(f"recover({epoch}) is not newer than generation {world.base_generation}")
@@ -232,106 +302,64 @@ def recover(world: DeltaWorld, epoch: int, *, replaced: Iterable[int] = ()) -> R
         world.base_generation = epoch
         world.epoch = epoch
         # A joiner whose join was cut short, and a stayer with a phase 1 in progress, take part
-        # like any stayer: the swaps of older epochs are void, and their links are closed.
+        # like any stayer: the swaps of older epochs are void, and what they built is closed.
         world.joining = False
         stale = [e for e in world.prepared if e <= epoch]
         swaps = [world.prepared.pop(e) for e in stale]
     for swap in swaps:  # a build still running gives up by itself: this epoch superseded its own
-        for *_, link in swap.links:
-            link.close()
+        swap.discard()
     for rank in replaced:
         world.incarnation[rank] = epoch
-    keep = agree_on_kept_links(world, epoch, replaced)
+    keep_links, keep_groups = agree_on_kept(world, epoch, replaced)
     for (transport, peer), link in world.links_snapshot():
-        if (transport, peer) in keep:
+        if (transport, peer) in keep_links:
             link.resume()
         else:
             world.install(transport, peer, None)
+    for peer, pair in list(world.pairs.items()):
+        if pair.group.name in keep_groups:
+            pair.group.resume()
+        else:
+            world.drop_pair(peer)  # built again on first use, by both ends in this epoch
+    rebuild, kept = [], 0
+    for group in affected_groups(world, [world.rank]):  # every group of this process
+        if group.name in keep_groups:
+            group.resume()
+            kept += 1
+        else:
+            rebuild.append(group)
+    comms = build_groups(world, rebuild, epoch)
+    for group in rebuild:
+        group.install(comms[group.name])
     rebuilt = connect_all_rings(world, epoch)
-    return RecoverReport(epoch=epoch, kept=len(keep), rebuilt=rebuilt)
-
-
-def ledger_key(epoch: int, rank: int) -> str:
-    return f"nccl_delta/ledgers/e{epoch}/{rank}"
-
-
-def agree_on_kept_links(world: DeltaWorld, epoch: int, replaced: set[int]) -> set[tuple[str, int]]:
-    """Publish this process's ledgers and return the ``(transport, peer)`` links both ends keep.
-
-    Every stayer publishes (peers may wait for it); it waits only for the peers of its own quiet
-    links. Both ends of a link compare the same two ledgers, so they decide alike."""
-    entries = {key: link for key, link in world.links_snapshot() if key[1] not in replaced}
-    mine = {f"{transport}/{peer}": link.ledger() for (transport, peer), link in entries.items()}
-    world.store.set(ledger_key(epoch, world.rank), json.dumps(mine))
-    peers = sorted({peer for (transport, peer) in entries if mine[f"{transport}/{peer}"] is not None})
-    if not peers:
-        return set()
-    _wait_keys(world, [ledger_key(epoch, p) for p in peers], epoch)
-    theirs_by_peer = {p: json.loads(world.store.get(ledger_key(epoch, p))) for p in peers}
-    return {
-        (transport, peer)
-        for transport, peer in entries
-        if ledgers_match(mine[f"{transport}/{peer}"], theirs_by_peer.get(peer, {}).get(f"{transport}/{world.rank}"))
-    }
-
-
-POLL_FIRST_S = 0.005
-POLL_MAX_S = 0.08
-"""How often :func:`_wait_keys` looks: after 5 ms, then twice as long each time, up to 80 ms. Peers
-publish their ledgers within milliseconds of each other, so the first looks find them; a long wait (a
-peer starved or hung) then reads every key 12 times a second rather than 50, which on a crowded
-machine leaves the CPU to the peers being waited for."""
-
-
-def _wait_keys(world: DeltaWorld, keys: list[str], epoch: int) -> None:
-    """Block until every key is in the store; :class:`CommAbandoned` once a newer epoch supersedes
-    ``epoch`` (a peer that died before publishing never does), :class:`CommTimeout` after
-    ``connect_timeout_s``. Looks at the store with a growing pause (:data:`POLL_FIRST_S`)."""
-    deadline = time.monotonic() + world.config.connect_timeout_s
-    pause = POLL_FIRST_S
-    while not world.store.check(keys):
-        if world.superseded(epoch):
-            raise CommAbandoned(f"rank {world.rank}: ledgers of epoch {epoch} given up: {world.abandoned}")
-        if time.monotonic() > deadline:
-            raise CommTimeout(
-                f"rank {world.rank}: the ledgers {keys} were not all published within "
-                f"{world.config.connect_timeout_s:.0f}s; a peer of epoch {epoch} is hung or gone"
-            )
-        time.sleep(pause)
-        pause = min(2 * pause, POLL_MAX_S)
-
-
-def ledgers_match(ours: Ledger | None, theirs: Ledger | None) -> bool:
-    """Whether a link may be kept: both ends quiet, the same generation, the same number of pair
-    collectives, and every message one end sent received by the other (per tag)."""
-    return (
-        ours is not None
-        and theirs is not None
-        and ours["generation"] == theirs["generation"]
-        and ours["pair"] == theirs["pair"]
-        and ours["sent"] == theirs["received"]
-        and ours["received"] == theirs["sent"]
+    return RecoverReport(
+        epoch=epoch,
+        kept=len(keep_links),
+        rebuilt=rebuilt,
+        groups_kept=kept,
+        groups_rebuilt=len(rebuild),
+        members_rebuilt=sum(g.size for g in rebuild),
     )
 
 
 def join(world: DeltaWorld, epoch: int) -> None:
-    """On the joiner: connect every ring link of every group, in creation order, in generation ``epoch``."""
+    """On the joiner: build every group's communicator, then every WORLD ring link, in generation ``epoch``."""
     if not world.joining:
         raise SwapAborted(
             f"rank {world.rank} is not a joiner: call nccl_delta.expect_join(epoch) before init_process_group"
         )
     if epoch != world.epoch:
         raise SwapAborted(f"join({epoch}) but this joiner expected epoch {world.epoch}")
+    groups = affected_groups(world, [world.rank])
+    comms = build_groups(world, groups, epoch)
+    for group in groups:
+        group.install(comms[group.name])
     connect_all_rings(world, epoch)
     world.joining = False
 
 
 def connect_all_rings(world: DeltaWorld, epoch: int) -> int:
-    """Build the link to every ring neighbour (in any group) that has none, in generation ``epoch``.
-
-    One link per neighbour, all at once (one thread each): the cost is one link set-up, not
-    one per group (TP2xPP2xDP2 has up to ten groups over the same TP pair).
-    """
+    """Build the link to every WORLD ring neighbour that has none, in generation ``epoch``, all at once."""
     have = {peer for (transport, peer), _ in world.links_snapshot() if transport == world.transport}
     missing = {p: g for p, g in sorted(world.ring_neighbours().items()) if p not in have}
     if missing:

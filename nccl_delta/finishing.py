@@ -19,6 +19,10 @@ Contract (:meth:`DeltaWorld.finishing`, the block around the optimizer step, on 
   that neither finishes nor stops). A watcher thread looks, with the ledger poll's back-off.
 - Leaving the block quiesces every deferred link that is idle (``recover`` may keep it) and severs the
   rest. Only the training thread enters the block; ``recover`` cannot run inside it.
+- Native groups (:mod:`nccl_delta.native_group`) follow the same rules: a deferred group with an op in
+  flight is aborted once a member has published a ledger showing it will never complete that op (it
+  issued fewer collectives, sent us fewer messages or posted fewer receives than we did), or once the
+  grace passes; leaving the block quiesces the idle ones and aborts the rest.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .links import Link
+    from .native_group import NativeGroup
     from .world import DeltaWorld
 
 logger = logging.getLogger(__name__)
@@ -49,15 +54,29 @@ def finishing(world: DeltaWorld) -> Iterator[None]:
         with world._lock:
             world.in_finishing = False
             deferred, world.deferred = world.deferred, {}
+            groups, world.deferred_groups = world.deferred_groups, {}
             reason = world.abandoned or "abandoned by the control plane"
         for link in deferred.values():
             if not link.quiesce(reason):
                 link.sever(reason)
+        for group in groups.values():
+            if not group.quiesce(reason):
+                group.abort(reason)
 
 
 def defer(world: DeltaWorld, key: tuple[str, int], link: Link, epoch: int) -> None:
     """Inside ``finishing`` (caller holds ``world._lock``): leave ``link`` to its op, watched."""
     world.deferred[key] = link
+    _watch_from(world, epoch)
+
+
+def defer_group(world: DeltaWorld, group: NativeGroup, epoch: int) -> None:
+    """Inside ``finishing`` (caller holds ``world._lock``): leave ``group`` to its op, watched."""
+    world.deferred_groups[group.name] = group
+    _watch_from(world, epoch)
+
+
+def _watch_from(world: DeltaWorld, epoch: int) -> None:
     if world.finish_watcher is None or not world.finish_watcher.is_alive():
         world.finish_watcher = threading.Thread(
             target=_watch, args=(world, epoch), name="nccl_delta_finish_watch", daemon=True
@@ -67,7 +86,7 @@ def defer(world: DeltaWorld, key: tuple[str, int], link: Link, epoch: int) -> No
 
 def _watch(world: DeltaWorld, epoch: int) -> None:
     """Sever each deferred link whose peer stopped (or once the grace passed), until none is left."""
-    from .delta import POLL_FIRST_S, POLL_MAX_S, ledger_key
+    from .ledgers import POLL_FIRST_S, POLL_MAX_S, ledger_key
 
     deadline = time.monotonic() + world.config.finish_grace_s
     pause = POLL_FIRST_S
@@ -75,12 +94,29 @@ def _watch(world: DeltaWorld, epoch: int) -> None:
         time.sleep(pause)
         pause = min(2 * pause, POLL_MAX_S)
         with world._lock:
-            if not world.deferred:
+            if not world.deferred and not world.deferred_groups:
                 return
             pending = dict(world.deferred)
+            groups = dict(world.deferred_groups)
             newest = world.newest_abandon
             reason = world.abandoned or f"epoch {epoch} abandoned"
         expired = time.monotonic() > deadline
+        for name, group in groups.items():
+            if not expired and not _group_cannot_finish(world, group, newest):
+                continue
+            with world._lock:
+                taken = world.deferred_groups.pop(name, None) is group
+            if not taken:
+                continue
+            if expired:
+                logger.warning(
+                    "rank %d: the collective in group %r neither finished nor stopped within %.1fs of the abandon "
+                    "(finish_grace_s); aborting the group",
+                    world.rank,
+                    name,
+                    world.config.finish_grace_s,
+                )
+            group.abort(reason)
         for key, link in pending.items():
             if not expired and not _peer_stopped(world, key, link, ledger_key(newest, key[1])):
                 continue
@@ -120,3 +156,35 @@ def _peer_stopped(world: DeltaWorld, key: tuple[str, int], link: Link, ledger: s
         return False  # on the way to us: our op goes on
     unread = any(theirs["received"].get(str(t), 0) < n for t, n in sent.items())
     return awaiting > 0 or unread
+
+
+def _group_cannot_finish(world: DeltaWorld, group: NativeGroup, epoch: int) -> bool:
+    """Whether an op in flight on ``group`` waits for a member that has stopped without doing its part:
+    its published ledger for ``epoch`` has the group cut (``None``), or fewer collectives, messages to us
+    or receives from us than we issued. An idle group is left to the block's end."""
+    from .ledgers import group_key, ledger_key
+
+    if not group.busy():
+        return False
+    mine = group.counts()
+    me = str(world.rank)
+    for member in group.members:
+        if member == world.rank:
+            continue
+        key = ledger_key(epoch, member)
+        try:
+            if not world.store.check([key]):
+                continue
+            theirs = json.loads(world.store.get(key)).get(group_key(group))
+        except Exception as exc:  # the store is unreachable: the grace decides
+            logger.info("rank %d: could not read %s: %s", world.rank, key, exc)
+            continue
+        if theirs is None or theirs["generation"] != mine["generation"]:
+            return True
+        if theirs["collectives"] < mine["collectives"]:
+            return True
+        if theirs["sent"].get(me, 0) < mine["received"].get(str(member), 0):
+            return True
+        if theirs["received"].get(me, 0) < mine["sent"].get(str(member), 0):
+            return True
+    return False

@@ -312,27 +312,33 @@ class Link:
         if wait:
             self.handle.close()
         else:
-            _reaper().put(self.handle)
+            reap(self.handle.close)
 
 
-_reaper_queue: queue.SimpleQueue[TransportHandle] | None = None
+def reap(teardown: Callable[[], None]) -> None:
+    """Run ``teardown`` on the process's reaper thread: tearing a gloo group down joins its threads,
+    which must not hold up the caller (a switch, an abandon, a recovery)."""
+    _reaper().put(teardown)
+
+
+_reaper_queue: queue.SimpleQueue[Callable[[], None]] | None = None
 _reaper_pid: int | None = None
 _reaper_lock = threading.Lock()
 
 
-def _reaper() -> queue.SimpleQueue[TransportHandle]:
+def _reaper() -> queue.SimpleQueue[Callable[[], None]]:
     global _reaper_queue, _reaper_pid
     with _reaper_lock:
         # A forked child inherits the queue but not the thread: start its own.
         if _reaper_queue is None or _reaper_pid != os.getpid():
             _reaper_queue, _reaper_pid = queue.SimpleQueue(), os.getpid()
 
-            def drain(q: queue.SimpleQueue[TransportHandle] = _reaper_queue) -> None:
+            def drain(q: queue.SimpleQueue[Callable[[], None]] = _reaper_queue) -> None:
                 while True:
-                    handle = q.get()
+                    teardown = q.get()
                     try:
-                        handle.close()
-                    except Exception:  # a link already torn down by its error; nothing left to free
+                        teardown()
+                    except Exception:  # already torn down by its error; nothing left to free
                         pass
 
             threading.Thread(target=drain, name="nccl_delta_reaper", daemon=True).start()

@@ -20,16 +20,15 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import select
-import socket
 import threading
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 from torch.distributed import AllreduceOptions, Work
 
+from .sockets import Address, Endpoints, connected_endpoints, endpoint, new_gloo_device, shut_down, socket_fds
 from .waiter import Pending, Waitable, WaitCancelled, wait_completion
 from .waiter import wait as wait_interruptible
 
@@ -57,9 +56,6 @@ class PairGroup(Protocol):
     def shutdown(self) -> None: ...
 
 
-Address: TypeAlias = "tuple[str | int, ...]"
-"""A socket's (host, port)."""
-
 # Above every tag the groups use (all below 2**30, see nccl_delta.group): never matched by a send.
 PROBE_TAG = (1 << 30) + 1
 
@@ -72,64 +68,20 @@ def _link_device(host: str | None) -> ProcessGroupGloo.Device:
     it. A device shared by every link of the process outlived the groups closed on it, and
     processes that built and closed links on one shared device were seen to crash in a gloo
     thread (docs/nccl_delta.md). The cost is one thread and one listening port per link."""
-    iface = os.environ.get("GLOO_SOCKET_IFNAME")
-    if host is not None:
-        return ProcessGroupGloo.create_device(hostname=host)
-    if iface:
-        return ProcessGroupGloo.create_device(interface=iface.split(",")[0])
-    return ProcessGroupGloo.create_default_device()
+    return new_gloo_device(host)[0]
 
 
 def _socket_fds() -> set[int]:
-    fds = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                fds.add(int(name))
-        except OSError:
-            continue  # closed between listdir and readlink
-    return fds
+    return socket_fds()
 
 
-def _connected_endpoints(fds: set[int]) -> dict[int, tuple[list[str | int], list[str | int]]]:
+def _connected_endpoints(fds: set[int]) -> Endpoints:
     """fd -> (local addr, peer addr) of the connected TCP sockets among ``fds``."""
-    found = {}
-    for fd in fds:
-        try:
-            dup = os.dup(fd)
-        except OSError:
-            continue
-        try:
-            sock = socket.socket(fileno=dup)
-        except OSError:  # another thread closed it and the number now holds a file, not a socket
-            os.close(dup)
-            continue
-        try:
-            if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
-                continue
-            # Never touch a listener: shutting gloo's listener down aborts the process.
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                continue
-            found[fd] = (list(sock.getsockname()[:2]), list(sock.getpeername()[:2]))
-        except OSError:
-            continue
-        finally:
-            sock.close()  # closes only the dup
-    return found
+    return connected_endpoints(fds)
 
 
 def _endpoint(fd: int) -> tuple[Address, Address] | None:
-    """(local, peer) of the TCP socket now at ``fd``, or ``None`` if there is none."""
-    try:
-        sock = socket.socket(fileno=os.dup(fd))
-    except OSError:
-        return None
-    try:
-        return (tuple(sock.getsockname()[:2]), tuple(sock.getpeername()[:2]))
-    except OSError:
-        return None
-    finally:
-        sock.close()
+    return endpoint(fd)
 
 
 class _Send:
@@ -266,17 +218,7 @@ class GlooPair:
             self._severed = True
             for pending in self._pending:
                 pending.cancel("the link was severed while an op was pending")
-            for fd in self._live_fds():
-                try:
-                    sock = socket.socket(fileno=os.dup(fd))
-                except OSError:
-                    continue
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass  # already closed by the peer
-                finally:
-                    sock.close()
+            shut_down(self._sockets)
 
     def close(self) -> None:
         """Drop the group; the socket closes when gloo frees the pair."""
@@ -307,10 +249,8 @@ def connect_gloo_pair(store: Store, prefix: str, side: int, timeout: datetime.ti
     # mirror image (peer <-> local) the other end reports: that is the pair.
     link_store.set(f"sock/{side}", json.dumps(list(mine.values())))
     theirs = json.loads(link_store.get(f"sock/{1 - side}").decode())
-    mirrored = {(tuple(peer), tuple(local)) for local, peer in theirs}
-    sockets = {
-        fd: (tuple(local), tuple(peer)) for fd, (local, peer) in mine.items() if (tuple(local), tuple(peer)) in mirrored
-    }
+    mirrored = {((str(peer[0]), int(peer[1])), (str(local[0]), int(local[1]))) for local, peer in theirs}
+    sockets = {fd: (local, peer) for fd, (local, peer) in mine.items() if (local, peer) in mirrored}
     if not sockets:
         logger.warning("link %s: pair socket not identified; abandon falls back to the op timeout", prefix)
     return GlooPair(pg, side, sockets, timeout)

@@ -35,7 +35,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from torch._C._distributed_c10d import Store
 
@@ -45,6 +45,8 @@ from . import links as links_mod
 from .config import DeltaConfig
 from .group import DeltaGroup
 from .links import Link, LinkId
+from .native_group import NativeGroup
+from .pairs import Pair
 
 if TYPE_CHECKING:
     from .delta import PreparedSwap, RecoverReport, SwitchReport
@@ -64,7 +66,13 @@ class DeltaWorld:
         self.store = store
         self.config = config
         self.transport = config.resolved_transport()
-        self.groups: dict[str, DeltaGroup] = {}
+        self.device_type = "cuda" if self.transport == "nccl" else "cpu"
+        """The device of the groups' primary communicators (NCCL on ``cuda``, gloo on ``cpu``)."""
+        self.groups: dict[str, DeltaGroup | NativeGroup] = {}
+        """Every group of this process by name: WORLD's ring (:class:`DeltaGroup`) and the native groups."""
+        self.pairs: dict[int, Pair] = {}
+        """Peer -> the pair communicator WORLD's point-to-point ops with it use (built on first use)."""
+        self._pairs_lock = threading.Lock()
         self.links: dict[tuple[str, int], Link] = {}
         """``(transport, peer) -> Link``: the one live link to each peer, shared by all groups."""
         self._links_lock = threading.Lock()
@@ -82,6 +90,8 @@ class DeltaWorld:
         """Whether the training thread is inside :meth:`finishing` (see :mod:`nccl_delta.finishing`)."""
         self.deferred: dict[tuple[str, int], Link] = {}
         """Links an abandon inside :meth:`finishing` left to their op, watched until the block ends."""
+        self.deferred_groups: dict[str, NativeGroup] = {}
+        """Native groups an abandon inside :meth:`finishing` left to their op, watched likewise."""
         self.finish_watcher: threading.Thread | None = None
         self.prepared: dict[int, PreparedSwap] = {}
         self.world_group_name: str | None = None
@@ -91,19 +101,52 @@ class DeltaWorld:
         return f"DeltaWorld(rank={self.rank}/{self.world_size}, epoch={self.epoch}, groups={len(self.groups)})"
 
     # --- groups ----------------------------------------------------------------
-    def add_group(self, *, name: str, members: list[int], store: Store) -> DeltaGroup:
-        """Register a group this process belongs to; builds its ring links unless this is a joiner."""
+    def add_group(self, *, name: str, members: list[int], store: Store) -> DeltaGroup | NativeGroup:
+        """Register a group this process belongs to and build its communicator (WORLD: its ring links),
+        unless this is a joiner (``join`` builds them) or an abandon is pending (``recover`` does)."""
         if name in self.groups:
             raise ValueError(f"group {name!r} exists already: groups must have unique names")
-        group = DeltaGroup(world=self, name=name, members=members, store=store)
+        group: DeltaGroup | NativeGroup
+        if name == self.world_group_name:
+            group = DeltaGroup(world=self, name=name, members=members, store=store)
+        else:
+            group = NativeGroup(world=self, name=name, members=members, store=store)
         self.groups[name] = group
         if not self.joining and self.abandoned is None:
-            group.connect_ring(self.transport)
+            if isinstance(group, DeltaGroup):
+                group.connect_ring(self.transport)
+            elif group.size > 1:
+                group.install(group.build(self.epoch))
         return group
 
     def remove_group(self, name: str) -> None:
-        """Forget a group; its links stay for the other groups (:meth:`close` closes them all)."""
-        self.groups.pop(name, None)
+        """Forget a group; a native one's communicator is closed (WORLD's links stay until :meth:`close`)."""
+        group = self.groups.pop(name, None)
+        if isinstance(group, NativeGroup):
+            group.close()
+
+    def native_groups(self) -> list[NativeGroup]:
+        """Every native group with a communicator of its own (more than one member), pairs included."""
+        groups = [g for g in list(self.groups.values()) if isinstance(g, NativeGroup) and g.size > 1]
+        with self._pairs_lock:
+            return groups + [pair.group for pair in self.pairs.values()]
+
+    def pair(self, peer: int) -> Pair:
+        """WORLD's point-to-point with ``peer`` (:mod:`nccl_delta.pairs`); its build starts on first use."""
+        with self._pairs_lock:
+            pair = self.pairs.get(peer)
+            if pair is None:
+                if self.abandoned is not None:
+                    raise CommAbandoned(f"rank {self.rank}: no new communicator with rank {peer}: {self.abandoned}")
+                pair = self.pairs[peer] = Pair(self, peer)
+            return pair
+
+    def drop_pair(self, peer: int) -> None:
+        """Forget the pair communicator with ``peer`` (the next point-to-point op builds a new one)."""
+        with self._pairs_lock:
+            pair = self.pairs.pop(peer, None)
+        if pair is not None:
+            pair.close()
 
     def superseded(self, since: int) -> bool:
         """Whether ``abandon`` named an epoch newer than ``since`` (work begun in ``since`` is void)."""
@@ -116,6 +159,8 @@ class DeltaWorld:
         """Every peer that is a ring neighbour of this process in some group -> the first such group."""
         out: dict[int, str] = {}
         for group in list(self.groups.values()):
+            if not isinstance(group, DeltaGroup):
+                continue
             for peer in group.ring_peers():
                 out.setdefault(peer, group.name)
         return out
@@ -226,8 +271,15 @@ class DeltaWorld:
         join(self, epoch)
 
     def close(self) -> None:
-        """Forget every group and close every link (idempotent)."""
+        """Forget every group, close every communicator and link (idempotent)."""
+        groups = self.native_groups()
         self.groups.clear()
+        with self._pairs_lock:
+            pairs, self.pairs = list(self.pairs.values()), {}
+        for pair in pairs:
+            pair.closed = True
+        for group in groups:
+            group.close()
         self.drop_links()
 
 
@@ -235,22 +287,35 @@ POLL_S = 0.02
 """How often a set-up waiting for its links checks whether a newer epoch superseded it."""
 
 
-def _build_all(world: DeltaWorld, builders: dict[int, Callable[[], Link]]) -> dict[int, Link]:
-    """Run every builder on a daemon thread at once and return their links (see the module docstring).
+K = TypeVar("K")
+T = TypeVar("T")
 
-    Raises the first builder's error (closing the links that did come up), or :class:`CommAbandoned`
-    as soon as ``abandon`` supersedes the epoch this call began in; a link finished after that is
-    closed by its own thread."""
+
+def _build_all(world: DeltaWorld, builders: dict[int, Callable[[], Link]]) -> dict[int, Link]:
+    """Build links at once (see :func:`build_concurrently`)."""
+    return build_concurrently(world, builders, lambda link: link.close(), "link set-up")
+
+
+def build_concurrently(
+    world: DeltaWorld, builders: dict[K, Callable[[], T]], discard: Callable[[T], None], what: str
+) -> dict[K, T]:
+    """Run every builder on a daemon thread at once and return what each built.
+
+    Raises the first builder's error (discarding what did come up), or :class:`CommAbandoned` as soon
+    as ``abandon`` supersedes the epoch this call began in; whatever is finished after that is
+    discarded by its own thread. Everything built at once, one thread each, because each build is a
+    rendezvous with other processes: built one by one in different orders on two ends, they could
+    wait for each other."""
     since = world.epoch
     lock = threading.Lock()
-    results: dict[int, Link] = {}
+    results: dict[K, T] = {}
     errors: list[BaseException] = []
     gave_up = threading.Event()
     finished = threading.Semaphore(0)
 
-    def run(peer: int, builder: Callable[[], Link]) -> None:
+    def run(key: K, builder: Callable[[], T]) -> None:
         try:
-            link = builder()
+            built = builder()
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             with lock:
                 errors.append(exc)
@@ -258,14 +323,14 @@ def _build_all(world: DeltaWorld, builders: dict[int, Callable[[], Link]]) -> di
             with lock:
                 late = gave_up.is_set()
                 if not late:
-                    results[peer] = link
+                    results[key] = built
             if late:
-                link.close()
+                discard(built)
         finally:
             finished.release()
 
-    for peer, builder in builders.items():
-        threading.Thread(target=run, args=(peer, builder), name=f"nccl_delta_connect_{peer}", daemon=True).start()
+    for key, builder in builders.items():
+        threading.Thread(target=run, args=(key, builder), name=f"nccl_delta_build_{key}", daemon=True).start()
     done = 0
     while done < len(builders):
         if finished.acquire(timeout=POLL_S):
@@ -275,12 +340,12 @@ def _build_all(world: DeltaWorld, builders: dict[int, Callable[[], Link]]) -> di
             with lock:
                 gave_up.set()
                 up = list(results.values())
-            for link in up:
-                link.close()
-            raise CommAbandoned(f"rank {world.rank}: link set-up of epoch {since} given up: {world.abandoned}")
+            for built in up:
+                discard(built)
+            raise CommAbandoned(f"rank {world.rank}: {what} of epoch {since} given up: {world.abandoned}")
     if errors:
-        for link in results.values():
-            link.close()
+        for built in results.values():
+            discard(built)
         raise errors[0]
     return results
 

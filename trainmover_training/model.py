@@ -58,8 +58,12 @@ def transformer_config_from_args(args, layout):
         fp16=args.fp16,
         # gloo matches both directions of a batched exchange with the same peer
         # and tag in posting order: with interleaved PP=2 that silently swaps
-        # activations and gradients. Never batch on gloo.
-        batch_p2p_comm=not (layout.backend == "gloo" and interleaved),
+        # activations and gradients. Never batch on gloo. Nor on TrainMover's
+        # communicator: batch_isend_irecv coalesces only on torch's own group
+        # class, and separate NCCL sends posted before their receives on both
+        # ends would wait for each other; megatron's unbatched exchange orders
+        # each pair's sends and receives by rank parity instead.
+        batch_p2p_comm=not ((layout.backend == "gloo" and interleaved) or getattr(layout, "comm", "") == "nccl_delta"),
         gradient_accumulation_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,

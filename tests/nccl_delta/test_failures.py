@@ -193,8 +193,10 @@ def _leaving_rank(rank, n, store):
 
 
 def test_recover_keeps_idle_links_whose_ledgers_match():
-    """Ring 0-1-2-3, rank 3 replaced. Link 1-2 (idle, ledgers match) survives the recovery; 0-1 had
-    ops in flight, so it is severed and rebuilt; 0-3 and 2-3 go to the joiner."""
+    """WORLD's ring 0-1-2-3, rank 3 replaced. Links 0-1 and 1-2 (idle, ledgers match) survive the
+    recovery; WORLD's point-to-point between 0 and 1 goes over their pair communicator, which had a send
+    and a receive in flight, so it is cut and built again on first use (the next message arrives
+    whole); links 0-3 and 2-3 go to the joiner."""
     store = harness.host_store()
     queue = harness.CTX.Queue()
     ranks = harness.spawn(4, _stayer_keeping_links, ranks=[0, 1, 2], store=store, queue=queue)
@@ -212,9 +214,9 @@ def test_recover_keeps_idle_links_whose_ledgers_match():
     stayers = {r: results[r] for r in (0, 1, 2)}
     assert {r: v["sum"] for r, v in stayers.items()} == {0: 10.0, 1: 10.0, 2: 10.0}
     assert stayers[1]["got"] == 7.0
-    # rank: (links kept, ring links rebuilt, links severed by the abandon)
+    # rank: (links kept, ring links rebuilt, links and communicators cut by the abandon)
     assert {r: (v["kept"], v["rebuilt"], v["severed"]) for r, v in stayers.items()} == {
-        0: (0, 2, 2),
-        1: (1, 1, 1),
-        2: (1, 1, 1),
+        0: (1, 1, 2),  # link 0-3 and the busy pair 0-1 cut
+        1: (2, 0, 1),  # the pair 0-1
+        2: (1, 1, 1),  # link 2-3
     }, stayers

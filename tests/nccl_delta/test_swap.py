@@ -3,8 +3,8 @@
 Groups: WORLD, LOAD=[0,1,2] (without 3), B=[1,2,3], C=[0,3]. While phase 1
 runs in the background, ranks 0-2 keep all-reducing on LOAD and must never
 block. After phase 2 every group containing 3 gives results bit-identical to
-those before the swap (same inputs, same ring order), and each stayer touched
-only its links to 3.
+those before the swap (same inputs, same group order); each stayer swapped only
+its groups with 3, and LOAD keeps the very communicator it had.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def _stayer(rank, n, store):
     store.set(f"ready/{rank}", "1")
     store.wait(["go"])
     world = nccl_delta.current_world()
+    load_comm = world.groups[groups["LOAD"].group_name].comms["cpu"]
     swap = world.prepare(3, EPOCH, joiner="test-joiner")
     latencies, during_phase1 = [], 0
     wrong = 0
@@ -68,6 +69,8 @@ def _stayer(rank, n, store):
         max_latency=max(latencies),
         during_phase1=during_phase1,
         links_touched=report.links_touched,
+        groups_switched=report.groups_switched,
+        load_kept=world.groups[groups["LOAD"].group_name].comms["cpu"] is load_comm,
         switch_s=report.switch_s,
         wrong=wrong,
     )
@@ -118,6 +121,8 @@ def test_swap_under_load_is_bit_identical():
         assert r["wrong"] == 0, "the load group computed a wrong sum"
         assert r["during_phase1"] >= 10, f"rank {rank}: only {r['during_phase1']} ops overlapped phase 1"
         assert r["max_latency"] < 0.3, f"rank {rank}: a LOAD all-reduce blocked for {r['max_latency']:.3f}s"
-    # Only the link to rank 3 changes, one per neighbour of 3, however many groups share it:
-    # rank 0 (WORLD and C), rank 1 (B), rank 2 (WORLD and B).
-    assert [results[r]["links_touched"] for r in (0, 1, 2)] == [1, 1, 1]
+        assert r["load_kept"], f"rank {rank}: LOAD (without rank 3) got a new communicator"
+    # Only the groups with rank 3 are swapped: rank 0 (C), rank 1 (B), rank 2 (B); and WORLD's ring
+    # links to 3: ranks 0 and 2 are its neighbours in WORLD's ring.
+    assert [results[r]["groups_switched"] for r in (0, 1, 2)] == [1, 1, 1]
+    assert [results[r]["links_touched"] for r in (0, 1, 2)] == [1, 0, 1]

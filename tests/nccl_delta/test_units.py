@@ -132,7 +132,7 @@ def test_a_probed_link_is_severed_even_when_an_abandon_races_the_probe():
 
 
 def test_a_link_is_kept_only_when_both_ledgers_match():
-    from nccl_delta.delta import ledgers_match
+    from nccl_delta.ledgers import ledgers_match
 
     a = {"generation": 0, "pair": 3, "sent": {"5": 2, "1029": 7}, "received": {"1029": 7}}
     b = {"generation": 0, "pair": 3, "sent": {"1029": 7}, "received": {"5": 2, "1029": 7}}

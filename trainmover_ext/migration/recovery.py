@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, *, fresh_joiner: bool) -> None:
     """Bring this rank to ``plan.epoch``'s resume point (see the module docstring)."""
     import nccl_delta
-    from trainmover_ext.migration.transfer import LinkChannel
+    from trainmover_ext.migration.transfer import GroupChannel
 
     layout, args = session.layout, session.args
     replaced = {r.rank for r in plan.replacement_list()}
@@ -55,20 +55,27 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, *, fresh_
         faults.at("recover", rank=layout.rank, epoch=e)
         report_recovery(rt.space, epoch=e, rank=layout.rank, iteration=args.iteration if rt.state_valid else None)
         report = world.recover(e, replaced=replaced)
-        logger.info("rank %d: epoch %d kept %d links, rebuilt %d", layout.rank, e, report.kept, report.rebuilt)
+        logger.info(
+            "rank %d: epoch %d kept %d groups, rebuilt %d (%d members in all)",
+            layout.rank,
+            e,
+            report.groups_kept,
+            report.groups_rebuilt,
+            report.members_rebuilt,
+        )
     mark_step(rt.space, e, "joined" if fresh_joiner else "links_rebuilt", only_if=layout.rank in replaced)
     cplan = _await_convergence(rt, e)
     if cplan.from_checkpoint:
         _load_checkpoint(rt, session, cplan)
     else:
-        # Over the communicator's own link: the source is a ring neighbour of its target when one
-        # qualifies (the controller picks it), so nothing is set up on the critical path.
+        # Over their data-parallel group's communicator, just rebuilt with the joiner: nothing is set up
+        # on the critical path.
         for src, dst in cplan.copies:
             if layout.rank == src:
-                send_and_report(LinkChannel(dst), session, dst, e, drill="send", space=rt.space)
+                send_and_report(GroupChannel(dst), session, dst, e, drill="send", space=rt.space)
             elif layout.rank == dst:
                 rt.state_valid = False  # until every tensor has landed
-                recv_and_report(LinkChannel(src), session, src, e, space=rt.space)
+                recv_and_report(GroupChannel(src), session, src, e, space=rt.space)
                 rt.state_valid = True
                 session.started = iteration_start.capture(args)  # what a later rewind goes back to
         if rt.state_valid is False or args.iteration != cplan.resume_iteration:

@@ -45,7 +45,6 @@ from trainmover_ext.errors import MigrationAborted
 from trainmover_training import checkpointing
 
 if TYPE_CHECKING:
-    from nccl_delta.links import LinkWork
     from trainmover_training.training import Session
 
 
@@ -61,7 +60,7 @@ _S = TypeVar("_S")
 
 class Channel(Protocol[_S]):
     """What :func:`send_state` and :func:`recv_state` need of a channel: :class:`PairChannel`,
-    :class:`LinkChannel` or the planned hand-over's ``HandoverChannel``."""
+    :class:`GroupChannel` or the planned hand-over's ``HandoverChannel``."""
 
     def send(self, tensor: torch.Tensor, tag: int) -> _S: ...
 
@@ -95,35 +94,42 @@ class PairChannel:
             work.wait()
 
 
-class LinkChannel:
-    """The transfer over the nccl_delta world's link to ``peer`` (point-to-point in WORLD, one tag).
+class GroupChannel:
+    """The transfer over the communicator of the smallest group that holds both ends.
 
-    After a failure the joiner and its state source are usually ring neighbours (the source is the
-    replica nearest in the data-parallel ring, see ``control.convergence``), so that link is
-    up already and the transfer sets nothing up; otherwise both ends build it on first use. Every
-    message goes on one tag: sends and receives on a tag match in posting order."""
-
-    TAG = 1000
-    """WORLD's point-to-point tag for state transfers (megatron's pipeline p2p over WORLD uses tag 0)."""
+    After a failure that is their data-parallel group (the source is a replica of the target's rank),
+    whose communicator ``recover``/``join`` has just rebuilt with the joiner in it, so the transfer sets
+    nothing up; otherwise the two ranks' pair communicator, built on first use. Every message goes on
+    one tag per tensor; sends and receives on a tag match in posting order."""
 
     def __init__(self, peer: int) -> None:
         import nccl_delta
+        from nccl_delta.native_ops import NativeOps
 
         world = nccl_delta.current_world()
-        assert world.world_group_name is not None  # set when WORLD was created, before any transfer
-        self.group = world.groups[world.world_group_name]
+        pairs = {id(pair.group) for pair in world.pairs.values()}
+        shared = [g for g in world.native_groups() if peer in g.members and id(g) not in pairs]
         self.peer = peer
+        if shared:
+            group = min(shared, key=lambda g: (g.size, g.name))
+            ops = NativeOps(group)
+            index = group.members.index(peer)
+            self._send: Callable[[torch.Tensor, int], Work] = lambda t, tag: ops.send([t], index, tag)
+            self._recv: Callable[[torch.Tensor, int], Work] = lambda t, tag: ops.recv([t], index, tag)
+        else:
+            pair = world.pair(peer)
+            self._send = lambda t, tag: pair.send([t], tag)
+            self._recv = lambda t, tag: pair.recv([t], tag)
 
-    def send(self, tensor: torch.Tensor, tag: int) -> LinkWork:
-        return self.group.isend(tensor, self.peer, self.TAG)
+    def send(self, tensor: torch.Tensor, tag: int) -> Work:
+        return self._send(tensor, tag)
 
-    def recv(self, tensor: torch.Tensor, tag: int) -> LinkWork:
-        return self.group.irecv(tensor, self.peer, self.TAG)
+    def recv(self, tensor: torch.Tensor, tag: int) -> Work:
+        return self._recv(tensor, tag)
 
-    def wait_sends(self, works: list[LinkWork]) -> None:
-        from nccl_delta.links import wait_sends
-
-        wait_sends(works)  # one link: one wait
+    def wait_sends(self, works: list[Work]) -> None:
+        for work in works:
+            work.wait()
 
 
 def open_transfer_link(store: Store, name: str, side: int, timeout_s: float, host: str | None = None) -> PairChannel:
@@ -289,7 +295,7 @@ def _send_raw(channel: Channel[_S], data: bytes) -> None:
 def send_state(
     channel: Channel[_S], session: Session, after_meta: Callable[[], object] | None = None, forge: str | None = None
 ) -> int:
-    """Source side (``channel``: :class:`PairChannel` or :class:`LinkChannel`); returns the bytes sent.
+    """Source side (``channel``: :class:`PairChannel` or :class:`GroupChannel`); returns the bytes sent.
 
     Every tensor's send is posted before any is waited for: one round of waits, not one per tensor.
     ``after_meta`` (fault drills) is called once the metadata is sent; ``forge`` (a drill, see

@@ -1,0 +1,367 @@
+"""NativeGroup: one torch/megatron group whose ops run on a native communicator that can be replaced.
+
+Contract
+- Every group but WORLD is a :class:`NativeGroup` (WORLD stays a ring over links, see
+  :mod:`nccl_delta.group`, so that a replacement never rebuilds it). Its ops go to torch's own
+  backend of the group's current generation (:mod:`nccl_delta.native`), one backend call per op,
+  and return that backend's work wrapped in :class:`NativeWork`: asynchronous, so megatron's
+  ``--overlap-grad-reduce`` and ``--overlap-param-gather`` overlap as on plain torch groups.
+- The handle megatron holds (:class:`~nccl_delta.backend.DeltaProcessGroup`) keeps pointing at this
+  object; :meth:`install` swaps the communicator behind it at an iteration boundary (a planned move's
+  phase 2, or ``recover``/``join``).
+- Members are logical ranks in group-rank order and never change; only the process behind a rank does.
+- State: ``open``; ``quiet`` (an abandon found it idle: new ops raise :class:`CommAbandoned`, and
+  ``recover`` may keep it); ``aborted`` (an abandon cut it: pending ops raise); ``broken`` (its
+  communicator raised). Only an ``open`` group runs ops; an aborted or broken one is rebuilt.
+- A ledger counts what crossed the group in its generation: collectives issued, messages sent to and
+  received from each peer. ``recover`` keeps a quiet group only when every member's ledger agrees
+  (nothing issued on one end that the others did not issue).
+- The primary communicator (NCCL on a GPU, gloo on CPU) is built with the group; a CPU collective
+  on a GPU group (megatron's object collectives) builds the group's gloo communicator on first use,
+  in the same generation, on every member at once (they are all in that collective).
+- Errors: a failed op raises :class:`CommLinkError` naming the group, the op and, where gloo says
+  which connection closed, the suspected peer; :class:`CommAbandoned` when the control plane cut it;
+  :class:`CommTimeout` past the op deadline.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
+from torch.futures import Future
+
+from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout
+
+from . import sockets
+from .native import NativeComm, build_comm
+
+if TYPE_CHECKING:
+    from .world import DeltaWorld
+
+OPEN, QUIET, ABORTED, BROKEN = "open", "quiet", "aborted", "broken"
+
+
+def own_client(store: Store) -> Store:
+    """An independent clone of ``store`` where it can be cloned (TCPStore), else ``store`` itself (the
+    Python etcd store, which is thread-safe)."""
+    try:
+        clone: Store = store.clone()  # type: ignore[attr-defined]  # bound in c10d; not in the stub
+        return clone
+    except Exception:  # a store implemented in Python without clone()
+        return store
+
+
+class NativeGroup:
+    """See the module docstring."""
+
+    kind = "native"
+
+    def __init__(self, *, world: DeltaWorld, name: str, members: list[int], store: Store):
+        if world.rank not in members:
+            raise ValueError(f"rank {world.rank} is not a member of group {name!r} {members}")
+        self.world = world
+        self.name = name
+        self.members = list(members)
+        self.store = store
+        self.index = self.members.index(world.rank)
+        self.size = len(self.members)
+        self.comms: dict[str, NativeComm] = {}
+        """Device type -> the communicator of the current generation."""
+        self.generation = -1
+        """The epoch the current communicators were built in (-1: none yet)."""
+        self.state = OPEN
+        self.reason: str | None = None
+        self.collectives = 0
+        self.sent: dict[int, int] = {}
+        """Messages posted to each peer (logical rank) in this generation."""
+        self.received: dict[int, int] = {}
+        """Receives posted from each peer (logical rank) in this generation."""
+        self.any_source = 0
+        """Receives from any source (a ledger with one cannot be matched: the group is rebuilt)."""
+        self._recent: deque[Any] = deque()
+        """Works issued and not yet seen complete, oldest first (whether an op is in flight)."""
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"NativeGroup({self.name!r}, members={self.members}, gen={self.generation}, {self.state})"
+
+    # --- communicators --------------------------------------------------------------
+    def prefix(self, generation: int, device_type: str) -> str:
+        return f"nccl_delta/grp/{self.name}/e{generation}/{device_type}/"
+
+    def build(self, generation: int, device_type: str | None = None) -> NativeComm:
+        """Build this group's communicator of ``generation`` (blocks until every member built it)."""
+        device_type = device_type or self.world.device_type
+        return build_comm(
+            # A client of its own: builds run on several threads at once, and a thread blocked in a
+            # TCPStore client's get blocks every other thread using that client.
+            store=own_client(self.store),
+            prefix=self.prefix(generation, device_type),
+            rank=self.index,
+            size=self.size,
+            device_type=device_type,
+            generation=generation,
+            config=self.world.config,
+        )
+
+    def install(self, comm: NativeComm) -> None:
+        """Make ``comm`` the group's communicator (its generation's ledger starts at zero) and retire
+        the old ones: an idle old one is closed; one an abandon left is aborted first, so that no
+        thread of it stays blocked on a peer."""
+        with self._lock:
+            old, cutoff = list(self.comms.values()), self.state != OPEN
+            self.comms = {comm.device_type: comm}
+            self.generation = comm.generation
+            self.state, self.reason = OPEN, None
+            self.collectives, self.any_source = 0, 0
+            self.sent, self.received = {}, {}
+            self._recent.clear()
+        for stale in old:
+            if cutoff:
+                stale.abort()
+            stale.close()
+
+    def _comm(self, device_type: str, op: str) -> NativeComm:
+        comm = self.comms.get(device_type)
+        if comm is not None:
+            return comm
+        if self.state != OPEN:
+            raise self._refused(op)
+        if self.generation < 0:
+            raise CommLinkError(f"{op} in group {self.name!r} before its communicator was built (a joiner calls join)")
+        # A second device type's communicator, on first use: every member is in this op.
+        comm = self.build(self.generation, device_type)
+        with self._lock:
+            if comm.generation == self.generation and device_type not in self.comms:
+                self.comms[device_type] = comm
+                return comm
+        comm.abort()
+        comm.close()
+        raise self._refused(op)
+
+    # --- ops ---------------------------------------------------------------------
+    def run(
+        self,
+        op: str,
+        device: torch.device,
+        call: Callable[[Any], Any],
+        *,
+        send_to: int | None = None,
+        recv_from: int | None = None,
+        any_source: bool = False,
+    ) -> NativeWork:
+        """Issue one op on the current communicator: ``call(backend)`` returns the backend's work.
+
+        ``send_to``/``recv_from`` (logical ranks) mark a point-to-point op for the ledger."""
+        comm = self._comm(device.type, op)
+        with self._lock:
+            if self.state != OPEN or self.comms.get(device.type) is not comm:
+                raise self._refused(op)
+            try:
+                work = call(comm.backend)
+            except Exception as exc:
+                raise self._failed_locked(comm, op, exc) from exc
+            if send_to is not None:
+                self.sent[send_to] = self.sent.get(send_to, 0) + 1
+            elif recv_from is not None:
+                self.received[recv_from] = self.received.get(recv_from, 0) + 1
+            elif any_source:
+                self.any_source += 1
+            else:
+                self.collectives += 1
+            recent = self._recent
+            while recent and recent[0].is_completed():
+                recent.popleft()
+            recent.append(work)
+        return NativeWork(work, self, comm, op)
+
+    def _refused(self, op: str) -> CommLinkError:
+        if self.state in (QUIET, ABORTED):
+            return CommAbandoned(f"{op} in group {self.name!r}: {self.reason}; call recover(epoch) first")
+        return CommLinkError(
+            f"{op} in group {self.name!r}: its communicator is {self.state} ({self.reason}); it is never reused"
+        )
+
+    def failed(self, comm: NativeComm, op: str, exc: BaseException) -> CommLinkError:
+        """The error to raise for ``exc`` from an op on ``comm`` (the group is broken from now on)."""
+        with self._lock:
+            return self._failed_locked(comm, op, exc)
+
+    def _failed_locked(self, comm: NativeComm, op: str, exc: BaseException) -> CommLinkError:
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        if comm is self.comms.get(comm.device_type) and self.state in (QUIET, ABORTED) or comm.aborted:
+            return CommAbandoned(f"{op} in group {self.name!r}: {self.reason or 'abandoned'}; {first}")
+        if comm is self.comms.get(comm.device_type) and self.state == OPEN:
+            self.state, self.reason = BROKEN, first
+        suspects = tuple(self.members[r] for r in comm.suspects(exc))
+        cls = CommTimeout if "imed out" in first else CommLinkError
+        named = f" (peer rank {', '.join(map(str, suspects))} closed its connection)" if suspects else ""
+        return cls(
+            f"{op} in group {self.name!r} (members {self.members}) failed{named}: {first}. The group's "
+            "communicator is broken: the control plane must replace the peer or recover the epoch.",
+            peers=suspects,
+        )
+
+    # --- surviving an abandon ------------------------------------------------------
+    def busy(self) -> bool:
+        """Whether an op issued on this group may still be in flight."""
+        with self._lock:
+            return self._busy_locked()
+
+    def _busy_locked(self) -> bool:
+        return any(not work.is_completed() for work in self._recent)
+
+    def quiesce(self, reason: str) -> bool:
+        """Stop an idle open group without cutting it; False if an op may be in flight or it is not open."""
+        with self._lock:
+            if self.state != OPEN or self._busy_locked():
+                return False
+            self.state, self.reason = QUIET, reason
+            return True
+
+    def abort(self, reason: str, endpoints: sockets.Endpoints | None = None) -> None:
+        """Cut the group (any thread): pending ops raise :class:`CommAbandoned`; it is rebuilt later."""
+        with self._lock:
+            if self.state != BROKEN:
+                self.state = ABORTED
+            self.reason = self.reason if self.state == BROKEN else reason
+            comms = list(self.comms.values())
+        for comm in comms:
+            comm.abort(endpoints)
+
+    def resume(self) -> None:
+        """Reopen a quiet group that every member agreed to keep (``recover``)."""
+        with self._lock:
+            if self.state == QUIET:
+                self.state, self.reason = OPEN, None
+
+    def counts(self) -> dict[str, Any]:
+        """The ledger's counts whatever the state (JSON-able)."""
+        with self._lock:
+            return self._counts_locked()
+
+    def _counts_locked(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "collectives": self.collectives,
+            "sent": {str(p): n for p, n in sorted(self.sent.items())},
+            "received": {str(p): n for p, n in sorted(self.received.items())},
+        }
+
+    def ledger(self) -> dict[str, Any] | None:
+        """What crossed this group in its generation, or None when it cannot be kept (not quiet)."""
+        with self._lock:
+            if self.state != QUIET or self.generation < 0 or self.any_source:
+                return None
+            return self._counts_locked()
+
+    def close(self) -> None:
+        """Retire every communicator (the group is forgotten)."""
+        with self._lock:
+            comms, self.comms = list(self.comms.values()), {}
+            self.state, self.reason = BROKEN, "closed"
+        for comm in comms:
+            comm.abort()
+            comm.close()
+
+
+def ledgers_agree(ledgers: dict[int, dict[str, Any] | None]) -> bool:
+    """Whether a group may be kept: every member's ledger (logical rank -> ledger) is there, of one
+    generation and one count of collectives, and every message one member sent another was received."""
+    if any(entry is None for entry in ledgers.values()):
+        return False
+    entries: dict[int, dict[str, Any]] = {rank: entry for rank, entry in ledgers.items() if entry is not None}
+    first = next(iter(entries.values()))
+    for rank, entry in entries.items():
+        if entry["generation"] != first["generation"] or entry["collectives"] != first["collectives"]:
+            return False
+        for peer, other in entries.items():
+            if peer != rank and entry["sent"].get(str(peer), 0) != other["received"].get(str(rank), 0):
+                return False
+    return True
+
+
+class NativeWork(dist.Work):
+    """A native backend's work behind the group handle; ``wait`` turns its errors into ours."""
+
+    def __init__(self, work: Any, group: NativeGroup, comm: NativeComm, op: str):
+        super().__init__()
+        self._work = work
+        self._group = group
+        self._comm = comm
+        self._op = op
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        try:
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout)
+        except Exception as exc:
+            raise self._group.failed(self._comm, self._op, exc) from exc
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def is_success(self) -> bool:
+        return bool(self._work.is_success())
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def result(self) -> list[torch.Tensor]:
+        return list(self._work.result())
+
+    def get_future(self) -> Future[Any]:
+        future: Future[Any] = self._work.get_future()
+        return future
+
+    def synchronize(self) -> None:
+        self._work.synchronize()
+
+    def source_rank(self) -> int:
+        return int(self._work.source_rank())
+
+
+class WorkList(dist.Work):
+    """Several works waited for as one (a coalesced op the backend lacks, issued op by op)."""
+
+    def __init__(self, works: list[dist.Work], result: list[torch.Tensor]):
+        super().__init__()
+        self._works = works
+        self._result = result
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def is_success(self) -> bool:
+        return all(work.is_success() for work in self._works)
+
+    def exception(self) -> None:
+        return None
+
+    def result(self) -> list[torch.Tensor]:
+        return self._result
+
+    def get_future(self) -> Future[list[torch.Tensor]]:
+        self.wait()
+        fut: Future[list[torch.Tensor]] = Future()
+        fut.set_result(self._result)
+        return fut
+
+    def synchronize(self) -> None:
+        for work in self._works:
+            work.synchronize()
