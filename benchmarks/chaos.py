@@ -1,38 +1,26 @@
 #!/usr/bin/env python3
-"""Chaos run: a seeded schedule of failures against TrainMover, stop-restart and a fault-free run.
+"""Chaos run: seeded failure schedules at two failure rates, the same faults for every strategy, goals in iterations.
 
-The demo job (8 ranks, TP2 x PP2 x DP2, Megatron's dropout 0.1, bf16) trains ``--iters``
-iterations (300 by default) three times, one run after the other, on this machine:
+The demo job (8 ranks, TP2 x PP2 x DP2, Megatron's dropout 0.1, bf16) trains under each strategy twice
+per (failure rate, seed), side by side in one invocation: a fault-free **twin**, then the **faulted** run
+carrying out the schedule (``faults.make_schedule``: exponential gaps of mean ``gap`` iterations; kills
+at random points inside iterations; ``--stop-share`` of them hangs, which stay SIGSTOP for every
+strategy; every ``1/--cascade-share``-th failure cascades into a kill of its joiner, or of another rank,
+during the recovery). Strategies (``--strategies``):
 
-- ``fault_free``: under ``--trainmover --tm-standbys 3``, nothing killed: the reference
-  trajectory and the steady iteration time.
-- ``trainmover``: the same, while the schedule kills ranks. Each event waits until its
-  iteration is logged, then kills the process serving its rank at a random point inside the
-  next iteration: SIGKILL, or SIGSTOP (a hang: its agent sees the heartbeat stop while the
-  process uses no CPU, and fences and reports it, ``launch.heartbeat``).
-  Some events cascade into a kill during the migration they caused: of the **joiner** as
-  soon as the plan names it, or of **another rank** just after the plan. Standbys are
-  refilled as the job goes (``--tm-standby-duty`` paces their warm-up).
-- ``stop_restart``: the job without ``--trainmover`` under ``--max-restarts``, every rank a
-  fresh interpreter on restart, resuming from its checkpoint; the same events as SIGKILLs
-  (a hang would wait for the collective timeout, and a cascade kill would land in a
-  restart: both are left out, in the baseline's favour).
+- ``trainmover``: ``--tm-standbys 3`` warm standbys, refilled as the job goes (``--tm-standby-duty``);
+- ``trainmover_refills_deferred``: the A/B whose refills start only after the post-promotion window
+  (``PENALTY_WINDOW`` + 5 steady iterations later), so that the refills' share of the penalty is
+  measured, not attributed (turning refills off outright empties the pool of 3 within one cascade);
+- ``restart_fork``: stop-restart from the latest checkpoint with forked ranks; ``restart``: the same
+  with fresh interpreters (not in the default set);
+- ``nvrx``: NVIDIA resiliency-ext's in-process restart (when it imports; ``requirements-bench.txt``).
 
-Every run checkpoints every ``--save-interval`` iterations. Reported, per run:
-
-- ``ettr``: productive time / wall time, where productive time is the number of iterations
-  times the fault-free steady iteration time, and wall time runs from the start of the first
-  iteration to the end of the last;
-- ``lost_s_per_failure``: (wall time - the fault-free run's) / processes killed;
-- ``failures``, ``survived_without_restart`` (failures minus restarts of the whole job);
-- ``bit_identical``: every iteration logged (re-runs included) equals the fault-free run's
-  loss and consumed samples; for stop-restart, every re-run after a restart equals that
-  iteration's first run (it trains on native gloo, whose 4-rank gradient-norm sum runs in
-  another order than nccl_delta's: from the first clipped step its losses differ from the
-  fault-free run's in the last bits, restart or not);
-- ``post_promotion_ratio`` (TrainMover): the median iteration time of the (up to) 20
-  iterations after each recovery's first iteration, stopping at the next kill, over the
-  fault-free steady time; the largest of these medians is ``post_promotion_ratio``.
+Every strategy of a (rate, seed) checkpoints at the interval the Young/Daly rule gives for that rate
+(``lost_time.young_daly_interval_iters``; the save time and steady iteration are measured once at the
+start, or given with ``--checkpoint-cost-s``/``--steady-s``). Lost time per scheduled failure, ETTR
+relative to the twin, per-event records (``events[]``), per-iteration lists (``iterations[]``) and every
+rank's state hash come from ``strategies.compare``; the goals from ``chaos_goals.py``.
 
     python benchmarks/chaos.py --json benchmarks/results/chaos.json
 """
@@ -40,457 +28,211 @@ Every run checkpoints every ``--save-interval`` iterations. Reported, per run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import random
-import re
+import shlex
 import shutil
-import signal
+import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (  # noqa: E402
-    LastIteration,
-    Tail,
-    median,
-    print_table,
-    read_events,
-    start_launcher,
-    wait_until,
-    write_json,
-)
+from chaos_goals import GOALS, baseline_summary, goals_met, trainmover_summary  # noqa: E402
+from common import measured_at, print_table, read_events, write_json  # noqa: E402
+from faults import make_schedule  # noqa: E402
+from lost_time import PENALTY_WINDOW, steady_iteration_s, young_daly_interval_iters  # noqa: E402
+from strategies import Job, Strategy, compare, iteration_rows  # noqa: E402
 
 from harness.jobs import DEFAULT_CORPUS_PREFIX, demo_args, ensure_corpus  # noqa: E402
 
 WORLD = 8
-PLAN_RE = re.compile(r"epoch (\d+) \((failure|planned)\): rank (\d+) -> (\S+) \(pid (\d+)\)")
-GOALS = {"ettr": 0.9, "lost_over_restart": 0.05, "post_promotion_ratio": 1.1}
+STRATEGIES = ("trainmover", "trainmover_refills_deferred", "restart_fork", "restart", "nvrx")
 
 
-def job_args(data_prefix: str, iters: int, save_dir: str, save_interval: int) -> list[str]:
-    return demo_args(data_prefix, iters) + [
-        "--hidden-dropout",
-        "0.1",
-        "--attention-dropout",
-        "0.1",
-        "--bf16",
-        "--save",
-        save_dir,
-        "--load",
-        save_dir,
-        "--save-interval",
-        str(save_interval),
+def job_args(data_prefix: str, iters: int, save_dir: str | None = None, save_interval: int = 0) -> list[str]:
+    """The demo job in bf16 with Megatron's dropout; with ``save_dir``, checkpoints every ``save_interval``."""
+    args = demo_args(data_prefix, iters) + ["--bf16"]
+    if save_dir is not None:
+        args += ["--save", save_dir, "--load", save_dir, "--save-interval", str(save_interval)]
+    return args
+
+
+def calibrate(workdir: str, data_prefix: str) -> tuple[float, float]:
+    """(steady iteration, one checkpoint save) in seconds, from a plain 12-iteration run saving every 2."""
+    job = Job(args=job_args(data_prefix, 12), world=WORLD, iters=12, save_interval=2)
+    run = Strategy(name="restart_fork").run(workdir, "calibration", job, [], 0.0)
+    records = read_events(run.files.metrics)
+    ends = {r["iteration"]: r["t_end"] for r in records if r.get("event") == "iteration"}
+    saves = [
+        r["t"] - ends[r["iteration"]] for r in records if r.get("event") == "checkpoint" and r["iteration"] in ends
     ]
+    if not saves:
+        raise RuntimeError(f"the calibration run logged no checkpoint; see {run.files.err}")
+    return steady_iteration_s(run.files.iterations()), statistics.median(saves)
 
 
-def make_schedule(
-    seed: int, iters: int, mean_gap: float, first: int, stop_share: float, cascade_share: float
-) -> list[dict]:
-    """The failures, in order: after which iteration, where inside the next, which rank, how."""
-    rng = random.Random(seed)
-    every = max(1, round(1 / cascade_share)) if cascade_share > 0 else 0
-    events, it = [], first
-    while True:
-        it += max(4, round(rng.expovariate(1.0 / (mean_gap - 2))) + 2)
-        if it > iters - 10:
-            return events
-        ev = {
-            "after_iteration": it,
-            "inside": round(rng.random(), 3),
-            "rank": rng.randrange(WORLD),
-            "signal": "STOP" if rng.random() < stop_share else "KILL",
-            "cascade": None,
-        }
-        if every and len(events) % every == every - 1:  # spread evenly, alternating the two kinds
-            ev["cascade"] = ("joiner", "other")[(len(events) // every) % 2]
-            ev["cascade_rank"] = rng.choice([r for r in range(WORLD) if r != ev["rank"]])
-            ev["cascade_delay_s"] = round(rng.uniform(0.0, 0.2), 3)
-        events.append(ev)
+def strategy_for(name: str, args, steady_s: float) -> Strategy:
+    if name == "trainmover":
+        return Strategy(
+            name="trainmover",
+            standbys=args.standbys,
+            standby_duty=args.standby_duty,
+            standby_reserves=args.standby_reserves,
+        )
+    if name == "trainmover_refills_deferred":
+        return Strategy(
+            name="trainmover",
+            standbys=args.standbys,
+            standby_duty=args.standby_duty,
+            standby_reserves=args.standby_reserves,
+            refill_delay_s=(PENALTY_WINDOW + 5) * steady_s,
+        )
+    return Strategy(name=name)
 
 
-class Pids:
-    """Which process serves each rank, from the launcher's log (initial pids, restarts, plans), read
-    incrementally: the harness polls it while the job runs (see ``common.Tail``)."""
-
-    def __init__(self, err_path: str):
-        self._tail = Tail(err_path)
-        self._text_so_far = ""
-        self._plans: list[re.Match] = []
-
-    def _text(self) -> str:
-        new = self._tail.lines()
-        if new:
-            chunk = "\n".join(new) + "\n"
-            self._plans.extend(PLAN_RE.finditer(chunk))  # one plan is one line: new lines hold the new plans
-            self._text_so_far += chunk
-        return self._text_so_far
-
-    def of(self, rank: int) -> int | None:
-        text = self._text()
-        starts = [m.end() for m in re.finditer(r"started \d+ ranks(?: \(\w+\))?, pids", text)]
-        if not starts:
-            return None
-        pid = json.loads(re.findall(r"pids (\[[\d, ]+\])", text)[-1])[rank]
-        for m in PLAN_RE.finditer(text, starts[-1]):
-            if int(m[3]) == rank:
-                pid = int(m[5])
-        return pid
-
-    def plans(self) -> list[re.Match]:
-        self._text()
-        return list(self._plans)
-
-
-def _signal(pid: int | None, sig: int) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, sig)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def run(
-    workdir: str,
-    name: str,
-    args: list[str],
-    launch_flags: list[str],
-    schedule: list[dict],
-    *,
-    trainmover: bool,
-    steady_s: float,
-) -> dict:
-    """Run the job, carrying out ``schedule``; returns what happened."""
-    metrics = os.path.join(workdir, f"{name}.jsonl")
-    log = os.path.join(workdir, name)
-    proc = start_launcher(WORLD, args + ["--tm-metrics-file", metrics], launch_flags, log)
-    pids = Pids(log + ".err")
-    last_iteration = LastIteration(metrics)
-    kills: list[dict] = []
-    try:
-        for n, ev in enumerate(schedule):
-            wait_until(lambda ev=ev: last_iteration() >= ev["after_iteration"] or proc.poll() is not None, 1800, 0.01)
-            if proc.poll() is not None:
-                break
-            time.sleep(ev["inside"] * steady_s)
-            sig = signal.SIGSTOP if trainmover and ev["signal"] == "STOP" else signal.SIGKILL
-            plans_before = len(pids.plans())
-            t = time.time()
-            if _signal(pids.of(ev["rank"]), sig):
-                kills.append({"t": t, "rank": ev["rank"], "signal": sig.name, "event": n})
-                print(
-                    f"  [{name}] {sig.name} rank {ev['rank']} inside iteration {ev['after_iteration'] + 1}", flush=True
-                )
-            if not (trainmover and ev["cascade"]):
-                continue
-            try:
-                plan = wait_until(
-                    lambda ev=ev, before=plans_before: next(
-                        (m for m in pids.plans()[before:] if int(m[3]) == ev["rank"]), None
-                    ),
-                    60,
-                    0.002,
-                )
-            except TimeoutError:
-                continue
-            if ev["cascade"] == "joiner":
-                victim, pid = ev["rank"], int(plan[5])
-            else:
-                time.sleep(ev["cascade_delay_s"])
-                victim, pid = ev["cascade_rank"], pids.of(ev["cascade_rank"])
-            t = time.time()
-            if _signal(pid, signal.SIGKILL):
-                kills.append({"t": t, "rank": victim, "signal": "SIGKILL", "event": n, "cascade": ev["cascade"]})
-                print(
-                    f"  [{name}] cascade: SIGKILL {'the joiner of' if ev['cascade'] == 'joiner' else 'rank'} "
-                    f"{victim} during the migration",
-                    flush=True,
-                )
-        code = proc.wait(3600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    if code != 0:
-        raise RuntimeError(f"{name} exited {code}; see {log}.err")
-    events = read_events(metrics)
-    return {
-        "metrics": metrics,
-        "events": events,
-        "kills": kills,
-        "restarts": sum(1 for e in events if e.get("event") == "startup") - 1,
-    }
-
-
-def wall_s(events: list[dict]) -> float:
-    its = [e for e in events if e.get("event") == "iteration"]
-    first = its[0]
-    return its[-1]["t_end"] - (first["t_end"] - first["iteration_s"])
-
-
-def values(events: list[dict]) -> dict[int, set]:
-    out: dict[int, set] = {}
-    for e in events:
-        if e.get("event") == "iteration":
-            out.setdefault(e["iteration"], set()).add((e["loss"], e["consumed_samples"]))
+def parse_rates(text: str) -> list[tuple[int, int]]:
+    """``"25:300,100:400"`` -> [(gap, iterations), ...]."""
+    out = []
+    for part in text.split(","):
+        gap, iters = part.split(":")
+        out.append((int(gap), int(iters)))
     return out
-
-
-def bit_identical(events: list[dict], ref: dict[int, set], iters: int) -> bool:
-    got = values(events)
-    return sorted(got) == list(range(1, iters + 1)) and all(got[i] == ref[i] for i in got)
-
-
-def post_promotion(events: list[dict], kills: list[dict], steady_s: float, window: int = 20) -> list[float]:
-    """Per recovery: median iteration time of the ``window`` iterations after its first one, before the
-    next kill, over ``steady_s``."""
-    its = [e for e in events if e.get("event") == "iteration"]
-    resumes = sorted(
-        e.get("t", e.get("state_ready"))
-        for e in events
-        if e.get("event") in ("recovered", "promoted") and e.get("reason", "failure") == "failure"
-    )
-    ratios = []
-    for t in resumes:
-        nxt = min((k["t"] for k in kills if k["t"] > t), default=float("inf"))
-        after = [e for e in its if e["t_end"] > t and e["t_end"] < nxt][1 : window + 1]
-        if len(after) >= 5:
-            ratios.append(round(median([e["iteration_s"] for e in after]) / steady_s, 3))
-    return ratios
-
-
-def reruns_reproduce(events: list[dict], iters: int) -> bool:
-    """Every iteration logged, and every re-run of one (after a restart) equal to its first run."""
-    got = values(events)
-    return sorted(got) == list(range(1, iters + 1)) and all(len(v) == 1 for v in got.values())
-
-
-def summarize(res: dict, ref_wall: float, ref_values: dict | None, iters: int, steady_s: float) -> dict:
-    """``ref_values`` None: ``bit_identical`` checks the run against itself (:func:`reruns_reproduce`)."""
-    failures = len(res["kills"])
-    wall = wall_s(res["events"])
-    return {
-        "ettr": round(iters * steady_s / wall, 4),
-        "wall_s": round(wall, 2),
-        "lost_s_per_failure": round((wall - ref_wall) / failures, 3) if failures else None,
-        "failures": failures,
-        "restarts": res["restarts"],
-        "survived_without_restart": max(0, failures - res["restarts"]),
-        "bit_identical": (
-            bit_identical(res["events"], ref_values, iters)
-            if ref_values is not None
-            else reruns_reproduce(res["events"], iters)
-        ),
-        "kills": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in kill.items()} for kill in res["kills"]],
-        # (iteration, end time, seconds) of every iteration logged, re-runs included: where the time went
-        "iterations": [
-            [e["iteration"], round(e["t_end"], 3), round(e["iteration_s"], 4)]
-            for e in res["events"]
-            if e.get("event") == "iteration"
-        ],
-        "recoveries": [
-            {k: e.get(k) for k in ("event", "epoch", "t", "state_ready", "resumed_iteration")}
-            for e in res["events"]
-            if e.get("event") in ("recovered", "promoted")
-        ],
-    }
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", default=None, help="Write the result as JSON to this path.")
-    parser.add_argument("--iters", type=int, default=300, help="Training iterations of each run (at least 60).")
-    parser.add_argument("--seed", type=int, default=0, help="Seed of the failure schedule.")
+    parser.add_argument("--seeds", default="0,1,2", help="Seeds of the failure schedules (comma-separated).")
     parser.add_argument(
-        "--mean-gap",
-        type=float,
-        default=20.0,
-        help="Mean number of steady iterations between failures (exponentially distributed).",
+        "--rates",
+        default="25:300,100:400",
+        help="MEAN_GAP:ITERATIONS pairs: a failure about every MEAN_GAP iterations, in runs of ITERATIONS.",
     )
+    parser.add_argument("--strategies", default="trainmover,trainmover_refills_deferred,restart_fork,nvrx")
     parser.add_argument("--stop-share", type=float, default=0.2, help="Share of failures that are hangs (SIGSTOP).")
-    parser.add_argument(
-        "--cascade-share",
-        type=float,
-        default=0.25,
-        help="Share of failures followed by a kill during their migration (the joiner or another rank).",
-    )
-    parser.add_argument("--standbys", type=int, default=3, help="--tm-standbys of the TrainMover runs.")
-    parser.add_argument(
-        "--standby-duty",
-        type=float,
-        default=0.25,
-        help="--tm-standby-duty of the TrainMover runs (pacing of a refilled standby's warm-up; default 0.25, "
-        "where benchmarks/warmup.py's isolation probe puts a warming standby's cost under 2%%).",
-    )
-    parser.add_argument(
-        "--standby-reserves",
-        type=int,
-        default=16,
-        help="--tm-standby-reserves of the TrainMover runs: refills wake one of these pre-forked "
-        "children instead of starting a new interpreter (enough for every failure by default).",
-    )
-    parser.add_argument("--save-interval", type=int, default=25, help="Checkpoint interval of every run.")
-    parser.add_argument("--skip-restart", action="store_true", help="Skip the stop-restart run.")
-    parser.add_argument("--keep-logs", action="store_true", help="Keep every run's logs and metrics (printed path).")
+    parser.add_argument("--cascade-share", type=float, default=0.25, help="Share of failures that cascade.")
+    parser.add_argument("--window-from", type=int, default=3, help="Wall times are compared from this iteration.")
+    parser.add_argument("--standbys", type=int, default=3, help="--tm-standbys of the trainmover strategy.")
+    parser.add_argument("--standby-duty", type=float, default=0.25, help="--tm-standby-duty of TrainMover runs.")
+    parser.add_argument("--standby-reserves", type=int, default=16, help="--tm-standby-reserves of TrainMover.")
+    parser.add_argument("--checkpoint-cost-s", type=float, default=None, help="Skip the calibration: save time.")
+    parser.add_argument("--steady-s", type=float, default=None, help="Skip the calibration: steady iteration.")
+    parser.add_argument("--keep-logs", action="store_true", help="Keep every run's files (the path is printed).")
     parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
     args = parser.parse_args(argv)
-    if args.iters < 60:
-        parser.error("--iters must be at least 60")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    rates = parse_rates(args.rates)
+    chosen = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if set(chosen) - set(STRATEGIES) or not seeds or any(iters < 60 for _, iters in rates):
+        parser.error(f"--strategies from {STRATEGIES}; at least one seed; at least 60 iterations per rate")
     ensure_corpus(args.data_prefix)
-    schedule = make_schedule(
-        args.seed, args.iters, args.mean_gap, first=10, stop_share=args.stop_share, cascade_share=args.cascade_share
-    )
-    print(
-        f"schedule: {len(schedule)} failures over {args.iters} iterations "
-        f"({sum(1 for e in schedule if e['cascade'])} cascading)",
-        flush=True,
-    )
+    skipped = {}
+    if "nvrx" in chosen:
+        from nvrx_inprocess import unavailable_reason
+
+        if reason := unavailable_reason():
+            skipped["nvrx"] = reason
+            chosen.remove("nvrx")
     workdir = tempfile.mkdtemp(prefix="tm_chaos_")
-    tm_flags = [
-        "--trainmover",
-        "--tm-standbys",
-        str(args.standbys),
-        "--tm-standby-duty",
-        str(args.standby_duty),
-        "--tm-standby-reserves",
-        str(args.standby_reserves),
-    ]
-    ok = False
-    try:
-
-        def fresh(name: str) -> list[str]:
-            return job_args(args.data_prefix, args.iters, os.path.join(workdir, f"{name}.ckpt"), args.save_interval)
-
-        print("fault-free run ...", flush=True)
-        ref = run(
-            workdir,
-            "fault_free",
-            fresh("fault_free") + tm_flags,
-            ["--run-dir", os.path.join(workdir, "fault_free.run"), "--metrics-port", "-1"],
-            [],
-            trainmover=True,
-            steady_s=0.0,
-        )
-        its = [e for e in ref["events"] if e.get("event") == "iteration"]
-        steady_s = median([e["iteration_s"] for e in its[5:]])
-        ref_wall, ref_values = wall_s(ref["events"]), values(ref["events"])
-        print(f"TrainMover under the schedule (steady iteration {steady_s * 1000:.0f} ms) ...", flush=True)
-        tm = run(
-            workdir,
-            "trainmover",
-            fresh("trainmover") + tm_flags,
-            ["--run-dir", os.path.join(workdir, "trainmover.run"), "--metrics-port", "-1", "--max-restarts", "5"],
-            schedule,
-            trainmover=True,
-            steady_s=steady_s,
-        )
-        trainmover = summarize(tm, ref_wall, ref_values, args.iters, steady_s)
-        ratios = post_promotion(tm["events"], tm["kills"], steady_s)
-        trainmover.update(
-            post_promotion_ratio=max(ratios) if ratios else None,
-            post_promotion_median_ratio=round(median(ratios), 3) if ratios else None,
-            post_promotion_ratios=ratios,
-        )
-        stop_restart = None
-        if not args.skip_restart:
-            print("stop-restart under the same schedule ...", flush=True)
-            sr = run(
-                workdir,
-                "stop_restart",
-                fresh("stop_restart"),
-                [
-                    "--run-dir",
-                    os.path.join(workdir, "stop_restart.run"),
-                    "--metrics-port",
-                    "-1",
-                    "--max-restarts",
-                    str(len(schedule) + 2),
-                    "--restart-start-method",
-                    "spawn",
-                ],
-                schedule,
-                trainmover=False,
-                steady_s=steady_s,
+    if args.checkpoint_cost_s is None or args.steady_s is None:
+        print("calibration: steady iteration and checkpoint save time ...", flush=True)
+        steady_s, save_s = calibrate(workdir, args.data_prefix)
+    steady_s = args.steady_s if args.steady_s is not None else steady_s
+    save_s = args.checkpoint_cost_s if args.checkpoint_cost_s is not None else save_s
+    runs, events, rows, schedules, failed = [], [], [], {}, []
+    for gap, iters in rates:
+        interval = young_daly_interval_iters(save_s, steady_s, gap)
+        for seed in seeds:
+            schedule = make_schedule(
+                seed, iters, gap, world=WORLD, stop_share=args.stop_share, cascade_share=args.cascade_share
             )
-            # Its own re-runs, not the fault-free run: native gloo sums the 4-rank gradient norm in another
-            # order than nccl_delta, so the two differ in the last bits from the first clipped step on.
-            stop_restart = summarize(sr, ref_wall, None, args.iters, steady_s)
-            stop_restart["bit_identical_against"] = "its own first run of each iteration (native gloo)"
-        ok = True
-    finally:
-        if ok and not args.keep_logs:
-            shutil.rmtree(workdir, ignore_errors=True)
-        elif ok:
-            print(f"logs kept in {workdir}")
-        else:
-            print(f"a run failed: its logs are kept in {workdir}", file=sys.stderr)
-    lost_ratio = (
-        trainmover["lost_s_per_failure"] / stop_restart["lost_s_per_failure"]
-        if stop_restart and stop_restart["lost_s_per_failure"] and trainmover["lost_s_per_failure"] is not None
-        else None
-    )
-    result = {
-        "command": " ".join(["python", "benchmarks/chaos.py", *(sys.argv[1:] if argv is None else argv)]),
+            schedules[f"{gap}/{seed}"] = schedule
+            job = Job(args=job_args(args.data_prefix, iters), world=WORLD, iters=iters, save_interval=interval)
+            for name in chosen:
+                label = f"g{gap}/s{seed}/{name}"
+                strategy = strategy_for(name, args, steady_s)
+                try:
+                    print(f"{label}: fault-free twin ({iters} iterations, checkpoint every {interval}) ...", flush=True)
+                    twin = strategy.run(workdir, label.replace("/", "_") + "_twin", job, [], 0.0)
+                    print(f"{label}: {len(schedule)} scheduled failures ...", flush=True)
+                    s = steady_iteration_s(twin.files.iterations())
+                    faulted = strategy.run(workdir, label.replace("/", "_"), job, schedule, s)
+                    out = compare(faulted, twin, scheduled=len(schedule), window=(args.window_from, iters))
+                except (RuntimeError, TimeoutError, ValueError) as exc:
+                    print(f"{label} failed: {exc}", flush=True)
+                    failed.append(f"{label}: {str(exc)[:500]}")
+                    continue
+                out |= {"gap": gap, "seed": seed, "strategy": name, "save_interval": interval}
+                runs.append(out)
+                events += [dict(e, gap=gap, seed=seed, strategy=name) for e in out["events"]]
+                rows += iteration_rows(twin, label + "/twin") + iteration_rows(faulted, label + "/faulted")
+    result = summarize(runs, args, argv, seeds, rates, (steady_s, save_s), schedules, skipped, failed)
+    result.update(events=events, iterations=rows)
+    if args.keep_logs or failed:
+        print(f"run files kept in {workdir}", flush=True)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_rows(result)
+    write_json(args.json, result)
+    tm = result["trainmover"]
+    return 0 if not failed and tm["state_identical"] and tm["bit_identical"] else 1
+
+
+def summarize(runs, args, argv, seeds, rates, calibration, schedules, skipped, failed) -> dict:
+    tm = trainmover_summary(runs, gaps=(rates[0][0], rates[-1][0]))
+    twins = [r["twin"] for r in runs if r["strategy"].startswith("trainmover")]
+    return {
+        "command": shlex.join(["python", "benchmarks/chaos.py", *(sys.argv[1:] if argv is None else argv)]),
+        "measured_at": measured_at(),
         "job": "demo: 8 ranks TP2 x PP2 x DP2, 4 layers, hidden 128, seq 128, bf16, dropout 0.1 (CPU gloo, 2 cores)",
+        "definition": "lost = faulted wall - fault-free twin wall over iterations window_from..iters, per scheduled "
+        "failure; in iterations of the twin's median steady iteration (benchmarks/lost_time.py, chaos_goals.py)",
         "config": {
             k: getattr(args, k)
-            for k in (
-                "iters",
-                "seed",
-                "mean_gap",
-                "stop_share",
-                "cascade_share",
-                "standbys",
-                "standby_duty",
-                "standby_reserves",
-                "save_interval",
-            )
+            for k in ("stop_share", "cascade_share", "window_from", "standbys", "standby_duty", "standby_reserves")
+        }
+        | {"rates": [{"mean_gap": g, "iters": i} for g, i in rates], "strategies": args.strategies},
+        "calibration": {"steady_s": round(calibration[0], 4), "checkpoint_s": round(calibration[1], 4)},
+        "seeds": seeds,
+        "gaps": [g for g, _ in rates],
+        "skipped": skipped,
+        "failed": failed,
+        "trainmover": tm,
+        "trainmover_refills_deferred": baseline_summary(runs, "trainmover_refills_deferred"),
+        "restart_fork": baseline_summary(runs, "restart_fork"),
+        "restart": baseline_summary(runs, "restart"),
+        "nvrx": baseline_summary(runs, "nvrx"),
+        "fault_free": {
+            "plans": sum(t["plans"] for t in twins),
+            "fenced": sum(t["fenced"] for t in twins),
+            "runs": len(twins),
         },
-        "schedule": schedule,
-        "steady_iteration_s": round(steady_s, 4),
-        "fault_free": {"wall_s": round(ref_wall, 2)},
-        "trainmover": trainmover,
-        "stop_restart": stop_restart,
-        "lost_over_restart": round(lost_ratio, 4) if lost_ratio is not None else None,
-        "goals": GOALS,
+        "goals": {k: f"{op} {bound}" for k, (op, bound) in GOALS.items()},
+        "goals_met": goals_met(tm),
+        "schedules": schedules,
+        "runs": [{k: v for k, v in r.items() if k != "events"} for r in runs],
     }
+
+
+def print_rows(result: dict) -> None:
     rows = [
         (
-            "TrainMover",
-            trainmover["ettr"],
-            trainmover["lost_s_per_failure"],
-            trainmover["failures"],
-            trainmover["survived_without_restart"],
-            trainmover["bit_identical"],
+            f"g{r['gap']} s{r['seed']} {r['strategy']}",
+            r["lost_per_failure_s"],
+            r["ettr_rel"],
+            r["scheduled_failures"],
+            r["restarts"],
+            f"{r['bit_identical']}/{r['state_identical']}",
         )
+        for r in result["runs"]
     ]
-    if stop_restart:
-        rows.append(
-            (
-                "stop-restart",
-                stop_restart["ettr"],
-                stop_restart["lost_s_per_failure"],
-                stop_restart["failures"],
-                stop_restart["survived_without_restart"],
-                stop_restart["bit_identical"],
-            )
-        )
+    print_table("chaos runs", rows, ("run", "lost s/failure", "ETTR rel", "failures", "restarts", "loss/state same"))
+    tm = result["trainmover"]
     print_table(
-        f"chaos run: {args.iters} iterations, steady {steady_s * 1000:.0f} ms",
-        rows,
-        ("run", "ETTR", "lost s/failure", "failures", "survived w/o restart", "bit-identical"),
+        "TrainMover goals (steady iterations)",
+        [(k, tm.get(k), result["goals"][k], result["goals_met"][k]) for k in result["goals"]],
+        ("measure", "value", "goal", "met"),
     )
-    print(
-        f"post-promotion iteration time over steady: max {trainmover['post_promotion_ratio']}, "
-        f"median {trainmover['post_promotion_median_ratio']} ({len(ratios)} recoveries)"
-    )
-    if lost_ratio is not None:
-        print(f"TrainMover's lost time per failure = {lost_ratio:.4f} x stop-restart's")
-    write_json(args.json, result)
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,121 +1,106 @@
-"""The node scenarios of ``benchmarks/downtime.py``: a whole machine of 4 ranks lost at once, or drained.
+#!/usr/bin/env python3
+"""Lost time of a whole machine: lost (4 ranks at once) or drained onto a standby machine, against a twin.
 
-The demo job (the caller's flags) with ``--use-tp-pp-dp-mapping`` runs on two active nodes of 4 ranks
-(each holds one data-parallel replica) and one standby machine of 4 slots (``--tm-standbys 0`` on the
-active nodes), as loopback agents of :mod:`harness.nodes` sharing the benchmark's etcd. Once every
-standby of the machine is warm and 5 iterations ran since, node 1 (ranks 4-7) either
+The demo job (8 ranks, TP2 x PP2 x DP2, bf16, dropout 0.1) with ``--use-tp-pp-dp-mapping`` runs on two
+active loopback nodes of 4 ranks (each holds one data-parallel replica) and one standby machine of 4
+slots, as agents of :mod:`harness.nodes` sharing this benchmark's etcd. Each trial runs a fault-free
+**twin** and then the faulted run, the same way: once every standby of the machine is warm and 5
+iterations ran since (and ``--at-iteration`` is logged), node 1 (ranks 4-7)
 
-- is lost (``node_loss_s``): its agent and all its ranks are SIGKILLed at a seeded random point inside
-  an iteration. The lost time is measured as ``unexpected_s`` is (:func:`downtime_report.lost_time`
-  from the kill to the end of the first iteration after the logging rank's ``recovered``, or its
-  joiner's ``promoted``, event, minus one steady iteration); or
-- is drained (``drain_s``): ``trainmover drain --node n1`` moves its 4 ranks onto the machine in one
-  two-phase planned epoch. The lost time is measured as ``planned_s`` is: from the command's start to
-  the end of the first iteration after the logging rank's (a stayer's) ``recovered`` event of reason
-  ``planned``, minus every newly completed iteration in that window.
+- is lost (``node_loss_lost_s``): its agent and all its ranks SIGKILLed at the trial's seeded point
+  inside the next iteration; or
+- is drained (``drain_lost_s``): ``trainmover drain --node n1`` moves its 4 ranks in one planned epoch.
 
-Called from ``downtime.main`` only (and :func:`trainmover_command` from its ``migrate_rank``); a failed
-run raises ``RuntimeError`` naming the logs to read.
+Lost time is ``lost_time.py``'s: the faulted run's wall time minus the twin's over the same iterations
+(``--window-before`` before the fault's iteration to ``--window-after`` after it). Each event's record
+has the plan's phases, every rank's resume (``harness.recorder``), the first iteration's end and the
+penalty window; ``state_identical`` compares every rank's state hash with the twin's.
+
+    python benchmarks/downtime_nodes.py --json benchmarks/results/downtime_nodes.json
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
+import secrets
+import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
-from common import ROOT, wait_until
-from downtime_report import iterations, lost_time, phases_of, resume_event, sleep_into_iteration, trajectory
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness.nodes import Node, NodesJob
+import run_records as rr  # noqa: E402
+from common import ROOT, measured_at, print_table, read_events, wait_until, write_json  # noqa: E402
+from lost_time import (  # noqa: E402
+    Fault,
+    event_record,
+    iterations_from_records,
+    lost_per_failure_s,
+    spread,
+    steady_iteration_s,
+)
+
+from harness.jobs import DEFAULT_CORPUS_PREFIX, RECORDED_PRETRAIN, demo_args, ensure_corpus  # noqa: E402
+from harness.nodes import Node, NodesJob  # noqa: E402
+from harness.recorder import RECORDS_ENV  # noqa: E402
 
 MAPPING = ["--use-tp-pp-dp-mapping"]
 """Places TP2·PP2·DP2 so that each node of 4 ranks holds one whole data-parallel replica."""
-
-MOVED_NODE = 1
-"""The active node that is lost or drained (ranks 4-7; the logging rank is on node 0)."""
-MACHINE = "n2"
-"""The standby machine's node name (the third agent)."""
-
+MOVED_NODE, MACHINE = 1, "n2"
+"""The active node lost or drained (ranks 4-7; the logging rank is on node 0), the standby machine."""
 STEADY_ITERATIONS = 5
-"""Iterations after the machine is warm that set the steady iteration time (as the sandbox runs do)."""
-
 DRAIN_WAIT_S = 120
-"""``trainmover drain --wait``: warm joiners were ready within 3 s and the leavers hand over a few
-iterations later; a drain that hangs fails its trial after this long instead of the command's 300 s."""
 
 
-def trainmover_command(cli_args: list[str], job: str, etcd_flags: list[str], timeout: float) -> tuple[float, str]:
-    """Run ``trainmover <cli_args>`` for ``job`` to its end: ``(t0, stdout)``, t0 when the command started
-    (the operator's request, from which a planned move's lost time is counted). A non-zero exit raises
-    ``RuntimeError`` with the command's output."""
-    cmd = [sys.executable, "-m", "trainmover_ext.cli", *cli_args, "--tm-job", job, *etcd_flags]
-    t0 = time.time()
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"`trainmover {' '.join(cli_args)}` exited {out.returncode}: {out.stdout}{out.stderr}")
-    return t0, out.stdout
+class Etcd:
+    """An etcd that outlives the jobs, so that the plans can be read after each run."""
+
+    def __init__(self, workdir: str):
+        from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig
+
+        self.server = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=os.path.join(workdir, "etcd"))).start(timeout=60)
+        self.token = secrets.token_hex(16)
+        self.flags = ["--tm-etcd-endpoints", ",".join(self.server.endpoints), "--tm-job-token", self.token]
+
+    def _space(self, job: str):
+        from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
+        from trainmover_ext.kv.job import JobSpace
+
+        return JobSpace.open(EtcdKV(EtcdClientConfig(endpoints=",".join(self.server.endpoints))), job, self.token)
+
+    def view(self, job: str):
+        from trainmover_ext.control.view import read_view
+
+        space = self._space(job)
+        try:
+            return read_view(space)
+        finally:
+            space.kv.close()
+
+    def plans(self, job: str) -> list[dict]:
+        from trainmover_ext.control.records import MigrationPlan
+
+        space = self._space(job)
+        try:
+            entries = space.kv.get_prefix(space.key("migrations") + "/").entries
+            plans = [MigrationPlan.from_bytes(e.value, key=e.key) for e in entries]
+        finally:
+            space.kv.close()
+        return [{"epoch": p.epoch, "reason": p.reason, "steps": p.steps} for p in sorted(plans, key=lambda p: p.epoch)]
+
+    def stop(self) -> None:
+        self.server.stop()
 
 
-def nodes_trial(
-    workdir: str,
-    name: str,
-    job_args: list[str],
-    etcd,
-    act: Callable[[NodesJob], float],
-    *,
-    reason: str,
-    lost: int | None = None,
-    at_iteration: int = 0,
-    warm_timeout: float = 900,
-) -> tuple[dict, dict[int, float]]:
-    """One run of the three nodes that calls ``act(job)`` -> t0 once the machine is warm, the job steady
-    and ``at_iteration`` logged: ``(lost time, trajectory)``. ``reason``: the plan's (``failure`` or
-    ``planned``, whose newly completed iterations are credited); ``lost``: the node ``act`` kills, whose
-    exit code is not checked.
-
-    ``job_args``: the script's flags including ``MAPPING`` (not the TrainMover ones, added here);
-    ``etcd``: the benchmark's ``downtime.Etcd`` (its server, token, ``view`` and ``plan_steps``)."""
-    args = [*job_args, "--trainmover", "--tm-standbys", "0"]
-    nodes = [Node(), Node(), Node(machine=True)]
-    job = NodesJob(os.path.join(workdir, name), args, nodes, name, etcd=etcd.server, token=etcd.token)
-    where = f"see {job.dir}/n*.err"
-    try:
-        job.wait_warm_machine(MACHINE, lambda: etcd.view(name), timeout=warm_timeout)
-        # Steady iterations are measured once the machine's standbys stopped competing for the cores.
-        steady_after = time.time()
-        after = len(job.iterations())
-        wait_until(lambda: len(job.iterations()) >= after + STEADY_ITERATIONS, 900, 0.01)
-        job.wait_iteration(at_iteration, timeout=900)
-        t0 = act(job)
-        codes = job.finish(timeout=1200)
-    finally:
-        job.close()
-    if any(code != 0 for node, code in enumerate(codes) if node != lost):
-        killed = "" if lost is None else f" (node {lost} was killed)"
-        raise RuntimeError(f"{name}: the nodes exited {codes}{killed}; {where}")
-    resumed = resume_event(job.metrics, t0, reason=reason)
-    if resumed is None:
-        raise RuntimeError(f"{name}: the logging rank recorded no {reason} recovery; {where}")
-    result = lost_time(job.metrics, t0, resumed, planned=reason == "planned", steady_after=steady_after)
-    plans = [p for p in etcd.plan_steps(name) if p["reason"] == reason]
-    if plans:
-        result["phases"] = phases_of(plans[0]["steps"], t0)
-        result["switch_at"] = plans[0]["switch_at"]
-    # one plan for the whole node is the design; more would mean the ranks were moved one by one
-    result["plans"] = len(plans)
-    result["after_iteration"] = max(e["iteration"] for e in iterations(job.metrics) if e["t_end"] <= t0)
-    return result, trajectory(job.metrics)
-
-
-def kill_node_inside(inside: float) -> Callable[[NodesJob], float]:
-    """SIGKILL node :data:`MOVED_NODE` whole at ``inside`` (0..1) of the next iteration."""
-
+def kill_node_inside(inside: float, steady_s: float) -> Callable[[NodesJob], float]:
     def act(job: NodesJob) -> float:
-        sleep_into_iteration(job.metrics, inside)
+        time.sleep(inside * steady_s)
         t0 = time.time()
         job.kill_node(MOVED_NODE)
         return t0
@@ -123,149 +108,173 @@ def kill_node_inside(inside: float) -> Callable[[NodesJob], float]:
     return act
 
 
-def drain_node(name: str, etcd, drained: list[str]) -> Callable[[NodesJob], float]:
-    """``trainmover drain --node n1`` to its end (the node is free); its output goes to ``drained``."""
-
+def drain_node(job_name: str, etcd: Etcd) -> Callable[[NodesJob], float]:
     def act(job: NodesJob) -> float:
-        cli = ["drain", "--node", f"n{MOVED_NODE}", "--wait", str(DRAIN_WAIT_S)]
-        t0, out = trainmover_command(cli, name, etcd.flags, timeout=DRAIN_WAIT_S + 60)
-        drained.append(out.strip())
+        cmd = [sys.executable, "-m", "trainmover_ext.cli", "drain", "--node", f"n{MOVED_NODE}"]
+        cmd += ["--wait", str(DRAIN_WAIT_S), "--tm-job", job_name, *etcd.flags]
+        t0 = time.time()
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=DRAIN_WAIT_S + 60)
+        if out.returncode != 0:
+            raise RuntimeError(f"trainmover drain exited {out.returncode}: {out.stdout}{out.stderr}")
         return t0
 
     return act
 
 
-def trial_runs(scenario: str, trials: int, one_trial: Callable[[int], dict]) -> dict:
-    """``one_trial(trial)`` -> the run, for each of ``trials``; ``<scenario>_s`` is the median run's downtime
-    and ``<scenario>_trials_s`` every run's. A trial that raises ``RuntimeError`` is listed in ``failed``
-    (its logs stay in the work directory) and the others still count: one failed move must not lose the
-    other figures. ``bit_identical`` holds only when every trial finished equal to the reference."""
-    runs, failed = [], []
-    for trial in range(trials):
-        try:
-            runs.append(one_trial(trial))
-        except RuntimeError as exc:
-            print(f"{scenario} trial {trial + 1}/{trials} failed: {exc}", flush=True)
-            failed.append(str(exc)[:1000])
-    median_run = sorted(runs, key=lambda r: r["downtime_s"])[len(runs) // 2] if runs else None
+def run_nodes(workdir: str, name: str, args: list[str], etcd: Etcd, at_iteration: int, act=None) -> dict:
+    """One run of the three nodes; ``act(job) -> t0`` once the machine is warm and the job steady."""
+    records = os.path.join(workdir, f"{name}.records")
+    env = ((RECORDS_ENV, records),)
+    nodes = [Node(env=env), Node(env=env), Node(machine=True, env=env)]
+    job = NodesJob(
+        os.path.join(workdir, name), [*args, "--trainmover", "--tm-standbys", "0"], nodes, name,
+        etcd=etcd.server, token=etcd.token, script=RECORDED_PRETRAIN,
+    )  # fmt: skip
+    t0 = landed = None
+    try:
+        job.wait_warm_machine(MACHINE, lambda: etcd.view(name), timeout=900)
+        after = len(job.iterations())
+        wait_until(lambda: len(job.iterations()) >= after + STEADY_ITERATIONS, 900, 0.01)
+        job.wait_iteration(at_iteration, timeout=900)
+        if act is not None:
+            landed = job.last_iteration() + 1
+            t0 = act(job)
+        codes = job.finish(timeout=1200)
+    finally:
+        job.close()
+    if any(code != 0 for node, code in enumerate(codes) if not (act is not None and node == MOVED_NODE)):
+        raise RuntimeError(f"{name}: the nodes exited {codes}; see {job.dir}/n*.err")
+    return {"metrics": job.metrics, "records": rr.RunFiles(os.path.join(workdir, name)), "t0": t0, "landed": landed}
+
+
+def trial(workdir: str, kind: str, n: int, args: list[str], etcd: Etcd, opts, point: float) -> dict:
+    """Twin, then the faulted run, of one trial of ``kind`` (``node_loss`` or ``drain``)."""
+    label = f"{kind}{n}"
+    print(f"{label}: fault-free twin (two nodes and a standby machine) ...", flush=True)
+    twin = run_nodes(workdir, label + "_twin", args, etcd, opts.at_iteration)
+    t_its = iterations_from_records(read_events(twin["metrics"]))
+    steady = steady_iteration_s(t_its)
+    act = kill_node_inside(point, steady) if kind == "node_loss" else drain_node(label, etcd)
+    print(f"{label}: {'SIGKILL of node 1' if kind == 'node_loss' else 'trainmover drain --node n1'} ...", flush=True)
+    faulted = run_nodes(workdir, label, args, etcd, opts.at_iteration, act)
+    f_its = iterations_from_records(read_events(faulted["metrics"]))
+    k, t0 = faulted["landed"], faulted["t0"]
+    window = (max(1, k - opts.window_before), min(opts.iters, k + opts.window_after))
+    reason = "failure" if kind == "node_loss" else "planned"
+    plans = [p for p in etcd.plans(label) if p["reason"] == reason]
+    steps = plans[0]["steps"] if plans else {}
+    records = faulted["records"].process_records()
+    fault = Fault(
+        kind="node_kill" if kind == "node_loss" else "drain",
+        rank=4 * MOVED_NODE,
+        t=t0,
+        iteration=k,
+        detected_t=steps.get("detected") if kind == "node_loss" else None,
+        resume_t_by_rank=rr.resume_times(records, t0, float("inf")),
+        extra={
+            "node": f"n{MOVED_NODE}",
+            "ranks": list(range(4 * MOVED_NODE, 4 * MOVED_NODE + 4)),
+            "plans": len(plans),  # one plan for the whole node is the design
+            "plan": {"epoch": plans[0]["epoch"], "steps_s": {s: round(v - t0, 4) for s, v in steps.items()}}
+            if plans
+            else None,
+            "joiner_started": "standby machine (forked at its start)",
+            "idle_standbys": 4,
+        },
+    )
+    f_traj, t_traj = rr.trajectory(read_events(faulted["metrics"])), rr.trajectory(read_events(twin["metrics"]))
+    states = rr.compare_states(rr.state_hashes(records), rr.state_hashes(twin["records"].process_records()), 8)
     return {
-        f"{scenario}_s": median_run["downtime_s"] if runs else None,
-        f"{scenario}_trials_s": [round(r["downtime_s"], 4) for r in runs],
-        "iteration_s": median_run["iteration_s"] if runs else None,
-        "bit_identical": not failed and all(r["bit_identical"] for r in runs),
-        "failed": failed,
-        "median": median_run or {},
-        "trials": runs,
+        "lost_per_failure_s": round(lost_per_failure_s(f_its, t_its, 1, *window), 4),
+        "steady_iteration_s": round(steady, 4),
+        "window": list(window),
+        "kill_inside_iteration": point if kind == "node_loss" else None,
+        "bit_identical": bool(f_traj) and f_traj == t_traj,
+        **states,
+        "events": [event_record(fault, f_its, t_its, window[1] + 1, steady)],
+        "iterations": [
+            {
+                "run": f"{kind}/{n}/{which}",
+                "iteration": it.iteration,
+                "start": round(it.start, 4),
+                "end": round(it.end, 4),
+            }
+            for which, its in (("twin", t_its), ("faulted", f_its))
+            for it in its
+        ],
     }
 
 
-def node_loss_runs(
-    workdir: str,
-    job_args: list[str],
-    reference: dict[int, float],
-    etcd,
-    trials: int,
-    rng: random.Random,
-    *,
-    at_iteration: int = 0,
-) -> dict:
-    """``trials`` node losses (:func:`trial_runs`). ``reference``: the trajectory of a fault-free run with
-    the same flags (``job_args`` plus ``MAPPING``)."""
-
-    def one_trial(trial: int) -> dict:
-        inside = rng.random()
-        print(
-            f"TrainMover, two nodes of 4 ranks and a standby machine: SIGKILL of node {MOVED_NODE} (ranks 4-7) "
-            f"at {inside:.2f} of an iteration (trial {trial + 1}/{trials}) ...",
-            flush=True,
-        )
-        act = kill_node_inside(inside)
-        res, traj = nodes_trial(
-            workdir,
-            f"nodeloss{trial}",
-            [*job_args, *MAPPING],
-            etcd,
-            act,
-            reason="failure",
-            lost=MOVED_NODE,
-            at_iteration=at_iteration,
-        )
-        return dict(res, kill_inside_iteration=round(inside, 3), bit_identical=traj == reference)
-
-    return trial_runs("node_loss", trials, one_trial)
-
-
-def drain_runs(
-    workdir: str, job_args: list[str], reference: dict[int, float], etcd, trials: int, *, at_iteration: int = 0
-) -> dict:
-    """``trials`` drains of node 1 onto the standby machine (:func:`trial_runs`), and
-    ``drain_over_iteration``: ``drain_s`` over the median run's steady iteration. ``reference`` as for
-    :func:`node_loss_runs`."""
-
-    def one_trial(trial: int) -> dict:
-        print(
-            f"TrainMover, two nodes of 4 ranks and a standby machine: trainmover drain --node n{MOVED_NODE} "
-            f"(ranks 4-7) after iteration {at_iteration} at the earliest (trial {trial + 1}/{trials}) ...",
-            flush=True,
-        )
-        name, drained = f"drain{trial}", []
-        act = drain_node(name, etcd, drained)
-        res, traj = nodes_trial(
-            workdir, name, [*job_args, *MAPPING], etcd, act, reason="planned", at_iteration=at_iteration
-        )
-        return dict(res, command_output=drained[0], bit_identical=traj == reference)
-
-    out = trial_runs("drain", trials, one_trial)
-    out["drain_over_iteration"] = out["drain_s"] / out["iteration_s"] if out["trials"] else None
-    return out
-
-
-SCENARIOS = {
-    "node_loss": ("node loss", "4 ranks at once", "node_loss_over_unexpected", "unexpected_s", "1.5 x unexpected_s"),
-    "drain": ("drain", "4 ranks to a standby machine", "drain_over_iteration", "its iteration_s", "1.5 iterations"),
-}
-"""Per result key prefix: the table's name, what moves, the goal's ratio key, its denominator and the goal."""
-
-
-def nodes_keys(node_loss: dict | None, drain: dict | None, unexpected_s: float) -> dict:
-    """The result keys of the node scenarios: ``<scenario>_s``, ``<scenario>_trials_s``, the runs and the
-    goals' ratios (``node_loss_over_unexpected`` only when run); None where a scenario was skipped."""
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="Write the result as JSON to this path.")
+    parser.add_argument("--trials", type=int, default=3, help="Trials (twin + faulted run) per scenario.")
+    parser.add_argument("--scenarios", default="node_loss,drain", help="node_loss, drain (comma-separated).")
+    parser.add_argument("--iters", type=int, default=50, help="Iterations of every run.")
+    parser.add_argument("--at-iteration", type=int, default=10, help="The earliest iteration after which to act.")
+    parser.add_argument("--window-before", type=int, default=3, help="Compared from this many iterations before ...")
+    parser.add_argument("--window-after", type=int, default=20, help="... to this many after the fault's iteration.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the kill points inside the iteration.")
+    parser.add_argument("--keep-logs", action="store_true", help="Keep every run's files (the path is printed).")
+    parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
+    opts = parser.parse_args(argv)
+    ensure_corpus(opts.data_prefix)
+    rng = random.Random(opts.seed)
+    points = [round(rng.random(), 3) for _ in range(opts.trials)]
+    args = demo_args(opts.data_prefix, opts.iters) + ["--bf16", *MAPPING]
+    workdir = tempfile.mkdtemp(prefix="tm_nodes_")
+    etcd = Etcd(workdir)
     out: dict = {}
-    for scenario, runs in (("node_loss", node_loss), ("drain", drain)):
-        for key in (f"{scenario}_s", f"{scenario}_trials_s"):
-            out[key] = runs[key] if runs else None
-        out[scenario] = runs
-    if node_loss and node_loss["trials"]:
-        out["node_loss_over_unexpected"] = node_loss["node_loss_s"] / unexpected_s
-    out["drain_over_iteration"] = drain["drain_over_iteration"] if drain else None
-    return out
+    events, rows, failed = [], [], []
+    try:
+        for kind in [s.strip() for s in opts.scenarios.split(",") if s.strip()]:
+            trials = []
+            for n, point in enumerate(points):
+                try:
+                    trials.append(trial(workdir, kind, n, args, etcd, opts, point))
+                except (RuntimeError, AssertionError, TimeoutError, ValueError) as exc:
+                    print(f"{kind} trial {n} failed: {str(exc)[:300]}", flush=True)
+                    failed.append(f"{kind} {n}: {str(exc)[:500]}")
+                    continue
+                events += [dict(e, scenario=kind, trial=n) for e in trials[-1].pop("events")]
+                rows += trials[-1].pop("iterations")
+            out[kind] = {
+                "lost_s": spread(t["lost_per_failure_s"] for t in trials),
+                "lost_iters": spread(t["lost_per_failure_s"] / t["steady_iteration_s"] for t in trials),
+                "bit_identical": bool(trials) and all(t["bit_identical"] for t in trials),
+                "state_identical": bool(trials) and all(t["state_identical"] for t in trials),
+                "trials": trials,
+            }
+    finally:
+        etcd.stop()
+    result = {
+        "command": shlex.join(["python", "benchmarks/downtime_nodes.py", *(sys.argv[1:] if argv is None else argv)]),
+        "measured_at": measured_at(),
+        "job": "demo: 8 ranks TP2 x PP2 x DP2 (--use-tp-pp-dp-mapping), two nodes of 4 and a standby machine of 4 "
+        "slots on loopback, bf16, dropout 0.1 (CPU gloo, 2 cores)",
+        "config": vars(opts) | {"json": None},
+        "node_loss_lost_s": out.get("node_loss", {}).get("lost_s", {}).get("median"),
+        "drain_lost_s": out.get("drain", {}).get("lost_s", {}).get("median"),
+        "scenarios": out,
+        "failed": failed,
+        "events": events,
+        "iterations": rows,
+    }
+    if opts.keep_logs or failed:
+        print(f"run files kept in {workdir}", flush=True)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_table(
+        "lost time of a machine (seconds)",
+        [
+            (k, s["lost_s"]["median"], s["lost_s"]["values"], s["bit_identical"], s["state_identical"])
+            for k, s in out.items()
+        ],
+        ("scenario", "median", "trials", "loss same", "state same"),
+    )
+    write_json(opts.json, result)
+    return 0 if not failed and all(s["bit_identical"] and s["state_identical"] for s in out.values()) else 1
 
 
-def nodes_rows(result: dict) -> list[tuple[str, str]]:
-    """The summary table's rows of the node scenarios: the median, and its ratio with the goal."""
-    rows = []
-    for scenario, (_, what, ratio, over, goal) in SCENARIOS.items():
-        runs = result[scenario]
-        done = bool(runs and runs["trials"])
-        if done:
-            seconds = (
-                f"{runs[f'{scenario}_s']:.3f} (trials {runs[f'{scenario}_trials_s']}, "
-                f"iteration {runs['iteration_s']:.3f} s)"
-            )
-        else:
-            seconds = "skipped" if not runs else "failed"
-        if runs and runs["failed"]:
-            seconds += f"; {len(runs['failed'])} trial(s) failed, logs kept"
-        rows.append((f"{scenario}_s ({what}, median)", seconds))
-        rows.append((f"{scenario}_s / {over}", f"{result[ratio]:.3f} (goal <= {goal})" if done else "-"))
-    return rows
-
-
-def nodes_phase_rows(result: dict) -> list[tuple[str, str]]:
-    """The phases of each node scenario's median run, for the summary table."""
-    return [
-        (f"  {name} {k}", f"{v:.3f}")
-        for scenario, (name, *_) in SCENARIOS.items()
-        if result[scenario]
-        for k, v in result[scenario]["median"].get("phases", {}).items()
-    ]
+if __name__ == "__main__":
+    sys.exit(main())

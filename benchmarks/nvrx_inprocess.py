@@ -43,12 +43,13 @@ What happens after the SIGKILL of rank 5 (after iteration 6 is logged):
    nothing by itself; the in-memory alternative is nvrx's separate local
    checkpointing, which is not part of the in-process wrapper).
 
-``nvrx_inprocess_s`` uses ``downtime.py``'s definition and its code
-(:func:`downtime.lost_time`): from the SIGKILL to the end of the first iteration
-after the resume, minus one steady iteration. Iterations since the checkpoint
-(here iteration 6) are re-run inside that window, so they count as lost, as in
-``restart_s``. ``bit_identical`` compares the loss trajectory (last value logged
-per iteration) with a fault-free run of the same job.
+``nvrx_inprocess_s`` is ``lost_time.py``'s lost time: the killed run's wall time
+minus its fault-free twin's (the second run here) over the same iterations.
+Iterations since the checkpoint (here iteration 6) are re-run, so they count.
+``bit_identical`` compares the loss trajectory (last value logged per iteration)
+with the fault-free run. ``downtime.py`` and ``chaos.py`` run nvrx through
+``strategies.py`` (:func:`run_job` with a fault schedule), with the same faults
+as every other strategy; this script's own ``main`` is the single-kill check.
 
     python benchmarks/nvrx_inprocess.py --json bench_out/nvrx.json
 
@@ -358,9 +359,10 @@ def trajectory(records: list[dict]) -> dict[int, float]:
     return {e["iteration"]: e["loss"] for e in records if e.get("event") == "iteration"}
 
 
-def analyse(cfg: NvrxRunConfig, run: dict) -> dict:
-    """Downtime of a killed run with downtime.py's :func:`lost_time`, plus nvrx's phases."""
-    from downtime_report import lost_time
+def analyse(cfg: NvrxRunConfig, run: dict, twin: dict) -> dict:
+    """Lost time of a killed run against its fault-free ``twin`` (``lost_time.py``: the wall-time
+    difference over the same iterations, from 3 before the killed one to the last), plus nvrx's phases."""
+    from lost_time import iterations_from_records, lost_per_failure_s, steady_iteration_s
 
     t0, events = run["t_kill"], run["events"]
     startups = [e for e in run["metrics"] if e.get("event") == "startup"]
@@ -368,9 +370,16 @@ def analyse(cfg: NvrxRunConfig, run: dict) -> dict:
     if not after:
         raise RuntimeError("the logging rank recorded no start-up after the kill: nvrx did not restart the job")
     resumed = after[0]
-    result = lost_time(
-        run["metrics_path"], t0, {"t": resumed["checkpoint_loaded"], "resumed_iteration": resumed["resumed_iteration"]}
-    )
+    f_its, t_its = iterations_from_records(run["metrics"]), iterations_from_records(twin["metrics"])
+    killed = 1 + max(it.iteration for it in f_its if it.end <= t0)
+    window = (max(1, killed - 3), max(it.iteration for it in t_its))
+    result = {
+        "lost_s": lost_per_failure_s(f_its, t_its, 1, *window),
+        "window": list(window),
+        "iteration_s": steady_iteration_s(t_its),
+        "resumed_iteration": resumed["resumed_iteration"],
+        "to_resume_s": resumed["checkpoint_loaded"] - t0,
+    }
     last = max((e["nvrx_iteration"] for e in events if e["event"] == "fn_start"), default=0)
     restarted = [e for e in events if e["event"] == "fn_start" and e["nvrx_iteration"] == last and last >= 1]
     # The restart the job resumed from: its interrupted iteration's finalizes (spares' included).
@@ -392,7 +401,7 @@ def analyse(cfg: NvrxRunConfig, run: dict) -> dict:
             "first_iteration_s": first["t_end"] - resumed["checkpoint_loaded"],
         }
     result.update(
-        nvrx_inprocess_s=result["downtime_s"],
+        nvrx_inprocess_s=result["lost_s"],
         phases={k: round(v, 4) for k, v in phases.items()},
         restarts=last,
         spare_took_rank=spare[0]["rank"] if spare else None,
@@ -447,8 +456,9 @@ def measure(
     ok = False
     try:
         killed = run_job(cfg, workdir, "killed")
-        result = analyse(cfg, killed)
-        fault_free = trajectory(run_job(replace(cfg, victim=None), workdir, "fault_free")["metrics"])
+        twin = run_job(replace(cfg, victim=None), workdir, "fault_free")
+        result = analyse(cfg, killed, twin)
+        fault_free = trajectory(twin["metrics"])
         traj = trajectory(killed["metrics"])
         result["bit_identical"] = traj == fault_free
         result["first_difference"] = _first_difference(traj, fault_free)

@@ -30,6 +30,7 @@ NOT_YET = "not yet measured under the new definitions"
 COMMANDS = {
     "downtime": "python benchmarks/downtime.py --json benchmarks/results/downtime.json",
     "chaos": "python benchmarks/chaos.py --json benchmarks/results/chaos.json",
+    "downtime_nodes": "python benchmarks/downtime_nodes.py --json benchmarks/results/downtime_nodes.json",
 }
 MIN_RUNS = 3
 
@@ -125,6 +126,29 @@ def downtime_table(data: dict | None) -> list[str]:
     return head + rows + tail
 
 
+NODES_ROWS = (
+    (
+        "node_loss",
+        "a node of 4 ranks lost (agent and ranks SIGKILLed), one plan to a standby machine",
+        "node_loss_lost_s",
+    ),
+    ("drain", "`trainmover drain --node n1`: its 4 ranks to a standby machine, one planned epoch", "drain_lost_s"),
+)
+
+
+def nodes_table(data: dict | None) -> list[str]:
+    head = ["| what (JSON key) | lost: median (range, runs) | loss / state identical |", "|---|---|---|"]
+    if data is None:
+        rows = [f"| {what} (`{key}`) | {NOT_YET} | - |" for _, what, key in NODES_ROWS]
+        return head + rows + ["", f"Regenerate with `{COMMANDS['downtime_nodes']}`."]
+    rows = []
+    for name, what, key in NODES_ROWS:
+        s = data.get("scenarios", {}).get(name)
+        ident = f"{yes(s['bit_identical'])} / {yes(s['state_identical'])}" if s else "-"
+        rows.append(f"| {what} (`{key}`) | {spread_cell(s['lost_s']) if s else NOT_YET} | {ident} |")
+    return head + rows + ["", stamp(data)]
+
+
 # ---------------------------------------------------------------------------- chaos
 
 
@@ -207,6 +231,11 @@ def readme_block(results_dir: str) -> list[str]:
         "random point inside the same iteration for every strategy):",
         "",
         *downtime_table(downtime),
+        "",
+        "**A machine** (two loopback nodes of 4 ranks with `--use-tp-pp-dp-mapping` and a standby machine of 4",
+        "slots; the same job):",
+        "",
+        *nodes_table(load(results_dir, "downtime_nodes")),
         "",
         "**Chaos** (seeded schedules of kills, hangs and cascades; goals in the fault-free twin's steady",
         "iterations):",

@@ -169,6 +169,31 @@ def idle_standbys(archive_events: list[dict], at: float) -> int:
     return len(joined - used)
 
 
+def epochs(archive_events: list[dict], plans: list[dict]) -> list[dict]:
+    """Every migration epoch, in order: ``{"epoch", "reason", "t" (decided), "replacements", "steps",
+    "status"}``. The archive's ``migration_planned`` events have them all; a plan's step times only
+    when it finished (a plan superseded by a newer one, e.g. after a cascade, has ``steps`` empty)."""
+    finished = {p["epoch"]: p for p in plans}
+    out = []
+    for e in archive_events:
+        if e.get("what") != "migration_planned":
+            continue
+        d = e.get("detail", {})
+        plan = finished.get(d.get("epoch"), {})
+        out.append(
+            {
+                "epoch": d.get("epoch"),
+                "reason": d.get("reason"),
+                "t": e.get("time"),
+                "replacements": d.get("replacements", []),
+                "steps": plan.get("steps", {}),
+                "state_sources": {r["rank"]: r.get("state_source") for r in plan.get("replacements", [])},
+                "status": plan.get("status", "superseded or unfinished"),
+            }
+        )
+    return out
+
+
 def fenced_and_planned(log: str, plans: list[dict]) -> dict:
     """What a fault-free run must show none of: processes its agent fenced as hung, migration plans."""
     return {"fenced": len(FENCED_RE.findall(log)), "plans": max(len(plans), len(set(PLAN_LOG_RE.findall(log))))}

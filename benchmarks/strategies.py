@@ -25,7 +25,7 @@ from common import Tail, start_launcher
 from lost_time import Fault, ettr_relative, event_record, lost_per_failure_s, steady_iteration_s, wall_s
 
 from harness.jobs import RECORDED_PRETRAIN
-from harness.recorder import RECORDS_ENV, REFILLS_OFF_ENV
+from harness.recorder import INITIAL_STANDBYS_ENV, RECORDS_ENV, REFILL_DELAY_ENV
 
 
 @dataclass(kw_only=True)
@@ -63,8 +63,8 @@ class Strategy:
     standbys: int = 1
     standby_duty: float | None = None
     standby_reserves: int | None = None
-    refills_off: bool = False
-    """TrainMover A/B: refills idle without warming (``harness.recorder``); start enough standbys."""
+    refill_delay_s: float | None = None
+    """TrainMover A/B: refills start this much later (``harness.recorder``), after the penalty window."""
     extra_args: tuple[str, ...] = ()
     launch_flags: tuple[str, ...] = ()
     warm_until_iteration: int = 0
@@ -94,8 +94,8 @@ class Strategy:
                 args += ["--tm-standby-duty", str(self.standby_duty)]
             if self.standby_reserves is not None:
                 args += ["--tm-standby-reserves", str(self.standby_reserves)]
-            if self.refills_off:
-                env[REFILLS_OFF_ENV] = str(self.standbys)
+            if self.refill_delay_s is not None:
+                env |= {INITIAL_STANDBYS_ENV: str(self.standbys), REFILL_DELAY_ENV: f"{self.refill_delay_s:.2f}"}
             flags += ["--max-restarts", "5"]  # a fallback to stop-restart shows as restarts, not a crash
         elif self.name in ("restart", "restart_fork"):
             method = "spawn" if self.name == "restart" else "fork"
@@ -140,7 +140,12 @@ class Strategy:
 
         kills = sum(1 + bool(ev.get("cascade")) for ev in schedule)
         cfg = nvrx_inprocess.NvrxRunConfig(
-            job_args=job.args, ranks=job.world, spares=max(2, kills + 1), victim=None, save_interval=job.save_interval
+            job_args=job.args,
+            ranks=job.world,
+            spares=max(2, kills + 1),
+            victim=None,
+            save_interval=job.save_interval,
+            max_restarts=2 * kills + 2,  # every kill (a cascade's too) restarts; a hang is fenced into one
         )
         run = nvrx_inprocess.run_job(
             cfg,
@@ -165,7 +170,9 @@ RESTARTED_AS = {"restart": "spawn", "restart_fork": "fork", "nvrx": "in-process 
 """How a baseline's replacement for a lost rank starts: no warm standby, ever."""
 
 
-def _fault_of(run: Run, inj: dict, until: float, records: list[dict], archive: list[dict], log: str) -> Fault:
+def _fault_of(
+    run: Run, inj: dict, until: float, records: list[dict], archive: list[dict], log: str, run_epochs: list[dict]
+) -> Fault:
     """What ``run``'s records say of one injected fault (detection, resumes, joiner), up to ``until``."""
     fault = Fault(
         kind=inj["kind"],
@@ -178,22 +185,26 @@ def _fault_of(run: Run, inj: dict, until: float, records: list[dict], archive: l
     extra: dict = {"cascade_kill": _rel(inj["cascade"], inj["t"])}
     if run.strategy == "trainmover":
         reason = "planned" if inj["kind"] == "migrate" else "failure"
-        plans = [
-            p
-            for p in run.files.plans()
-            if p.get("reason") == reason and min(p.get("steps", {}).values(), default=0) >= inj["t"] - 0.01
-        ]
-        plan = next((p for p in plans if any(r["rank"] == inj["rank"] for r in p.get("replacements", []))), None)
+        mine = [e for e in run_epochs if e["reason"] == reason and inj["t"] - 0.01 <= e["t"] < until]
+        plan = next((e for e in mine if any(r["rank"] == inj["rank"] for r in e["replacements"])), None)
         if plan is not None:
-            steps = plan.get("steps", {})
-            fault.detected_t = steps.get("detected")  # a planned move has none: it was asked for
-            joiner = next(r["joiner"] for r in plan["replacements"] if r["rank"] == inj["rank"])
+            steps = plan["steps"]
+            # A plan a newer one superseded (a cascade) was not archived with its steps: its decision
+            # time bounds the detection from above, and the record says so.
+            fault.detected_t = steps.get("detected", plan["t"] if reason == "failure" else None)
+            # The joiner that kept the rank: a cascade may have killed the first plan's joiner.
+            last = [e for e in mine if any(r["rank"] == inj["rank"] for r in e["replacements"])][-1]
+            joiner = next(r["joiner"] for r in last["replacements"] if r["rank"] == inj["rank"])
             extra["plan"] = {
                 "epoch": plan["epoch"],
                 "joiner": joiner,
-                "state_source": next(r["state_source"] for r in plan["replacements"] if r["rank"] == inj["rank"]),
+                "joiner_epoch": last["epoch"],
+                "why": next(r.get("why") for r in plan["replacements"] if r["rank"] == inj["rank"]),
+                "state_source": plan["state_sources"].get(inj["rank"]),
+                "status": plan["status"],
+                "detect_from": "the plan's detected step" if "detected" in steps else "its decision (no steps kept)",
                 "steps_s": {k: round(v - inj["t"], 4) for k, v in sorted(steps.items(), key=lambda kv: kv[1])},
-                "plans_in_event": len([p for p in plans if min(p["steps"].values(), default=0) < until]),
+                "epochs_in_event": [e["epoch"] for e in mine],
             }
             extra["joiner_started"] = rr.standby_starts(archive).get(joiner, {}).get("how")
             extra["joiner_warm"] = rr.standby_warmth(log).get(joiner)
@@ -235,11 +246,12 @@ def compare(faulted: Run, twin: Run, *, scheduled: int, window: tuple[int, int])
     records = faulted.files.process_records()
     archive = faulted.files.archive_events() if faulted.strategy == "trainmover" else []
     log = faulted.files.launcher_log() if faulted.strategy == "trainmover" else ""
+    run_epochs = rr.epochs(archive, faulted.files.plans()) if faulted.strategy == "trainmover" else []
     events = []
     injected = sorted(faulted.injected, key=lambda i: i["t"])
     for n, inj in enumerate(injected):
         until = injected[n + 1]["t"] if n + 1 < len(injected) else float("inf")
-        fault = _fault_of(faulted, inj, until, records, archive, log)
+        fault = _fault_of(faulted, inj, until, records, archive, log, run_epochs)
         # the last event's share ends with the window (the twin's last iteration may come later)
         nxt = injected[n + 1]["iteration"] if n + 1 < len(injected) else iters + 1
         events.append(event_record(fault, f_its, t_its, nxt, steady))
@@ -261,8 +273,23 @@ def compare(faulted: Run, twin: Run, *, scheduled: int, window: tuple[int, int])
         **rr.compare_states(f_states, t_states, faulted.world),
         "restarts": max(0, sum(1 for r in faulted.files.metrics_records() if r.get("event") == "startup") - 1),
         "twin": rr.fenced_and_planned(twin_log, twin.files.plans()),
+        "unscheduled_epochs": unscheduled(run_epochs, injected),
         "events": events,
     }
+
+
+def unscheduled(run_epochs: list[dict], injected: list[dict], within_s: float = 60.0) -> list[dict]:
+    """Epochs of a faulted run that replaced a rank no injected fault or cascade touched in the
+    ``within_s`` before: what the runtime did by itself (a lease that lapsed under load, a false hang)."""
+    hits = [(i["rank"], i["t"]) for i in injected] + [
+        (i["cascade"]["rank"], i["cascade"]["t"]) for i in injected if i["cascade"]
+    ]
+    out = []
+    for e in run_epochs:
+        for r in e["replacements"]:
+            if not any(rank == r["rank"] and 0 <= e["t"] - t <= within_s for rank, t in hits):
+                out.append({"epoch": e["epoch"], "rank": r["rank"], "why": r.get("why"), "t": round(e["t"], 3)})
+    return out
 
 
 def iteration_rows(run: Run, label: str) -> list[dict]:

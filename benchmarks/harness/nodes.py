@@ -4,7 +4,7 @@ machines (``--tm-role standby``). Each agent runs in its own process group, so a
 whole node (agent and every process it started) at once.
 
 Used by the multi-node tests (``tests/migration/test_multinode.py``, ``test_node_loss.py``) and by the
-node-loss scenario of ``benchmarks/downtime.py``. It reads no control keys itself: a caller that needs
+node scenarios of ``benchmarks/downtime_nodes.py``. It reads no control keys itself: a caller that needs
 the job's view passes a reader (the tests' ``JobProbe.view``, the benchmark's ``Etcd.view``).
 
 On failure: a node that exits before the awaited iteration, or a wait that runs past its timeout,
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.jobs import REPO_ROOT, launch_cmd
+from harness.jobs import PRETRAIN, REPO_ROOT, launch_cmd
 from trainmover_ext.errors import StoreError
 
 PER_NODE = 4
@@ -49,7 +49,8 @@ class NodesJob:
     ``args`` are the script's flags and must contain ``--tm-standbys`` (each node's value replaces it).
     Logs go to ``workdir/n<i>.out|.err``, metrics of every rank to ``workdir/metrics.jsonl``.
     Without ``etcd`` the job starts its own etcd (data in ``workdir/etcd``) and stops it in :meth:`close`;
-    with ``etcd`` (a started ``EmbeddedEtcd``) and ``token`` it joins that one and leaves it running."""
+    with ``etcd`` (a started ``EmbeddedEtcd``) and ``token`` it joins that one and leaves it running.
+    ``script``: what every agent runs (the benchmarks' ``RECORDED_PRETRAIN``)."""
 
     def __init__(
         self,
@@ -61,6 +62,7 @@ class NodesJob:
         etcd=None,
         token: str | None = None,
         per_node: int = PER_NODE,
+        script: str = PRETRAIN,
     ):
         from trainmover_ext.etcd import EmbeddedEtcd, EmbeddedEtcdConfig, free_port
 
@@ -77,13 +79,13 @@ class NodesJob:
         active = sum(not n.machine for n in nodes)
         node_rank = 0
         for i, node in enumerate(nodes):
-            script = list(args) + ["--tm-metrics-file", self.metrics]
-            script[script.index("--tm-standbys") + 1] = str(node.standbys)
+            flags = list(args) + ["--tm-metrics-file", self.metrics]
+            flags[flags.index("--tm-standbys") + 1] = str(node.standbys)
             role = ["--tm-role", "standby"] if node.machine else ["--node-rank", str(node_rank)]
             node_rank += not node.machine
             cmd = launch_cmd(
                 per_node,
-                script,
+                flags,
                 "--nnodes",
                 str(active),
                 *role,
@@ -100,6 +102,7 @@ class NodesJob:
                 "--tm-job-token",
                 self.token,
                 *node.flags,
+                script=script,
             )
             env = dict(os.environ, TRAINMOVER_NODE_NAME=f"n{i}", PYTHONUNBUFFERED="1") | dict(node.env)
             self.procs.append(

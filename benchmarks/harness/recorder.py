@@ -17,9 +17,10 @@ Contract: :func:`install_from_env` runs first thing in every process of a benchm
 
 It reaches the training layer through three names (``MetricsLog.write``, ``initialize_distributed``,
 ``train_loop`` of ``trainmover_training.training``) and raises ``RuntimeError`` at install when one is
-gone, so that a benchmark never runs without its records. A benchmark drill lives here too:
-``TM_BENCH_REFILLS_OFF=N`` makes every standby started after the first ``N`` (a refill) idle until its
-agent stops it, without warming or registering (the A/B that measures what refills cost the job).
+gone, so that a benchmark never runs without its records. A benchmark drill lives here too: with
+``TM_BENCH_STANDBYS=N`` and ``TM_BENCH_REFILL_DELAY_S=D``, every standby started after the first ``N``
+(a refill) sleeps ``D`` seconds before it starts, so that it neither imports nor warms during the
+post-promotion window (the A/B that measures what refills cost the job there).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from collections.abc import Iterable
 from typing import Any
 
 RECORDS_ENV = "TM_BENCH_RECORDS"
-REFILLS_OFF_ENV = "TM_BENCH_REFILLS_OFF"
+REFILL_DELAY_ENV = "TM_BENCH_REFILL_DELAY_S"
+INITIAL_STANDBYS_ENV = "TM_BENCH_STANDBYS"
 MEMBER_ENV = "TRAINMOVER_MEMBER_ID"
 
 
@@ -103,12 +105,12 @@ def install_from_env() -> bool:
     return True
 
 
-def idle_if_refill_is_off(argv: list[str]) -> None:
-    """The refills-off drill (see the module doc): a refill standby sleeps until its agent is gone or
-    stops it (SIGTERM ends it), and never returns."""
-    keep = os.environ.get(REFILLS_OFF_ENV)
+def defer_refill(argv: list[str]) -> None:
+    """The deferred-refill drill (see the module doc): a refill standby sleeps ``TM_BENCH_REFILL_DELAY_S``
+    seconds before it starts (and warms), or exits when its agent is gone meanwhile."""
+    delay, keep = os.environ.get(REFILL_DELAY_ENV), os.environ.get(INITIAL_STANDBYS_ENV)
     member = os.environ.get(MEMBER_ENV, "")
-    if keep is None or "--tm-role" not in argv or not member.startswith("standby-"):
+    if delay is None or keep is None or "--tm-role" not in argv or not member.startswith("standby-"):
         return
     try:
         index = int(member.split("-")[2])
@@ -116,11 +118,12 @@ def idle_if_refill_is_off(argv: list[str]) -> None:
         return
     if index < int(keep):
         return
-    print(f"[bench] refills off: standby {member} idles without warming", flush=True)
-    parent = os.getppid()
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(0)
+    print(f"[bench] refills deferred: standby {member} starts in {float(delay):.1f}s", flush=True)
+    parent, until = os.getppid(), time.time() + float(delay)
+    while time.time() < until:
+        if os.getppid() != parent:
+            os._exit(0)
+        time.sleep(0.2)
 
 
 # ---------------------------------------------------------------------------- state hash
