@@ -39,7 +39,14 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
 
     class _Layout:  # only the backend and the communicator matter for the config here
         backend = select_backend(args.distributed_backend)
-        comm = torch.distributed.get_backend() if torch.distributed.is_initialized() else ""
+        # The job's communicator, also in a standby's sandbox (whose groups replay it): the p2p
+        # pattern it picks must be the one that was recorded.
+        comm = (
+            "nccl_delta"
+            if getattr(args, "tm_comm", "auto") == "nccl_delta"
+            or (getattr(args, "tm_comm", "auto") in ("auto", None) and getattr(args, "trainmover", False))
+            else ""
+        )
 
     config = transformer_config_from_args(args, _Layout)
     return GPTModel(

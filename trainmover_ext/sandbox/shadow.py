@@ -152,6 +152,7 @@ def _layout_from_mpu(args, recording: Recording):
         local_rank=0,
         device=torch.device("cpu"),
         backend=recording.index["layout"]["backend"],
+        comm=recording.index["layout"].get("comm") or "",
     )
 
 
