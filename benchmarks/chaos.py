@@ -179,7 +179,7 @@ def main(argv=None) -> int:
 
 
 def summarize(runs, args, argv, seeds, rates, calibration, schedules, skipped, failed) -> dict:
-    tm = trainmover_summary(runs, gaps=(rates[0][0], rates[-1][0]))
+    tm = trainmover_summary(runs)
     twins = [r["twin"] for r in runs if r["strategy"].startswith("trainmover")]
     return {
         "command": shlex.join(["python", "benchmarks/chaos.py", *(sys.argv[1:] if argv is None else argv)]),

@@ -128,9 +128,30 @@ def measured_at() -> dict:
     }
 
 
+ONE_LINE_KEYS = ("iterations", "events")
+"""Top-level lists written one element a line: thousands of rows stay readable and diffable."""
+
+
+def dumps(payload: dict) -> str:
+    """``payload`` as indented JSON, the lists of :data:`ONE_LINE_KEYS` one element a line."""
+    rest = {k: v for k, v in payload.items() if k not in ONE_LINE_KEYS}
+    lists = [k for k in ONE_LINE_KEYS if isinstance(payload.get(k), list)]
+    text = json.dumps(rest, indent=2)
+    if not lists:
+        return text
+    parts = [
+        f"  {json.dumps(k)}: ["
+        + ",".join("\n    " + json.dumps(x) for x in payload[k])
+        + ("\n  ]" if payload[k] else "]")
+        for k in lists
+    ]
+    head = text[: text.rfind("}")].rstrip()
+    return head + ("," if rest else "") + "\n" + ",\n".join(parts) + "\n}"
+
+
 def write_json(path: str | None, payload: dict) -> None:
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
-            json.dump(payload, f, indent=2)
+            f.write(dumps(payload) + "\n")
         print(f"wrote {path}")

@@ -19,7 +19,7 @@ of ``--trials`` with its range and every trial:
 - ``restart_fork_lost_s``: the same with ranks forked from the warm agent (``--restart-start-method fork``).
 - ``nvrx_lost_s``: NVIDIA resiliency-ext 0.4.1's in-process restart (``nvrx_inprocess.py``; needs
   ``pip install -r requirements-bench.txt``, otherwise null with the reason).
-- ``planned_lost_s``: ``trainmover migrate --rank VICTIM`` while the job trains.
+- ``planned_lost_s``: ``trainmover migrate --rank VICTIM`` while the job trains (``--planned-iters``).
 - ``scale``: ``unexpected`` at ``--scale`` world sizes, the last rank killed.
 
 Every faulted run also gives ``events[]`` (kind, rank, wall time, iteration, ``fraction_inside``,
@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import faults  # noqa: E402
 from common import measured_at, print_table, write_json  # noqa: E402
 from lost_time import spread, steady_iteration_s  # noqa: E402
-from strategies import Job, Strategy, compare, iteration_rows  # noqa: E402
+from strategies import Job, Strategy, compare, fault_window, iteration_rows  # noqa: E402
 
 from harness.jobs import DEFAULT_CORPUS_PREFIX, ensure_corpus, model_args  # noqa: E402
 
@@ -81,9 +81,12 @@ def trial_pair(
     rows += iteration_rows(twin, label + "/twin") + iteration_rows(faulted, label + "/faulted")
     if len(faulted.injected) < len(schedule):
         raise RuntimeError(f"{label}: the fault did not land before the job ended (raise --iters); {faulted.files.err}")
-    k = faulted.injected[0]["iteration"]
-    first, last = max(1, k - args.window_before), min(job.iters, k + args.window_after)
-    out = compare(faulted, twin, scheduled=len(schedule), window=(first, last))
+    fault = faulted.injected[0]
+    records, its = faulted.files.process_records(), faulted.files.iterations()
+    window = fault_window(
+        records, its, fault["t"], fault["iteration"], args.window_before, args.window_after, job.iters
+    )
+    out = compare(faulted, twin, scheduled=len(schedule), window=window)
     return dict(out, kill_inside_iteration=schedule[0]["inside"] if schedule else None)
 
 
@@ -113,6 +116,7 @@ class Scenario:
             "lost_s": spread(t["lost_per_failure_s"] for t in trials),
             "lost_iters": spread(t["lost_per_failure_s"] / t["steady_iteration_s"] for t in trials),
             "steady_iteration_s": spread(t["steady_iteration_s"] for t in trials),
+            "pre_fault_ratio": spread(t["pre_fault_ratio"] for t in trials),
             "bit_identical": bool(trials) and all(t["bit_identical"] for t in trials),
             "state_identical": bool(trials) and all(t["state_identical"] for t in trials),
             "failed": self.failed,
@@ -156,7 +160,8 @@ def main(argv=None) -> int:
         "--window-after",
         type=int,
         default=20,
-        help="... to this many after it (the post-promotion penalty window): the same iterations in both runs.",
+        help="... to this many after it, or after every rank resumed if that came later (a planned move): the "
+        "post-promotion penalty window; the same iterations in both runs.",
     )
     parser.add_argument("--victim", type=int, default=5, help="Rank killed or moved (8-rank layout).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the kill points inside the iteration.")
@@ -167,6 +172,13 @@ def main(argv=None) -> int:
         help="Which of trainmover, restart, restart_fork, nvrx to run (comma-separated).",
     )
     parser.add_argument("--planned-trials", type=int, default=3, help="Planned-move trials (0 skips).")
+    parser.add_argument(
+        "--planned-iters",
+        type=int,
+        default=100,
+        help="Iterations of the planned-move runs: the job trains on while the joiner prepares, and a move "
+        "still pending at the job's last boundary makes every rank wait there for it.",
+    )
     parser.add_argument("--scale", default="4,16", help="More world sizes of the unexpected scenario ('' skips).")
     parser.add_argument("--scale-trials", type=int, default=3, help="Trials per scale world size.")
     parser.add_argument("--precision", choices=sorted(PRECISION_FLAGS), default="bf16")
@@ -188,9 +200,9 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     events: list[dict] = []
 
-    def job_of(ranks: int) -> Job:
-        flags = job_args(args.data_prefix, args.iters, ranks, args.precision, args.dropout)
-        return Job(args=flags, world=ranks, iters=args.iters, save_interval=args.save_interval)
+    def job_of(ranks: int, iters: int = args.iters) -> Job:
+        flags = job_args(args.data_prefix, iters, ranks, args.precision, args.dropout)
+        return Job(args=flags, world=ranks, iters=iters, save_interval=args.save_interval)
 
     skipped = {}
     if "nvrx" in chosen:
@@ -212,7 +224,7 @@ def main(argv=None) -> int:
         run.strategy.warm_until_iteration = warm_until if run.strategy.name == "trainmover" else 0
     tm = Strategy(name="trainmover", warm_until_iteration=warm_until)
     if "trainmover" in chosen and args.planned_trials:
-        runs["planned"] = Scenario("planned", tm, job_of(8))
+        runs["planned"] = Scenario("planned", tm, job_of(8, args.planned_iters))
     for ranks in [int(r) for r in args.scale.split(",") if r.strip()] if "trainmover" in chosen else []:
         runs[f"scale_{ranks}"] = Scenario(f"scale_{ranks}", tm, job_of(ranks))
     for n, point in enumerate(points):

@@ -9,7 +9,9 @@ iterations ran since (and ``--at-iteration`` is logged), node 1 (ranks 4-7)
 
 - is lost (``node_loss_lost_s``): its agent and all its ranks SIGKILLed at the trial's seeded point
   inside the next iteration; or
-- is drained (``drain_lost_s``): ``trainmover drain --node n1`` moves its 4 ranks in one planned epoch.
+- is drained (``drain_lost_s``): ``trainmover drain --node n1`` moves its 4 ranks in one planned epoch
+  (asked again every 2 s while the controller rejects it because the machine's standbys have not
+  warmed the node's roles yet; the fault's time is the accepted request's).
 
 Lost time is ``lost_time.py``'s: the faulted run's wall time minus the twin's over the same iterations
 (``--window-before`` before the fault's iteration to ``--window-after`` after it). Each event's record
@@ -45,6 +47,7 @@ from lost_time import (  # noqa: E402
     spread,
     steady_iteration_s,
 )
+from strategies import fault_window, pre_fault_ratio  # noqa: E402
 
 from harness.jobs import DEFAULT_CORPUS_PREFIX, RECORDED_PRETRAIN, demo_args, ensure_corpus  # noqa: E402
 from harness.nodes import Node, NodesJob  # noqa: E402
@@ -98,25 +101,38 @@ class Etcd:
         self.server.stop()
 
 
-def kill_node_inside(inside: float, steady_s: float) -> Callable[[NodesJob], float]:
-    def act(job: NodesJob) -> float:
+def kill_node_inside(inside: float, steady_s: float) -> Callable[[NodesJob], tuple[float, int]]:
+    """SIGKILL node 1 whole at ``inside`` of a steady iteration after the last one logged: (t0, iteration)."""
+
+    def act(job: NodesJob) -> tuple[float, int]:
+        seen = job.last_iteration()
+        wait_until(lambda: job.last_iteration() > seen, 300, 0.005)  # right after an iteration ended
         time.sleep(inside * steady_s)
+        landed = job.last_iteration() + 1
         t0 = time.time()
         job.kill_node(MOVED_NODE)
-        return t0
+        return t0, landed
 
     return act
 
 
-def drain_node(job_name: str, etcd: Etcd) -> Callable[[NodesJob], float]:
-    def act(job: NodesJob) -> float:
+def drain_node(job_name: str, etcd: Etcd) -> Callable[[NodesJob], tuple[float, int]]:
+    """``trainmover drain --node n1`` to its end: (when it was asked, the iteration then)."""
+
+    def act(job: NodesJob) -> tuple[float, int]:
         cmd = [sys.executable, "-m", "trainmover_ext.cli", "drain", "--node", f"n{MOVED_NODE}"]
         cmd += ["--wait", str(DRAIN_WAIT_S), "--tm-job", job_name, *etcd.flags]
-        t0 = time.time()
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=DRAIN_WAIT_S + 60)
-        if out.returncode != 0:
-            raise RuntimeError(f"trainmover drain exited {out.returncode}: {out.stdout}{out.stderr}")
-        return t0
+        deadline = time.time() + DRAIN_WAIT_S
+        while True:
+            landed = job.last_iteration() + 1
+            t0 = time.time()
+            out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=DRAIN_WAIT_S + 60)
+            if out.returncode == 0:
+                return t0, landed
+            # Rejected while the machine's standbys still warm the node's roles: an operator asks again.
+            if "rejected" not in out.stdout + out.stderr or time.time() > deadline:
+                raise RuntimeError(f"trainmover drain exited {out.returncode}: {out.stdout}{out.stderr}")
+            time.sleep(2.0)
 
     return act
 
@@ -137,8 +153,7 @@ def run_nodes(workdir: str, name: str, args: list[str], etcd: Etcd, at_iteration
         wait_until(lambda: len(job.iterations()) >= after + STEADY_ITERATIONS, 900, 0.01)
         job.wait_iteration(at_iteration, timeout=900)
         if act is not None:
-            landed = job.last_iteration() + 1
-            t0 = act(job)
+            t0, landed = act(job)
         codes = job.finish(timeout=1200)
     finally:
         job.close()
@@ -159,11 +174,11 @@ def trial(workdir: str, kind: str, n: int, args: list[str], etcd: Etcd, opts, po
     faulted = run_nodes(workdir, label, args, etcd, opts.at_iteration, act)
     f_its = iterations_from_records(read_events(faulted["metrics"]))
     k, t0 = faulted["landed"], faulted["t0"]
-    window = (max(1, k - opts.window_before), min(opts.iters, k + opts.window_after))
+    records = faulted["records"].process_records()
+    window = fault_window(records, f_its, t0, k, opts.window_before, opts.window_after, opts.iters)
     reason = "failure" if kind == "node_loss" else "planned"
     plans = [p for p in etcd.plans(label) if p["reason"] == reason]
     steps = plans[0]["steps"] if plans else {}
-    records = faulted["records"].process_records()
     fault = Fault(
         kind="node_kill" if kind == "node_loss" else "drain",
         rank=4 * MOVED_NODE,
@@ -188,6 +203,7 @@ def trial(workdir: str, kind: str, n: int, args: list[str], etcd: Etcd, opts, po
         "lost_per_failure_s": round(lost_per_failure_s(f_its, t_its, 1, *window), 4),
         "steady_iteration_s": round(steady, 4),
         "window": list(window),
+        "pre_fault_ratio": pre_fault_ratio(f_its, t_its, k),
         "kill_inside_iteration": point if kind == "node_loss" else None,
         "bit_identical": bool(f_traj) and f_traj == t_traj,
         **states,
@@ -210,7 +226,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="Write the result as JSON to this path.")
     parser.add_argument("--trials", type=int, default=3, help="Trials (twin + faulted run) per scenario.")
     parser.add_argument("--scenarios", default="node_loss,drain", help="node_loss, drain (comma-separated).")
-    parser.add_argument("--iters", type=int, default=50, help="Iterations of every run.")
+    parser.add_argument("--iters", type=int, default=60, help="Iterations of every run.")
     parser.add_argument("--at-iteration", type=int, default=10, help="The earliest iteration after which to act.")
     parser.add_argument("--window-before", type=int, default=3, help="Compared from this many iterations before ...")
     parser.add_argument("--window-after", type=int, default=20, help="... to this many after the fault's iteration.")

@@ -221,9 +221,10 @@ def inject(
         )
     try:
         for n, ev in enumerate(schedule):
-            reached = _wait(
-                lambda ev=ev: target.last_iteration() >= ev["after_iteration"] or not target.running(), timeout_s, 0.01
-            )
+            # Sleep from right after an iteration ended: when the harness is late (a warm-up gate, a
+            # cascade's wait), the fault moves to the next boundary, and its record says where it landed.
+            floor = max(ev["after_iteration"], target.last_iteration() + 1)
+            reached = _wait(lambda f=floor: target.last_iteration() >= f or not target.running(), timeout_s, 0.01)
             if not reached or not target.running():
                 break
             time.sleep(ev["inside"] * steady_s)

@@ -16,13 +16,14 @@ comparison (``lost_time.py`` holds the definitions). Every process of every run 
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import faults
 import run_records as rr
 from common import Tail, start_launcher
-from lost_time import Fault, ettr_relative, event_record, lost_per_failure_s, steady_iteration_s, wall_s
+from lost_time import Fault, Iteration, ettr_relative, event_record, lost_per_failure_s, steady_iteration_s, wall_s
 
 from harness.jobs import RECORDED_PRETRAIN
 from harness.recorder import INITIAL_STANDBYS_ENV, RECORDS_ENV, REFILL_DELAY_ENV
@@ -269,6 +270,7 @@ def compare(faulted: Run, twin: Run, *, scheduled: int, window: tuple[int, int])
         "twin_wall_s": round(wall_s(t_its, window_from, iters), 4),
         "steady_iteration_s": round(steady, 4),
         "window": list(window),
+        "pre_fault_ratio": pre_fault_ratio(f_its, t_its, injected[0]["iteration"] if injected else iters),
         "bit_identical": bool(f_traj) and sorted(f_traj) == sorted(t_traj) and f_traj == t_traj,
         **rr.compare_states(f_states, t_states, faulted.world),
         "restarts": max(0, sum(1 for r in faulted.files.metrics_records() if r.get("event") == "startup") - 1),
@@ -276,6 +278,37 @@ def compare(faulted: Run, twin: Run, *, scheduled: int, window: tuple[int, int])
         "unscheduled_epochs": unscheduled(run_epochs, injected),
         "events": events,
     }
+
+
+def fault_window(
+    records: list[dict], its: list[Iteration], t0: float, iteration: int, before: int, after: int, iters: int
+) -> tuple[int, int]:
+    """The iterations a single-fault run is compared over: ``before`` iterations before the fault's
+    ``iteration`` to ``after`` iterations after the later of it and the first iteration after every
+    rank resumed (a planned move resumes many iterations after it was asked for). ``records``: the
+    run's process records; ``its``: its iterations."""
+    resumed = rr.resume_times(records, t0, float("inf"))
+    k = iteration
+    if resumed:
+        last = max(resumed.values())
+        k = max(k, next((it.iteration for it in its if it.end > last), k))
+    return max(1, iteration - before), min(iters, k + after)
+
+
+def pre_fault_ratio(faulted: list[Iteration], twin: list[Iteration], iteration: int, n: int = 20) -> float | None:
+    """The faulted run's median iteration over its twin's, over the ``n`` iterations before the first
+    fault: 1 when the machine was as loaded in both runs. Off 1 by more than a few per cent, the lost
+    time of that pair carries the machine's drift (another job started or stopped between the runs)."""
+
+    def median_of(its: list[Iteration]) -> float | None:
+        first = {}
+        for it in its:
+            first.setdefault(it.iteration, it.seconds)
+        vals = [first[i] for i in range(max(1, iteration - n), iteration) if i in first]
+        return statistics.median(vals) if vals else None
+
+    f, t = median_of(faulted), median_of(twin)
+    return round(f / t, 4) if f and t else None
 
 
 def unscheduled(run_epochs: list[dict], injected: list[dict], within_s: float = 60.0) -> list[dict]:

@@ -6,8 +6,8 @@ Contract: :func:`install_from_env` runs first thing in every process of a benchm
 ``TM_BENCH_RECORDS`` names a directory. It then appends JSON lines to ``<dir>/<pid>.jsonl``:
 
 - ``process``: the pid, its start on the wall clock and its member id (a standby's), at install;
-- every record the process's ``MetricsLog`` writes, on **every** rank (the job's own metrics file has
-  the logging rank's only), with ``pid``, ``rank`` (once the process knows it) and ``t_written``: a
+- every record but ``iteration`` the process's ``MetricsLog`` writes, on **every** rank (the job's own
+  metrics file has the logging rank's only), with ``pid``, ``rank`` (once the process knows it) and ``t_written``: a
   stayer's ``recovered``, a joiner's ``promoted``, a restarted rank's ``startup`` give each rank's
   resume time;
 - ``state_hash``: once training reached ``--train-iters``, sha256 over the rank's model parameters and
@@ -82,7 +82,8 @@ def install_from_env() -> bool:
 
     def write(self, **record):
         original_write(self, **record)
-        rec.write(record)
+        if record.get("event") != "iteration":  # the logging rank's metrics file has those already
+            rec.write(record)
 
     def initialize_distributed(*args, **kwargs):
         layout = original_init(*args, **kwargs)

@@ -91,3 +91,12 @@ def test_a_figure_is_a_median_with_its_range_runs_date_and_commit(tmp_path):
 def test_fewer_than_three_runs_say_so(tmp_path):
     (tmp_path / "downtime.json").write_text(json.dumps(_downtime(1)))
     assert "(0.600-1.10, 1 run; a figure needs 3)" in "\n".join(rf.readme_block(str(tmp_path)))
+
+
+def test_results_json_keeps_every_value_with_one_row_a_line():
+    from common import dumps
+
+    payload = {"a": {"b": [1, 2]}, "iterations": [{"run": "x", "iteration": 1, "start": 0.5, "end": 1.0}], "events": []}
+    text = dumps(payload)
+    assert json.loads(text) == payload
+    assert '\n    {"run": "x", "iteration": 1, "start": 0.5, "end": 1.0}\n' in text
