@@ -22,7 +22,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from chaos_goals import GOALS  # noqa: E402
+from chaos_goals import GOALS, trainmover_summary  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- figures:begin", "<!-- figures:end -->"
@@ -162,19 +162,38 @@ CHAOS_ROWS = (
     ("penalty_iters_max", "post-promotion penalty, worst (iteration-equivalents)"),
     ("ettr_rel_g25", "ETTR relative to the twin, a failure every ~25 iterations"),
     ("ettr_rel_g100", "ETTR relative to the twin, a failure every ~100 iterations"),
-    ("lost_over_fork_restart", "lost time per failure / stop-restart with forked ranks'"),
+    ("lost_over_fork_restart", "TrainMover's lost time per failure over stop-restart's with forked ranks"),
 )
 
 
 def _chaos_values(data: dict, key: str) -> list[float]:
-    """Per-run values behind a chaos figure, for its range (per seed and rate)."""
+    """The figure ``key`` of each TrainMover run (one per seed and rate), for the range of the pooled one."""
     runs = [r for r in data.get("runs", []) if r["strategy"] == "trainmover"]
-    gap = {"ettr_rel_g25": 25, "ettr_rel_g100": 100}.get(key)
-    if gap is not None:
-        return [r["ettr_rel"] for r in runs if r["gap"] == gap]
     if key == "lost_over_fork_restart":
         return [x["ratio"] for x in data["trainmover"].get("lost_over_fork_restart_by_run", [])]
-    return []
+    events = data.get("events", [])
+    values = []
+    for r in runs:
+        mine = [
+            e for e in events if (e.get("strategy"), e.get("gap"), e.get("seed")) == ("trainmover", r["gap"], r["seed"])
+        ]
+        v = trainmover_summary([dict(r, events=mine)]).get(key)
+        if v is not None:
+            values.append(v)
+    return values
+
+
+def chaos_cell(pooled: float | None, values: list[float]) -> str:
+    """The pooled figure (what the goal is judged on), and its median and range over the runs."""
+    if pooled is None:
+        return NOT_YET
+    if not values:
+        return f"**{num(pooled)}**"
+    vals, n = sorted(values), len(values)
+    median = vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2
+    note = "" if n >= MIN_RUNS else f"; a figure needs {MIN_RUNS}"
+    runs = f"{n} run{'s' if n != 1 else ''}"
+    return f"**{num(pooled)}** (runs: median {num(median)}, {num(vals[0])}-{num(vals[-1])}, {runs}{note})"
 
 
 def chaos_table(data: dict | None) -> list[str]:
@@ -185,11 +204,7 @@ def chaos_table(data: dict | None) -> list[str]:
     tm, goals, met = data["trainmover"], data.get("goals", {}), data.get("goals_met", {})
     rows = []
     for key, what in CHAOS_ROWS:
-        values = _chaos_values(data, key)
-        if values:
-            cell = values_cell(values)
-        else:
-            cell = NOT_YET if tm.get(key) is None else f"**{num(tm[key])}**"
+        cell = chaos_cell(tm.get(key), _chaos_values(data, key))
         rows.append(f"| {what} (`{key}`) | {cell} | {goals.get(key, '-')} | {yes(met.get(key))} |")
     ff = data.get("fault_free", {})
     rows.append(
@@ -248,7 +263,7 @@ def docs_block(results_dir: str) -> list[str]:
     lines = readme_block(results_dir)
     downtime = load(results_dir, "downtime")
     if downtime:
-        lines += ["", "Per scenario, medians over the trials' events (seconds after the fault):", ""]
+        lines += ["", "Per scenario, median (range) over the trials' events, in seconds after the fault:", ""]
         lines += event_table(downtime.get("events", []))
     return lines
 
@@ -258,9 +273,18 @@ def event_table(events: list[dict]) -> list[str]:
     out = ["| scenario | events | " + " | ".join(f"`{k}`" for k in keys) + " |", "|---" * (len(keys) + 2) + "|"]
     for name in dict.fromkeys(e["scenario"] for e in events):
         evs = [e for e in events if e["scenario"] == name]
-        cells = [values_cell([e[k] for e in evs if e.get(k) is not None]) for k in keys]
-        out.append(f"| {name} | {len(evs)} | " + " | ".join(c.replace("**", "") for c in cells) + " |")
+        cells = [compact_cell([e[k] for e in evs if e.get(k) is not None]) for k in keys]
+        out.append(f"| {name} | {len(evs)} | " + " | ".join(cells) + " |")
     return out
+
+
+def compact_cell(values: list[float]) -> str:
+    """``median (min-max)`` of an event field, ``-`` when no event recorded it."""
+    if not values:
+        return "-"
+    vals, n = sorted(values), len(values)
+    median = vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2
+    return f"{num(median)} ({num(vals[0])}-{num(vals[-1])})"
 
 
 def splice(text: str, block: list[str], path: str) -> str:

@@ -100,3 +100,42 @@ def test_results_json_keeps_every_value_with_one_row_a_line():
     text = dumps(payload)
     assert json.loads(text) == payload
     assert '\n    {"run": "x", "iteration": 1, "start": 0.5, "end": 1.0}\n' in text
+
+
+def test_a_chaos_figure_is_the_pooled_value_with_its_range_over_runs(tmp_path):
+    from chaos_goals import GOALS, goals_met, trainmover_summary
+
+    def ev(seed: int, gap: int, recovery: float) -> dict:
+        return {"strategy": "trainmover", "seed": seed, "gap": gap, "controllable_loss_iters": 1.0}, {
+            "recovery_iters": recovery,
+            "penalty_iters": 0.2,
+            "cascade": None,
+            "joiner_warm": "warm",
+        }
+
+    runs, events = [], []
+    for seed, recovery in ((0, 0.5), (1, 0.7), (2, 0.9)):
+        tags, fields = ev(seed, 25, recovery)
+        events.append(tags | fields)
+        runs.append({"strategy": "trainmover", "gap": 25, "seed": seed, "ettr_rel": 0.95, "lost_per_failure_s": 1.0})
+    full = [dict(r, events=[e for e in events if e["seed"] == r["seed"]]) for r in runs]
+    for r in full:
+        r |= {"state_identical": True, "bit_identical": True, "restarts": 0, "scheduled_failures": 1}
+        r |= {"kills_with_cascades": 1}
+    tm = trainmover_summary(full)
+    data = {
+        "measured_at": {"date": "2026-12-04 10:00 UTC", "commit": "abc", "dirty": False},
+        "command": "python benchmarks/chaos.py",
+        "trainmover": tm,
+        "goals": {k: f"{op} {b}" for k, (op, b) in GOALS.items()},
+        "goals_met": goals_met(tm),
+        "fault_free": {"plans": 0, "fenced": 0},
+        "runs": [{k: v for k, v in r.items() if k != "events"} for r in full],
+        "events": events,
+        "seeds": [0, 1, 2],
+        "gaps": [25],
+    }
+    (tmp_path / "chaos.json").write_text(json.dumps(data))
+    text = "\n".join(rf.readme_block(str(tmp_path)))
+    assert "**0.700** (runs: median 0.700, 0.500-0.900, 3 runs)" in text  # the recovery median
+    assert "| ETTR relative to the twin, a failure every ~100 iterations (`ettr_rel_g100`) | " + rf.NOT_YET in text
