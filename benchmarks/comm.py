@@ -1,23 +1,23 @@
-"""Communicator benchmark: nccl_delta against torch's gloo, side by side in one run.
+"""Communicator benchmark: TrainMover's communicator against torch's own groups, side by side in one run.
 
 Sections (each a function registered in ``SECTIONS``; add one to extend the report):
-- ``allreduce``: all-reduce time of nccl_delta vs torch gloo on the same ranks, same tensors,
-  alternating the two so that machine noise hits both. ``ratio = delta_s / gloo_s``.
-- ``switch``: phase-2 switch time and links touched when one rank of a megatron TP2.PP2.DPk
-  world is replaced, at several world sizes. ``switch_s`` is the slowest stayer's phase 2;
-  ``links_touched`` sums over stayers.
-- ``training``: steady time per iteration of the demo job (``pretrain_gpt.py``, TP2.PP2.DP2 on
-  8 ranks) with every group on nccl_delta (``--tm-comm nccl_delta``) against plain gloo
-  (``--tm-comm native``). The two jobs alternate, ``--training-rounds`` times each, so that
-  machine noise hits both; ``ratio = delta_it_s / gloo_it_s`` of the medians over every round's
-  steady iterations (the first ``--training-warmup`` of each job are dropped).
+- ``allreduce``: all-reduce time on nccl_delta's groups vs plain torch groups on the same ranks, same
+  tensors, alternating the two so that machine noise hits both. ``ratio = delta_s / gloo_s``.
+- ``replacement``: one middle rank of a megatron TP2.PP2.DPk world replaced by a planned move, at
+  several world sizes: the groups rebuilt, their members, whether WORLD was (never), phase 1 and 2
+  times, and on a GPU the device memory the pending communicators held
+  (``replacement[].{ranks, groups_rebuilt, members_rebuilt, world_rebuilt}``).
+- ``training``: the steady iteration of a TP2.PP2.DPk job with ``--trainmover`` over the same job
+  without it (plain torch gloo groups), ``--overlap-grad-reduce``, for the demo and the tiny model at
+  4, 8 and 16 ranks. The two jobs alternate ``--training-rounds`` times (default 3); the ratio is the
+  median of the rounds' ratios, with the range (``training[].{ranks, model, ratio}``).
 
 Ranks are forked from this process (torch already imported), one thread each, on loopback.
 
-    python benchmarks/comm.py --json out.json                 # the full issue matrix
-    python benchmarks/comm.py --quick --json out.json         # ~1 minute on 2 cores
-    python benchmarks/comm.py --sizes-mb 64 --ranks 4 --sections allreduce
-    python benchmarks/comm.py --sections training --training-iters 20
+    python benchmarks/comm.py --json out.json                 # the full matrix (~20 min on 2 cores)
+    python benchmarks/comm.py --quick --json out.json         # a few minutes
+    python benchmarks/comm.py --sections replacement --switch-ranks 4,8,16
+    python benchmarks/comm.py --sections training --training-ranks 8 --training-models tiny
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def section_allreduce(args) -> list[dict]:
     return rows
 
 
-# --- switch -------------------------------------------------------------------------------------
+# --- replacement ------------------------------------------------------------------------------
 SWAP_EPOCH = 1
 
 
@@ -210,22 +210,33 @@ def _megatron_groups():
     )
 
 
+def _free_device_bytes() -> int | None:
+    if _device().type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    return int(torch.cuda.mem_get_info()[0])
+
+
 def _switch_stayer(rank, world_size, store, leaver):
     _megatron_groups()
     world = nccl_delta.current_world()
     store.set(f"ready/{rank}", "1")
     store.wait(["go"])
+    free_before = _free_device_bytes()
     t0 = time.perf_counter()
     swap = world.prepare(leaver, SWAP_EPOCH)
     swap.wait(300)
     prepare_s = time.perf_counter() - t0
+    free_pending = _free_device_bytes()
     report = world.switch(SWAP_EPOCH)
     x = torch.ones(1000, device=_device())
     dist.all_reduce(x)  # the world works after the switch
     return dict(
         switch_s=report.switch_s,
+        groups=report.groups,
         links_touched=report.links_touched,
         prepare_s=prepare_s,
+        pending_bytes=None if free_before is None else free_before - free_pending,
         ok=bool((x == world_size).all()),
     )
 
@@ -239,19 +250,22 @@ def _switch_leaver(rank, world_size, store, leaver):
 
 def _switch_joiner(rank, world_size, store, leaver):
     _megatron_groups()
-    nccl_delta.current_world().join(SWAP_EPOCH)
+    world = nccl_delta.current_world()
+    world.join(SWAP_EPOCH)
+    groups = {g.name: g.size for g in world.native_groups()}
     x = torch.ones(1000, device=_device())
     dist.all_reduce(x)
-    return dict(ok=bool((x == world_size).all()))
+    return dict(ok=bool((x == world_size).all()), groups=groups)
 
 
-def section_switch(args) -> list[dict]:
+def section_replacement(args) -> list[dict]:
+    """A planned replacement of one middle rank of a TP2.PP2.DPk world: which groups are rebuilt."""
     rows = []
     for world_size in args.switch_ranks:
         if world_size % 4:
             raise SystemExit(f"--switch-ranks {world_size}: TP2.PP2 needs a multiple of 4 ranks")
         _for_world(world_size)
-        leaver = world_size // 2 + 1  # a middle-of-the-world rank: neighbours on every side
+        leaver = world_size // 2 + 1  # a middle-of-the-world rank
         store, queue = _host_store(), CTX.Queue()
         stayers = [r for r in range(world_size) if r != leaver]
         procs = _spawn(store, world_size, _switch_stayer, (leaver,), queue, ranks=stayers)
@@ -265,53 +279,92 @@ def section_switch(args) -> list[dict]:
         results = [out[r] for r in stayers]
         if not all(r["ok"] for r in results) or not out["joiner"]["ok"]:
             raise RuntimeError(f"wrong all-reduce after the switch at {world_size} ranks")
+        # Every group the joiner is in was built anew; a stayer switched exactly those it shares with it.
+        rebuilt = dict(out["joiner"]["groups"])
+        switched = {name: size for r in results for name, size in r["groups"].items()}
+        if set(switched) != set(rebuilt):
+            raise RuntimeError(f"stayers switched {sorted(switched)}, the joiner built {sorted(rebuilt)}")
+        pending = [r["pending_bytes"] for r in results if r["pending_bytes"] is not None]
         row = dict(
             ranks=world_size,
             device=str(_device().type),
+            groups_rebuilt=len(rebuilt),
+            members_rebuilt=sum(rebuilt.values()),
+            group_sizes=sorted(rebuilt.values()),
+            world_rebuilt=any(size == world_size for size in rebuilt.values()),
+            stayers_touched=sum(1 for r in results if r["groups"]),
             switch_s=round(max(r["switch_s"] for r in results), 6),
-            links_touched=sum(r["links_touched"] for r in results),
-            stayers_touched=sum(1 for r in results if r["links_touched"]),
             prepare_s=round(max(r["prepare_s"] for r in results), 4),
+            pending_comm_bytes_max=max(pending) if pending else None,
         )
         rows.append(row)
-        print(f"  switch ranks={world_size}: {row}", flush=True)
+        print(f"  replacement ranks={world_size}: {row}", flush=True)
+    for ranks in args.scale_ranks:
+        rows.append(_simulated_replacement(ranks))
+        print(f"  replacement ranks={ranks} (simulated): {rows[-1]}", flush=True)
     return rows
 
 
+def _simulated_replacement(ranks: int) -> dict:
+    """The same counts at a scale these cores cannot run: megatron-core's own groups for the layout
+    and the real decision code (``trainmover simulate --scale-check``), one unexpected failure."""
+    from trainmover_ext.simulate.scale_check import run_scale_check
+
+    tp, pp = (4, 5) if ranks % 20 == 0 else (2, 2)
+    result = run_scale_check(ranks=ranks, tp=tp, pp=pp)
+    m = next(m for m in result.migrations if m.kind == "unexpected")
+    return dict(
+        ranks=ranks,
+        simulated=True,
+        layout=f"TP{tp}.PP{pp}.DP{ranks // (tp * pp)}",
+        groups_rebuilt=m.groups_rebuilt,
+        members_rebuilt=m.members_rebuilt,
+        world_rebuilt=m.world_rebuilt,
+        groups_in_job=result.groups_total,
+    )
+
+
 # --- training ---------------------------------------------------------------------------------
-def _train_once(comm: str, args, workdir: str, tag: str) -> list[float]:
-    """Run the demo job once on ``comm``; returns the steady iterations' ``iteration_s``."""
-    from harness.jobs import demo_args, ensure_corpus
+def _job_args(model: str, ranks: int, corpus: str, iters: int) -> list[str]:
+    """TP2.PP2.DP(ranks/4) of the demo model or of the tiny one (4 layers of 32)."""
+    from harness.jobs import model_args
+
+    if model == "demo":
+        flags = model_args(iters=iters)
+    else:
+        flags = model_args(layers=4, hidden=32, heads=4, seq=32, mbs=1, gbs=8, iters=iters)
+    return flags + [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--data-path",
+        corpus + "_text_document",
+        "--tokenizer-type",
+        "ByteLevelTokenizer",
+        "--overlap-grad-reduce",
+    ]
+
+
+def _train_once(trainmover: bool, model: str, ranks: int, args, workdir: str, tag: str) -> list[float]:
+    """Run the job once, with ``--trainmover`` (its communicator) or without (plain torch gloo groups);
+    returns the steady iterations' ``iteration_s``."""
+    from harness.jobs import ensure_corpus
 
     corpus = ensure_corpus(os.path.join(workdir, "corpus"))
     metrics = os.path.join(workdir, f"{tag}.metrics.jsonl")
-    job_args = demo_args(corpus, iters=args.training_iters)
-    if args.training_layout == "tiny":  # a smaller model for --quick: same layout, 4 layers of 32
-        from harness.jobs import model_args
-
-        job_args = model_args(layers=4, hidden=32, heads=4, seq=32, mbs=1, gbs=8, iters=args.training_iters) + [
-            "--tensor-model-parallel-size",
-            "2",
-            "--pipeline-model-parallel-size",
-            "2",
-            "--data-path",
-            corpus + "_text_document",
-            "--tokenizer-type",
-            "ByteLevelTokenizer",
-        ]
     cmd = [
         sys.executable,
         "-m",
         "trainmover_ext.cli",
         "launch",
         "--nproc-per-node",
-        "8",
+        str(ranks),
         "--run-dir",
         os.path.join(workdir, tag + ".run"),
         os.path.join(ROOT, "pretrain_gpt.py"),
-        *job_args,
-        "--tm-comm",
-        comm,
+        *_job_args(model, ranks, corpus, args.training_iters),
+        *(["--trainmover", "--tm-standbys", "0"] if trainmover else []),
         "--tm-metrics-file",
         metrics,
     ]
@@ -325,40 +378,49 @@ def _train_once(comm: str, args, workdir: str, tag: str) -> list[float]:
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
         ).returncode
     if code != 0:
-        raise RuntimeError(f"training job on {comm} exited {code}; see {workdir}/{tag}.log")
+        raise RuntimeError(f"training job {tag} exited {code}; see {workdir}/{tag}.log")
     with open(metrics) as f:
         records = [json.loads(line) for line in f if line.strip()]
     times = {r["iteration"]: r["iteration_s"] for r in records if r.get("event") == "iteration"}
     return [times[it] for it in sorted(times) if it > args.training_warmup]
 
 
-def section_training(args) -> dict:
+def section_training(args) -> list[dict]:
+    """Per (ranks, model): the steady iteration with --trainmover over the same job without it, the two
+    alternating ``--training-rounds`` times so that machine noise hits both; the ratio is the median of
+    the rounds' ratios (each round: median over its steady iterations), with the range."""
     workdir = tempfile.mkdtemp(prefix="comm_bench_training_")
-    times: dict[str, list[float]] = {"nccl_delta": [], "native": []}
-    per_round = []
-    for rnd in range(args.training_rounds):
-        medians = {}
-        for comm in ("nccl_delta", "native"):
-            steady = _train_once(comm, args, workdir, f"{comm}_{rnd}")
-            times[comm] += steady
-            medians[comm] = statistics.median(steady)
-        per_round.append(dict(delta_it_s=round(medians["nccl_delta"], 4), gloo_it_s=round(medians["native"], 4)))
-        print(f"  training round {rnd}: {per_round[-1]}", flush=True)
-    delta, gloo = statistics.median(times["nccl_delta"]), statistics.median(times["native"])
-    return dict(
-        delta_it_s=round(delta, 4),
-        gloo_it_s=round(gloo, 4),
-        ratio=round(delta / gloo, 3),
-        layout="TP2.PP2.DP2 (8 ranks)",
-        model=args.training_layout,
-        iters=args.training_iters,
-        warmup=args.training_warmup,
-        rounds=per_round,
-        workdir=workdir,
-    )
+    rows = []
+    for ranks in args.training_ranks:
+        for model in args.training_models:
+            rounds = []
+            for rnd in range(args.training_rounds):
+                tm = statistics.median(_train_once(True, model, ranks, args, workdir, f"tm_{model}_{ranks}_{rnd}"))
+                plain = statistics.median(
+                    _train_once(False, model, ranks, args, workdir, f"plain_{model}_{ranks}_{rnd}")
+                )
+                rounds.append(
+                    dict(trainmover_it_s=round(tm, 4), plain_it_s=round(plain, 4), ratio=round(tm / plain, 4))
+                )
+                print(f"  training {model} ranks={ranks} round {rnd}: {rounds[-1]}", flush=True)
+            ratios = [r["ratio"] for r in rounds]
+            rows.append(
+                dict(
+                    ranks=ranks,
+                    model=model,
+                    ratio=round(statistics.median(ratios), 4),
+                    ratio_range=[min(ratios), max(ratios)],
+                    trainmover_it_s=round(statistics.median(r["trainmover_it_s"] for r in rounds), 4),
+                    plain_it_s=round(statistics.median(r["plain_it_s"] for r in rounds), 4),
+                    runs=len(rounds),
+                    rounds=rounds,
+                    layout=f"TP2.PP2.DP{ranks // 4}, --overlap-grad-reduce",
+                )
+            )
+    return rows
 
 
-SECTIONS = {"allreduce": section_allreduce, "switch": section_switch, "training": section_training}
+SECTIONS = {"allreduce": section_allreduce, "replacement": section_replacement, "training": section_training}
 
 
 def _floats(text: str) -> list[float]:
@@ -372,30 +434,37 @@ def _ints(text: str) -> list[int]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--sections", default="allreduce,switch,training", help="comma list of " + ", ".join(SECTIONS))
+    p.add_argument("--sections", default="allreduce,replacement,training", help="comma list of " + ", ".join(SECTIONS))
     p.add_argument("--sizes-mb", type=_floats, default=None, help="all-reduce sizes in MB (default 1,16,64,256)")
     p.add_argument("--ranks", type=_ints, default=None, help="all-reduce world sizes (default 2,4,8)")
-    p.add_argument("--switch-ranks", type=_ints, default=None, help="switch world sizes (default 4,8,16)")
+    p.add_argument("--switch-ranks", type=_ints, default=None, help="replacement world sizes (default 4,8,16)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per point (default 5)")
+    p.add_argument(
+        "--scale-ranks", type=_ints, default=None, help="simulated replacement sizes (default 100,1000,4000)"
+    )
     p.add_argument("--quick", action="store_true", help="small matrix: 1,16 MB at 2,4 ranks; switch at 4,8")
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline per world (or training job), seconds")
     p.add_argument("--training-iters", type=int, default=None, help="iterations per training job (default 20)")
     p.add_argument("--training-warmup", type=int, default=3, help="first iterations of a job left out of timing")
-    p.add_argument("--training-rounds", type=int, default=None, help="delta/gloo job pairs (default 2)")
+    p.add_argument("--training-rounds", type=int, default=None, help="job pairs per point (default 3)")
+    p.add_argument("--training-ranks", type=_ints, default=None, help="training world sizes (default 4,8,16)")
     p.add_argument(
-        "--training-layout",
-        choices=["demo", "tiny"],
+        "--training-models",
         default=None,
-        help="demo: the demo job's model (default); tiny: 4x32 layers (--quick)",
+        help="comma list of demo (the demo job's model) and tiny (4 layers of 32); default both",
     )
     args = p.parse_args(argv)
     args.sizes_mb = args.sizes_mb or ([1, 16] if args.quick else [1, 16, 64, 256])
     args.ranks = args.ranks or ([2, 4] if args.quick else [2, 4, 8])
     args.switch_ranks = args.switch_ranks or ([4, 8] if args.quick else [4, 8, 16])
+    args.scale_ranks = args.scale_ranks or ([100] if args.quick else [100, 1000, 4000])
     args.iters = args.iters or (3 if args.quick else 5)
     args.training_iters = args.training_iters or (10 if args.quick else 20)
-    args.training_rounds = args.training_rounds or (1 if args.quick else 2)
-    args.training_layout = args.training_layout or ("tiny" if args.quick else "demo")
+    args.training_rounds = args.training_rounds or (1 if args.quick else 3)
+    args.training_ranks = args.training_ranks or ([4] if args.quick else [4, 8, 16])
+    args.training_models = (args.training_models or ("tiny" if args.quick else "demo,tiny")).split(",")
+    if set(args.training_models) - {"demo", "tiny"}:
+        p.error(f"--training-models: {args.training_models}: each is demo or tiny")
     if args.training_iters <= args.training_warmup:
         p.error("--training-iters must exceed --training-warmup")
     args.sections = [s for s in args.sections.split(",") if s]
@@ -439,27 +508,30 @@ def main(argv=None) -> dict:
             ],
             ("ranks", "MB", "device", "delta_s", "native_s", "ratio", "delta_busbw_GB/s", "native_busbw_GB/s"),
         )
-    if "switch" in payload:
+    if "replacement" in payload:
         print_table(
-            "phase-2 switch (TP2.PP2, one middle rank replaced)",
+            "a planned replacement (TP2.PP2, one middle rank): what is rebuilt",
             [
                 (
                     r["ranks"],
-                    f"{r['switch_s'] * 1e3:.3f} ms",
-                    r["links_touched"],
-                    r["stayers_touched"],
-                    f"{r['prepare_s']:.3f}",
+                    r["groups_rebuilt"],
+                    r["members_rebuilt"],
+                    r["world_rebuilt"],
+                    "simulated" if r.get("simulated") else f"{r['switch_s'] * 1e3:.3f} ms",
+                    "-" if r.get("simulated") else f"{r['prepare_s']:.3f}",
                 )
-                for r in payload["switch"]
+                for r in payload["replacement"]
             ],
-            ("ranks", "switch", "links_touched", "stayers_touched", "prepare_s"),
+            ("ranks", "groups_rebuilt", "members_rebuilt", "world_rebuilt", "switch", "prepare_s"),
         )
     if "training" in payload:
-        t = payload["training"]
         print_table(
-            f"training: {t['layout']}, {t['model']} model, steady s/iteration (median)",
-            [(t["delta_it_s"], t["gloo_it_s"], t["ratio"])],
-            ("delta_it_s", "gloo_it_s", "ratio"),
+            "training: steady s/iteration with --trainmover over the same job without it",
+            [
+                (r["ranks"], r["model"], r["trainmover_it_s"], r["plain_it_s"], r["ratio"], r["ratio_range"], r["runs"])
+                for r in payload["training"]
+            ],
+            ("ranks", "model", "trainmover_it_s", "plain_it_s", "ratio", "range", "runs"),
         )
     write_json(args.json, payload)
     return payload

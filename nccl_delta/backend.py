@@ -22,6 +22,7 @@ Contract
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 import torch
@@ -53,6 +54,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "nccl_delta"
+
+NCCL_ENV = {
+    # An aborted or failed NCCL op cleans its communicator up and raises, instead of tearing the
+    # process down: abandon() aborts the groups of a failed rank on every live member.
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    # torch's heartbeat monitor kills a process whose watchdog waits on a communicator; hangs are
+    # found by TrainMover's agents and leases instead (docs/nccl_delta.md).
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+}
+"""Set by :func:`register` on a machine with CUDA, unless already set."""
 
 _Tensors: TypeAlias = "torch.Tensor | list[torch.Tensor]"
 """One tensor or a list of them (torch passes a list; :func:`_as_list` takes either)."""
@@ -371,6 +382,9 @@ def register(config: DeltaConfig | None = None) -> None:
         _config = config
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
+    if torch.cuda.is_available():
+        for name, value in NCCL_ENV.items():
+            os.environ.setdefault(name, value)
     devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=devices)
 

@@ -103,6 +103,8 @@ class SwitchReport:
     """WORLD ring links re-pointed to the joiner, stale links and pair communicators to the leaver closed."""
     groups_switched: int
     """Groups whose communicator was swapped for its replacement."""
+    groups: dict[str, int] = field(default_factory=dict)
+    """Those groups' names and sizes."""
     switch_s: float
     """Seconds spent in phase 2 on this process (excluding any wait for phase 1)."""
     wait_s: float
@@ -241,6 +243,7 @@ def switch(world: DeltaWorld, epoch: int, *, timeout_s: float | None = None) -> 
         epoch=epoch,
         links_touched=touched,
         groups_switched=len(swap.groups),
+        groups={g.name: g.size for g, _ in swap.groups},
         switch_s=time.perf_counter() - t1,
         wait_s=wait_s,
     )

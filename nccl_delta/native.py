@@ -101,11 +101,14 @@ class NativeComm:
     def suspects(self, exc: BaseException) -> tuple[int, ...]:
         """The group ranks an error of this communicator names (gloo's "closed by peer [host]:port")."""
         found = []
-        for host, port in _ADDRESS_IN_ERROR.findall(str(exc)):
-            address = (host, int(port))
-            rank = self.peer_listeners.get(address, self.peer_locals.get(address))
-            if rank is not None:
-                found.append(rank)
+        for host, text in _ADDRESS_IN_ERROR.findall(str(exc)):
+            port = int(text)
+            # gloo prints the port as it sits in the socket address, in network byte order.
+            for candidate in (port, ((port & 0xFF) << 8) | (port >> 8)):
+                rank = self.peer_listeners.get((host, candidate), self.peer_locals.get((host, candidate)))
+                if rank is not None:
+                    found.append(rank)
+                    break
         return tuple(sorted(set(found)))
 
 

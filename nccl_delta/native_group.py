@@ -47,6 +47,17 @@ if TYPE_CHECKING:
 
 OPEN, QUIET, ABORTED, BROKEN = "open", "quiet", "aborted", "broken"
 
+IssueObserver = Callable[["NativeGroup", str], None]
+_observer: IssueObserver | None = None
+
+
+def observe_issues(observer: IssueObserver | None) -> None:
+    """Call ``observer(group, op)`` right after every op a native group issues (``None``: stop). For
+    failure drills that must strike inside a collective (``trainmover_ext.runtime.faults``); one
+    attribute test per op otherwise."""
+    global _observer
+    _observer = observer
+
 
 def own_client(store: Store) -> Store:
     """An independent clone of ``store`` where it can be cloned (TCPStore), else ``store`` itself (the
@@ -180,6 +191,8 @@ class NativeGroup:
             while recent and recent[0].is_completed():
                 recent.popleft()
             recent.append(work)
+        if _observer is not None:
+            _observer(self, op)
         return NativeWork(work, self, comm, op)
 
     def _refused(self, op: str) -> CommLinkError:

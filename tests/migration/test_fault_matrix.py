@@ -10,6 +10,8 @@ a fault-free run of the same flags.
 - A kill that leaves the data-parallel replicas one step apart: stayers receive copies.
 - The distributed optimizer with DP=2 (its shards have no replica): the checkpoint fallback.
 - fp16 with a dynamic loss scale that grows during the run: the scale resumes too.
+- Kills inside a collective (the victim issued it and its peers are in it): the gradient
+  reduction, the gradient-norm all-reduce, and the distributed optimizer's parameter all-gather.
 """
 
 from __future__ import annotations
@@ -128,3 +130,37 @@ def test_fp16_recovery_resumes_the_loss_scale(tmp_path, corpus, reference):
     assert len({scale for _, _, scale in ref.values()}) >= 3, f"the loss scale did not move: {ref}"
     job = run_job(tmp_path, 8, args + ["--tm-inject-fault", "2:6:step"], name="fp16")
     assert_recovered(job, ref, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim,phase", [(2, "in-reduce"), (5, "in-norm")])
+def test_kill_inside_a_collective_is_recovered_bit_identically(tmp_path, corpus, reference, victim, phase):
+    """The victim dies right after it issued the data-parallel gradient reduction (in-reduce) or the
+    gradient-norm all-reduce (in-norm), with its peers inside the same collective: the groups with it
+    are aborted on every live member, the iteration is abandoned alike, and a standby takes the rank
+    from its replica."""
+    ref = reference("tp2pp2dp2-bf16", 8, tm_args(corpus, extra=BF16))
+    job = run_job(tmp_path, 8, tm_args(corpus, extra=[*BF16, "--tm-inject-fault", f"{victim}:6:{phase}"]), name=phase)
+    assert "inside" in job.stdout(), job.stdout()[-3000:]
+    assert_recovered(job, ref, victim)
+    assert_killed(job, victim)
+
+
+@pytest.mark.slow
+def test_kill_inside_the_parameter_all_gather_recovers_through_the_checkpoint(tmp_path, corpus, reference):
+    """Distributed optimizer: rank 5 dies inside the all-gather of the updated parameters, after its
+    data-parallel peers stepped their shards. Its shard exists nowhere else, so every rank reloads
+    checkpoint 4 without a restart and re-runs 5 and 6 identically."""
+    base = tm_args(corpus, extra=[*BF16, "--use-distributed-optimizer"])
+    ref = reference("tp2pp2dp2-bf16-distopt", 8, base)
+    ckpt = str(tmp_path / "ckpt")
+    job = run_job(
+        tmp_path,
+        8,
+        base + ["--save", ckpt, "--save-interval", "4", "--tm-inject-fault", "5:6:in-gather"],
+        name="gather",
+    )
+    assert "inside all_gather" in job.stdout(), job.stdout()[-3000:]
+    assert trajectory(job.metrics_path) == ref
+    assert state_sources(job, 5) == ["checkpoint"]
+    assert not fell_back(job) and len(read_metrics(job.metrics_path, "startup")) == 1, job.stderr()[-3000:]

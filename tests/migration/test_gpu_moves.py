@@ -1,4 +1,4 @@
-"""GPU: a planned move and a failover on NCCL (run by scripts/gpu_check.sh). One active node of 2 ranks
+"""GPU: a planned move and a failover on NCCL (run by scripts/gpu_check_multi.sh: 2+ GPUs). One active node of 2 ranks
 (TP1·PP1·DP2, GPUs 0-1) and a standby machine of 2 slots, agents on loopback. Rank 0 moves to the
 machine's slot 0; then rank 1 is killed and the machine's slot 1 takes it, its state from rank 0's new
 process over the job's NCCL links.

@@ -53,7 +53,7 @@ def test_the_gpu_uuid_decides_which_device_an_end_is_on(other, expected):
     assert choose_transport(other, mine) == expected, "both ends must agree"
 
 
-def _exchange(results) -> None:
+def _exchange(results, device: str = "cpu") -> None:
     """Both ends in this (forked) process, on threads: agree, connect, send the state, compare."""
     try:
         store = HashStore()
@@ -61,7 +61,7 @@ def _exchange(results) -> None:
 
         def end(side: int) -> None:
             try:
-                out[side] = connect_handover(store, "7/3", side, 30.0, torch.device("cpu"))
+                out[side] = connect_handover(store, "7/3", side, 30.0, torch.device(device))
             except BaseException as exc:  # noqa: BLE001 - reported below
                 out[side] = exc
 
@@ -74,13 +74,16 @@ def _exchange(results) -> None:
         if not isinstance(leaver, HandoverChannel) or not isinstance(joiner, HandoverChannel):
             results.send({"error": repr(out)})
             return
-        sent = [torch.arange(10, dtype=torch.float32) * 1.5, torch.tensor([1, 2, 3], dtype=torch.int64)]
-        got = [torch.zeros(10), torch.zeros(3, dtype=torch.int64)]
+        sent = [
+            torch.arange(10, dtype=torch.float32, device=device) * 1.5,
+            torch.tensor([1, 2, 3], dtype=torch.int64, device=device),
+        ]
+        got = [torch.zeros(10, device=device), torch.zeros(3, dtype=torch.int64, device=device)]
         recvs = [joiner.recv(t, tag) for tag, t in enumerate(got)]
         leaver.wait_sends([leaver.send(t, tag) for tag, t in enumerate(sent)])
         for work in recvs:
             work.wait()
-        same = all(torch.equal(a, b) for a, b in zip(sent, got, strict=True))
+        same = all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(sent, got, strict=True))
         results.send({"transports": [leaver.transport, joiner.transport], "same": same})
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         results.send({"error": repr(exc)})
@@ -88,11 +91,11 @@ def _exchange(results) -> None:
         os._exit(0)  # no gloo teardown at exit: the pairs die with the process
 
 
-def test_two_cpu_ends_agree_on_gloo_and_the_state_crosses_intact():
+def _exchange_in_child(device: str) -> dict:
     """In a child process: gloo pairs (and their device's threads) never live in the test runner."""
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn" if device != "cpu" else "fork")
     mine, theirs = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_exchange, args=(theirs,))
+    child = ctx.Process(target=_exchange, args=(theirs, device))
     child.start()
     try:
         assert mine.poll(120), "the child process reported nothing within 120 s"
@@ -101,6 +104,22 @@ def test_two_cpu_ends_agree_on_gloo_and_the_state_crosses_intact():
         child.join(30)
         if child.is_alive():
             child.kill()
+    return got
+
+
+def test_two_cpu_ends_agree_on_gloo_and_the_state_crosses_intact():
+    got = _exchange_in_child("cpu")
+    assert "error" not in got, got
+    assert got["transports"] == ["gloo", "gloo"]
+    assert got["same"], "the state did not cross intact"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_state_on_one_gpu_crosses_through_host_memory():
+    """Both ends on one GPU (a same-node standby in the leaver's slot): NCCL refuses that, so the pair is
+    gloo and the CUDA tensors are staged through host memory on both ends, and land intact."""
+    got = _exchange_in_child("cuda:0")
     assert "error" not in got, got
     assert got["transports"] == ["gloo", "gloo"]
     assert got["same"], "the state did not cross intact"

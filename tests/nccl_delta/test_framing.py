@@ -5,7 +5,7 @@ a gloo pair driven with a single tag (:class:`SingleTag`, which is what the NCCL
 framed); :class:`nccl_delta.framing.FramedPair` over such a pair must deliver every message to the
 receive of its own tag. Each check has a companion that shows it can fail: the same interleaving over
 the raw single-tag pair delivers the wrong payloads. The ``gpu`` tests run the same scenarios on the
-real NCCL link (2 GPUs, ``scripts/gpu_check.sh``).
+real NCCL link (2 GPUs, ``scripts/gpu_check_multi.sh``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GPU: the NCCL transport carries the same collectives (run by scripts/gpu_check.sh)."""
+"""GPU: the NCCL transport carries the same collectives (run by scripts/gpu_check_multi.sh: 2+ GPUs)."""
 
 from __future__ import annotations
 

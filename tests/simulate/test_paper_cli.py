@@ -93,19 +93,31 @@ def test_scale_fit_recovers_exponent():
     assert fit_scale_exponent([(8, 2.0)]) == 0.0
 
 
-def test_scale_check_is_o_neighbours_not_o_n():
+def test_a_replacement_rebuilds_a_constant_number_of_groups_and_never_world():
     small, big = run_scale_check(ranks=256), run_scale_check(ranks=1024)
     assert big.ranks >= 1000
     for s, b in zip(small.migrations, big.migrations, strict=False):
         assert s.decided and b.decided
-        # what the migration writes and which links it replaces do not grow with the job
+        # what the migration writes and which groups it rebuilds do not grow with the job
         assert b.store_transactions == s.store_transactions
         assert b.store_keys_written == s.store_keys_written
-        assert b.links_replaced == s.links_replaced == b.ranks_acting
-        assert b.links_replaced <= 6  # two ring neighbours in each of TP, DP, PP
-        assert b.links_replaced < big.links_total / 100
+        assert b.groups_rebuilt == s.groups_rebuilt and b.groups_by_kind == s.groups_by_kind
+        assert not b.world_rebuilt and not s.world_rebuilt
+        assert b.groups_rebuilt < big.groups_total / 50
         # every rank hears of the new epoch exactly once (it must pause)
         assert b.plan_notifications == big.ranks
+
+
+def test_the_scale_checks_groups_are_megatrons():
+    """The groups the scale check counts are the ones megatron-core builds, kind by kind: the TP, DP
+    and PP groups of a rank hold the ranks megatron's default order (tp-dp-pp) puts there."""
+    from trainmover_ext.simulate.scale_check import megatron_groups
+
+    groups = megatron_groups(16, 2, 2)  # TP2 x DP4 x PP2: rank = tp + 2*dp + 8*pp
+    of = {kind: [m for k, m in groups if k == kind and 5 in m] for kind, _ in groups}
+    assert of["tp"] == [[4, 5]] and of["dp"] == [[1, 3, 5, 7]] and of["pp"] == [[5, 13]]
+    assert of["mp"] == [[4, 5, 12, 13]] and of["embedding"] == [[5, 13]] and of["position-embedding"] == [[5]]
+    assert len([1 for _, m in groups if len(m) == 16]) == 0, "a group of the whole job"
 
 
 def test_recovery_work_per_rank_does_not_grow_with_the_job():

@@ -24,3 +24,32 @@ def test_backend_and_spec_selection_on_gpu():
     from trainmover_training.initialize import select_backend
 
     assert select_backend("auto") == "nccl"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_rng_snapshot_and_rewind():
+    """An abandoned iteration's dropout masks are drawn again identically on CUDA: the snapshot covers
+    torch's CUDA generator and megatron's tracker (whose states are CUDA generator states on a GPU)."""
+    from types import SimpleNamespace
+
+    from megatron.core import tensor_parallel
+
+    from trainmover_training import iteration_start
+
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    args = SimpleNamespace(iteration=5, consumed_train_samples=80)
+    start = iteration_start.capture(args)
+    dev = torch.device("cuda", torch.cuda.current_device())
+
+    def draw() -> list[torch.Tensor]:
+        plain = torch.rand(64, device=dev)
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            tracked = torch.nn.functional.dropout(torch.ones(64, device=dev), p=0.5)
+        return [plain.cpu(), tracked.cpu()]
+
+    first = draw()
+    moved = draw()
+    assert not torch.equal(first[0], moved[0]), "the CUDA generator did not move: the check cannot fail"
+    assert iteration_start.rewind(start, args)
+    again = draw()
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))

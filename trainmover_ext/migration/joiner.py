@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from trainmover_ext.control.records import MigrationPlan
-from trainmover_ext.errors import CommLinkError, MembershipLost, RecoverySuperseded
+from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
 from trainmover_ext.migration.timeline import mark_rank_step, mark_step
 from trainmover_ext.runtime import faults
 
@@ -135,6 +135,11 @@ def serve_rank(
                 flush=True,
             )
             runtime.recover(session, cut)
+        except MigrationAborted as exc:
+            # Said before the runtime closes: closing ends this member's lease, and the agent then fences
+            # the process, which may leave no time to print the error on the way out.
+            print(f"[trainmover] rank {rep.rank} (joiner of epoch {plan.epoch}) gives up: {exc}", flush=True)
+            raise
         runtime.pending_first_iteration = sorted({plan.epoch, runtime.epoch})
         metrics.write(
             event="promoted",

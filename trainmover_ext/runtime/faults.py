@@ -12,6 +12,14 @@ iteration ITERATION (1-based), in PHASE:
   data-parallel replicas do, so the replicas of every shard end one step apart;
 - ``step``: inside the optimizer step, after the gradient-norm all-reduce and
   before any parameter changes (other data-parallel replicas may finish it);
+- ``in-reduce``: inside the data-parallel gradient reduction: right after this rank
+  issued its first all-reduce or reduce-scatter on its data-parallel group, so its
+  peers are in the same collective when it dies;
+- ``in-norm``: inside the gradient-norm all-reduce: right after this rank issued the
+  optimizer step's first all-reduce;
+- ``in-gather``: inside the distributed optimizer's parameter all-gather: right after
+  this rank issued the first all-gather after its optimizer step (the other
+  data-parallel ranks have stepped their shards). Needs ``--use-distributed-optimizer``.
 - ``log``: after the optimizer and scheduler steps, before the iteration's
   metrics record is written (the iteration is complete everywhere else);
 - ``save``: during the checkpoint save after ITERATION (ITERATION counts
@@ -42,6 +50,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,8 +63,10 @@ if TYPE_CHECKING:
     from trainmover_training.training import Session
 
 TRAINING_PHASES = ("forward", "backward", "allreduce", "clip", "step", "log", "save")
+IN_COLLECTIVE_PHASES = ("in-reduce", "in-norm", "in-gather")
+"""Drills that strike right after this rank issued a collective on TrainMover's communicator."""
 MIGRATION_PHASES = ("join", "recover", "send", "prepare", "handover")
-PHASES = TRAINING_PHASES + MIGRATION_PHASES
+PHASES = TRAINING_PHASES + IN_COLLECTIVE_PHASES + MIGRATION_PHASES
 
 _armed: list[FaultSpec] = []
 """The migration-phase drills of this process (see :func:`arm` and :func:`at`)."""
@@ -128,9 +139,13 @@ def install(specs: list[FaultSpec], session: Session) -> None:
     for spec in specs:
         if spec.phase in TRAINING_PHASES:
             _install_one(spec, session)
+        elif spec.phase in IN_COLLECTIVE_PHASES:
+            _check_bounds(spec, session)
+            if session.layout.rank == spec.rank:
+                _install_in_collective(spec, session)
 
 
-def _install_one(spec: FaultSpec, session: Session) -> None:
+def _check_bounds(spec: FaultSpec, session: Session) -> None:
     world, iters = session.layout.world_size, session.args.train_iters
     if not 0 <= spec.rank < world:
         raise ConfigError(f"--tm-inject-fault names rank {spec.rank}, but the job has ranks 0..{world - 1}")
@@ -139,6 +154,73 @@ def _install_one(spec: FaultSpec, session: Session) -> None:
             f"--tm-inject-fault names iteration {spec.iteration}, but the job trains iterations "
             f"1..{iters} (--train-iters)"
         )
+    if spec.phase == "in-gather" and not getattr(session.args, "use_distributed_optimizer", False):
+        raise ConfigError(
+            "--tm-inject-fault phase in-gather needs --use-distributed-optimizer (no all-gather otherwise)"
+        )
+
+
+def _install_in_collective(spec: FaultSpec, session: Session) -> None:
+    """Strike right after this rank issued the named collective (see the module docstring)."""
+    from megatron.core import parallel_state as mpu
+
+    from nccl_delta import native_group
+
+    if session.layout.comm != "nccl_delta":
+        raise ConfigError(f"--tm-inject-fault phase {spec.phase} needs TrainMover's communicator (--trainmover)")
+    args = session.args
+    import torch.distributed as dist
+
+    dp_members = list(dist.get_process_group_ranks(mpu.get_data_parallel_group(with_context_parallel=True)))
+    stage = {"backward": False, "step": False}
+
+    def mark(name: str) -> Callable[[Any], Any]:
+        def hook(value: Any) -> Any:
+            if args.iteration + 1 == spec.iteration:
+                stage[name] = True
+            return value
+
+        return hook
+
+    param = next(p for chunk in session.model for p in chunk.parameters() if p.requires_grad)
+    param.register_hook(mark("backward"))
+    inner_opt_step = session.optimizer.step
+
+    def opt_step(*a: Any, **kw: Any) -> Any:
+        mark("step")(None)
+        return inner_opt_step(*a, **kw)
+
+    session.optimizer.step = opt_step
+
+    def observe(group: native_group.NativeGroup, op: str) -> None:
+        if args.iteration + 1 != spec.iteration:
+            return
+        hit = (
+            (
+                spec.phase == "in-reduce"
+                and stage["backward"]
+                and not stage["step"]
+                and group.members == dp_members
+                and op.startswith(("allreduce", "reduce_scatter"))
+            )
+            or (spec.phase == "in-norm" and stage["step"] and op.startswith("allreduce"))
+            or (spec.phase == "in-gather" and stage["step"] and op.startswith("all_gather"))
+        )
+        if hit:
+            native_group.observe_issues(None)
+            print(
+                f"[trainmover] fault drill: rank {spec.rank} sends itself {spec.sig.name} inside {op} "
+                f"of group {group.members} (iteration {spec.iteration})",
+                flush=True,
+            )
+            time.sleep(0.005)  # the op is under way on gloo's worker, and the peers are in it
+            os.kill(os.getpid(), spec.sig)
+
+    native_group.observe_issues(observe)
+
+
+def _install_one(spec: FaultSpec, session: Session) -> None:
+    _check_bounds(spec, session)
     if session.layout.rank != spec.rank:
         return
     args = session.args

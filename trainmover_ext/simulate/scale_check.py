@@ -11,8 +11,10 @@ second round, requests a planned move of another rank, and counts:
 - store transactions and keys written to commit each decision (expected O(1));
 - plan notifications: every rank's watcher hears of the new epoch once (O(N) small
   watch events: a synchronous job must pause everywhere, and etcd fans them out);
-- ranks that act and links replaced: only the leaver's ring neighbours in each of its
-  TP, DP and PP groups (O(neighbours)), against every link of the job for a global rebuild.
+- the communicators rebuilt: only those of the groups that contain the leaving rank, of the groups
+  megatron-core creates for the layout (:func:`megatron_groups`), against every group of the job
+  for a global rebuild; their number does not grow with the job (their members do, for the
+  data-parallel kinds), and WORLD is never among them.
 
 :func:`run_recovery_check` follows one unexpected failure's recovery through the same
 code a rank runs (``report_recovery`` and ``wait_convergence``, each rank on a client of
@@ -20,11 +22,10 @@ its own that counts what it reads, writes and hears) and the controller's real
 convergence decision, and reports the etcd work per rank: reads, writes and watch events
 must not grow with the job (``recovery[]`` in the JSON).
 
-Links follow the delta communicator's rule (``nccl_delta.group.DeltaGroup.ring_peers``:
-two ring neighbours per group); they are derived from the logical layout here so the
-check needs no torch. Phase-1 link rendezvous keys (``links/<epoch>/<group>/<a>-<b>``)
-are written as ARCHITECTURE.md lays them out; the migration layer that writes them in
-production is not part of this check.
+The groups are megatron-core's own rank lists (its ``RankGenerator``, the kinds its
+``initialize_model_parallel`` creates for a dense layout); ``tests/nccl_delta/test_native.py``
+checks them against the groups of a real job. The communicators' rendezvous runs on the ranks' own
+store, not on the control plane, and is not counted here.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from trainmover_ext.control.membership import (
 from trainmover_ext.control.records import ROLES, MemberRecord, RankRecord
 from trainmover_ext.control.view import read_view
 from trainmover_ext.errors import ConfigError
-from trainmover_ext.kv.base import Put
 from trainmover_ext.kv.job import JobSpace
 from trainmover_ext.kv.memory import MemoryKV
 
@@ -71,33 +71,59 @@ class CountingKV(MemoryKV):
         return snap
 
 
-def layout_groups(ranks: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
-    """Megatron's default order (TP fastest, then DP, then PP): the TP, DP and PP groups."""
+MEGATRON_KINDS = (
+    # (kind, rank generator, token): every group megatron-core 0.16's initialize_model_parallel
+    # creates for a dense layout (context and expert parallelism 1), in its order.
+    ("dp-cp", "decoder", "dp-cp"),
+    ("dp", "decoder", "dp"),
+    ("cp", "decoder", "cp"),
+    ("mp", "decoder", "tp-pp"),
+    ("tp", "decoder", "tp"),
+    ("pp", "decoder", "pp"),
+    ("embedding", "decoder", "pp"),
+    ("position-embedding", "decoder", "pp"),
+    ("tp-dp-cp", "decoder", "tp-dp-cp"),
+    ("tp-dp", "decoder", "tp-dp"),
+    ("tp-cp", "decoder", "tp-cp"),
+    ("ep", "expert", "ep"),
+    ("expert-tp", "expert", "tp"),
+    ("tp-ep", "expert", "tp-ep"),
+    ("tp-ep-pp", "expert", "tp-ep-pp"),
+    ("expert-dp", "expert", "dp"),
+    ("dist-opt-instance", "expert", "tp-ep-pp"),
+)
+
+
+def megatron_groups(ranks: int, tp: int, pp: int) -> list[tuple[str, list[int]]]:
+    """Every group megatron-core creates for TP x DP x PP in its default order (``tp-cp-ep-dp-pp``):
+    (kind, members), one entry per communicator, groups of one member included."""
+    from megatron.core.parallel_state import RankGenerator
+
     if tp < 1 or pp < 1 or ranks % (tp * pp):
         raise ConfigError(f"--scale-check: {ranks} ranks is not a multiple of TP {tp} x PP {pp}")
     dp = ranks // (tp * pp)
-
-    def rank(t: int, d: int, p: int) -> int:
-        return t + tp * (d + dp * p)
-
-    return {
-        "tp": [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)],
-        "dp": [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)],
-        "pp": [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)],
+    generators = {
+        "decoder": RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp"),
+        "expert": RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order="tp-cp-ep-dp-pp"),
     }
+    out = []
+    for kind, generator, token in MEGATRON_KINDS:
+        for members in generators[generator].get_ranks(token):
+            if kind == "embedding":
+                members = [members[0], members[-1]] if len(members) > 1 else list(members)
+            elif kind == "position-embedding":
+                members = [members[0]]
+            out.append((kind, list(members)))
+    return out
 
 
-def ring_neighbours(members: list[int], rank: int) -> list[int]:
-    """The ring neighbours of ``rank`` in a group (same rule as ``DeltaGroup.ring_peers``)."""
-    if len(members) == 1 or rank not in members:
-        return []
-    i = members.index(rank)
-    return sorted({members[(i + 1) % len(members)], members[(i - 1) % len(members)]})
-
-
-def ring_links(members: list[int]) -> set[tuple[int, int]]:
-    """Every link of one group's ring, as ordered pairs."""
-    return {(min(a, b), max(a, b)) for a in members for b in ring_neighbours(members, a)}
+def layout_groups(ranks: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+    """The TP, DP and PP groups of :func:`megatron_groups` (the replicas of a rank: its DP group)."""
+    groups: dict[str, list[list[int]]] = {"tp": [], "dp": [], "pp": []}
+    for kind, members in megatron_groups(ranks, tp, pp):
+        if kind in groups:
+            groups[kind].append(members)
+    return groups
 
 
 @dataclass
@@ -112,8 +138,14 @@ class MigrationCount:
     controller_keys_read: int
     plan_notifications: int
     ranks_acting: int
-    links_replaced: int
-    links_by_group: dict[str, int] = field(default_factory=dict)
+    """Ranks other than the leaving one that take part in rebuilding a communicator."""
+    groups_rebuilt: int
+    """Communicators rebuilt: one per group (of more than one member) that holds the leaving rank."""
+    members_rebuilt: int
+    """Their members, summed."""
+    world_rebuilt: bool
+    """Whether one of them spans the whole job (never: WORLD has no communicator)."""
+    groups_by_kind: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -124,7 +156,8 @@ class ScaleCheckResult:
     tp: int
     pp: int
     dp: int
-    links_total: int
+    groups_total: int
+    """Communicators of the job (groups of more than one member)."""
     migrations: list[MigrationCount]
 
     def to_json(self) -> dict:
@@ -153,6 +186,7 @@ def run_scale_check(ranks: int = 1024, tp: int = 8, pp: int = 8, standbys: int =
     if ranks < 2:
         raise ConfigError(f"--scale-check: need at least 2 ranks, got {ranks}")
     groups = layout_groups(ranks, tp, pp)
+    communicators = [(kind, members) for kind, members in megatron_groups(ranks, tp, pp) if len(members) > 1]
     dp = ranks // (tp * pp)
     kv = CountingKV()
     space = JobSpace.create(kv, "scale-check")
@@ -184,8 +218,6 @@ def run_scale_check(ranks: int = 1024, tp: int = 8, pp: int = 8, standbys: int =
         space.put(space.key("members", sb.member_id), sb.to_bytes(), lease=kv.grant_lease(10))
     heard: list[int] = []
     watchers = [PlanInbox(space, on_plan=lambda plan, r=r: heard.append(r)) for r in range(ranks)]
-    all_links = {name: [ring_links(g) for g in gs] for name, gs in groups.items()}
-    links_total = sum(len(links) for per_group in all_links.values() for links in per_group)
     migrations = []
     try:
         # a middle-stage rank in the middle of the job: it has neighbours in every group
@@ -200,21 +232,11 @@ def run_scale_check(ranks: int = 1024, tp: int = 8, pp: int = 8, standbys: int =
             tx0, keys0, heard0 = kv.transactions, kv.keys_written, len(heard)
             committed, read = _decide_and_apply(kv, space)
             epoch = read_view(space).epoch
-            by_group: dict[str, int] = {}
-            neighbours: set[int] = set()
-            link_puts = []
-            for name, gs in groups.items():
-                for index, members in enumerate(gs):
-                    if rank in members:
-                        peers = ring_neighbours(members, rank)
-                        by_group[name] = len(peers)
-                        neighbours.update(peers)
-                        link_puts += [
-                            Put(space.key("links", epoch, f"{name}{index}", f"{min(rank, q)}-{max(rank, q)}"), b"{}")
-                            for q in peers
-                        ]
-            if committed and link_puts:
-                space.commit([], link_puts)  # phase 1: the joiner's link rendezvous, one txn
+            rebuilt = [(group_kind, members) for group_kind, members in communicators if rank in members]
+            by_kind: dict[str, int] = {}
+            for group_kind, _ in rebuilt:
+                by_kind[group_kind] = by_kind.get(group_kind, 0) + 1
+            acting = {m for _, members in rebuilt for m in members} - {rank}
             migrations.append(
                 MigrationCount(
                     kind=kind,
@@ -224,9 +246,11 @@ def run_scale_check(ranks: int = 1024, tp: int = 8, pp: int = 8, standbys: int =
                     store_keys_written=kv.keys_written - keys0,
                     controller_keys_read=read,
                     plan_notifications=len(heard) - heard0,
-                    ranks_acting=len(neighbours),
-                    links_replaced=sum(by_group.values()),
-                    links_by_group=by_group,
+                    ranks_acting=len(acting),
+                    groups_rebuilt=len(rebuilt),
+                    members_rebuilt=sum(len(members) for _, members in rebuilt),
+                    world_rebuilt=any(len(members) == ranks for _, members in rebuilt),
+                    groups_by_kind=by_kind,
                 )
             )
             if committed and kind == "unexpected":
@@ -240,23 +264,23 @@ def run_scale_check(ranks: int = 1024, tp: int = 8, pp: int = 8, standbys: int =
     finally:
         for w in watchers:
             w.close()
-    return ScaleCheckResult(ranks=ranks, tp=tp, pp=pp, dp=dp, links_total=links_total, migrations=migrations)
+    return ScaleCheckResult(ranks=ranks, tp=tp, pp=pp, dp=dp, groups_total=len(communicators), migrations=migrations)
 
 
 def format_result(result: ScaleCheckResult) -> str:
     """A short table of the counts."""
     lines = [
         f"Membership-scale check: {result.ranks:,} logical ranks (TP{result.tp} x DP{result.dp} x PP{result.pp}), "
-        f"real decide() + executor on the in-memory etcd fake; {result.links_total:,} links in the job",
+        f"real decide() + executor on the in-memory etcd fake; {result.groups_total:,} communicators in the job",
         f"{'migration':<11} {'rank':>5} {'txns':>5} {'keys written':>13} {'ctl keys read':>14} "
-        f"{'plan notices':>13} {'ranks acting':>13} {'links replaced':>15}",
+        f"{'plan notices':>13} {'groups rebuilt':>15} {'their members':>14} {'WORLD':>6}",
     ]
     for m in result.migrations:
         lines.append(
             f"{m.kind:<11} {m.rank:>5} {m.store_transactions:>5} {m.store_keys_written:>13} "
             f"{m.controller_keys_read:>14,} "
-            f"{m.plan_notifications:>13,} {m.ranks_acting:>13} {m.links_replaced:>15}"
-            + ("" if m.decided else "  (NOT decided)")
+            f"{m.plan_notifications:>13,} {m.groups_rebuilt:>15} {m.members_rebuilt:>14} "
+            f"{'yes' if m.world_rebuilt else 'no':>6}" + ("" if m.decided else "  (NOT decided)")
         )
     return "\n".join(lines)
 

@@ -1,0 +1,314 @@
+"""Groups on their native communicators: one backend call per op, asynchronous work, failures, recovery.
+
+Every group but WORLD runs on torch's own ProcessGroupGloo here (ProcessGroupNCCL on a GPU). These tests
+count the backend calls a group makes (a counting proxy stands in front of the backend object), check
+that megatron's bucketed, overlapped gradient reduction is one call per bucket, and that an abandon
+unblocks an op waiting on a hung peer, keeps the idle groups and rebuilds the others.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import nccl_delta
+from nccl_delta.errors import CommAbandoned, CommLinkError
+from nccl_delta.native_group import NativeWork, ledgers_agree
+
+from . import harness
+
+
+class Counting:
+    """Stands in front of a native backend and records the name of every method called on it."""
+
+    def __init__(self, backend: Any):
+        self._backend = backend
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._backend, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*a: Any, **kw: Any) -> Any:
+            self.calls.append(name)
+            return attr(*a, **kw)
+
+        return counted
+
+
+def _count(*groups: dist.ProcessGroup) -> Counting:
+    """One counter in front of the backends of ``groups`` (calls on any of them are recorded)."""
+    counting = Counting(None)
+    for group in groups:
+        comm = nccl_delta.current_world().groups[group.group_name].comms["cpu"]
+        comm.backend = Counting(comm.backend)
+        comm.backend.calls = counting.calls  # one shared record
+    return counting
+
+
+def _calls_per_op(rank, n, store):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    import trainmover_ext.patches as patches
+
+    patches.install()
+    ps.initialize_model_parallel(create_gloo_process_groups=False)
+    dp = ps.get_data_parallel_group()
+    # megatron's DDP reduces over the data-parallel group with context parallelism (its own group,
+    # with the same members here): count calls on both.
+    counting = _count(dp, ps.get_data_parallel_group(with_context_parallel=True))
+    out: dict[str, Any] = {}
+
+    def calls(fn) -> list[str]:
+        before = len(counting.calls)
+        fn()
+        return counting.calls[before:]
+
+    t = torch.full((1000,), float(rank + 1))
+    out["all_reduce"] = calls(lambda: dist.all_reduce(t, group=dp))
+    work: list[Any] = []
+    out["all_reduce_async"] = calls(lambda: work.append(dist.all_reduce(t, group=dp, async_op=True)))
+    out["async_work"] = type(work[0]).__name__
+    work[0].wait()
+
+    def bucket() -> None:  # the form megatron's DDP uses for one bucket
+        with dist._coalescing_manager(dp, async_ops=True) as cm:
+            dist.all_reduce(t, group=dp, async_op=True)
+        cm.wait()
+
+    out["coalesced_bucket"] = calls(bucket)
+    big = torch.arange(2 * 64, dtype=torch.float32)
+    mine = big[rank * 64 : (rank + 1) * 64]
+    out["reduce_scatter_in_place"] = calls(lambda: dist.reduce_scatter_tensor(mine, big, group=dp))
+    full = torch.zeros(2 * 64)
+    own = full[rank * 64 : (rank + 1) * 64]
+    out["all_gather_in_place"] = calls(lambda: dist.all_gather_into_tensor(full, own, group=dp))
+    two = [torch.zeros(8), torch.zeros(8)]
+    with_two = [torch.ones(16), torch.ones(16)]
+
+    def two_reduce_scatters() -> None:
+        with dist._coalescing_manager(dp, async_ops=True) as cm:
+            for o, i in zip(two, with_two, strict=True):
+                dist.reduce_scatter_tensor(o, i, group=dp, async_op=True)
+        cm.wait()
+
+    out["coalesced_two_reduce_scatters"] = calls(two_reduce_scatters)
+
+    # megatron's DDP with its gradient reduction overlapped with backward: one bucket, one call
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 4))
+    ddp = DistributedDataParallel(
+        config=config,
+        ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=True, grad_reduce_in_fp32=True),
+        module=module,
+    )
+    ddp.zero_grad_buffer()
+
+    def train_step() -> None:
+        ddp(torch.full((4, 32), float(rank))).sum().backward()
+        ddp.finish_grad_sync()
+
+    out["ddp_overlapped_step"] = calls(train_step)
+    out["buckets"] = sum(len(g.buckets) for g in ddp.bucket_groups)
+    out["grad"] = [p.main_grad.sum().item() for p in ddp.module.parameters()]
+    return out
+
+
+def test_each_op_is_one_backend_call_and_a_bucket_is_one_all_reduce():
+    results = harness.run(2, _calls_per_op, timeout=180)
+    for rank, r in results.items():
+        assert r["all_reduce"] == ["allreduce"], (rank, r)
+        assert r["all_reduce_async"] == ["allreduce"] and r["async_work"] == NativeWork.__name__, (rank, r)
+        assert r["coalesced_bucket"] == ["allreduce_coalesced"], (rank, r)
+        assert r["reduce_scatter_in_place"] == ["_reduce_scatter_base"], (rank, r)
+        assert r["all_gather_in_place"] == ["_allgather_base"], (rank, r)
+        assert r["buckets"] == 1 and r["ddp_overlapped_step"] == ["allreduce_coalesced"], (rank, r)
+        # Companion: the counter does see several calls where several are made (gloo has no
+        # coalesced reduce-scatter: two tensors are two calls).
+        assert r["coalesced_two_reduce_scatters"] == ["_reduce_scatter_base"] * 2, (rank, r)
+    assert results[0]["grad"] == results[1]["grad"], "the data-parallel replicas' gradients differ"
+
+
+# --- failures -----------------------------------------------------------------------------------
+
+
+def _loop_on_group(rank, n, store):
+    world = nccl_delta.current_world()
+    group = dist.new_group(list(range(n)))
+    watcher_store = store.clone()
+
+    def watch():
+        watcher_store.wait(["abandon"])
+        world.abandon(1, "test control plane declared rank 2 gone", dead={2})
+
+    threading.Thread(target=watch, daemon=True).start()
+    t = torch.ones(50000)
+    store.set(f"looping/{rank}", "1")
+    while True:
+        try:
+            dist.all_reduce(t, group=group)
+        except CommLinkError as exc:
+            return dict(at=time.time(), kind=type(exc).__name__, msg=str(exc), peers=list(exc.peers))
+        t.fill_(1.0)
+
+
+def test_sigkill_in_a_group_collective_names_the_dead_rank():
+    """Rank 2 of a 4-rank group is killed in a loop of all-reduces: a member whose connection to it
+    closed raises CommLinkError naming rank 2 at once. gloo then closes that member's other connections
+    of the group, so a third member may name it instead (a suspicion the control plane checks with the
+    suspect's agent); every live member is free within a second of the control plane's abandon."""
+    ranks = harness.spawn(4, _loop_on_group)
+    try:
+        ranks.store.wait([f"looping/{r}" for r in range(4)])
+        time.sleep(0.3)
+        killed_at = time.time()
+        os.kill(ranks.procs[2].pid, signal.SIGKILL)
+        time.sleep(1.0)
+        abandoned_at = time.time()
+        ranks.store.set("abandon", "1")
+        results = ranks.results(timeout=60, expect={0, 1, 3})
+    finally:
+        ranks.kill_all()
+    named = [r for r in (0, 1, 3) if 2 in results[r]["peers"]]
+    assert named, f"no member named rank 2: {results}"
+    for rank in named:
+        assert results[rank]["peers"] == [2] and results[rank]["kind"] == "CommLinkError", results[rank]
+        assert results[rank]["at"] - killed_at < 1.0, results[rank]
+    for rank in (0, 1, 3):
+        assert results[rank]["at"] < abandoned_at + 1.0, (rank, results[rank])
+
+
+def test_abandon_unblocks_a_group_collective_waiting_on_a_hung_peer():
+    ranks = harness.spawn(4, _loop_on_group)
+    try:
+        ranks.store.wait([f"looping/{r}" for r in range(4)])
+        time.sleep(0.3)
+        os.kill(ranks.procs[2].pid, signal.SIGSTOP)  # hung, not dead: gloo alone would wait for its timeout
+        time.sleep(1.0)
+        abandoned_at = time.time()
+        ranks.store.set("abandon", "1")
+        results = ranks.results(timeout=30, expect={0, 1, 3})
+    finally:
+        os.kill(ranks.procs[2].pid, signal.SIGKILL)
+        ranks.kill_all()
+    for rank in (0, 1, 3):
+        r = results[rank]
+        assert abandoned_at <= r["at"] < abandoned_at + 1.0, f"rank {rank} unblocked {r['at'] - abandoned_at:.2f}s"
+        assert r["kind"] in ("CommAbandoned", "CommLinkError"), r
+    assert any(results[r]["kind"] == "CommAbandoned" for r in (0, 1, 3)), results
+
+
+# --- recovery: what is kept, what is rebuilt ----------------------------------------------------
+
+EPOCH = 1
+SPECS = {"A": [0, 1], "B": [1, 2], "C": [0, 3], "D": [0, 1, 2]}
+
+
+def _make_groups(rank):
+    made = {}
+    for name, members in SPECS.items():
+        group = dist.new_group(members)
+        if rank in members:
+            made[name] = group
+    return made
+
+
+def _stayer(rank, n, store):
+    """Groups A (busy at the abandon), B and D (idle), C (with the replaced rank 3)."""
+    world = nccl_delta.current_world()
+    groups = _make_groups(rank)
+    for group in groups.values():
+        dist.all_reduce(torch.ones(100), group=group)
+    before = {name: world.groups[g.group_name].comms["cpu"] for name, g in groups.items()}
+    if rank == 0:
+        dist.isend(torch.ones(4), dst=1, group=groups["A"])  # never waited for: A is busy at the abandon
+    elif rank == 1:
+        dist.irecv(torch.zeros(4), src=0, group=groups["A"])
+    store.set(f"idle/{rank}", "1")
+    store.wait(["abandon"])
+    world.abandon(EPOCH, "rank 3 left", dead={3})
+    try:
+        dist.all_reduce(torch.ones(4), group=groups.get("B", groups.get("D")))
+        refused = None
+    except CommAbandoned as exc:
+        refused = type(exc).__name__
+    report = world.recover(EPOCH, replaced={3})
+    kept = sorted(name for name, g in groups.items() if world.groups[g.group_name].comms["cpu"] is before[name])
+    sums = {}
+    for name, group in groups.items():
+        x = torch.full((1001,), float(rank + 1))
+        dist.all_reduce(x, group=group)
+        sums[name] = x[0].item()
+    return dict(
+        kept=kept,
+        refused=refused,
+        sums=sums,
+        report=(report.groups_kept, report.groups_rebuilt, report.members_rebuilt),
+    )
+
+
+def _leaver(rank, n, store):
+    groups = _make_groups(rank)
+    for group in groups.values():
+        dist.all_reduce(torch.ones(100), group=group)
+    store.set(f"idle/{rank}", "1")
+    return "left"
+
+
+def _joiner(rank, n, store):
+    groups = _make_groups(rank)
+    nccl_delta.current_world().join(EPOCH)
+    x = torch.full((1001,), float(rank + 1))
+    dist.all_reduce(x, group=groups["C"])
+    return x[0].item()
+
+
+def test_recover_keeps_idle_groups_and_rebuilds_the_busy_ones_and_those_of_the_replaced_rank():
+    store = harness.host_store()
+    queue = harness.CTX.Queue()
+    stayers = harness.spawn(4, _stayer, ranks=[0, 1, 2], store=store, queue=queue)
+    leaver = harness.spawn(4, _leaver, ranks=[3], keys=["leaver"], store=store, queue=queue)
+    try:
+        store.wait([f"idle/{r}" for r in range(4)])
+        assert leaver.results(timeout=30) == {"leaver": "left"}
+        store.set("abandon", "1")
+        joiner = harness.spawn(4, _joiner, ranks=[3], keys=["joiner"], store=store, queue=queue, join_epoch=EPOCH)
+        both = harness.Ranks(procs={**stayers.procs, **joiner.procs}, queue=queue, store=store)
+        results = both.results(timeout=90)
+    finally:
+        stayers.kill_all()
+    assert results["joiner"] == 5.0  # ranks 0 and 3 in C
+    assert results[0]["kept"] == ["D"] and results[1]["kept"] == ["B", "D"] and results[2]["kept"] == ["B", "D"]
+    # (groups kept, groups rebuilt, their members): rank 0 rebuilt A (busy) and C (rank 3's)
+    assert [results[r]["report"] for r in (0, 1, 2)] == [(1, 2, 4), (2, 1, 2), (2, 0, 0)], results
+    assert all(results[r]["refused"] == "CommAbandoned" for r in (0, 1, 2)), results
+    expected = {"A": 3.0, "B": 5.0, "C": 5.0, "D": 6.0}
+    for rank in (0, 1, 2):
+        assert results[rank]["sums"] == {k: v for k, v in expected.items() if k in results[rank]["sums"]}
+
+
+# --- the keep rule (pure) -----------------------------------------------------------------------
+
+
+def _ledger(coll=3, gen=0, sent=None, received=None):
+    return {"generation": gen, "collectives": coll, "sent": sent or {}, "received": received or {}}
+
+
+def test_a_group_is_kept_only_when_every_members_ledger_agrees():
+    assert ledgers_agree({0: _ledger(), 1: _ledger(), 2: _ledger()})
+    assert ledgers_agree({0: _ledger(sent={"1": 2}), 1: _ledger(received={"0": 2})})
+    assert not ledgers_agree({0: _ledger(), 1: None}), "a member that cut the group"
+    assert not ledgers_agree({0: _ledger(coll=3), 1: _ledger(coll=4)}), "a collective one member did not issue"
+    assert not ledgers_agree({0: _ledger(gen=1), 1: _ledger(gen=0)}), "two generations"
+    assert not ledgers_agree({0: _ledger(sent={"1": 2}), 1: _ledger(received={"0": 1})}), "a message left in flight"
+    assert not ledgers_agree({0: _ledger(), 1: _ledger(sent={"0": 1})}), "a message nobody received"
