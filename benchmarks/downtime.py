@@ -285,6 +285,13 @@ def summarize(scenarios: dict[str, dict], skipped: dict[str, str], args, argv) -
         if not k.startswith("scale") and s["steady_iteration_s"]["n"]
     ]
     out["iteration_s"] = round(statistics.median(steady), 4) if steady else None
+    # The communicator's figures (issue "native data plane"): every group runs on its native
+    # communicator now; the link-ring communicator it replaced was not kept behind a flag, so no
+    # same-run "before" exists.
+    out["unexpected_lost_s_native"] = out["unexpected_lost_s"]
+    out["unexpected_lost_s_before"] = None
+    planned, it = out["planned_lost_s"], out["iteration_s"]
+    out["planned_switch_iters"] = round(planned / it, 3) if planned is not None and it else None
     tm = out["unexpected_lost_s"]
     for base in BASELINES:
         b = out[f"{base}_lost_s"]
