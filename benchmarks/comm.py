@@ -252,7 +252,9 @@ def _switch_joiner(rank, world_size, store, leaver):
     _megatron_groups()
     world = nccl_delta.current_world()
     world.join(SWAP_EPOCH)
-    groups = {g.name: g.size for g in world.native_groups()}
+    groups = {
+        g.name: g.size for g in world.native_groups() if g.comms
+    }  # a group of the whole job waits for its first op
     x = torch.ones(1000, device=_device())
     dist.all_reduce(x)
     return dict(ok=bool((x == world_size).all()), groups=groups)
@@ -307,20 +309,21 @@ def section_replacement(args) -> list[dict]:
 
 def _simulated_replacement(ranks: int) -> dict:
     """The same counts at a scale these cores cannot run: megatron-core's own groups for the layout
-    and the real decision code (``trainmover simulate --scale-check``), one unexpected failure."""
-    from trainmover_ext.simulate.scale_check import run_scale_check
+    (``trainmover simulate --scale-check`` counts them with the real decision code too) and the rule
+    nccl_delta applies, for a middle rank."""
+    from trainmover_ext.simulate.scale_check import megatron_groups, rebuilt_by
 
     tp, pp = (4, 5) if ranks % 20 == 0 else (2, 2)
-    result = run_scale_check(ranks=ranks, tp=tp, pp=pp)
-    m = next(m for m in result.migrations if m.kind == "unexpected")
+    communicators = [(kind, members) for kind, members in megatron_groups(ranks, tp, pp) if len(members) > 1]
+    rebuilt = rebuilt_by(communicators, ranks // 2 + tp + 1, ranks)
     return dict(
         ranks=ranks,
         simulated=True,
         layout=f"TP{tp}.PP{pp}.DP{ranks // (tp * pp)}",
-        groups_rebuilt=m.groups_rebuilt,
-        members_rebuilt=m.members_rebuilt,
-        world_rebuilt=m.world_rebuilt,
-        groups_in_job=result.groups_total,
+        groups_rebuilt=rebuilt.groups,
+        members_rebuilt=rebuilt.members,
+        world_rebuilt=rebuilt.world,
+        groups_in_job=len(communicators),
     )
 
 

@@ -130,10 +130,19 @@ class RecoverReport:
 
 
 def affected_groups(world: DeltaWorld, ranks: Iterable[int]) -> list[NativeGroup]:
-    """This process's groups (pairs aside) that contain one of ``ranks``: what a replacement rebuilds."""
+    """This process's groups (pairs and groups of the whole job aside) that contain one of ``ranks``:
+    what a replacement rebuilds."""
     ranks = set(ranks)
     pairs = {id(pair.group) for pair in list(world.pairs.values())}
-    return [g for g in world.native_groups() if id(g) not in pairs and set(g.members) & ranks]
+    return [g for g in world.native_groups() if id(g) not in pairs and not g.spans_world and set(g.members) & ranks]
+
+
+def reset_world_spanning(world: DeltaWorld) -> int:
+    """Drop the communicators of the groups of the whole job; their next op builds them again."""
+    groups = [g for g in world.native_groups() if g.spans_world]
+    for group in groups:
+        group.reset()
+    return len(groups)
 
 
 def build_groups(world: DeltaWorld, groups: list[NativeGroup], generation: int) -> dict[str, NativeComm]:
@@ -219,6 +228,7 @@ def switch(world: DeltaWorld, epoch: int, *, timeout_s: float | None = None) -> 
     t1 = time.perf_counter()
     for group, comm in swap.groups:
         group.install(comm)
+    reset_world_spanning(world)
     touched = 0
     replaced: set[tuple[str, int]] = set()
     for transport, rank, link in swap.links:
@@ -334,6 +344,9 @@ def recover(world: DeltaWorld, epoch: int, *, replaced: Iterable[int] = ()) -> R
     comms = build_groups(world, rebuild, epoch)
     for group in rebuild:
         group.install(comms[group.name])
+    for group in world.native_groups():
+        if group.spans_world and group.name not in keep_groups:
+            group.reset()
     rebuilt = connect_all_rings(world, epoch)
     return RecoverReport(
         epoch=epoch,

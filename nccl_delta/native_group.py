@@ -16,6 +16,8 @@ Contract
 - A ledger counts what crossed the group in its generation: collectives issued, messages sent to and
   received from each peer. ``recover`` keeps a quiet group only when every member's ledger agrees
   (nothing issued on one end that the others did not issue).
+- A group of the whole job (megatron's distributed-optimizer instance group, say) is never rebuilt by a
+  replacement: its communicator is dropped and built again by its next op (:meth:`NativeGroup.reset`).
 - The primary communicator (NCCL on a GPU, gloo on CPU) is built with the group; a CPU collective
   on a GPU group (megatron's object collectives) builds the group's gloo communicator on first use,
   in the same generation, on every member at once (they are all in that collective).
@@ -83,6 +85,9 @@ class NativeGroup:
         self.store = store
         self.index = self.members.index(world.rank)
         self.size = len(self.members)
+        self.spans_world = self.size == world.world_size and self.size > 2
+        """A group of the whole job (not WORLD itself): a replacement drops its communicator instead of
+        rebuilding it (:meth:`reset`)."""
         self.comms: dict[str, NativeComm] = {}
         """Device type -> the communicator of the current generation."""
         self.generation = -1
@@ -145,17 +150,47 @@ class NativeGroup:
             return comm
         if self.state != OPEN:
             raise self._refused(op)
-        if self.generation < 0:
-            raise CommLinkError(f"{op} in group {self.name!r} before its communicator was built (a joiner calls join)")
-        # A second device type's communicator, on first use: every member is in this op.
-        comm = self.build(self.generation, device_type)
+        generation = self.generation
+        if generation < 0:
+            if not self.spans_world:
+                raise CommLinkError(
+                    f"{op} in group {self.name!r} before its communicator was built (a joiner calls join)"
+                )
+            generation = self.world.epoch  # a group of the whole job is built on first use (see reset)
+        # Built on first use: every member is in this op. A newer epoch's abandon cuts the wait.
+        from .world import build_concurrently
+
+        def discard(built: NativeComm) -> None:
+            built.abort()
+            built.close()
+
+        comm = build_concurrently(
+            self.world, {self.name: lambda: self.build(generation, device_type)}, discard, f"{op}'s set-up"
+        )[self.name]
         with self._lock:
-            if comm.generation == self.generation and device_type not in self.comms:
+            if self.state == OPEN and device_type not in self.comms and self.generation in (-1, generation):
                 self.comms[device_type] = comm
+                self.generation = generation
                 return comm
-        comm.abort()
-        comm.close()
+        discard(comm)
         raise self._refused(op)
+
+    def reset(self) -> None:
+        """Drop the communicators (a replacement touched this group of the whole job): the next op
+        builds one in the epoch it runs in, on every member at once. Rebuilding such a group during a
+        replacement would cost as much as the whole job; most are never used (megatron's distributed-
+        optimizer instance group with one instance)."""
+        with self._lock:
+            old, cutoff = list(self.comms.values()), self.state != OPEN
+            self.comms, self.generation = {}, -1
+            self.state, self.reason = OPEN, None
+            self.collectives, self.any_source = 0, 0
+            self.sent, self.received = {}, {}
+            self._recent.clear()
+        for stale in old:
+            if cutoff:
+                stale.abort()
+            stale.close()
 
     # --- ops ---------------------------------------------------------------------
     def run(

@@ -211,7 +211,7 @@ def test_abandon_unblocks_a_group_collective_waiting_on_a_hung_peer():
 # --- recovery: what is kept, what is rebuilt ----------------------------------------------------
 
 EPOCH = 1
-SPECS = {"A": [0, 1], "B": [1, 2], "C": [0, 3], "D": [0, 1, 2]}
+SPECS = {"A": [0, 1], "B": [1, 2], "C": [0, 3], "D": [0, 1, 2], "E": [0, 1, 2, 3]}
 
 
 def _make_groups(rank):
@@ -224,7 +224,8 @@ def _make_groups(rank):
 
 
 def _stayer(rank, n, store):
-    """Groups A (busy at the abandon), B and D (idle), C (with the replaced rank 3)."""
+    """Groups A (busy at the abandon), B and D (idle), C (with the replaced rank 3), E (the whole job:
+    dropped, and built again by its next op)."""
     world = nccl_delta.current_world()
     groups = _make_groups(rank)
     for group in groups.values():
@@ -243,7 +244,8 @@ def _stayer(rank, n, store):
     except CommAbandoned as exc:
         refused = type(exc).__name__
     report = world.recover(EPOCH, replaced={3})
-    kept = sorted(name for name, g in groups.items() if world.groups[g.group_name].comms["cpu"] is before[name])
+    unbuilt = sorted(name for name, g in groups.items() if not world.groups[g.group_name].comms)
+    kept = sorted(name for name, g in groups.items() if world.groups[g.group_name].comms.get("cpu") is before[name])
     sums = {}
     for name, group in groups.items():
         x = torch.full((1001,), float(rank + 1))
@@ -251,6 +253,7 @@ def _stayer(rank, n, store):
         sums[name] = x[0].item()
     return dict(
         kept=kept,
+        unbuilt=unbuilt,
         refused=refused,
         sums=sums,
         report=(report.groups_kept, report.groups_rebuilt, report.members_rebuilt),
@@ -268,9 +271,12 @@ def _leaver(rank, n, store):
 def _joiner(rank, n, store):
     groups = _make_groups(rank)
     nccl_delta.current_world().join(EPOCH)
-    x = torch.full((1001,), float(rank + 1))
-    dist.all_reduce(x, group=groups["C"])
-    return x[0].item()
+    sums = {}
+    for name in ("C", "E"):
+        x = torch.full((1001,), float(rank + 1))
+        dist.all_reduce(x, group=groups[name])
+        sums[name] = x[0].item()
+    return sums
 
 
 def test_recover_keeps_idle_groups_and_rebuilds_the_busy_ones_and_those_of_the_replaced_rank():
@@ -287,12 +293,13 @@ def test_recover_keeps_idle_groups_and_rebuilds_the_busy_ones_and_those_of_the_r
         results = both.results(timeout=90)
     finally:
         stayers.kill_all()
-    assert results["joiner"] == 5.0  # ranks 0 and 3 in C
+    assert results["joiner"] == {"C": 5.0, "E": 10.0}  # ranks 0 and 3 in C; everyone in E
     assert results[0]["kept"] == ["D"] and results[1]["kept"] == ["B", "D"] and results[2]["kept"] == ["B", "D"]
     # (groups kept, groups rebuilt, their members): rank 0 rebuilt A (busy) and C (rank 3's)
     assert [results[r]["report"] for r in (0, 1, 2)] == [(1, 2, 4), (2, 1, 2), (2, 0, 0)], results
     assert all(results[r]["refused"] == "CommAbandoned" for r in (0, 1, 2)), results
-    expected = {"A": 3.0, "B": 5.0, "C": 5.0, "D": 6.0}
+    assert all(results[r]["unbuilt"] == ["E"] for r in (0, 1, 2)), "the whole job's group was rebuilt"
+    expected = {"A": 3.0, "B": 5.0, "C": 5.0, "D": 6.0, "E": 10.0}
     for rank in (0, 1, 2):
         assert results[rank]["sums"] == {k: v for k, v in expected.items() if k in results[rank]["sums"]}
 

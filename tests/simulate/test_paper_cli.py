@@ -117,7 +117,14 @@ def test_the_scale_checks_groups_are_megatrons():
     of = {kind: [m for k, m in groups if k == kind and 5 in m] for kind, _ in groups}
     assert of["tp"] == [[4, 5]] and of["dp"] == [[1, 3, 5, 7]] and of["pp"] == [[5, 13]]
     assert of["mp"] == [[4, 5, 12, 13]] and of["embedding"] == [[5, 13]] and of["position-embedding"] == [[5]]
-    assert len([1 for _, m in groups if len(m) == 16]) == 0, "a group of the whole job"
+    # one group spans the whole job: the distributed optimizer's instance group (one instance); a
+    # replacement drops its communicator instead of rebuilding it
+    assert [k for k, m in groups if len(m) == 16] == ["dist-opt-instance"]
+    from trainmover_ext.simulate.scale_check import rebuilt_by
+
+    rebuilt = rebuilt_by([(k, m) for k, m in groups if len(m) > 1], 5, 16)
+    assert "dist-opt-instance" not in rebuilt.by_kind and not rebuilt.world
+    assert rebuilt.by_kind["tp"] == rebuilt.by_kind["dp"] == rebuilt.by_kind["pp"] == 1
 
 
 def test_recovery_work_per_rank_does_not_grow_with_the_job():

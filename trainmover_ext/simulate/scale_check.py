@@ -90,13 +90,14 @@ MEGATRON_KINDS = (
     ("tp-ep", "expert", "tp-ep"),
     ("tp-ep-pp", "expert", "tp-ep-pp"),
     ("expert-dp", "expert", "dp"),
-    ("dist-opt-instance", "expert", "tp-ep-pp"),
+    ("dist-opt-instance", "expert", "tp-ep-pp"),  # concatenated: see megatron_groups
 )
 
 
 def megatron_groups(ranks: int, tp: int, pp: int) -> list[tuple[str, list[int]]]:
     """Every group megatron-core creates for TP x DP x PP in its default order (``tp-cp-ep-dp-pp``):
-    (kind, members), one entry per communicator, groups of one member included."""
+    (kind, members), one entry per communicator, groups of one member included. One spans the whole
+    job (the distributed optimizer's instance group, with one instance)."""
     from megatron.core.parallel_state import RankGenerator
 
     if tp < 1 or pp < 1 or ranks % (tp * pp):
@@ -109,12 +110,46 @@ def megatron_groups(ranks: int, tp: int, pp: int) -> list[tuple[str, list[int]]]
     out = []
     for kind, generator, token in MEGATRON_KINDS:
         for members in generators[generator].get_ranks(token):
+            if kind == "dist-opt-instance":
+                continue  # below: one group of every tp-ep-pp group together (one optimizer instance)
             if kind == "embedding":
                 members = [members[0], members[-1]] if len(members) > 1 else list(members)
             elif kind == "position-embedding":
                 members = [members[0]]
             out.append((kind, list(members)))
+    # megatron's INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP with --num-distributed-optimizer-instances 1:
+    # the tp-ep-pp groups of the whole expert-data-parallel extent together, i.e. the whole job.
+    out.append(("dist-opt-instance", sorted(r for m in generators["expert"].get_ranks("tp-ep-pp") for r in m)))
     return out
+
+
+@dataclass
+class Rebuilt:
+    """What replacing one rank rebuilds: the communicators of its groups of more than one member."""
+
+    groups: int
+    members: int
+    world: bool
+    """Whether one of them spans the whole job (never: such a group is built only on use, see nccl_delta)."""
+    by_kind: dict[str, int]
+    acting: int
+    """Ranks other than the replaced one that take part."""
+
+
+def rebuilt_by(communicators: list[tuple[str, list[int]]], rank: int, ranks: int) -> Rebuilt:
+    """What a replacement of ``rank`` rebuilds among ``communicators`` (kind, members): the groups that hold
+    it, but not the ones of the whole job, which nccl_delta builds only when they are used."""
+    hit = [(kind, members) for kind, members in communicators if rank in members and len(members) < ranks]
+    by_kind: dict[str, int] = {}
+    for kind, _ in hit:
+        by_kind[kind] = by_kind.get(kind, 0) + 1
+    return Rebuilt(
+        groups=len(hit),
+        members=sum(len(m) for _, m in hit),
+        world=False,
+        by_kind=by_kind,
+        acting=len({m for _, members in hit for m in members} - {rank}),
+    )
 
 
 def layout_groups(ranks: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
@@ -232,11 +267,7 @@ def run_scale_check(ranks: int = 1024, tp: int = 8, pp: int = 8, standbys: int =
             tx0, keys0, heard0 = kv.transactions, kv.keys_written, len(heard)
             committed, read = _decide_and_apply(kv, space)
             epoch = read_view(space).epoch
-            rebuilt = [(group_kind, members) for group_kind, members in communicators if rank in members]
-            by_kind: dict[str, int] = {}
-            for group_kind, _ in rebuilt:
-                by_kind[group_kind] = by_kind.get(group_kind, 0) + 1
-            acting = {m for _, members in rebuilt for m in members} - {rank}
+            rebuilt = rebuilt_by(communicators, rank, ranks)
             migrations.append(
                 MigrationCount(
                     kind=kind,
@@ -246,11 +277,11 @@ def run_scale_check(ranks: int = 1024, tp: int = 8, pp: int = 8, standbys: int =
                     store_keys_written=kv.keys_written - keys0,
                     controller_keys_read=read,
                     plan_notifications=len(heard) - heard0,
-                    ranks_acting=len(acting),
-                    groups_rebuilt=len(rebuilt),
-                    members_rebuilt=sum(len(members) for _, members in rebuilt),
-                    world_rebuilt=any(len(members) == ranks for _, members in rebuilt),
-                    groups_by_kind=by_kind,
+                    ranks_acting=rebuilt.acting,
+                    groups_rebuilt=rebuilt.groups,
+                    members_rebuilt=rebuilt.members,
+                    world_rebuilt=rebuilt.world,
+                    groups_by_kind=rebuilt.by_kind,
                 )
             )
             if committed and kind == "unexpected":
