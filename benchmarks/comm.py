@@ -9,7 +9,7 @@ Sections (each a function registered in ``SECTIONS``; add one to extend the repo
   (``replacement[].{ranks, groups_rebuilt, members_rebuilt, world_rebuilt}``).
 - ``training``: the steady iteration of a TP2.PP2.DPk job with ``--trainmover`` over the same job
   without it (plain torch gloo groups), ``--overlap-grad-reduce``, for the demo and the tiny model at
-  4, 8 and 16 ranks. The two jobs alternate ``--training-rounds`` times (default 3); the ratio is the
+  4, 8 and 16 ranks. The two jobs alternate ``--training-rounds`` times (default 5); the ratio is the
   median of the rounds' ratios, with the range (``training[].{ranks, model, ratio}``).
 
 Ranks are forked from this process (torch already imported), one thread each, on loopback.
@@ -449,7 +449,7 @@ def parse_args(argv=None):
     p.add_argument("--timeout", type=float, default=1800.0, help="deadline per world (or training job), seconds")
     p.add_argument("--training-iters", type=int, default=None, help="iterations per training job (default 20)")
     p.add_argument("--training-warmup", type=int, default=3, help="first iterations of a job left out of timing")
-    p.add_argument("--training-rounds", type=int, default=None, help="job pairs per point (default 3)")
+    p.add_argument("--training-rounds", type=int, default=None, help="job pairs per point (default 5)")
     p.add_argument("--training-ranks", type=_ints, default=None, help="training world sizes (default 4,8,16)")
     p.add_argument(
         "--training-models",
@@ -462,8 +462,8 @@ def parse_args(argv=None):
     args.switch_ranks = args.switch_ranks or ([4, 8] if args.quick else [4, 8, 16])
     args.scale_ranks = args.scale_ranks or ([100] if args.quick else [100, 1000, 4000])
     args.iters = args.iters or (3 if args.quick else 5)
-    args.training_iters = args.training_iters or (10 if args.quick else 20)
-    args.training_rounds = args.training_rounds or (1 if args.quick else 3)
+    args.training_iters = args.training_iters or (10 if args.quick else 30)
+    args.training_rounds = args.training_rounds or (1 if args.quick else 5)
     args.training_ranks = args.training_ranks or ([4] if args.quick else [4, 8, 16])
     args.training_models = (args.training_models or ("tiny" if args.quick else "demo,tiny")).split(",")
     if set(args.training_models) - {"demo", "tiny"}:
