@@ -131,10 +131,12 @@ class NativeGroup:
         """Make ``comm`` the group's communicator (its generation's ledger starts at zero) and retire
         the old ones: an idle old one is closed; one an abandon left is aborted first, so that no
         thread of it stays blocked on a peer."""
+        self._start_generation({comm.device_type: comm}, comm.generation)
+
+    def _start_generation(self, comms: dict[str, NativeComm], generation: int) -> None:
         with self._lock:
             old, cutoff = list(self.comms.values()), self.state != OPEN
-            self.comms = {comm.device_type: comm}
-            self.generation = comm.generation
+            self.comms, self.generation = comms, generation
             self.state, self.reason = OPEN, None
             self.collectives, self.any_source = 0, 0
             self.sent, self.received = {}, {}
@@ -180,17 +182,7 @@ class NativeGroup:
         builds one in the epoch it runs in, on every member at once. Rebuilding such a group during a
         replacement would cost as much as the whole job; most are never used (megatron's distributed-
         optimizer instance group with one instance)."""
-        with self._lock:
-            old, cutoff = list(self.comms.values()), self.state != OPEN
-            self.comms, self.generation = {}, -1
-            self.state, self.reason = OPEN, None
-            self.collectives, self.any_source = 0, 0
-            self.sent, self.received = {}, {}
-            self._recent.clear()
-        for stale in old:
-            if cutoff:
-                stale.abort()
-            stale.close()
+        self._start_generation({}, -1)
 
     # --- ops ---------------------------------------------------------------------
     def run(

@@ -89,7 +89,8 @@ class TrainMoverConfig:
     inject_fault: str | None = None
     """``--tm-inject-fault RANK:ITER:PHASE[:KILL|STOP]``: failure drill (see trainmover_ext.runtime.faults)."""
     comm: str = "auto"
-    """``--tm-comm``: ``nccl_delta`` (every group swappable by link), ``native`` (gloo/NCCL as is), or
+    """``--tm-comm``: ``nccl_delta`` (every group's native communicator replaceable live), ``native``
+    (torch's groups as they are), or
     ``auto`` (nccl_delta under ``--trainmover``, native otherwise)."""
 
     @property
@@ -369,8 +370,9 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--tm-comm",
         choices=["auto", "nccl_delta", "native"],
         default=None,
-        help="Communicator for every process group: nccl_delta (links can be swapped live; the default "
-        "under --trainmover) or native gloo/NCCL (the default without --trainmover).",
+        help="Communicator for every process group: nccl_delta (torch's own gloo/NCCL groups whose "
+        "communicators are replaced live, one group at a time; the default under --trainmover) or native "
+        "(plain torch groups, no live replacement; the default without --trainmover).",
     )
     g.add_argument(
         "--tm-inject-fault",
