@@ -29,9 +29,6 @@ HISTORY = re.compile(
     r"this (?:week|round|session)|the earlier setup|seen once in CI)\b",
     re.I,
 )
-# The communicator's page, rewritten with the communicator (its "known gaps" are still dated); checked
-# too once that lands: drop it from this set then.
-OTHERS_REWRITING = {"nccl_delta.md"}
 MUST_SAY = (
     "make demo",
     "make test",
@@ -95,7 +92,7 @@ def test_links_of_the_readme_and_the_docs_resolve():
         assert page in linked, f"README.md does not link to {page}"
 
 
-@pytest.mark.parametrize("page", [p for p in _pages() if p.name not in OTHERS_REWRITING], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
 def test_no_page_is_dated_or_tells_its_history(page):
     problems = page_problems(page.name, page.read_text())
     assert not problems, problems
