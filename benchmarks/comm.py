@@ -27,6 +27,7 @@ import datetime
 import json
 import multiprocessing as mp
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed import TCPStore  # noqa: E402
 
 import nccl_delta  # noqa: E402
-from benchmarks.common import print_table, write_json  # noqa: E402
+from benchmarks.common import measured_at, print_table, write_json  # noqa: E402
 
 CTX = mp.get_context("fork")
 MB = 1 << 20
@@ -481,13 +482,15 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     started = time.time()
     payload = {
+        "command": shlex.join(["python", "benchmarks/comm.py", *(sys.argv[1:] if argv is None else argv)]),
+        "measured_at": measured_at(),
         "meta": dict(
             device=str(_device()),
             torch=torch.__version__,
             cpus=os.cpu_count(),
             transport=_config().resolved_transport(),
             iters=args.iters,
-        )
+        ),
     }
     for name in args.sections:
         print(f"[{name}]", flush=True)

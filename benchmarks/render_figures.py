@@ -31,6 +31,7 @@ COMMANDS = {
     "downtime": "python benchmarks/downtime.py --json benchmarks/results/downtime.json",
     "chaos": "python benchmarks/chaos.py --json benchmarks/results/chaos.json",
     "downtime_nodes": "python benchmarks/downtime_nodes.py --json benchmarks/results/downtime_nodes.json",
+    "comm": "python benchmarks/comm.py --json benchmarks/results/comm.json",
 }
 MIN_RUNS = 3
 
@@ -229,6 +230,42 @@ def chaos_table(data: dict | None) -> list[str]:
     return head + rows + tail
 
 
+# ---------------------------------------------------------------------------- steady state
+
+
+def comm_table(data: dict | None) -> list[str]:
+    """Steady-state speed with --trainmover over the same job without it, and what a replacement rebuilds."""
+    head = [
+        "| job | s/iteration with / without TrainMover | ratio: median (range, runs) |",
+        "|---|---|---|",
+    ]
+    training = (data or {}).get("training") or []
+    if not training:
+        return head + [f"| - | {NOT_YET} | - |", "", f"Regenerate with `{COMMANDS['comm']}`."]
+    rows = []
+    for r in training:
+        lo, hi = r["ratio_range"]
+        note = "" if r["runs"] >= MIN_RUNS else f"; a figure needs {MIN_RUNS}"
+        rows.append(
+            f"| {r['ranks']} ranks, {r['model']} model, {r['layout']} | {num(r['trainmover_it_s'])} / "
+            f"{num(r['plain_it_s'])} | **{num(r['ratio'])}** ({num(lo)}-{num(hi)}, {r['runs']} runs{note}) |"
+        )
+    out = head + rows
+    replacement = data.get("replacement") or []
+    if replacement:
+        out += [
+            "",
+            "| ranks | groups a replacement of one rank rebuilds | their members | WORLD rebuilt |",
+            "|---|---|---|---|",
+        ]
+        for r in replacement:
+            how = "simulated (megatron's groups, the real rule)" if r.get("simulated") else "measured"
+            out.append(
+                f"| {r['ranks']} ({how}) | {r['groups_rebuilt']} | {r['members_rebuilt']} | {'yes' if r['world_rebuilt'] else 'no'} |"
+            )
+    return out + ["", stamp(data)]
+
+
 # ---------------------------------------------------------------------------- blocks
 
 
@@ -256,6 +293,11 @@ def readme_block(results_dir: str) -> list[str]:
         "iterations):",
         "",
         *chaos_table(chaos),
+        "",
+        "**Steady state** (the native data plane: every group but WORLD on torch's own gloo here, NCCL on a",
+        "GPU; TrainMover's job and the plain job alternate, so machine noise hits both):",
+        "",
+        *comm_table(load(results_dir, "comm")),
     ]
 
 

@@ -139,3 +139,38 @@ def test_a_chaos_figure_is_the_pooled_value_with_its_range_over_runs(tmp_path):
     text = "\n".join(rf.readme_block(str(tmp_path)))
     assert "**0.700** (runs: median 0.700, 0.500-0.900, 3 runs)" in text  # the recovery median
     assert "| ETTR relative to the twin, a failure every ~100 iterations (`ettr_rel_g100`) | " + rf.NOT_YET in text
+
+
+def test_the_steady_state_table_is_the_training_ratio_with_its_range_and_what_a_replacement_rebuilds(tmp_path):
+    data = {
+        "measured_at": {"date": "2026-12-04 10:00 UTC", "commit": "abc", "dirty": False},
+        "command": "python benchmarks/comm.py --json benchmarks/results/comm.json",
+        "training": [
+            {
+                "ranks": 8,
+                "model": "demo",
+                "layout": "TP2.PP2.DP2, --overlap-grad-reduce",
+                "ratio": 1.04,
+                "ratio_range": [0.97, 1.12],
+                "runs": 5,
+                "trainmover_it_s": 0.41,
+                "plain_it_s": 0.39,
+            }
+        ],
+        "replacement": [
+            {"ranks": 8, "groups_rebuilt": 10, "members_rebuilt": 22, "world_rebuilt": False},
+            {"ranks": 4000, "groups_rebuilt": 12, "members_rebuilt": 2261, "world_rebuilt": False, "simulated": True},
+        ],
+    }
+    (tmp_path / "comm.json").write_text(json.dumps(data))
+    text = "\n".join(rf.readme_block(str(tmp_path)))
+    assert (
+        "| 8 ranks, demo model, TP2.PP2.DP2, --overlap-grad-reduce | 0.410 / 0.390 | **1.04** (0.970-1.12, 5 runs) |"
+        in text
+    )
+    assert "| 4000 (simulated (megatron's groups, the real rule)) | 12 | 2261 | no |" in text
+    # Companion: without the JSON the table says so instead of a figure.
+    (tmp_path / "comm.json").unlink()
+    assert "`python benchmarks/comm.py --json benchmarks/results/comm.json`" in "\n".join(
+        rf.readme_block(str(tmp_path))
+    )
