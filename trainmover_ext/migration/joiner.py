@@ -162,16 +162,33 @@ def serve_rank(
         shutdown()
 
 
+def _waiting_threads() -> str:
+    """Where the join's threads (and the communicator builds it started) are waiting: the stack of each."""
+    import sys
+    import traceback
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    out = []
+    for ident, frame in sys._current_frames().items():
+        name = names.get(ident, "")
+        if name.startswith(("tm_join", "nccl_delta")):
+            stack = "".join(traceback.format_stack(frame, limit=6))
+            out.append(f"  thread {name}:\n{stack}")
+    return "".join(out) or "  (no join thread left)"
+
+
 class _Joining:
     """``nccl_delta``'s ``join(epoch)`` on a thread; :meth:`wait` re-raises its error."""
 
     def __init__(self, epoch: int, timeout_s: float) -> None:
         import nccl_delta
 
-        self.timeout_s = timeout_s
+        world = nccl_delta.current_world()
+        # The stayers' part of the join (their ledgers and their builds of the groups with this rank)
+        # waits up to the communicator's connect timeout: the joiner does not give up before they would.
+        self.timeout_s = max(timeout_s, world.config.connect_timeout_s + 5.0)
         self.error: BaseException | None = None
         self.done_at: float | None = None
-        world = nccl_delta.current_world()
 
         def run() -> None:
             try:
@@ -190,7 +207,7 @@ class _Joining:
         if self._thread.is_alive():
             raise MembershipLost(
                 f"the joiner's links were not up within {self.timeout_s:.0f}s; "
-                "are the other ranks alive and in the same epoch?"
+                "are the other ranks alive and in the same epoch? Still waiting:\n" + _waiting_threads()
             )
         if self.error is not None:
             raise self.error
