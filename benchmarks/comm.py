@@ -1,8 +1,11 @@
 """Communicator benchmark: TrainMover's communicator against torch's own groups, side by side in one run.
 
 Sections (each a function registered in ``SECTIONS``; add one to extend the report):
-- ``allreduce``: all-reduce time on nccl_delta's groups vs plain torch groups on the same ranks, same
-  tensors, alternating the two so that machine noise hits both. ``ratio = delta_s / gloo_s``.
+- ``allreduce``: all-reduce time on a group of every rank created under nccl_delta (a native group
+  behind nccl_delta's handle, as megatron's groups are) vs a plain torch group on the same ranks, same
+  tensors, alternating so that machine noise hits both: ``ratio = delta_s / gloo_s``. ``world_ring_s``:
+  the same all-reduce on WORLD, which keeps nccl_delta's ring over links (no training collective runs
+  on WORLD; see docs/nccl_delta.md).
 - ``replacement``: one middle rank of a megatron TP2.PP2.DPk world replaced by a planned move, at
   several world sizes: the groups rebuilt, their members, whether WORLD was (never), phase 1 and 2
   times, and on a GPU the device memory the pending communicators held
@@ -144,13 +147,14 @@ def _host_store():
 # --- all-reduce -------------------------------------------------------------------------------
 def _allreduce_rank(rank, world_size, store, sizes_mb, iters):
     ref = dist.new_group(backend="nccl" if _device().type == "cuda" else "gloo")
+    native = dist.new_group()  # the default backend: nccl_delta's handle over a native communicator
     device = _device()
     rows = []
     for size_mb in sizes_mb:
         x = torch.ones(int(size_mb * MB) // 4, device=device)
-        times = {"delta": [], "gloo": []}
+        times = {"delta": [], "gloo": [], "world_ring": []}
         for it in range(iters + 1):  # the first round warms allocators and links up
-            for name, group in (("delta", None), ("gloo", ref)):
+            for name, group in (("delta", native), ("gloo", ref), ("world_ring", None)):
                 dist.barrier(group=ref)
                 t0 = time.perf_counter()
                 dist.all_reduce(x, group=group)
@@ -174,7 +178,7 @@ def section_allreduce(args) -> list[dict]:
         for k, size_mb in enumerate(args.sizes_mb):
             # An all-reduce ends when its slowest rank ends: take the max over ranks per iteration.
             timing = {}
-            for name in ("delta", "gloo"):
+            for name in ("delta", "gloo", "world_ring"):
                 per_iter = zip(*(per_rank[r][k][1][name] for r in range(world_size)), strict=False)
                 timing[name] = statistics.median(max(v) for v in per_iter)
             # Bus bandwidth as nccl-tests defines it for all-reduce: bytes * 2(n-1)/n / time.
@@ -185,6 +189,7 @@ def section_allreduce(args) -> list[dict]:
                     bytes=int(size_mb * MB),
                     delta_s=round(timing["delta"], 6),
                     gloo_s=round(timing["gloo"], 6),
+                    world_ring_s=round(timing["world_ring"], 6),
                     ratio=round(timing["delta"] / timing["gloo"], 3),
                     delta_busbw_gbps=round(busbw / timing["delta"] / 1e9, 3),
                     baseline_busbw_gbps=round(busbw / timing["gloo"] / 1e9, 3),
@@ -193,7 +198,8 @@ def section_allreduce(args) -> list[dict]:
                 )
             )
             print(
-                f"  allreduce ranks={world_size} {size_mb} MB: delta {timing['delta']:.4f}s gloo {timing['gloo']:.4f}s",
+                f"  allreduce ranks={world_size} {size_mb} MB: delta {timing['delta']:.4f}s gloo {timing['gloo']:.4f}s "
+                f"world ring {timing['world_ring']:.4f}s",
                 flush=True,
             )
     return rows
@@ -498,7 +504,7 @@ def main(argv=None) -> dict:
     payload["meta"]["wall_s"] = round(time.time() - started, 1)
     if "allreduce" in payload:
         print_table(
-            "all-reduce: nccl_delta vs the native backend (median of per-iteration max over ranks)",
+            "all-reduce: a group on nccl_delta vs a plain torch group (median of per-iteration max over ranks)",
             [
                 (
                     r["ranks"],
@@ -506,13 +512,24 @@ def main(argv=None) -> dict:
                     r["device"],
                     f"{r['delta_s']:.4f}",
                     f"{r['gloo_s']:.4f}",
+                    f"{r['world_ring_s']:.4f}",
                     r["ratio"],
                     r["delta_busbw_gbps"],
                     r["baseline_busbw_gbps"],
                 )
                 for r in payload["allreduce"]
             ],
-            ("ranks", "MB", "device", "delta_s", "native_s", "ratio", "delta_busbw_GB/s", "native_busbw_GB/s"),
+            (
+                "ranks",
+                "MB",
+                "device",
+                "delta_s",
+                "native_s",
+                "world_ring_s",
+                "ratio",
+                "delta_busbw_GB/s",
+                "native_busbw_GB/s",
+            ),
         )
     if "replacement" in payload:
         print_table(

@@ -260,9 +260,8 @@ def comm_table(data: dict | None) -> list[str]:
         ]
         for r in replacement:
             how = "simulated (megatron's groups, the real rule)" if r.get("simulated") else "measured"
-            out.append(
-                f"| {r['ranks']} ({how}) | {r['groups_rebuilt']} | {r['members_rebuilt']} | {'yes' if r['world_rebuilt'] else 'no'} |"
-            )
+            world = "yes" if r["world_rebuilt"] else "no"
+            out.append(f"| {r['ranks']} ({how}) | {r['groups_rebuilt']} | {r['members_rebuilt']} | {world} |")
     return out + ["", stamp(data)]
 
 
@@ -303,6 +302,21 @@ def readme_block(results_dir: str) -> list[str]:
 
 def docs_block(results_dir: str) -> list[str]:
     lines = readme_block(results_dir)
+    comm = load(results_dir, "comm")
+    if comm and comm.get("allreduce"):
+        lines += [
+            "",
+            "All-reduce of a group of every rank on nccl_delta (`delta_s`), a plain torch group (`gloo_s`) and",
+            "WORLD's ring (`world_ring_s`), in seconds, median over iterations of the slowest rank:",
+            "",
+            "| ranks | MB | `delta_s` | `gloo_s` | ratio | `world_ring_s` |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in comm["allreduce"]:
+            lines.append(
+                f"| {r['ranks']} | {r['bytes'] // (1 << 20)} | {num(r['delta_s'])} | {num(r['gloo_s'])} | "
+                f"{num(r['ratio'])} | {num(r.get('world_ring_s'))} |"
+            )
     downtime = load(results_dir, "downtime")
     if downtime:
         lines += ["", "Per scenario, median (range) over the trials' events, in seconds after the fault:", ""]

@@ -13,7 +13,7 @@ Contract
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -126,22 +126,14 @@ class NativeOps:
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> dist.Work:
-        if self.single or len(outputs) == 1:
-            return (
-                self.allgather_base(outputs[0], inputs[0], opts)
-                if len(outputs) == 1
-                else self._local_each(outputs, inputs)
-            )
-        opts = opts or AllgatherOptions()
-        comm = self.group.comms.get(outputs[0].device.type)
-        if comm is not None and hasattr(comm.backend, "allgather_into_tensor_coalesced"):
-            return self._run(
-                "all_gather_into_tensor_coalesced",
-                outputs[0].device,
-                lambda pg: pg.allgather_into_tensor_coalesced(outputs, inputs, opts),
-            )
-        works = [self.allgather_base(out, inp, opts) for out, inp in zip(outputs, inputs, strict=True)]
-        return WorkList(works, list(outputs))
+        return self._coalesced(
+            "allgather_into_tensor_coalesced",
+            "all_gather_into_tensor_coalesced",
+            outputs,
+            inputs,
+            opts or AllgatherOptions(),
+            self.allgather_base,
+        )
 
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any) -> dist.Work:
         if self.single:
@@ -161,19 +153,34 @@ class NativeOps:
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any
     ) -> dist.Work:
-        if self.single or len(outputs) == 1:
-            if len(outputs) == 1:
-                return self.reduce_scatter_base(outputs[0], inputs[0], opts)
+        return self._coalesced(
+            "reduce_scatter_tensor_coalesced",
+            "reduce_scatter_tensor_coalesced",
+            outputs,
+            inputs,
+            opts or ReduceScatterOptions(),
+            self.reduce_scatter_base,
+        )
+
+    def _coalesced(
+        self,
+        method: str,
+        op: str,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        opts: Any,
+        one: Callable[[torch.Tensor, torch.Tensor, Any], dist.Work],
+    ) -> dist.Work:
+        """A coalesced tensor op: one backend call where the backend has ``method`` (NCCL), else one
+        call per tensor (gloo); one tensor is the plain op."""
+        if len(outputs) == 1:
+            return one(outputs[0], inputs[0], opts)
+        if self.single:
             return self._local_each(outputs, inputs)
-        opts = opts or ReduceScatterOptions()
         comm = self.group.comms.get(outputs[0].device.type)
-        if comm is not None and hasattr(comm.backend, "reduce_scatter_tensor_coalesced"):
-            return self._run(
-                "reduce_scatter_tensor_coalesced",
-                outputs[0].device,
-                lambda pg: pg.reduce_scatter_tensor_coalesced(outputs, inputs, opts),
-            )
-        works = [self.reduce_scatter_base(out, inp, opts) for out, inp in zip(outputs, inputs, strict=True)]
+        if comm is not None and hasattr(comm.backend, method):
+            return self._run(op, outputs[0].device, lambda pg: getattr(pg, method)(outputs, inputs, opts))
+        works = [one(out, inp, opts) for out, inp in zip(outputs, inputs, strict=True)]
         return WorkList(works, list(outputs))
 
     def _local_each(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> dist.Work:

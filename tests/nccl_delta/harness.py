@@ -173,3 +173,22 @@ def spawn(
 def run(world_size: int, fn: Callable, *args, timeout: float = 120.0, **kwargs) -> dict[int, Any]:
     ranks = spawn(world_size, fn, *args, **kwargs)
     return ranks.results(timeout=timeout)
+
+
+def hang_then_abandon(fn: Callable, *args, hung: int = 2, world_size: int = 4) -> tuple[dict[int, Any], float]:
+    """Run ``fn`` on ``world_size`` ranks until each sets ``looping/<rank>``, SIGSTOP rank ``hung`` (hung,
+    not dead: gloo alone would wait for its timeout), then set ``abandon``; returns the other ranks'
+    results and the wall time of the abandon."""
+    ranks = spawn(world_size, fn, *args)
+    try:
+        ranks.store.wait([f"looping/{r}" for r in range(world_size)])
+        time.sleep(0.3)
+        os.kill(ranks.procs[hung].pid, signal.SIGSTOP)
+        time.sleep(1.0)
+        abandoned_at = time.time()
+        ranks.store.set("abandon", "1")
+        results = ranks.results(timeout=30, expect=set(range(world_size)) - {hung})
+    finally:
+        os.kill(ranks.procs[hung].pid, signal.SIGKILL)
+        ranks.kill_all()
+    return results, abandoned_at

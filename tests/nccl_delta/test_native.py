@@ -73,18 +73,7 @@ def test_sigkill_in_a_group_collective_names_the_dead_rank():
 
 
 def test_abandon_unblocks_a_group_collective_waiting_on_a_hung_peer():
-    ranks = harness.spawn(4, _loop_on_group)
-    try:
-        ranks.store.wait([f"looping/{r}" for r in range(4)])
-        time.sleep(0.3)
-        os.kill(ranks.procs[2].pid, signal.SIGSTOP)  # hung, not dead: gloo alone would wait for its timeout
-        time.sleep(1.0)
-        abandoned_at = time.time()
-        ranks.store.set("abandon", "1")
-        results = ranks.results(timeout=30, expect={0, 1, 3})
-    finally:
-        os.kill(ranks.procs[2].pid, signal.SIGKILL)
-        ranks.kill_all()
+    results, abandoned_at = harness.hang_then_abandon(_loop_on_group)
     for rank in (0, 1, 3):
         r = results[rank]
         assert abandoned_at <= r["at"] < abandoned_at + 1.0, f"rank {rank} unblocked {r['at'] - abandoned_at:.2f}s"
