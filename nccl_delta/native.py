@@ -71,19 +71,28 @@ class NativeComm:
         return sockets.group_sockets(self.listener, self.peer_listeners, endpoints)
 
     def abort(self, endpoints: sockets.Endpoints | None = None) -> None:
-        """Make every pending and later op raise now, on this end (any thread; idempotent).
+        """Make every pending and later op raise now, on this end (any thread; idempotent; never waits).
 
-        gloo: its sockets are shut down, which fails the ops pending on them at both ends; then
-        torch's ``abort()``. NCCL: torch's ``abort()`` (``ncclCommAbort``)."""
+        gloo: its sockets are shut down, which fails the ops pending on them at both ends; torch's
+        ``abort()`` then runs on the reaper thread, since it may join gloo's threads and the caller
+        may hold the world's lock (an abandon does). NCCL: torch's ``abort()`` (``ncclCommAbort``),
+        which is what fails the pending ops there."""
         if self.aborted:
             return
         self.aborted = True
-        if self.device_type == "cpu":
+        backend, generation, device_type = self.backend, self.generation, self.device_type
+
+        def torch_abort() -> None:
+            try:
+                backend.abort()
+            except Exception as exc:  # an already broken communicator: nothing left to abort
+                logger.debug("abort of a %s communicator (generation %d): %s", device_type, generation, exc)
+
+        if device_type == "cpu":
             sockets.shut_down(self.connections(endpoints))
-        try:
-            self.backend.abort()
-        except Exception as exc:  # an already broken communicator: nothing left to abort
-            logger.debug("abort of a %s communicator (generation %d): %s", self.device_type, self.generation, exc)
+            reap(torch_abort)
+        else:
+            torch_abort()
 
     def close(self) -> None:
         """Retire the communicator (after a swap, or when its group is forgotten); off-thread."""
