@@ -36,6 +36,7 @@ stays in force) if the replacements are not up within its deadline or failed to 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -44,7 +45,6 @@ from typing import TYPE_CHECKING
 
 from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout, SwapAborted
 
-from . import sockets
 from .finishing import defer, defer_group
 from .ledgers import agree_on_kept
 from .links import Link
@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from .native import NativeComm
     from .native_group import NativeGroup
     from .world import DeltaWorld
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -276,22 +278,20 @@ def abandon(world: DeltaWorld, epoch: int, reason: str, *, dead: Iterable[int] =
         world.abandoned = f"epoch {epoch} abandoned: {reason}"
         dead = set(dead)
         cut = 0
-        endpoints: list[sockets.Endpoints] = []
-
-        def seen() -> sockets.Endpoints:  # the process's connections, read once for every gloo group cut
-            if not endpoints:
-                endpoints.append(sockets.connected_endpoints() if world.device_type == "cpu" else {})
-            return endpoints[0]
-
         for group in world.native_groups():
-            if set(group.members) & dead:
-                group.abort(world.abandoned, seen())
-                cut += 1
-            elif world.in_finishing:
-                defer_group(world, group, epoch)  # see nccl_delta.finishing
-            elif not group.quiesce(world.abandoned):
-                group.abort(world.abandoned, seen())
-                cut += 1
+            try:
+                if set(group.members) & dead:
+                    group.abort(world.abandoned)
+                    cut += 1
+                elif world.in_finishing:
+                    defer_group(world, group, epoch)  # see nccl_delta.finishing
+                elif not group.quiesce(world.abandoned):
+                    group.abort(world.abandoned)
+                    cut += 1
+            except Exception:  # one group's trouble must not leave the others open
+                logger.exception(
+                    "rank %d: abandoning group %r failed; the others are cut regardless", world.rank, group.name
+                )
         for (transport, peer), link in world.links_snapshot():
             if peer not in dead and world.in_finishing:
                 defer(world, (transport, peer), link, epoch)

@@ -95,6 +95,10 @@ def _watch(world: DeltaWorld, epoch: int) -> None:
         pause = min(2 * pause, POLL_MAX_S)
         with world._lock:
             if not world.deferred and not world.deferred_groups:
+                # Said under the lock: a defer after this starts a new watcher (this thread may
+                # still be alive for a moment, and would never look at what it deferred).
+                if world.finish_watcher is threading.current_thread():
+                    world.finish_watcher = None
                 return
             pending = dict(world.deferred)
             groups = dict(world.deferred_groups)

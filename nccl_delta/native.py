@@ -57,6 +57,10 @@ class NativeComm:
     peer_locals: dict[sockets.Address, int] = field(default_factory=dict)
     """gloo: local addresses of the sockets other members opened -> their group rank (names a peer
     whose connection to our listener closed)."""
+    own_sockets: sockets.Endpoints = field(default_factory=dict)
+    """gloo: the group's connections as built (fd -> (local, peer)): what :meth:`abort` shuts down.
+    Recorded once, not found again by address when cutting: a peer's listener port, closed with its
+    old communicator, may be reused by a newer one, whose connections must not be cut."""
     aborted: bool = False
 
     @property
@@ -64,13 +68,11 @@ class NativeComm:
         """Whether :meth:`abort` can unblock a pending op (always on NCCL; on gloo once the listener is known)."""
         return self.device_type != "cpu" or self.listener is not None
 
-    def connections(self, endpoints: sockets.Endpoints | None = None) -> sockets.Endpoints:
-        """gloo: the group's connections now (empty on NCCL)."""
-        if self.device_type != "cpu" or self.listener is None:
-            return {}
-        return sockets.group_sockets(self.listener, self.peer_listeners, endpoints)
+    def connections(self) -> sockets.Endpoints:
+        """gloo: the group's connections that still carry what they carried when built (empty on NCCL)."""
+        return {fd: ends for fd, ends in self.own_sockets.items() if sockets.endpoint(fd) == ends}
 
-    def abort(self, endpoints: sockets.Endpoints | None = None) -> None:
+    def abort(self) -> None:
         """Make every pending and later op raise now, on this end (any thread; idempotent; never waits).
 
         gloo: its sockets are shut down, which fails the ops pending on them at both ends; torch's
@@ -89,7 +91,7 @@ class NativeComm:
                 logger.debug("abort of a %s communicator (generation %d): %s", device_type, generation, exc)
 
         if device_type == "cpu":
-            sockets.shut_down(self.connections(endpoints))
+            sockets.shut_down(self.own_sockets)  # each only while it still carries its connection
             reap(torch_abort)
         else:
             torch_abort()
@@ -149,7 +151,8 @@ def _build_gloo(store: PrefixStore, rank: int, size: int, generation: int, confi
     # Who listens where, and which local addresses each member's new sockets have: the group's
     # sockets for abort(), and a peer's name in an error. Noise from other groups built meanwhile on
     # other threads is harmless: an address a member lists is one of that member's own sockets.
-    mine = [list(local) for fd, (local, _) in sockets.connected_endpoints().items() if before.get(fd) is None]
+    new = {fd: ends for fd, ends in sockets.connected_endpoints().items() if before.get(fd) != ends}
+    mine = [list(local) for local, _ in new.values()]
     store.set(f"tm/{rank}", json.dumps({"listen": list(listener) if listener else None, "locals": mine}))
     for peer in range(size):
         if peer == rank:
@@ -159,7 +162,11 @@ def _build_gloo(store: PrefixStore, rank: int, size: int, generation: int, confi
             comm.peer_listeners[(str(info["listen"][0]), int(info["listen"][1]))] = peer
         for host, port in info["locals"]:
             comm.peer_locals[(str(host), int(port))] = peer
-    if not comm.severable or len(comm.peer_listeners) < size - 1:
+    if listener is not None:  # a connection to or from a listener of this group's is one of its own
+        comm.own_sockets = {
+            fd: ends for fd, ends in new.items() if ends[0] == listener or ends[1] in comm.peer_listeners
+        }
+    if not comm.severable or len(comm.peer_listeners) < size - 1 or len(comm.own_sockets) < size - 1:
         logger.warning(
             "group communicator %s: its sockets could not all be identified; an abandon falls back to the "
             "op timeout (%.0fs) for ops pending on it",

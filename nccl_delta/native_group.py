@@ -28,6 +28,7 @@ Contract
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 from collections import deque
@@ -41,7 +42,6 @@ from torch.futures import Future
 
 from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout
 
-from . import sockets
 from .native import NativeComm, build_comm
 
 if TYPE_CHECKING:
@@ -51,6 +51,8 @@ OPEN, QUIET, ABORTED, BROKEN = "open", "quiet", "aborted", "broken"
 
 IssueObserver = Callable[["NativeGroup", str], None]
 _observer: IssueObserver | None = None
+WaitObserver = Callable[[str, int], contextlib.AbstractContextManager[None]]
+_wait_observer: WaitObserver | None = None
 
 
 def observe_issues(observer: IssueObserver | None) -> None:
@@ -59,6 +61,14 @@ def observe_issues(observer: IssueObserver | None) -> None:
     attribute test per op otherwise."""
     global _observer
     _observer = observer
+
+
+def observe_waits(observer: WaitObserver | None) -> None:
+    """Wrap every wait for an op that has not completed yet in ``observer(group name, op number)``
+    (``None``: stop): how a rank says which collective its thread blocks in (a progress watchdog
+    tells a waiting rank from the one it waits for). One test per wait otherwise."""
+    global _wait_observer
+    _wait_observer = observer
 
 
 def own_client(store: Store) -> Store:
@@ -101,6 +111,8 @@ class NativeGroup:
         """Receives posted from each peer (logical rank) in this generation."""
         self.any_source = 0
         """Receives from any source (a ledger with one cannot be matched: the group is rebuilt)."""
+        self.issued = 0
+        """Ops issued on the group in every generation (names an op in a wait)."""
         self._recent: deque[Any] = deque()
         """Works issued and not yet seen complete, oldest first (whether an op is in flight)."""
         self._lock = threading.Lock()
@@ -218,9 +230,11 @@ class NativeGroup:
             while recent and recent[0].is_completed():
                 recent.popleft()
             recent.append(work)
+            self.issued += 1
+            number = self.issued
         if _observer is not None:
             _observer(self, op)
-        return NativeWork(work, self, comm, op)
+        return NativeWork(work, self, comm, op, number)
 
     def _refused(self, op: str) -> CommLinkError:
         if self.state in (QUIET, ABORTED):
@@ -266,7 +280,7 @@ class NativeGroup:
             self.state, self.reason = QUIET, reason
             return True
 
-    def abort(self, reason: str, endpoints: sockets.Endpoints | None = None) -> None:
+    def abort(self, reason: str) -> None:
         """Cut the group (any thread): pending ops raise :class:`CommAbandoned`; it is rebuilt later."""
         with self._lock:
             if self.state != BROKEN:
@@ -274,7 +288,7 @@ class NativeGroup:
             self.reason = self.reason if self.state == BROKEN else reason
             comms = list(self.comms.values())
         for comm in comms:
-            comm.abort(endpoints)
+            comm.abort()
 
     def resume(self) -> None:
         """Reopen a quiet group that every member agreed to keep (``recover``)."""
@@ -331,14 +345,22 @@ def ledgers_agree(ledgers: dict[int, dict[str, Any] | None]) -> bool:
 class NativeWork(dist.Work):
     """A native backend's work behind the group handle; ``wait`` turns its errors into ours."""
 
-    def __init__(self, work: Any, group: NativeGroup, comm: NativeComm, op: str):
+    def __init__(self, work: Any, group: NativeGroup, comm: NativeComm, op: str, number: int = 0):
         super().__init__()
         self._work = work
         self._group = group
         self._comm = comm
         self._op = op
+        self._number = number
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        observer = _wait_observer
+        if observer is not None and not self._work.is_completed():
+            with observer(self._group.name, self._number):
+                return self._wait(timeout)
+        return self._wait(timeout)
+
+    def _wait(self, timeout: datetime.timedelta | None) -> bool:
         try:
             if timeout is None:
                 self._work.wait()

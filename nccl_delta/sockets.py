@@ -10,10 +10,12 @@ the group's connections by address when it must cut them.
 Contract
 - :func:`new_gloo_device` creates a gloo device and returns it with its listener's address. Devices
   are created one at a time in this process (a lock), so the one new listener is the device's own.
-- A gloo pair is a connection to or from a device's listener: a group's sockets are the connected
-  TCP sockets whose local address is this process's listener of the group, or whose peer address
-  is another member's listener of it (:func:`group_sockets`). Listener addresses are unique on a
-  host, so this holds while other groups are built on other threads.
+- A gloo pair is a connection to or from a device's listener: a group's sockets are the TCP
+  connections that appeared during its build whose local address is this process's listener of the
+  group, or whose peer address is another member's listener of it. Listener addresses are unique on
+  a host while they listen, so this holds while other groups are built on other threads; they are
+  recorded then (``NativeComm.own_sockets``) and never looked up by address again, since a closed
+  listener's port may be reused by a newer communicator.
 - :func:`shut_down` never touches a listener (shutting gloo's listener down aborts the process) and
   shuts a descriptor down only while it still carries the connection found (gloo closes an errored
   pair's descriptor, and the number may be reused).
@@ -115,14 +117,6 @@ def new_gloo_device(host: str | None) -> tuple[ProcessGroupGloo.Device, Address 
             device = ProcessGroupGloo.create_default_device()
         new = listening_addresses() - before
     return device, (next(iter(new)) if len(new) == 1 else None)
-
-
-def group_sockets(mine: Address, theirs: Iterable[Address], endpoints: Endpoints | None = None) -> Endpoints:
-    """The connections of the group whose listener here is ``mine`` and whose other members listen on
-    ``theirs`` (see the module docstring)."""
-    peers = set(theirs)
-    now = connected_endpoints() if endpoints is None else endpoints
-    return {fd: ends for fd, ends in now.items() if ends[0] == mine or ends[1] in peers}
 
 
 def shut_down(sockets: Endpoints) -> int:

@@ -131,6 +131,26 @@ class DeltaWorld:
         with self._pairs_lock:
             return groups + [pair.group for pair in self.pairs.values()]
 
+    def describe(self) -> str:
+        """What this process's communicator looks like now, for a diagnosis (reads without the world's
+        lock: a thread that holds it may be the one that hangs)."""
+        lines = [
+            f"nccl_delta rank {self.rank}: epoch {self.epoch}, newest abandon {self.newest_abandon}, "
+            f"abandoned {self.abandoned!r}, in finishing {self.in_finishing}, deferred "
+            f"{sorted(self.deferred)} groups {sorted(self.deferred_groups)}, finish watcher "
+            f"{'alive' if self.finish_watcher is not None and self.finish_watcher.is_alive() else 'none'}"
+        ]
+        for group in self.native_groups():
+            comms = ", ".join(
+                f"{kind}: aborted {comm.aborted}, severable {comm.severable}, {len(comm.connections())} sockets"
+                for kind, comm in list(group.comms.items())
+            )
+            pending = sum(1 for work in list(group._recent) if not work.is_completed())
+            lines.append(f"  {group!r}: {group.reason or ''} issued {group.issued}, pending {pending}; {comms}")
+        for (transport, peer), link in self.links_snapshot():
+            lines.append(f"  link {transport} to {peer}: {link!r}")
+        return "\n".join(lines)
+
     def pair(self, peer: int) -> Pair:
         """WORLD's point-to-point with ``peer`` (:mod:`nccl_delta.pairs`); its build starts on first use."""
         with self._pairs_lock:

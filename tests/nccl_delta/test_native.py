@@ -42,7 +42,10 @@ def _loop_on_group(rank, n, store):
         try:
             dist.all_reduce(t, group=group)
         except CommLinkError as exc:
-            return dict(at=time.time(), kind=type(exc).__name__, msg=str(exc), peers=list(exc.peers))
+            described = world.describe()  # what a stall dump prints: the cut group, its state
+            return dict(
+                at=time.time(), kind=type(exc).__name__, msg=str(exc), peers=list(exc.peers), described=described
+            )
         t.fill_(1.0)
 
 
@@ -78,6 +81,7 @@ def test_abandon_unblocks_a_group_collective_waiting_on_a_hung_peer():
         r = results[rank]
         assert abandoned_at <= r["at"] < abandoned_at + 1.0, f"rank {rank} unblocked {r['at'] - abandoned_at:.2f}s"
         assert r["kind"] in ("CommAbandoned", "CommLinkError"), r
+        assert "epoch 1 abandoned" in r["described"] and ", aborted)" in r["described"], r["described"]
     assert any(results[r]["kind"] == "CommAbandoned" for r in (0, 1, 3)), results
 
 
