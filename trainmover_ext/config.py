@@ -53,6 +53,10 @@ class TrainMoverConfig:
     """``--tm-hang-timeout``: the agent fences and reports a rank whose heartbeat is this old and whose
     process used no CPU time meanwhile (frozen), without waiting for its lease; 0 turns this off
     (``trainmover_ext.launch.heartbeat``)."""
+    progress_timeout_s: float | None = None
+    """``--tm-progress-timeout``: the agent fences and reports a rank whose main thread made no progress
+    for this long outside a collective; None: a bound from the rank's own pace; 0 turns it off
+    (``trainmover_ext.launch.stalls``)."""
     standbys: int = 0
     """``--tm-standbys``: number of warm standbys the launcher keeps."""
     record_iters: int = 2
@@ -110,6 +114,8 @@ class TrainMoverConfig:
             raise ConfigError("--tm-lease-ttl must be positive")
         if self.hang_timeout_s < 0:
             raise ConfigError("--tm-hang-timeout must be >= 0 seconds (0 leaves hangs to the lease TTL)")
+        if self.progress_timeout_s is not None and self.progress_timeout_s < 0:
+            raise ConfigError("--tm-progress-timeout must be >= 0 seconds (0 turns the progress watchdog off)")
         if self.standbys < 0:
             raise ConfigError("--tm-standbys must be >= 0")
         if self.leaver_becomes_standby and not self.enabled:
@@ -156,6 +162,7 @@ _FLAG_TO_FIELD = {
     "tm_etcd_password": "etcd_password",
     "tm_lease_ttl": "lease_ttl_s",
     "tm_hang_timeout": "hang_timeout_s",
+    "tm_progress_timeout": "progress_timeout_s",
     "tm_standbys": "standbys",
     "tm_record_iters": "record_iters",
     "tm_record_dir": "record_dir",
@@ -275,6 +282,15 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "rank whose process is frozen: its heartbeat thread has not beaten for this long and the process "
         "used no CPU time meanwhile (e.g. SIGSTOP). Faster than the lease TTL, which still covers every "
         "other hang. 0 turns it off (e.g. while a debugger holds a rank stopped).",
+    )
+    g.add_argument(
+        "--tm-progress-timeout",
+        type=float,
+        default=None,
+        help="Seconds after which the launcher's agent kills and reports a rank whose main thread made no "
+        "progress outside a collective (a deadlock, a stuck data loader or kernel) while its process lives; "
+        "ranks waiting in a collective for it are left alone. Default: 4 of the rank's recent iterations, "
+        "at least 3 s, not during saves, evaluations, recoveries or the first iterations. 0 turns it off.",
     )
     g.add_argument("--tm-standbys", type=int, default=None, help="Number of warm standbys to keep (default 0).")
     g.add_argument(

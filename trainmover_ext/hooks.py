@@ -13,6 +13,7 @@ agent), logging, ``--tm-metrics-file`` and the fault drills.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from trainmover_ext.config import TrainMoverConfig
@@ -34,7 +35,10 @@ class TrainMoverHooks:
         from trainmover_ext.logconfig import configure as configure_logging
 
         die_with_parent_from_env()  # a rank spawned by `trainmover launch` never outlives its agent
-        heartbeat.start_from_env()  # its agent sees a frozen process (launch.heartbeat)
+        if heartbeat.start_from_env():  # its agent sees a frozen process (launch.heartbeat)
+            from trainmover_ext.launch import progress
+
+            progress.start(os.environ[heartbeat.ENV_HEARTBEAT_FILE])  # ... and a stalled main thread
         configure_logging(getattr(args, "tm_log_level", None), getattr(args, "tm_log_json", None))
         self.config = config_from_args(args)
 
@@ -77,6 +81,8 @@ class TrainMoverHooks:
             from trainmover_ext.runtime import faults
 
             faults.install(faults.FaultSpec.parse_all(config.inject_fault), session)
+        if self.worker is not None:
+            self.worker.track_progress(session)  # after the drills: a hang in forward is seen in forward
         if config.record_dir:  # sandbox: record the first iterations
             from trainmover_ext.sandbox.hook import attach_recorder
 

@@ -243,6 +243,10 @@ class Runtime:
         """Wraps an evaluation at an iteration boundary (forward-only work that is not an iteration)."""
         return contextlib.nullcontext()
 
+    def saving(self, session: Session) -> contextlib.AbstractContextManager:
+        """Wraps a checkpoint save."""
+        return contextlib.nullcontext()
+
     def finishing(self, session: Session) -> contextlib.AbstractContextManager:
         """Wraps an iteration's last collectives (loss reduction, optimizer step): the block whose
         collectives decide whether this rank completes the iteration."""
@@ -483,17 +487,18 @@ def _save_due(session: Session) -> bool:
 def save(session: Session, runtime: Runtime) -> None:
     """Save the checkpoint of ``args.iteration`` (every rank) and tell the runtime."""
     args = session.args
-    checkpointing.save_checkpoint(
-        args.save,
-        args.iteration,
-        session.model,
-        session.optimizer,
-        session.scheduler,
-        args.consumed_train_samples,
-        args,
-        session.layout,
-        after_write=session.save_hooks,
-    )
+    with runtime.saving(session):
+        checkpointing.save_checkpoint(
+            args.save,
+            args.iteration,
+            session.model,
+            session.optimizer,
+            session.scheduler,
+            args.consumed_train_samples,
+            args,
+            session.layout,
+            after_write=session.save_hooks,
+        )
     session.saved_iteration = args.iteration
     session.metrics.write(event="checkpoint", iteration=args.iteration, t=time.time())
     runtime.after_checkpoint(session)

@@ -255,6 +255,7 @@ def peek_trainmover_flags(script_args: list[str]) -> dict:
     peek.add_argument("--tm-standbys", type=int, default=0)
     peek.add_argument("--tm-lease-ttl", type=float, default=2.0)
     peek.add_argument("--tm-hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S)
+    peek.add_argument("--tm-progress-timeout", type=float, default=None)
     peek.add_argument("--tm-leaver-becomes-standby", action="store_true")
     peek.add_argument("--tm-standby-nice", type=int, default=19)
     peek.add_argument("--tm-standby-reserves", type=int, default=4)
@@ -441,6 +442,7 @@ def build(args: argparse.Namespace) -> tuple[LaunchConfig, MetricsEndpoint]:
         standbys=tm["tm_standbys"],
         lease_ttl_s=tm["tm_lease_ttl"],
         hang_timeout_s=tm["tm_hang_timeout"],
+        progress_timeout_s=tm["tm_progress_timeout"],
         leaver_becomes_standby=tm["tm_leaver_becomes_standby"],
         standby_nice=tm["tm_standby_nice"],
         standby_reserves=tm["tm_standby_reserves"],

@@ -54,6 +54,9 @@ class LaunchConfig:
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     """``--tm-hang-timeout`` of the script: a serving process frozen this long is fenced and reported by
     this agent (``launch.heartbeat``); 0: only its lease expiry tells."""
+    progress_timeout_s: float | None = None
+    """``--tm-progress-timeout`` of the script: a serving rank whose main thread stalled this long outside a
+    collective is fenced and reported by this agent (``launch.stalls``); None: from its pace; 0: off."""
     leaver_becomes_standby: bool = False
     """``--tm-leaver-becomes-standby`` of the script: a planned leaver stays alive as one of this agent's standbys."""
     standby_reserves: int = 4
@@ -96,6 +99,8 @@ class LaunchConfig:
             raise ConfigError("--node-rank must be in [0, --nnodes)")
         if self.hang_timeout_s < 0:
             raise ConfigError("--tm-hang-timeout must be >= 0 seconds (0 leaves hangs to the lease TTL)")
+        if self.progress_timeout_s is not None and self.progress_timeout_s < 0:
+            raise ConfigError("--tm-progress-timeout must be >= 0 seconds (0 turns the progress watchdog off)")
         if self.standby_reserves < 0:
             raise ConfigError("--tm-standby-reserves must be >= 0")
         if self.standbys and not self.trainmover:

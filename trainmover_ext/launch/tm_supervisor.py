@@ -62,6 +62,7 @@ from trainmover_ext.launch.process import (
     wait_any_exit,
 )
 from trainmover_ext.launch.recording_server import RecordingServer
+from trainmover_ext.launch.stalls import StallWatch
 from trainmover_ext.netutil import address_towards
 
 MAX_STANDBY_FAILURES = 3
@@ -96,6 +97,8 @@ class TrainMoverSupervisor:
         """When a report etcd could not take may be tried again, by rank."""
         self.space = self.controller = self.member = self.inbox = self.archive = self.probes = None
         self.hangs = HangWatch(0)
+        self.stalls = StallWatch(0)
+        """Sees a serving rank's main thread stall (``launch.stalls``; its progress is in the heartbeat file)."""
         """Sees a serving process freeze (``launch.heartbeat``); made in :meth:`start`, before any fork."""
         self.recordings: RecordingServer | None = None
         """Serves this node's recordings to standbys on other nodes (an active node with the sandbox)."""
@@ -185,6 +188,7 @@ class TrainMoverSupervisor:
             )
         self.port = cfg.master_port or free_port(cfg.master_addr)
         self.hangs = HangWatch(cfg.hang_timeout_s)
+        self.stalls = StallWatch(cfg.progress_timeout_s if self.hangs.enabled else 0)
         preimport_for_fork()
         if self.standby_machine:
             for slot in range(cfg.nproc_per_node):
@@ -473,7 +477,8 @@ class TrainMoverSupervisor:
             self.agent.log(f"rank {rank} ({member}) exited with code {code}; reported to the controller")
 
     def _fence_hung(self) -> None:
-        """Kill and report every serving process and planned leaver that froze (``launch.heartbeat``): its
+        """Kill and report every serving process and planned leaver that froze (``launch.heartbeat``), and
+        every serving process whose main thread stalled outside a collective (``launch.stalls``): its
         rank is then replaced like a killed one's, without waiting a lease TTL. A serving process's report
         that etcd refused is made again as the exit of the killed process; a leaver's, like its exit's, is
         made once (its lease is the fallback)."""
@@ -487,8 +492,18 @@ class TrainMoverSupervisor:
             for rank, (proc, member) in self.leaving.items()
             if proc.heartbeat and proc.poll() is None
         }
-        for key, why in self.hangs.hung({key: proc.pid for key, (_, proc, _, _) in watched.items()}):
+        found = self.hangs.hung({key: proc.pid for key, (_, proc, _, _) in watched.items()})
+        frozen = {key for key, _ in found}
+        found += self.stalls.stalled(
+            {
+                key: (proc.pid, rank, self.hangs.file_for(key))
+                for key, (rank, proc, _, leaver) in watched.items()
+                if not leaver and key not in frozen
+            }
+        )
+        for key, why in found:
             rank, proc, member, leaver = watched[key]
+            self.stalls.forget(key)
             proc.signal(signal.SIGKILL)  # fenced first: it must never touch the job again
             if leaver:  # its exit is reported here, as hung, not again by the leavers' watch
                 del self.leaving[rank]

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainmover_ext.control.records import MigrationPlan
 from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
+from trainmover_ext.launch import progress
 from trainmover_ext.migration.timeline import mark_rank_step, mark_step
 from trainmover_ext.runtime import faults
 
@@ -85,6 +86,7 @@ def serve_rank(
             flush=True,
         )
     member.update(kind="worker")
+    progress.mark("recovery")  # serving a rank from now on: its agent judges its progress once it trains
     member.rejoin_on_loss = False  # from now on it serves a rank: a lost lease is its death
     if config.inject_fault:
         faults.arm(faults.FaultSpec.parse_all(config.inject_fault), int(os.environ["WORLD_SIZE"]))
@@ -117,6 +119,7 @@ def serve_rank(
             )
         t_session = time.time()
         runtime.session = session
+        runtime.track_progress(session)
         args.iteration, args.consumed_train_samples = 0, 0
         try:
             joining.wait()

@@ -30,8 +30,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, cast
 
 from trainmover_ext.config import TrainMoverConfig
 from trainmover_ext.control.convergence import GridShape
@@ -47,12 +47,13 @@ from trainmover_ext.errors import (
     StoreError,
 )
 from trainmover_ext.kv.codec import encode
+from trainmover_ext.launch import progress
 from trainmover_ext.launch.identity import Identity, identity_from_env, open_space
 from trainmover_ext.migration.handover_transport import HandoverChannel
 from trainmover_ext.migration.planned import PendingHandover, hand_over, prepare_hand_over
 from trainmover_ext.migration.recovery import converge
 from trainmover_ext.migration.timeline import mark_step
-from trainmover_ext.runtime import faults
+from trainmover_ext.runtime import faults, stall_dump
 from trainmover_training.training import Runtime, Session
 
 if TYPE_CHECKING:
@@ -60,6 +61,11 @@ if TYPE_CHECKING:
     from trainmover_training.initialize import ParallelLayout
 
 logger = logging.getLogger(__name__)
+
+
+def _mark_backward(grad: Any) -> Any:
+    progress.mark("backward")
+    return grad
 
 
 def stage_role(layout: ParallelLayout) -> str:
@@ -180,11 +186,41 @@ class WorkerRuntime(Runtime):
     def finishing(self, session: Session) -> contextlib.AbstractContextManager[None]:
         """An abandon during the step's last collectives lets them end alike on every live member, so
         no rank completes an iteration that its model-parallel peers abandon (:mod:`nccl_delta.finishing`)."""
+        progress.mark("step")
         if self.layout.comm != "nccl_delta":
             return contextlib.nullcontext()
         import nccl_delta
 
         return nccl_delta.current_world().finishing()
+
+    @contextlib.contextmanager
+    def evaluating(self, session: Session) -> Iterator[None]:
+        progress.mark("eval")
+        yield
+        progress.mark("control")
+
+    @contextlib.contextmanager
+    def saving(self, session: Session) -> Iterator[None]:
+        progress.mark("save")
+        yield
+        progress.mark("control")
+
+    def track_progress(self, session: Session) -> None:
+        """Publish the main thread's progress to the agent (:mod:`trainmover_ext.launch.progress`): each
+        micro-batch's forward and backward, and the collective a wait blocks in."""
+        from nccl_delta import native_group
+
+        inner = session.forward_step_func
+
+        def forward_step(data_iterator: Any, model: Any) -> Any:
+            progress.mark("forward")
+            return inner(data_iterator, model)
+
+        session.forward_step_func = forward_step
+        # The output layer's gradient comes first in a backward pass.
+        last = [p for chunk in session.model for p in chunk.parameters() if p.requires_grad][-1]
+        last.register_hook(_mark_backward)
+        native_group.observe_waits(progress.waiting)
 
     def after_iteration(self, session: Session, loss: float | None) -> None:
         for epoch in self.pending_first_iteration:
@@ -195,6 +231,7 @@ class WorkerRuntime(Runtime):
     def after_training(self, session: Session) -> None:
         """Say this rank is done before the lease goes, so the controller does not replace it (retried
         while etcd is unreachable, up to the decision timeout)."""
+        progress.mark("done")
         self._say_checkpoint()
         key = self.space.key("finished", session.layout.rank)
         deadline = Deadline(self.timeout_s)
@@ -217,12 +254,25 @@ class WorkerRuntime(Runtime):
         reps = plan.replacement_list()
         if any(rep.rank == self.layout.rank and rep.leaver == self.ident.member_id for rep in reps):
             self._replaced = True  # we were declared dead (e.g. hung): never rejoin
+        describe = None
+        if self.layout.comm == "nccl_delta":
+            import nccl_delta
+
+            describe = nccl_delta.current_world().describe
+        # Armed first: if the abandon below or the main thread's recovery blocks, the stacks say where.
+        stall_dump.arm(
+            lambda: self.epoch >= plan.epoch or self._replaced, self.timeout_s, f"epoch {plan.epoch}", describe
+        )
         if self.layout.comm == "nccl_delta":
             import nccl_delta
 
             world = nccl_delta.current_world()
             if world.epoch < plan.epoch:
-                world.abandon(plan.epoch, f"rank(s) {[r.rank for r in reps]} failed", dead={r.rank for r in reps})
+                try:
+                    world.abandon(plan.epoch, f"rank(s) {[r.rank for r in reps]} failed", dead={r.rank for r in reps})
+                except Exception:  # a rank whose abandon failed may wait in an op forever: say why
+                    logger.exception("rank %d: the abandon of epoch %d failed", self.layout.rank, plan.epoch)
+                    raise
 
     def _sever_handover(self, plan: MigrationPlan) -> None:
         """A newer failure plan severs a planned hand-over in progress (its owner then finds the plan)."""
@@ -284,6 +334,7 @@ class WorkerRuntime(Runtime):
     def recover(self, session: Session, exc: BaseException) -> None:
         """The current iteration (or migration step) was abandoned: carry out the newest failure epoch,
         and start again at the newest one whenever a newer plan cuts an attempt short."""
+        progress.mark("recovery")
         layout = session.layout
         after = self.epoch
         self._drop_handover_pairs()  # a failure supersedes any planned move this rank was leaving in
@@ -391,6 +442,13 @@ class WorkerRuntime(Runtime):
         return switch_at
 
     def before_iteration(self, session: Session) -> bool:
+        progress.mark("control", session.args.iteration)  # a planned move may wait for the controller here
+        go_on = self._before_iteration(session)
+        if go_on:
+            progress.mark("iteration")
+        return go_on
+
+    def _before_iteration(self, session: Session) -> bool:
         if self._replaced:
             raise MembershipLost(f"rank {session.layout.rank} was replaced by the control plane")
         latest = self.inbox.snapshot()

@@ -1,8 +1,9 @@
-"""Fault injection for failure drills: a rank kills or stops itself at an exact point.
+"""Fault injection for failure drills: a rank kills, stops or hangs itself at an exact point.
 
-``--tm-inject-fault RANK:ITERATION:PHASE[:SIGNAL]`` makes the process serving
-logical rank RANK send itself SIGKILL (default) or SIGSTOP while running
-iteration ITERATION (1-based), in PHASE:
+``--tm-inject-fault RANK:ITERATION:PHASE[:KILL|STOP|HANG]`` makes the process serving
+logical rank RANK send itself SIGKILL (default) or SIGSTOP, or block its main thread for good
+while its background threads (lease, heartbeat) live on (HANG: what a deadlock, a stuck data
+loader or a stuck kernel look like), while running iteration ITERATION (1-based), in PHASE:
 
 - ``forward``: inside the forward pass of the second micro-batch (or the first, if only one);
 - ``backward``: when the first parameter gradient of the iteration is produced;
@@ -44,11 +45,22 @@ the process is in, and any process serving RANK then (a promoted standby too) fi
   sends its state to the joiner (after the metadata, before the tensors).
 
 Several drills are given comma-separated: ``1:6:backward,6:6:backward``.
+
+State-transfer drills, set in the environment of the job (they exercise the checks of
+:mod:`trainmover_ext.migration.transfer` against a careless or hostile source):
+
+- :data:`DRILL_EXTRA_COPY_ENV` ``=1``: a state source keeps one extra full copy of the state while
+  it sends (what a careless staging would cost); the transfer's memory report must show it.
+- :data:`DRILL_FORGED_STATE_ENV` ``=KIND:EPOCH[:MARKER]``: every state source of failure epoch
+  EPOCH sends a crafted metadata record. KIND ``pickle`` sends a pickle whose loading would run
+  ``touch MARKER``; ``shapes`` announces a first tensor of another shape; ``count`` one tensor
+  fewer. The target must refuse it, and the job recovers through the next plan.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import time
 from collections.abc import Callable
@@ -80,6 +92,12 @@ class FaultSpec:
     iteration: int
     phase: str
     sig: signal.Signals = signal.SIGKILL
+    hang: bool = False
+    """Block the main thread instead of sending ``sig``."""
+
+    @property
+    def what(self) -> str:
+        return "a main-thread hang" if self.hang else self.sig.name
 
     @classmethod
     def parse(cls, text: str) -> FaultSpec:
@@ -87,20 +105,83 @@ class FaultSpec:
         try:
             if len(parts) not in (3, 4):
                 raise ValueError
-            sig = signal.Signals["SIG" + parts[3].upper().removeprefix("SIG")] if len(parts) == 4 else signal.SIGKILL
-            spec = cls(rank=int(parts[0]), iteration=int(parts[1]), phase=parts[2], sig=sig)
+            how = parts[3].upper() if len(parts) == 4 else "KILL"
+            hang = how == "HANG"
+            sig = signal.SIGKILL if hang else signal.Signals["SIG" + how.removeprefix("SIG")]
+            spec = cls(rank=int(parts[0]), iteration=int(parts[1]), phase=parts[2], sig=sig, hang=hang)
         except (ValueError, KeyError) as exc:
-            raise ConfigError(f"--tm-inject-fault {text!r}: expected RANK:ITERATION:PHASE[:KILL|STOP]") from exc
+            raise ConfigError(f"--tm-inject-fault {text!r}: expected RANK:ITERATION:PHASE[:KILL|STOP|HANG]") from exc
         if spec.phase not in PHASES:
             raise ConfigError(f"--tm-inject-fault phase {spec.phase!r} is not one of {', '.join(PHASES)}")
         if spec.sig not in (signal.SIGKILL, signal.SIGSTOP):
-            raise ConfigError("--tm-inject-fault signal must be KILL or STOP")
+            raise ConfigError("--tm-inject-fault's last field must be KILL, STOP or HANG")
         return spec
 
     @classmethod
     def parse_all(cls, text: str) -> list[FaultSpec]:
         """Every comma-separated drill of ``--tm-inject-fault``."""
         return [cls.parse(part.strip()) for part in text.split(",") if part.strip()]
+
+
+DRILL_EXTRA_COPY_ENV = "TRAINMOVER_DRILL_EXTRA_STATE_COPY"
+DRILL_FORGED_STATE_ENV = "TRAINMOVER_DRILL_FORGED_STATE"
+FORGED_KINDS = ("pickle", "shapes", "count")
+
+
+def extra_state_copy(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The extra copy a state source keeps while it sends, under :data:`DRILL_EXTRA_COPY_ENV`; else None."""
+    if os.environ.get(DRILL_EXTRA_COPY_ENV) != "1":
+        return None
+    return [t.detach().clone() for t in tensors]
+
+
+def forged_kind(epoch: int) -> str | None:
+    """The crafted record this process's state source must send at ``epoch`` (:data:`DRILL_FORGED_STATE_ENV`)."""
+    parts = os.environ.get(DRILL_FORGED_STATE_ENV, "").split(":")
+    if len(parts) < 2 or parts[0] not in FORGED_KINDS or not parts[1].isdigit() or int(parts[1]) != epoch:
+        return None
+    return parts[0]
+
+
+class _RunsCode:
+    """What a hostile peer pickles: loading it would run a shell command."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Callable[[str], int], tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def forger(kind: str) -> Callable[[dict[str, Any]], dict[str, Any] | bytes]:
+    """What turns a state source's true metadata record (with its ``format`` and ``version``) into the
+    crafted one of ``kind``."""
+
+    def forge(meta: dict[str, Any]) -> dict[str, Any] | bytes:
+        if kind == "pickle":  # the record's own header, so that only the pickle is wrong
+            marker = os.environ.get(DRILL_FORGED_STATE_ENV, "").split(":", 2)[2:] or ["/tmp/trainmover_forged_ran"]
+            return pickle.dumps({"format": meta["format"], "version": meta["version"], "x": _RunsCode(marker[0])})
+        if kind == "shapes":
+            meta["manifest"][0][0] = [d + 1 for d in meta["manifest"][0][0]]
+        elif kind == "count":
+            meta["manifest"] = meta["manifest"][:-1]
+        return meta
+
+    return forge
+
+
+def strike(spec: FaultSpec, where: str) -> None:
+    """Say so (with the wall time: benchmarks time detection from it), then send ``spec``'s signal to this
+    process, or with ``hang`` block the calling thread for good."""
+    print(
+        f"[trainmover] fault drill: rank {spec.rank} strikes itself with {spec.what} {where} at t={time.time():.3f}",
+        flush=True,
+    )
+    if not spec.hang:
+        os.kill(os.getpid(), spec.sig)
+        return
+    while True:  # the drill: only a fence (SIGKILL) ends this thread
+        time.sleep(3600)
 
 
 def arm(specs: list[FaultSpec], world_size: int) -> None:
@@ -122,11 +203,7 @@ def at(phase: str, *, rank: int, epoch: int) -> None:
     """A migration-phase point: the process dies here if a drill names it (see the module docstring)."""
     for spec in _armed:
         if spec.phase == phase and spec.rank == rank and spec.iteration == epoch:
-            print(
-                f"[trainmover] fault drill: rank {rank} sends itself {spec.sig.name} ({phase}, epoch {epoch})",
-                flush=True,
-            )
-            os.kill(os.getpid(), spec.sig)
+            strike(spec, f"({phase}, epoch {epoch})")
 
 
 def install(specs: list[FaultSpec], session: Session) -> None:
@@ -208,13 +285,8 @@ def _install_in_collective(spec: FaultSpec, session: Session) -> None:
         )
         if hit:
             native_group.observe_issues(None)
-            print(
-                f"[trainmover] fault drill: rank {spec.rank} sends itself {spec.sig.name} inside {op} "
-                f"of group {group.members} (iteration {spec.iteration})",
-                flush=True,
-            )
             time.sleep(0.005)  # the op is under way on gloo's worker, and the peers are in it
-            os.kill(os.getpid(), spec.sig)
+            strike(spec, f"inside {op} of group {group.members} (iteration {spec.iteration})")
 
     native_group.observe_issues(observe)
 
@@ -228,7 +300,7 @@ def _install_one(spec: FaultSpec, session: Session) -> None:
     def fire(phase: str) -> None:
         running = args.iteration if phase == "save" else args.iteration + 1
         if phase == spec.phase and running == spec.iteration:
-            os.kill(os.getpid(), spec.sig)
+            strike(spec, f"({phase}, iteration {running})")
 
     if spec.phase == "forward":
         inner = session.forward_step_func

@@ -1,0 +1,144 @@
+"""The main thread's progress, published to the rank's agent: the iteration, the phase, the collective it waits in.
+
+Why: a rank whose main thread hangs (a deadlock, a stuck data loader or kernel, a peer that never
+enters a collective) keeps its lease and its heartbeat, which run on background threads. Its
+progress, written by the main thread itself, stops. The agent reads it (``launch.stalls``) and
+fences the rank whose main thread stalled *outside* a collective: the ranks waiting *in* one are
+waiting for that culprit and stay.
+
+Contract
+- The record lives in the rank's heartbeat file (``launch.heartbeat``) right after the beat, at
+  :data:`OFFSET`: ``(time.monotonic() of the last mark, iteration, phase, waiting, group, op)``.
+  One ``pwrite`` a mark; a generation count before and after lets a reader drop a torn record.
+- :func:`mark` (main thread only; a call from another thread is ignored) sets the phase, and the
+  iteration when given. :func:`waiting` wraps a blocking wait in a collective: the record says which
+  group and which op of it, from the moment the wait starts; leaving restores the phase.
+- Phases: ``start`` (before the first iteration), ``control`` (at an iteration boundary, where a
+  planned move may wait for the controller), ``iteration`` (between the boundary and the first
+  forward), ``forward`` (a micro-batch's forward started), ``backward`` (its backward started),
+  ``step`` (the loss reduction and the
+  optimizer step), ``eval``, ``save``, ``recovery``, ``done``. The agent judges only
+  :data:`JUDGED` phases; the others wait on something else's timeouts.
+- Everything here is a no-op in a process that has no heartbeat file (not started by the agent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+PHASES = ("start", "control", "iteration", "forward", "backward", "step", "eval", "save", "recovery", "done")
+JUDGED = frozenset({"iteration", "forward", "backward", "step"})
+"""Phases in which a stalled main thread is a hang (the others have long waits of their own)."""
+RESETS = frozenset({"start", "eval", "save", "recovery", "done"})
+"""Phases after which a rank's pace is measured anew (``control``, the boundary, is not one)."""
+OFFSET = 8
+"""Where the record starts in the heartbeat file (the beat's 8 bytes come first)."""
+_GROUP_BYTES = 40
+_RECORD = struct.Struct(f"<QdqBBxxI{_GROUP_BYTES}sQ")
+_MAIN = threading.main_thread().ident
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One read of a rank's record."""
+
+    at: float
+    """``time.monotonic()`` of the last mark (the same clock on every process of the host)."""
+    iteration: int
+    """Completed iterations when the phase began."""
+    phase: str
+    group: str | None
+    """The group whose collective the main thread waits in, or None when it waits in none."""
+    op: int
+    """That collective's number in the group (the ops it issued before it, +1)."""
+
+
+class _Writer:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.generation = 0
+        self.iteration = 0
+        self.phase = "start"
+        self.at = time.monotonic()
+
+    def write(self, group: str | None = None, op: int = 0) -> None:
+        self.generation += 1
+        name = (group or "").encode()[:_GROUP_BYTES]
+        data = _RECORD.pack(
+            self.generation,
+            self.at,
+            self.iteration,
+            PHASES.index(self.phase),
+            1 if group is not None else 0,
+            op & 0xFFFFFFFF,
+            name,
+            self.generation,
+        )
+        try:
+            os.pwrite(self.fd, data, OFFSET)
+        except OSError:
+            pass  # the agent removed the file (it is stopping)
+
+
+_writer: _Writer | None = None
+
+
+def start(path: str) -> None:
+    """Publish progress into ``path`` (the heartbeat file) from now on; the phase is ``start``."""
+    global _writer
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return
+    _writer = _Writer(fd)
+    _writer.write()
+
+
+def mark(phase: str, iteration: int | None = None) -> None:
+    """The main thread enters ``phase`` (see the module docstring)."""
+    w = _writer
+    if w is None or threading.get_ident() != _MAIN:
+        return
+    w.phase, w.at = phase, time.monotonic()
+    if iteration is not None:
+        w.iteration = iteration
+    w.write()
+
+
+@contextlib.contextmanager
+def waiting(group: str, op: int) -> Iterator[None]:
+    """The main thread blocks in ``group``'s collective number ``op`` for the duration."""
+    w = _writer
+    if w is None or threading.get_ident() != _MAIN:
+        yield
+        return
+    w.at = time.monotonic()
+    w.write(group, op)
+    try:
+        yield
+    finally:
+        w.at = time.monotonic()
+        w.write()
+
+
+def read(path: str) -> Progress | None:
+    """The record in ``path``, or None when there is none yet or it was being written."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(OFFSET)
+            raw = f.read(_RECORD.size)
+    except OSError:
+        return None
+    if len(raw) < _RECORD.size:
+        return None
+    gen, at, iteration, phase, waits, op, name, gen_after = _RECORD.unpack(raw)
+    if gen == 0 or gen != gen_after or phase >= len(PHASES):
+        return None
+    group = name.rstrip(b"\0").decode(errors="replace") if waits else None
+    return Progress(at=at, iteration=iteration, phase=PHASES[phase], group=group, op=op)
