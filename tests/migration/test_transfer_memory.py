@@ -17,7 +17,7 @@ import pytest
 
 from harness.jobs import model_args
 from helpers import assert_transfer_memory, run_job, transfers
-from trainmover_ext.migration.transfer import DRILL_EXTRA_COPY_ENV
+from trainmover_ext.runtime.faults import DRILL_EXTRA_COPY_ENV
 
 
 def _args(corpus) -> list[str]:

@@ -140,10 +140,10 @@ def send_and_report(
     """Send this rank's state and say how much, and what it cost in memory (must be ~nothing), in the
     log and in the timeline (:func:`record_transfer`). ``drill`` names the fault-drill phase that fires
     after the metadata (``send`` or ``handover``)."""
-    from trainmover_ext.migration.transfer import forged_kind, send_state
+    from trainmover_ext.migration.transfer import send_state
     from trainmover_ext.runtime.memwatch import PeakWindow
 
-    forge = forged_kind(epoch) if drill == "send" else None
+    forge = faults.forged_kind(epoch) if drill == "send" else None
     if forge:
         print(
             f"[trainmover] fault drill: rank {session.layout.rank} sends rank {dst} a crafted state record "
@@ -152,7 +152,10 @@ def send_and_report(
         )
     with PeakWindow() as mem:
         sent = send_state(
-            channel, session, after_meta=lambda: faults.at(drill, rank=session.layout.rank, epoch=epoch), forge=forge
+            channel,
+            session,
+            after_meta=lambda: faults.at(drill, rank=session.layout.rank, epoch=epoch),
+            forge=faults.forger(forge) if forge else None,
         )
     print(
         f"[trainmover] rank {session.layout.rank} sent {sent / 2**20:.2f} MiB of state to rank {dst} "

@@ -33,7 +33,6 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import pickle
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -42,6 +41,7 @@ from torch.distributed import ProcessGroupGloo
 from torch.distributed.distributed_c10d import PrefixStore, Store, Work
 
 from trainmover_ext.errors import MigrationAborted
+from trainmover_ext.runtime import faults
 from trainmover_training import checkpointing
 
 if TYPE_CHECKING:
@@ -251,38 +251,6 @@ def check_manifest(theirs: list[list[Any]], ours: list[list[Any]], rank: int) ->
         )
 
 
-DRILL_EXTRA_COPY_ENV = "TRAINMOVER_DRILL_EXTRA_STATE_COPY"
-"""Failure drill for the memory check: set to 1, a source keeps one extra full copy of the state
-while it sends (what a careless staging would cost); the transfer's memory report must then show it."""
-
-
-DRILL_FORGED_STATE_ENV = "TRAINMOVER_DRILL_FORGED_STATE"
-"""Failure drill for a hostile peer: ``KIND:EPOCH[:MARKER]`` makes every state source of failure
-epoch ``EPOCH`` send a crafted metadata record. KIND ``pickle`` sends a pickle whose loading would
-run ``touch MARKER``; ``shapes`` announces a first tensor of another shape; ``count`` one tensor
-fewer. The target must refuse it, and the job recovers through the next plan."""
-FORGED_KINDS = ("pickle", "shapes", "count")
-
-
-def forged_kind(epoch: int) -> str | None:
-    """The crafted record this process's state source must send at ``epoch``, if a drill says so."""
-    spec = os.environ.get(DRILL_FORGED_STATE_ENV, "")
-    parts = spec.split(":")
-    if len(parts) < 2 or parts[0] not in FORGED_KINDS or not parts[1].isdigit() or int(parts[1]) != epoch:
-        return None
-    return parts[0]
-
-
-class _RunsCode:
-    """What a hostile peer pickles: loading it would run a shell command."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self) -> tuple[Callable[[str], int], tuple[str]]:
-        return (os.system, (f"touch {self.marker}",))
-
-
 def _send_raw(channel: Channel[_S], data: bytes) -> None:
     channel.wait_sends(
         [
@@ -293,13 +261,17 @@ def _send_raw(channel: Channel[_S], data: bytes) -> None:
 
 
 def send_state(
-    channel: Channel[_S], session: Session, after_meta: Callable[[], object] | None = None, forge: str | None = None
+    channel: Channel[_S],
+    session: Session,
+    after_meta: Callable[[], object] | None = None,
+    forge: Callable[[dict[str, Any]], dict[str, Any] | bytes] | None = None,
 ) -> int:
     """Source side (``channel``: :class:`PairChannel` or :class:`GroupChannel`); returns the bytes sent.
 
     Every tensor's send is posted before any is waited for: one round of waits, not one per tensor.
-    ``after_meta`` (fault drills) is called once the metadata is sent; ``forge`` (a drill, see
-    :data:`DRILL_FORGED_STATE_ENV`) sends a crafted record instead of the true one."""
+    ``after_meta`` (fault drills) is called once the metadata is sent; ``forge`` (a drill of
+    :mod:`trainmover_ext.runtime.faults`) turns the true record into a crafted one (raw bytes: sent
+    as they are)."""
     args = session.args
     meta = {
         "iteration": args.iteration,
@@ -317,18 +289,14 @@ def send_state(
     }
     tensors = _tensor_list(session)
     meta["manifest"] = _manifest(tensors)
-    if forge == "pickle":
-        marker = os.environ.get(DRILL_FORGED_STATE_ENV, "").split(":", 2)[2:] or ["/tmp/trainmover_forged_ran"]
-        _send_raw(channel, pickle.dumps({"format": META_FORMAT, "version": META_VERSION, "x": _RunsCode(marker[0])}))
+    record = forge({"format": META_FORMAT, "version": META_VERSION, **meta}) if forge is not None else meta
+    if isinstance(record, bytes):
+        _send_raw(channel, record)
     else:
-        if forge == "shapes":
-            meta["manifest"][0][0] = [d + 1 for d in meta["manifest"][0][0]]
-        elif forge == "count":
-            meta["manifest"] = meta["manifest"][:-1]
-        _send_blob(channel, meta)
+        _send_blob(channel, record)
     if after_meta is not None:
         after_meta()
-    hoard = [t.detach().clone() for t in tensors] if os.environ.get(DRILL_EXTRA_COPY_ENV) == "1" else None
+    hoard = faults.extra_state_copy(tensors)  # a drill of the memory check; None otherwise
     works: list[_S]
     sent, works = 0, []
     for i, t in enumerate(tensors):
