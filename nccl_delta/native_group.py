@@ -43,6 +43,7 @@ from torch.futures import Future
 from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout
 
 from .native import NativeComm, build_comm
+from .waiter import Pending, WaitCancelled, wait_cancellable
 
 if TYPE_CHECKING:
     from .world import DeltaWorld
@@ -115,6 +116,9 @@ class NativeGroup:
         """Ops issued on the group in every generation (names an op in a wait)."""
         self._recent: deque[Any] = deque()
         """Works issued and not yet seen complete, oldest first (whether an op is in flight)."""
+        self._waits: set[Pending] = set()
+        """gloo: the waits in progress on this group's works, which an abort cancels (gloo may leave an
+        op pending after its pair closed: the waiter must not depend on it)."""
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -287,8 +291,29 @@ class NativeGroup:
                 self.state = ABORTED
             self.reason = self.reason if self.state == BROKEN else reason
             comms = list(self.comms.values())
+            waits, self._waits = list(self._waits), set()
         for comm in comms:
             comm.abort()
+        for pending in waits:  # whatever gloo does with the op, its waiter goes on now
+            pending.cancel(f"group {self.name!r} was cut: {reason}")
+
+    def wait(self, work: Any, comm: NativeComm, timeout: datetime.timedelta | None) -> None:
+        """Wait for ``work``, an op of ``comm``; on gloo, an abort of the group ends the wait at once
+        (:class:`~nccl_delta.waiter.WaitCancelled`) even if gloo leaves the op pending."""
+        if comm.device_type != "cpu":
+            work.wait() if timeout is None else work.wait(timeout)
+            return
+        limit = timeout or datetime.timedelta(seconds=self.world.config.op_timeout_s)
+        pending = Pending(work, limit)
+        with self._lock:
+            if comm.aborted:
+                raise WaitCancelled(f"group {self.name!r} was cut: {self.reason}")
+            self._waits.add(pending)
+        try:
+            wait_cancellable(pending)
+        finally:
+            with self._lock:
+                self._waits.discard(pending)
 
     def resume(self) -> None:
         """Reopen a quiet group that every member agreed to keep (``recover``)."""
@@ -362,10 +387,7 @@ class NativeWork(dist.Work):
 
     def _wait(self, timeout: datetime.timedelta | None) -> bool:
         try:
-            if timeout is None:
-                self._work.wait()
-            else:
-                self._work.wait(timeout)
+            self._group.wait(self._work, self._comm, timeout)
         except Exception as exc:
             raise self._group.failed(self._comm, self._op, exc) from exc
         return True

@@ -276,3 +276,45 @@ def test_the_pair_socket_is_found_when_its_fd_number_held_another_socket_before(
     assert len(found[0]) == 1, f"the pair's socket was not identified: a sever could not unblock its ops: {found}"
     ((local, remote),) = found[0]
     assert [list(remote), list(local)] in [[list(a), list(b)] for a, b in found[1]], found
+
+
+class _StuckWork:
+    """A gloo work whose op never ends (gloo left it pending after its pair closed)."""
+
+    def __init__(self, has_future: bool):
+        self.future: torch.futures.Future = torch.futures.Future()
+        self.has_future = has_future
+
+    def get_future(self) -> torch.futures.Future:
+        if not self.has_future:
+            raise RuntimeError("Work::getFuture not implemented.")  # gloo's sends and receives
+        return self.future
+
+    def wait(self, timeout=None) -> bool:
+        threading.Event().wait(30)  # what gloo's wait does with such an op: nothing
+        return True
+
+    def is_completed(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("has_future", [True, False], ids=["collective", "send-recv"])
+def test_an_abort_frees_a_wait_that_gloo_leaves_pending(has_future):
+    import time
+    from types import SimpleNamespace
+
+    from nccl_delta.config import DeltaConfig
+    from nccl_delta.native import NativeComm
+    from nccl_delta.native_group import NativeGroup
+    from nccl_delta.waiter import WaitCancelled
+
+    world = SimpleNamespace(rank=0, world_size=2, config=DeltaConfig())
+    group = NativeGroup(world=world, name="g", members=[0, 1], store=None)  # type: ignore[arg-type]
+    comm = NativeComm(backend=None, device_type="cpu", generation=0)
+    group.comms = {"cpu": comm}
+    cut = threading.Timer(0.2, group.abort, args=("the control plane cut it",))
+    cut.start()
+    t0 = time.monotonic()
+    with pytest.raises(WaitCancelled, match="the control plane cut it"):
+        group.wait(_StuckWork(has_future), comm, None)
+    assert time.monotonic() - t0 < 2.0
