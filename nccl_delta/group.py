@@ -23,9 +23,11 @@ Contract
 
 from __future__ import annotations
 
+import functools
 import zlib
+from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,7 @@ from torch._C._distributed_c10d import Store
 from nccl_delta.errors import CommAbandoned, CommLinkError
 
 from .links import Link, LinkWork
+from .native_group import waiting_in
 from .ring import Ring, finish_avg, op_name
 
 if TYPE_CHECKING:
@@ -45,6 +48,17 @@ P2P_TAG_LIMIT = 1 << 10
 # Tag bases: 2**19 spaces of 2**11 tags, all below 2**30 (gloo takes a signed 32-bit tag; the
 # transport's own probe tag lies above them).
 _TAG_SPACES = 1 << 19
+
+
+def _observed(method: Callable[..., None]) -> Callable[..., None]:
+    """A blocking collective of the ring: its wait is announced like a native work's (``observe_waits``)."""
+
+    @functools.wraps(method)
+    def run(self: DeltaGroup, *args: Any, **kwargs: Any) -> None:
+        with waiting_in(self.name):
+            method(self, *args, **kwargs)
+
+    return run
 
 
 def tag_base(name: str) -> int:
@@ -124,6 +138,7 @@ class DeltaGroup:
             tag=self.coll_tag,
         )
 
+    @_observed
     def allreduce(self, tensor: torch.Tensor, op: ReduceOpLike) -> None:
         if self.size == 1:
             self._check_live("allreduce")
@@ -142,6 +157,7 @@ class DeltaGroup:
             else:
                 ring.allreduce(flat, op)
 
+    @_observed
     def allgather_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         """``out`` (``size * inp.numel()`` elements) receives every member's ``inp`` in group-rank order."""
         if out.numel() != inp.numel() * self.size:
@@ -156,6 +172,7 @@ class DeltaGroup:
                 flat_in = flat_in.clone()  # in place is fine only at this rank's own slot (megatron's form)
             self._ring(self.transport_for(out), "allgather").allgather(flat_out, flat_in)
 
+    @_observed
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOpLike) -> None:
         if inp.numel() != out.numel() * self.size:
             raise ValueError(f"reduce_scatter input has {inp.numel()} elements, expected {out.numel()} x {self.size}")
@@ -175,6 +192,7 @@ class DeltaGroup:
             else:
                 ring.reduce_scatter(flat_out, flat_in, op)
 
+    @_observed
     def broadcast(self, tensor: torch.Tensor, root_index: int) -> None:
         if self.size == 1:
             return

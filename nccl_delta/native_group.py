@@ -72,6 +72,13 @@ def observe_waits(observer: WaitObserver | None) -> None:
     _wait_observer = observer
 
 
+def waiting_in(group: str, number: int = 0) -> contextlib.AbstractContextManager[None]:
+    """The wait observer's context for a blocking op of ``group`` that is not a native work (WORLD's ring,
+    a pair still being built); a no-op without an observer."""
+    observer = _wait_observer
+    return observer(group, number) if observer is not None else contextlib.nullcontext()
+
+
 def own_client(store: Store) -> Store:
     """An independent clone of ``store`` where it can be cloned (TCPStore), else ``store`` itself (the
     Python etcd store, which is thread-safe)."""

@@ -28,7 +28,7 @@ from torch.futures import Future
 
 from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout
 
-from .native_group import NativeGroup
+from .native_group import NativeGroup, waiting_in
 from .native_ops import NativeOps, as_list
 
 if TYPE_CHECKING:
@@ -151,7 +151,8 @@ class PendingPairWork(dist.Work):
         return self._work
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        work = self._await_issue(timeout)
+        with waiting_in(self._pair.group.name):
+            work = self._await_issue(timeout)
         return bool(work.wait() if timeout is None else work.wait(timeout))
 
     def is_completed(self) -> bool:
