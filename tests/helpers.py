@@ -192,15 +192,6 @@ LLAMA = [
 ITERS = 12
 
 
-CROWDED_TTL = ["--tm-lease-ttl", "6"]
-"""For a job of 12 ranks, six busy processes per core on the 2-core test machine (a standby beside them),
-and for 8 ranks beside two standbys that warm up while the ranks start.
-While the ranks start, and in the seconds after a failure plan, a rank's lease keepalive was seen to
-run up to 2.4 s late; with the default TTL of 2 s leases of live ranks expired, and the controller
-replaced ranks nobody killed. These jobs' faults are SIGKILLs, found by the exit path: the TTL bounds
-only how soon a hang would be found."""
-
-
 def tm_args(corpus, *, tp=2, pp=2, gbs=8, iters=ITERS, extra=None, standby_nice: int | None = 0, sandbox: bool = False):
     """The tiny GPT under --trainmover with one standby.
 

@@ -272,7 +272,11 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--tm-lease-ttl",
         type=float,
         default=None,
-        help="Membership lease TTL in seconds (default 2); a hung member is declared dead after it.",
+        help="Membership lease TTL in seconds (default 2). A lapsed lease is evidence, not proof: a rank whose "
+        "lease lapsed while its node's agent lives is replaced only if it has not registered again within two "
+        "TTLs and a second (its agent reports a dead, frozen or stalled rank at once), and while the "
+        "controller's own lease lapsed that recently (etcd stalled) no lapse replaces anyone; a whole lost "
+        "node is replaced at once.",
     )
     g.add_argument(
         "--tm-hang-timeout",

@@ -3,8 +3,9 @@
 A killed etcd, started again on its data dir, extends every lease by its TTL when it serves again, so
 a member whose keeper kept asking through the outage still holds its lease. Only etcd's answer that
 the lease is gone (revoked, or expired while etcd kept running: the SIGSTOP case, as for a member cut
-off from a running etcd) makes the member lost: a worker then stops (MembershipLost), a standby
-registers again."""
+off from a running etcd) makes the member lost: a plain worker membership then stops (MembershipLost),
+a standby registers again, and so does a rank's worker (``rejoin_in_background``): the controller
+waits for it (a lapse is evidence, not proof), so a job trains on through an etcd paused past the TTL."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import secrets
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
-from helpers import run_job, start_job, tm_args, trajectory, wait_for, wait_iteration, wait_until
+from helpers import LaunchedJob, run_job, start_job, tm_args, trajectory, wait_for, wait_iteration, wait_until
 from trainmover_ext.control.election import LeaderElection
 from trainmover_ext.control.membership import Membership, PlanInbox
 from trainmover_ext.control.records import MemberRecord, MigrationPlan, migration_key_suffix
@@ -143,6 +145,31 @@ def test_a_lease_that_expired_while_etcd_ran_on_is_lost(etcd):
         kv.close()
 
 
+def test_a_rank_that_lives_registers_again_by_itself_after_an_etcd_pause(etcd):
+    """A rank's worker (``rejoin_in_background``) whose lease etcd dropped while paused registers again at
+    once, with nobody calling ``check``; one the controller replaced (not allowed) does not."""
+    kv = EtcdKV(EtcdClientConfig(endpoints=etcd.endpoints, timeout_s=1.5))
+    space = JobSpace.create(kv, "pause-rejoin")
+    live = Membership(space, MemberRecord(member_id="w0", kind="worker", host="h", pid=1), ttl_s=TTL).register()
+    replaced = Membership(space, MemberRecord(member_id="w1", kind="worker", host="h", pid=2), ttl_s=TTL).register()
+    live.rejoin_in_background(lambda: True)
+    replaced.rejoin_in_background(lambda: False)
+    try:
+        etcd.kill(signal.SIGSTOP)
+        try:
+            time.sleep(OUTAGE_S)
+        finally:
+            etcd.kill(signal.SIGCONT)
+        assert wait_until(lambda: live.rejoins == 1 and kv.get(live.key) is not None, 10), "w0 did not register again"
+        assert replaced.keeper is not None and wait_until(replaced.keeper.lost.is_set, 10)
+        time.sleep(TTL)
+        assert kv.get(replaced.key) is None and replaced.rejoins == 0
+    finally:
+        live.close()
+        replaced.close()
+        kv.close()
+
+
 def test_a_watch_whose_missed_history_was_compacted_reads_it_again(etcd):
     """While out of this client's reach etcd served others, who wrote plans and compacted the history the
     inbox's watch would resume from: the watch re-reads its range, and every plan is delivered."""
@@ -201,13 +228,15 @@ def test_a_wait_for_a_decision_goes_on_through_an_outage(etcd):
         kv.close()
 
 
-@pytest.mark.slow
-def test_training_runs_through_an_etcd_outage_of_three_ttls(tmp_path, corpus):
-    """A real job (tp2·pp2·dp2, one standby) on an external etcd that is killed for three lease TTLs
-    mid-run and started again: the ranks train on through the outage, the job finishes, trains the
-    fault-free trajectory bit for bit, and no migration is planned (no member was declared dead)."""
-    iters = 80  # ~0.2 s each on two cores: the outage and the reconnection fall well inside the run
-    args = tm_args(corpus, iters=iters)
+ITERS_THROUGH = 80
+"""~0.2 s each on two cores: the interruption and the reconnection fall well inside the run."""
+
+
+def _train_through(tmp_path, corpus, name: str, interrupt: Callable[[EmbeddedEtcd, LaunchedJob], None]) -> LaunchedJob:
+    """A real job (tp2·pp2·dp2, one standby) on an external etcd that ``interrupt`` takes away mid-run, once
+    the standby is warm: the job finishes, trains the fault-free trajectory bit for bit, and no migration
+    is planned (no member was declared dead)."""
+    args = tm_args(corpus, iters=ITERS_THROUGH)
     ref = trajectory(run_job(tmp_path, 8, args, name="ref").metrics_path)
     server = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=tmp_path / "etcd")).start(timeout=60)
     try:
@@ -216,31 +245,60 @@ def test_training_runs_through_an_etcd_outage_of_three_ttls(tmp_path, corpus):
             8,
             args,
             "--tm-job",
-            "outage",
+            name,
             "--tm-job-token",
             secrets.token_hex(16),
             "--tm-etcd-endpoints",
             ",".join(server.endpoints),
-            name="outage",
+            name=name,
         )
         try:
             wait_iteration(job, 3, timeout=180)
             # The standby warms up through etcd (its fingerprint, its roles): let it finish first.
             wait_for(lambda: "waiting to be promoted" in job.stdout(), 60, 0.1, "the standby to be warm")
-            server.kill()
-            at_kill = max(trajectory(job.metrics_path))
-            time.sleep(OUTAGE_S)
-            assert job.popen.poll() is None, f"the job ended during the outage:\n{job.stderr()[-3000:]}"
-            at_restart = max(trajectory(job.metrics_path))
-            server.start(timeout=30)
+            interrupt(server, job)
             code = job.wait(240)
         finally:
             if job.popen.poll() is None:
                 job.popen.kill()
         assert code == 0, f"exited {code}:\n{job.stderr()[-4000:]}"
-        assert at_kill < at_restart < iters, f"trained {at_kill}..{at_restart} of {iters} during the outage"
         assert trajectory(job.metrics_path) == ref, "the trajectory differs from the fault-free run"
         assert not job.events("migration_planned"), job.events("migration_planned")
         assert not job.events("stop_restart")
+        return job
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_training_runs_through_an_etcd_outage_of_three_ttls(tmp_path, corpus):
+    """etcd killed for three lease TTLs and started again: the ranks train on through the outage."""
+    seen: dict[str, int] = {}
+
+    def outage(server: EmbeddedEtcd, job: LaunchedJob) -> None:
+        server.kill()
+        seen["at_kill"] = max(trajectory(job.metrics_path))
+        time.sleep(OUTAGE_S)
+        assert job.popen.poll() is None, f"the job ended during the outage:\n{job.stderr()[-3000:]}"
+        seen["at_restart"] = max(trajectory(job.metrics_path))
+        server.start(timeout=30)
+
+    _train_through(tmp_path, corpus, "outage", outage)
+    assert seen["at_kill"] < seen["at_restart"] < ITERS_THROUGH, f"trained {seen} of {ITERS_THROUGH} in the outage"
+
+
+@pytest.mark.slow
+def test_training_runs_through_an_etcd_pause_of_three_ttls(tmp_path, corpus):
+    """etcd stopped (SIGSTOP) for three lease TTLs: it keeps its clock, so every lease, the controller's
+    own and the agent's included, has lapsed when it serves again. Nothing is replaced: the controller
+    holds every lapse while its own lease lapsed this recently, and every live member registers again."""
+
+    def pause(server: EmbeddedEtcd, job: LaunchedJob) -> None:
+        server.kill(signal.SIGSTOP)
+        try:
+            time.sleep(OUTAGE_S)
+        finally:
+            server.kill(signal.SIGCONT)
+
+    job = _train_through(tmp_path, corpus, "pause", pause)
+    assert "registered again" in job.stderr() + job.stdout(), "no lease lapsed: the pause tested nothing"

@@ -163,9 +163,8 @@ def _failover_under_slurm(
             "0",
             "--tm-inject-fault",
             fault,
-            # 4 standbys of a standby node beside the ranks on 2 cores: the basic warm-up, and a TTL a
-            # starved process does not outlive (a lapsed lease would rightly cost a second migration)
-            *(["--tm-no-sandbox", "--tm-lease-ttl", "5"] if standby_nodes else []),
+            # 4 standbys of a standby node beside the ranks on 2 cores: the basic warm-up
+            *(["--tm-no-sandbox"] if standby_nodes else []),
             "--tm-metrics-file",
             str(metrics),
         ],

@@ -10,7 +10,6 @@ import signal
 import pytest
 
 from helpers import (
-    CROWDED_TTL,
     ITERS,
     control_flags,
     fell_back,
@@ -126,9 +125,7 @@ def _move_rank_6_while(tmp_path, corpus, reference, drill: str, standbys: int, n
     bit-identical to the fault-free run, without a restart, after a planned epoch 1 and a failure epoch 2 of
     rank 6."""
     ref = reference("tp2pp2dp2-bf16", 8, tm_args(corpus, extra=["--bf16"]))
-    job = start_job(
-        tmp_path, 8, _cascade_args(corpus, drill, standbys=standbys, extra=["--bf16", *CROWDED_TTL]), name=name
-    )
+    job = start_job(tmp_path, 8, _cascade_args(corpus, drill, standbys=standbys, extra=["--bf16"]), name=name)
 
     def migrate() -> None:
         wait_iteration(job, 3)

@@ -7,7 +7,6 @@ import re
 import pytest
 
 from helpers import (
-    CROWDED_TTL,
     LLAMA,
     assert_recovered,
     fell_back,
@@ -93,7 +92,7 @@ MIDDLE = [
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc,tp,victim,phase", MIDDLE)
 def test_middle_stage_sigkill_is_replaced_bit_identically(tmp_path, corpus, reference, nproc, tp, victim, phase):
-    args = tm_args(corpus, tp=tp, pp=3, extra=["--num-layers", "6", *(CROWDED_TTL if nproc == 12 else [])])
+    args = tm_args(corpus, tp=tp, pp=3, extra=["--num-layers", "6"])
     ref = reference(f"tp{tp}pp3dp2", nproc, args)
     job = run_job(
         tmp_path,

@@ -21,7 +21,6 @@ import os
 import pytest
 
 from helpers import (
-    CROWDED_TTL,
     assert_killed,
     assert_recovered,
     fell_back,
@@ -54,7 +53,7 @@ def _matrix():
 
 
 def _pp3_args(corpus, extra=()):
-    return tm_args(corpus, tp=2, pp=3, extra=["--num-layers", "3", *BF16, *CROWDED_TTL, *extra])
+    return tm_args(corpus, tp=2, pp=3, extra=["--num-layers", "3", *BF16, *extra])
 
 
 @pytest.mark.slow

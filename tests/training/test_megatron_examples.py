@@ -85,7 +85,7 @@ def _example(base: list[str], example: list[str], fault: str | None) -> list[str
             skip = True
             continue
         kept.append(arg)
-    tm = ["--trainmover", "--tm-standbys", "1", "--tm-standby-nice", "0", "--tm-no-sandbox", "--tm-lease-ttl", "5"]
+    tm = ["--trainmover", "--tm-standbys", "1", "--tm-standby-nice", "0", "--tm-no-sandbox"]
     return kept + example + tm + (["--tm-inject-fault", fault] if fault else [])
 
 

@@ -82,6 +82,13 @@ def quiet(view: View) -> bool:
     return plan.epoch in view.converged if plan.reason == "failure" else "transferred" in plan.steps
 
 
+def rejoin_s(ttl_s: float) -> float:
+    """``View.rejoin_s`` for a lease TTL: two TTLs and a second. A live member learns that etcd dropped its
+    lease at its next renewal (a third of a TTL, later on a starved machine) and registers again in one
+    write."""
+    return 2.0 * float(ttl_s) + 1.0
+
+
 def node_settle_s(ttl_s: float) -> float:
     """``View.settle_s`` for a lease TTL: one TTL plus etcd's half-second expiry check. The leases of
     processes that died together expire within one TTL of each other: one renewal interval apart when
@@ -280,6 +287,8 @@ class Controller:
             view = read_view(self.space)
             view.gone_at = dict(self._gone_at)
             view.settle_s = node_settle_s(self.config.ttl_s)
+            view.own_member = self.config.controller_id
+            view.rejoin_s = rejoin_s(self.config.ttl_s)
             view.probe_s = probe_timeout_s(self.config.ttl_s)
             self._probe_due = next_probe_deadline(view, time.time())
             if self.metrics is not None:

@@ -38,8 +38,14 @@ Cases:
   preferably with the free slots of one standby machine, each rank in the slot of
   its own local rank (a tensor-parallel group that shared a node shares one
   again); the standbys of a lost node are never chosen. A rank whose lease
-  expired while its node's agent still looks alive waits ``View.settle_s``
-  first (the agent's lease may be about to expire too). When no machine has
+  expired while its node's agent still looks alive waits ``View.rejoin_s``
+  first: a live rank registers again, a dead, frozen or stalled one is reported
+  by its agent, and the agent's lease may be about to expire too.
+- **etcd stalled**: the controller's own lease lapsed within ``View.rejoin_s``
+  although it runs: every lapse of that moment is etcd's (a pause longer than the
+  TTL, a disk stall), so lapsed leases and lapsed agents replace nothing until
+  the members had ``View.rejoin_s`` to register again. Reports (a process exit,
+  a hang its agent saw) and unanswered probes still act at once. When no machine has
   enough free slots, each rank takes any free standby and the plan's
   ``placement`` says so.
 - **placement of one rank**: a standby on another host than the leaver, then one
@@ -160,13 +166,25 @@ def _lost_joiner(moving: dict[int, Replacement], rec: RankRecord, view: View, re
     return dataclasses.replace(rec, member_id=move.leaver), f"the joiner of a planned move was lost: {reason}"
 
 
+def etcd_stalled(view: View, now: float) -> bool:
+    """Whether the controller's own lease lapsed within ``View.rejoin_s``: it runs, so the lapses of that
+    moment are etcd's, not the members' (see the module docstring)."""
+    gone = view.gone_at.get(view.own_member) if view.own_member else None
+    return gone is not None and now - gone < view.rejoin_s
+
+
 def _settling(view: View, rec: RankRecord, now: float, lost: set[str]) -> bool:
-    """Whether ``rec``'s expired lease waits for its node's agent (see ``View.settle_s``): only where a
-    whole-node plan could follow, i.e. a standby lives on another node (a single-node job, or one whose
-    standbys all share the rank's node, would lose them with it)."""
+    """Whether ``rec``'s expired lease waits for its node's agent (see ``View.rejoin_s``): a live rank
+    registers again, and a dead or hung one is reported by the agent, which sees its process."""
     gone = view.gone_at.get(rec.member_id)
-    if rec.host not in view.nodes or rec.host in lost or gone is None or now - gone >= view.settle_s:
+    if rec.host not in view.nodes or rec.host in lost or gone is None:
         return False
+    return now - gone < max(view.rejoin_s, view.settle_s if _standby_elsewhere(view, rec) else 0.0)
+
+
+def _standby_elsewhere(view: View, rec: RankRecord) -> bool:
+    """Whether a whole-node plan could follow ``rec``'s loss: a standby lives on another node (a single-node
+    job, or one whose standbys all share the rank's node, would lose them with it)."""
     return any(m.kind == "standby" and m.host != rec.host for m in view.members.values())
 
 
@@ -175,11 +193,12 @@ def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
     actions: list[Action] = []
     rec: RankRecord | None
     moving = _handover_pending(view)
-    lost = lost_hosts(view)
+    stalled = etcd_stalled(view, now)
+    lost = set(view.unresponsive) if stalled else lost_hosts(view)
     for r, rec in sorted(view.ranks.items()):
         if r in view.finished:
             continue  # its worker completed training and left: nothing to replace
-        if rec.member_id not in view.members and not _settling(view, rec, now, lost):
+        if rec.member_id not in view.members and not stalled and not _settling(view, rec, now, lost):
             leaving, why = _lost_joiner(moving, rec, view, "lease expired")
             failed[r] = _Failure(rank=leaving, reason=why, detected_at=view.gone_at.get(rec.member_id))
     # The leaver of a planned move still holds the rank's only copy of its state until the hand-over:
@@ -194,7 +213,7 @@ def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
                 detected_at=view.gone_at.get(move.leaver),
                 keep_joiner=move.joiner,
             )
-            if move.leaver not in view.members:
+            if move.leaver not in view.members and not stalled:
                 failed.setdefault(move.rank, leaver_lost[move.rank])
     suspects: dict[str, list[tuple[str, FailureReport]]] = {}
     for key, rep in sorted(view.reports.items()):

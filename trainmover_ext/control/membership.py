@@ -14,7 +14,10 @@ Contract:
 - :class:`Membership` registers ``members/<id>`` on its own lease, so a killed
   or hung (SIGSTOP) process disappears from etcd within about one TTL. A member
   that serves no rank (an unpromoted standby, ``rejoin_on_loss``) registers
-  again when it finds its lease lost, instead of leaving.
+  again when it finds its lease lost, instead of leaving; so does a rank's
+  worker, at once and on a thread of its own, unless the controller replaced it
+  (:meth:`Membership.rejoin_in_background`): a lapse is evidence, not proof, and
+  the controller waits ``View.rejoin_s`` for a live member to come back.
   ``close()`` revokes the lease: a clean leave is seen at once.
 - :func:`report_failure` is the fast detection path: an agent whose child died
   writes ``reports/<r>/<reporter>``, and the controller acts on it without waiting
@@ -214,6 +217,8 @@ class Membership:
         """A member that serves no rank (an unpromoted standby) registers again when its lease is lost (e.g.
         starved of CPU past its TTL) instead of leaving: nobody waits on it. Turned off at promotion."""
         self.rejoins = 0
+        self._rejoin_allowed: Callable[[], bool] | None = None
+        self._closed = threading.Event()
 
     @property
     def key(self) -> str:
@@ -221,7 +226,7 @@ class Membership:
 
     def register(self) -> Membership:
         """Write ``members/<id>`` on a fresh lease; :class:`StoreError` if the id is already taken."""
-        self.keeper = LeaseKeeper(self.space, self.ttl_s, on_lost=self.on_lost, name=f"member {self.record.member_id}")
+        self.keeper = LeaseKeeper(self.space, self.ttl_s, on_lost=self._lost, name=f"member {self.record.member_id}")
         if not self.record.registered_at:
             self.record.registered_at = time.time()
         ok = self.space.commit(
@@ -264,6 +269,31 @@ class Membership:
             self.keeper.mark_lost()  # expired before its keeper saw it: register again with this record
             self.check()
 
+    def rejoin_in_background(self, allowed: Callable[[], bool]) -> None:
+        """From now on a lost lease is registered again at once, on a thread of its own, while ``allowed()``
+        holds: for a rank's worker, whose lease etcd may drop while it lives (a stalled etcd, a starved
+        keepalive). The controller waits ``View.rejoin_s`` for it before it replaces the rank; a rank it
+        did replace is not allowed (it leaves)."""
+        self._rejoin_allowed = allowed
+        self.rejoin_on_loss = True
+
+    def _lost(self) -> None:
+        if self.on_lost is not None:
+            self.on_lost()
+        if self._rejoin_allowed is not None:
+            threading.Thread(target=self._rejoin, name=f"tm-rejoin-{self.record.member_id}", daemon=True).start()
+
+    def _rejoin(self) -> None:
+        interval = RecoveryTimeouts(self.ttl_s).renew_every_s
+        while not self._closed.is_set() and self.keeper is not None and self.keeper.lost.is_set():
+            allowed = self._rejoin_allowed
+            if allowed is None or not allowed():
+                return
+            self.check()  # registers again, or says why not yet
+            if self.keeper is not None and not self.keeper.lost.is_set():
+                return
+            self._closed.wait(interval)
+
     def check(self) -> None:
         """Raise :class:`MembershipLost` if the lease is gone (with ``rejoin_on_loss``: register again)."""
         if self.keeper is not None and self.keeper.lost.is_set() and self.rejoin_on_loss:
@@ -286,6 +316,7 @@ class Membership:
 
     def close(self) -> None:
         """Leave the job cleanly (revokes the lease). Idempotent."""
+        self._closed.set()
         if self.keeper is not None:
             self.keeper.close(revoke=True)
 

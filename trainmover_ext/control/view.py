@@ -89,6 +89,14 @@ class View:
     unresponsive: frozenset[str] = frozenset()
     """Hosts whose agent left a probe unanswered for ``probe_s``: lost like a node whose agent's lease
     expired. Derived by ``decide`` from ``probes`` and its ``now``."""
+    own_member: str | None = None
+    """The deciding controller's own member id (its agent's). Set by the runner."""
+    rejoin_s: float = 0.0
+    """How long a lapsed lease is evidence only, not proof: a live member whose lease etcd dropped (a
+    starved keepalive, an etcd that stalled past the TTL) registers again within it. A rank whose
+    lease lapsed while its node's agent lives waits this long (its agent reports it at once if its
+    process died, froze or stalled), and while the controller's own lease lapsed this recently every
+    lapse waits (etcd's, not the members'). Set by the runner (0: a lapse is proof at once)."""
     settle_s: float = 0.0
     """How long a rank whose lease expired on a node whose agent still looks alive waits before it is
     planned alone: the other leases of a lost node expire within one TTL of each other,

@@ -87,7 +87,7 @@ def serve_rank(
         )
     member.update(kind="worker")
     progress.mark("recovery")  # serving a rank from now on: its agent judges its progress once it trains
-    member.rejoin_on_loss = False  # from now on it serves a rank: a lost lease is its death
+    member.rejoin_on_loss = False  # serving a rank: its runtime (below) re-registers it unless it was replaced
     if config.inject_fault:
         faults.arm(faults.FaultSpec.parse_all(config.inject_fault), int(os.environ["WORLD_SIZE"]))
     faults.at("join", rank=rep.rank, epoch=plan.epoch)

@@ -124,6 +124,8 @@ class WorkerRuntime(Runtime):
         # ``catch_up``: also the plans committed before the inbox opened (a joiner's promotion and its
         # runtime's inbox are not one instant).
         self.inbox = PlanInbox(space, self._abandon_at_once, after_plan=self._sever_handover, since_start=catch_up)
+        # A lease etcd drops while this rank lives is registered again; the controller waits for that.
+        member.rejoin_in_background(lambda: not self._replaced)
 
     # -- construction --------------------------------------------------------
     @classmethod
@@ -223,6 +225,7 @@ class WorkerRuntime(Runtime):
         native_group.observe_waits(progress.waiting)
 
     def after_iteration(self, session: Session, loss: float | None) -> None:
+        progress.mark("control")  # the etcd writes below wait on etcd, not on this rank's work
         for epoch in self.pending_first_iteration:
             mark_step(self.space, epoch, "first_iteration", status="done")
         self.pending_first_iteration = []
