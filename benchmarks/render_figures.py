@@ -32,6 +32,7 @@ COMMANDS = {
     "chaos": "python benchmarks/chaos.py --json benchmarks/results/chaos.json",
     "downtime_nodes": "python benchmarks/downtime_nodes.py --json benchmarks/results/downtime_nodes.json",
     "comm": "python benchmarks/comm.py --json benchmarks/results/comm.json",
+    "detection": "python benchmarks/detection.py --json benchmarks/results/detection.json",
 }
 MIN_RUNS = 3
 
@@ -265,6 +266,37 @@ def comm_table(data: dict | None) -> list[str]:
     return out + ["", stamp(data)]
 
 
+DETECTION_LABELS = {
+    "sigkill": "SIGKILL",
+    "sigstop": "SIGSTOP (frozen process)",
+    "hang_compute": "main thread blocked in forward",
+    "hang_collective": "main thread blocked after issuing its all-reduce (peers wait in a collective)",
+    "etcd_pause": "etcd stopped for 3 lease TTLs",
+    "load": "two CPU spinners beside the job",
+}
+
+
+def detection_table(data: dict | None) -> list[str]:
+    """Per fault type: fault to committed plan, whether the culprit alone was named, who else was replaced."""
+    head = [
+        "| fault | fault to plan: median (range, trials) | culprit named | ranks replaced that nobody failed "
+        "| trained to the end | goal |",
+        "|---|---|---|---|---|---|",
+    ]
+    faults = (data or {}).get("faults") or []
+    if not faults:
+        return head + [f"| - | {NOT_YET} | - | - | - | - |", "", f"Regenerate with `{COMMANDS['detection']}`."]
+    rows = []
+    for f in faults:
+        lat = values_cell(f["latencies_s"], " s") if f["latencies_s"] else "-"
+        rows.append(
+            f"| {DETECTION_LABELS.get(f['kind'], f['kind'])} | {lat} | {yes(f['right_rank'])} | "
+            f"{f['false_replacements']} ({f['trials']} trial{'s' if f['trials'] != 1 else ''}) | "
+            f"{yes(f['trained_on'])} | {f['goal']} |"
+        )
+    return head + rows + ["", stamp(data)]
+
+
 # ---------------------------------------------------------------------------- blocks
 
 
@@ -297,6 +329,10 @@ def readme_block(results_dir: str) -> list[str]:
         "GPU; TrainMover's job and the plain job alternate, so machine noise hits both):",
         "",
         *comm_table(load(results_dir, "comm")),
+        "",
+        "**Detection** (4-rank jobs at every default; from the drill's own timestamp to the committed plan):",
+        "",
+        *detection_table(load(results_dir, "detection")),
     ]
 
 

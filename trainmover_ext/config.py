@@ -294,7 +294,7 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="Seconds after which the launcher's agent kills and reports a rank whose main thread made no "
         "progress outside a collective (a deadlock, a stuck data loader or kernel) while its process lives; "
         "ranks waiting in a collective for it are left alone. Default: 4 of the rank's recent iterations, "
-        "at least 3 s, not during saves, evaluations, recoveries or the first iterations. 0 turns it off.",
+        "at least 2.5 s, not during saves, evaluations, recoveries or the first iterations. 0 turns it off.",
     )
     g.add_argument("--tm-standbys", type=int, default=None, help="Number of warm standbys to keep (default 0).")
     g.add_argument(

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from trainmover_ext.launch import progress
 
-FLOOR_S = 3.0
+FLOOR_S = 2.5
 """The smallest default bound: below this, scheduling noise on a busy host looks like a stall."""
 FACTOR = 4.0
 """The default bound in iterations."""
