@@ -272,7 +272,7 @@ DETECTION_LABELS = {
     "hang_compute": "main thread blocked in forward",
     "hang_collective": "main thread blocked after issuing its all-reduce (peers wait in a collective)",
     "etcd_pause": "etcd stopped for 3 lease TTLs",
-    "load": "two CPU spinners beside the job",
+    "load": "two CPU spinners beside the job for `--load-iters` iterations",
 }
 
 
