@@ -48,3 +48,37 @@ def test_a_lost_node_moves_whole_to_one_standby_machine(nodes_job, corpus, refer
     assert "falling back" not in job.err(0) + job.err(2)
     whys = {r["rank"]: r.get("why") for ev in probe.events("migration_planned") for r in ev["replacements"]}
     print(f"detected: {whys}; steps {plans[0].steps}")
+
+
+def test_a_node_cut_off_from_etcd_is_replaced_as_a_lost_one(nodes_job, corpus, reference, etcd):
+    """Node n1 reaches etcd through a proxy, which is cut mid-run while every process of n1 lives and its
+    network to the other ranks stays up: its agent's lease and its ranks' lapse, the controller's own does
+    not, so n1 is lost. One plan moves its 4 ranks to the standby machine, bit-identically; n1's processes,
+    which cannot read the plan, lose their peers and never touch the job again."""
+    import secrets
+
+    from support.tcp_proxy import CuttableProxy
+
+    host, port = etcd.endpoints[0].rsplit(":", 1)
+    proxy = CuttableProxy((host, int(port)))
+    args = tm_args(corpus, iters=ITERS, extra=["--use-tp-pp-dp-mapping"])
+    ref = reference(f"tp2pp2dp2_tp_pp_dp_{ITERS}", 8, args)
+    cut_off = Node(flags=("--tm-etcd-endpoints", f"127.0.0.1:{proxy.port}"))
+    job = nodes_job(args, [Node(), cut_off, Node(machine=True)], "cutoff", etcd=etcd, token=secrets.token_hex(16))
+    probe = JobProbe(etcd.endpoints, job.name, job.token)
+    try:
+        job.wait_warm_machine("n2", probe.view)
+        job.wait_iteration(job.last_iteration() + 2)
+        proxy.cut()
+        codes = [job.procs[i].wait(300) for i in (0, 2)]
+        assert codes == [0, 0], job.errs()
+        assert trajectory(job.metrics) == ref, "not bit-identical to the fault-free run"
+        plans = [p for p in probe.plans() if p.reason == "failure"]
+        assert len(plans) == 1, f"the cut-off node's ranks were not replaced in one plan: {plans}"
+        assert sorted(r.rank for r in plans[0].replacement_list()) == [4, 5, 6, 7]
+        whys = {r["rank"]: r.get("why") for ev in probe.events("migration_planned") for r in ev["replacements"]}
+        assert all(why == "lease expired" or "node n1 lost" in str(why) for why in whys.values()), whys
+        assert "falling back" not in job.err(0) + job.err(2)
+        assert job.procs[1].poll() is None, "n1's agent, alive and cut off, was expected to be still waiting"
+    finally:
+        proxy.close()
