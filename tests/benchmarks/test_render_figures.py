@@ -168,9 +168,49 @@ def test_the_steady_state_table_is_the_training_ratio_with_its_range_and_what_a_
         "| 8 ranks, demo model, TP2.PP2.DP2, --overlap-grad-reduce | 0.410 / 0.390 | **1.04** (0.970-1.12, 5 runs) |"
         in text
     )
-    assert "| 4000 (simulated (megatron's groups, the real rule)) | 12 | 2261 | no |" in text
+    rebuilt = "| 4000 (simulated (megatron's groups, the real rule)) | 12 | 2261 | no |"
+    assert rebuilt not in text, "the README keeps the ratio; what a replacement rebuilds is in docs/benchmarks.md"
+    assert rebuilt in "\n".join(rf.docs_block(str(tmp_path)))
     # Companion: without the JSON the table says so instead of a figure.
     (tmp_path / "comm.json").unlink()
     assert "`python benchmarks/comm.py --json benchmarks/results/comm.json`" in "\n".join(
         rf.readme_block(str(tmp_path))
     )
+
+
+def test_detection_is_a_line_in_the_readme_and_a_table_in_the_docs(tmp_path):
+    fault = {"trials": 3, "goal": "g", "min_s": 0.04, "max_s": 0.06, "per_trial": []}
+    data = {
+        "measured_at": {"date": "2026-12-04 10:00 UTC", "commit": "abc", "dirty": False},
+        "command": "python benchmarks/detection.py --json benchmarks/results/detection.json",
+        "faults": [
+            dict(
+                fault,
+                kind="sigkill",
+                median_s=0.046,
+                latencies_s=[0.045, 0.046, 0.061],
+                right_rank=True,
+                false_replacements=0,
+                trained_on=True,
+            ),
+            dict(
+                fault,
+                kind="load",
+                median_s=None,
+                latencies_s=[],
+                right_rank=None,
+                false_replacements=2,
+                trained_on=True,
+            ),
+        ],
+    }
+    (tmp_path / "detection.json").write_text(json.dumps(data))
+    readme = "\n".join(rf.readme_block(str(tmp_path)))
+    assert "SIGKILL 0.046 s," in readme and "2 ranks replaced that nobody failed" in readme
+    docs = "\n".join(rf.docs_block(str(tmp_path)))
+    assert "| SIGKILL | **0.046 s** (0.045-0.061, 3 runs) | yes | 0 (3 trials) | yes | g |" in docs
+    # Companion: a culprit missed in one trial says so in both.
+    data["faults"][0]["right_rank"] = False
+    (tmp_path / "detection.json").write_text(json.dumps(data))
+    assert "**not every** trial" in "\n".join(rf.readme_block(str(tmp_path)))
+    assert "| **no** |" in "\n".join(rf.docs_block(str(tmp_path)))
