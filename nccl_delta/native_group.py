@@ -43,12 +43,14 @@ from torch.futures import Future
 from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout
 
 from .native import NativeComm, build_comm
-from .waiter import Pending, WaitCancelled, wait_cancellable
+from .waiter import Pending, wait_cancellable
 
 if TYPE_CHECKING:
     from .world import DeltaWorld
 
 OPEN, QUIET, ABORTED, BROKEN = "open", "quiet", "aborted", "broken"
+ABORT_SETTLE_S = 2.0
+"""How long an op of an aborted group may take to end by itself (fail or finish) before its wait is cancelled."""
 
 IssueObserver = Callable[["NativeGroup", str], None]
 _observer: IssueObserver | None = None
@@ -301,21 +303,28 @@ class NativeGroup:
             waits, self._waits = list(self._waits), set()
         for comm in comms:
             comm.abort()
-        for pending in waits:  # whatever gloo does with the op, its waiter goes on now
-            pending.cancel(f"group {self.name!r} was cut: {reason}")
+        # The op normally ends by itself within milliseconds of its sockets' shutdown, failed or done, and
+        # its waiter sees that outcome, as without a cut. Only an op gloo leaves pending for good (it
+        # writes nothing more) has its wait cancelled, ABORT_SETTLE_S later.
+        for pending in waits:
+            _cancel_later(pending, f"group {self.name!r} was cut: {reason}")
 
     def wait(self, work: Any, comm: NativeComm, timeout: datetime.timedelta | None) -> None:
-        """Wait for ``work``, an op of ``comm``; on gloo, an abort of the group ends the wait at once
-        (:class:`~nccl_delta.waiter.WaitCancelled`) even if gloo leaves the op pending."""
+        """Wait for ``work``, an op of ``comm``. On gloo an abort of the group lets the op end by itself (its
+        outcome, success included, is what the wait returns, as without a cut: raising for an op that did
+        complete would break :mod:`nccl_delta.finishing`), and cancels the wait
+        (:class:`~nccl_delta.waiter.WaitCancelled`) only if gloo leaves the op pending past
+        :data:`ABORT_SETTLE_S`."""
         if comm.device_type != "cpu":
             work.wait() if timeout is None else work.wait(timeout)
             return
         limit = timeout or datetime.timedelta(seconds=self.world.config.op_timeout_s)
         pending = Pending(work, limit)
         with self._lock:
-            if comm.aborted:
-                raise WaitCancelled(f"group {self.name!r} was cut: {self.reason}")
             self._waits.add(pending)
+            late = comm.aborted  # cut before this wait began: the op may have ended, or may never
+        if late:
+            _cancel_later(pending, f"group {self.name!r} was cut: {self.reason}")
         try:
             wait_cancellable(pending)
         finally:
@@ -356,6 +365,13 @@ class NativeGroup:
         for comm in comms:
             comm.abort()
             comm.close()
+
+
+def _cancel_later(pending: Pending, reason: str) -> None:
+    """Cancel ``pending``'s wait :data:`ABORT_SETTLE_S` from now unless its op ended by itself first."""
+    timer = threading.Timer(ABORT_SETTLE_S, pending.cancel, args=(reason,))
+    timer.daemon = True
+    timer.start()
 
 
 def ledgers_agree(ledgers: dict[int, dict[str, Any] | None]) -> bool:

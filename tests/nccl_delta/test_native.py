@@ -81,7 +81,8 @@ def test_abandon_unblocks_a_group_collective_waiting_on_a_hung_peer():
         r = results[rank]
         assert abandoned_at <= r["at"] < abandoned_at + 1.0, f"rank {rank} unblocked {r['at'] - abandoned_at:.2f}s"
         assert r["kind"] in ("CommAbandoned", "CommLinkError"), r
-        assert "epoch 1 abandoned" in r["described"] and ", aborted)" in r["described"], r["described"]
+        # What a stall dump prints: the cut group and its state (broken when the peer's close came first).
+        assert "NativeGroup('" in r["described"] and (", aborted)" in r["described"] or ", broken)" in r["described"])
     assert any(results[r]["kind"] == "CommAbandoned" for r in (0, 1, 3)), results
 
 

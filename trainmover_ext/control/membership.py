@@ -103,6 +103,10 @@ def _leave_idle_policy() -> None:
         logger.warning("lease keepalive stays under the idle scheduling policy (%s): it may renew late", exc)
 
 
+REGISTER_ATTEMPTS = 5
+"""Leases granted for one registration at most (each lost to a starvation past the TTL)."""
+
+
 class LeaseKeeper:
     """One lease kept alive on a daemon thread; see the module docstring.
 
@@ -225,7 +229,22 @@ class Membership:
         return self.space.key("members", self.record.member_id)
 
     def register(self) -> Membership:
-        """Write ``members/<id>`` on a fresh lease; :class:`StoreError` if the id is already taken."""
+        """Write ``members/<id>`` on a fresh lease; :class:`StoreError` if the id is already taken. A lease
+        that expired before the write (a process or an etcd starved past the TTL) is granted again."""
+        for attempt in range(REGISTER_ATTEMPTS):
+            try:
+                return self._register()
+            except LeaseNotFound as exc:
+                if self.keeper is not None:
+                    self.keeper.close(revoke=False)
+                if attempt == REGISTER_ATTEMPTS - 1:
+                    raise
+                logger.warning(
+                    "member %s: its new lease expired before it registered (%s); again", self.record.member_id, exc
+                )
+        raise AssertionError("unreachable")
+
+    def _register(self) -> Membership:
         self.keeper = LeaseKeeper(self.space, self.ttl_s, on_lost=self._lost, name=f"member {self.record.member_id}")
         if not self.record.registered_at:
             self.record.registered_at = time.time()
