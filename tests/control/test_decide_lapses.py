@@ -4,7 +4,8 @@ replaces anything; a whole node lost while etcd serves is still replaced at once
 
 from __future__ import annotations
 
-from trainmover_ext.control.decide import PlanMigration, decide, etcd_stalled
+from trainmover_ext.control.decide import PlanMigration, decide
+from trainmover_ext.control.lapses import etcd_stalled
 from trainmover_ext.control.records import FailureReport
 
 from .test_decide_nodes import NOW, _lose_node, _view

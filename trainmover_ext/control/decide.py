@@ -94,6 +94,7 @@ from trainmover_ext.control.actions import (
     RepairEpoch,
 )
 from trainmover_ext.control.convergence import plan_convergence
+from trainmover_ext.control.lapses import etcd_stalled, lapse_waits
 from trainmover_ext.control.placement import (
     available_standbys,
     lost_hosts,
@@ -166,28 +167,6 @@ def _lost_joiner(moving: dict[int, Replacement], rec: RankRecord, view: View, re
     return dataclasses.replace(rec, member_id=move.leaver), f"the joiner of a planned move was lost: {reason}"
 
 
-def etcd_stalled(view: View, now: float) -> bool:
-    """Whether the controller's own lease lapsed within ``View.rejoin_s``: it runs, so the lapses of that
-    moment are etcd's, not the members' (see the module docstring)."""
-    gone = view.gone_at.get(view.own_member) if view.own_member else None
-    return gone is not None and now - gone < view.rejoin_s
-
-
-def _settling(view: View, rec: RankRecord, now: float, lost: set[str]) -> bool:
-    """Whether ``rec``'s expired lease waits for its node's agent (see ``View.rejoin_s``): a live rank
-    registers again, and a dead or hung one is reported by the agent, which sees its process."""
-    gone = view.gone_at.get(rec.member_id)
-    if rec.host not in view.nodes or rec.host in lost or gone is None:
-        return False
-    return now - gone < max(view.rejoin_s, view.settle_s if _standby_elsewhere(view, rec) else 0.0)
-
-
-def _standby_elsewhere(view: View, rec: RankRecord) -> bool:
-    """Whether a whole-node plan could follow ``rec``'s loss: a standby lives on another node (a single-node
-    job, or one whose standbys all share the rank's node, would lose them with it)."""
-    return any(m.kind == "standby" and m.host != rec.host for m in view.members.values())
-
-
 def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
     failed: dict[int, _Failure] = {}
     actions: list[Action] = []
@@ -198,7 +177,7 @@ def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
     for r, rec in sorted(view.ranks.items()):
         if r in view.finished:
             continue  # its worker completed training and left: nothing to replace
-        if rec.member_id not in view.members and not stalled and not _settling(view, rec, now, lost):
+        if rec.member_id not in view.members and not stalled and not lapse_waits(view, rec, now, lost):
             leaving, why = _lost_joiner(moving, rec, view, "lease expired")
             failed[r] = _Failure(rank=leaving, reason=why, detected_at=view.gone_at.get(rec.member_id))
     # The leaver of a planned move still holds the rank's only copy of its state until the hand-over:
