@@ -54,6 +54,8 @@ class Pair:
         self._queue: list[PendingPairWork] | None = []
         """Ops posted before the pair was up, in posting order; ``None`` once it is."""
         self._lock = threading.Lock()
+        self._settled = threading.Event()
+        """Set once the build ended, whether the pair is up or failed."""
         threading.Thread(target=self._build, name=f"nccl_delta_pair_{peer}", daemon=True).start()
 
     def _build(self) -> None:
@@ -84,6 +86,11 @@ class Pair:
                 self.error = error
             for work in queue:
                 work.issue(None if usable else error)
+        self._settled.set()
+
+    def settled(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the build to end (up or failed); whether it did."""
+        return self._settled.wait(timeout_s)
 
     def send(self, tensors: Any, tag: int) -> dist.Work:
         return self._post("send", tensors, tag)

@@ -157,6 +157,8 @@ def _stayer_keeping_links(rank, n, store):
         dist.isend(torch.ones(4), dst=1, tag=5)  # never waited for: in flight at the abandon
     elif rank == 1:
         dist.irecv(torch.zeros(4), src=0, tag=5)
+    if rank in (0, 1):  # the pair is built in the background: up before the abandon, or nothing is cut
+        assert world.pairs[1 - rank].settled(30.0)
     store.set(f"idle/{rank}", "1")
     store.wait(["abandon"])
     severed = world.abandon(EPOCH, "rank 3 left", dead={3})
