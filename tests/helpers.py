@@ -289,6 +289,7 @@ class TransferReport:
     start_mib: float
     peak_mib: float
     end_mib: float | None  # the receiver's resident size after the receive
+    mirror: bool = False  # an optimizer shard served from its holder's mirror
 
     @property
     def extra_mib(self) -> float:
@@ -308,6 +309,7 @@ def transfers(job: LaunchedJob) -> list[TransferReport]:
             start_mib=d["start_rss"] / mib,
             peak_mib=d["peak_rss"] / mib,
             end_mib=d["end_rss"] / mib if "end_rss" in d else None,
+            mirror=bool(d.get("mirror")),
         )
         for d in (e["detail"] for e in job.events("state_transfer"))
     ]

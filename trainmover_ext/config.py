@@ -92,6 +92,10 @@ class TrainMoverConfig:
     """``--tm-metrics-file``: append one JSON line per iteration (loss, timings, consumed samples)."""
     inject_fault: str | None = None
     """``--tm-inject-fault RANK:ITER:PHASE[:KILL|STOP]``: failure drill (see trainmover_ext.runtime.faults)."""
+    optimizer_mirror: bool = True
+    """``--tm-optimizer-mirror on|off``: with ``--use-distributed-optimizer`` under ``--trainmover``, every
+    rank's optimizer shard is copied after each step into a data-parallel peer's host memory, and a lost
+    rank takes its shard from there (:mod:`trainmover_ext.migration.mirror`); off: from the checkpoint."""
     comm: str = "auto"
     """``--tm-comm``: ``nccl_delta`` (every group's native communicator replaceable live), ``native``
     (torch's groups as they are), or
@@ -177,6 +181,7 @@ _FLAG_TO_FIELD = {
     "tm_leaver_becomes_standby": "leaver_becomes_standby",
     "tm_metrics_file": "metrics_file",
     "tm_comm": "comm",
+    "tm_optimizer_mirror": "optimizer_mirror",
     "tm_inject_fault": "inject_fault",
 }
 
@@ -228,6 +233,13 @@ def check_connection_flags(args: argparse.Namespace, environ: Mapping[str, str])
                 f"{name} {shown if flag != 'tm_job_token' else '(given)'} differs from what this process's "
                 f"launcher connected it to: give {name} once, to `trainmover launch` (before or after the script)"
             )
+
+
+def on_off(text: str) -> bool:
+    """``on`` / ``off`` -> True / False (a flag's argparse type)."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"give on or off, not {text!r}")
+    return text == "on"
 
 
 def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -393,6 +405,17 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="Communicator for every process group: nccl_delta (torch's own gloo/NCCL groups whose "
         "communicators are replaced live, one group at a time; the default under --trainmover) or native "
         "(plain torch groups, no live replacement; the default without --trainmover).",
+    )
+    g.add_argument(
+        "--tm-optimizer-mirror",
+        type=on_off,
+        default=None,
+        metavar="on|off",
+        help="With --use-distributed-optimizer: copy each rank's optimizer shard (main parameters, Adam "
+        "moments, step, settings) after every step into the host memory of a data-parallel peer on another "
+        "node where there is one, so a lost rank is replaced from that copy with no rollback to the "
+        "checkpoint (default on; costs the holder twice the shard in host memory and the shard's bytes "
+        "in traffic per step). off: a lost shard comes from the latest checkpoint.",
     )
     g.add_argument(
         "--tm-inject-fault",

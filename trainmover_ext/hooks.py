@@ -82,6 +82,7 @@ class TrainMoverHooks:
 
             faults.install(faults.FaultSpec.parse_all(config.inject_fault), session)
         if self.worker is not None:
+            self.worker.start_mirror(session)
             self.worker.track_progress(session)  # after the drills: a hang in forward is seen in forward
         if config.record_dir:  # sandbox: record the first iterations
             from trainmover_ext.sandbox.hook import attach_recorder

@@ -252,6 +252,10 @@ class Runtime:
         collectives decide whether this rank completes the iteration."""
         return contextlib.nullcontext()
 
+    def after_step(self, session: Session) -> None:
+        """Called right after each completed optimizer step, where a failure still abandons the
+        iteration's work (the distributed optimizer's mirror copies the new shard here)."""
+
     def after_iteration(self, session: Session, loss: float | None) -> None:
         """Called after each completed iteration."""
 
@@ -536,6 +540,7 @@ def train_loop(session: Session, runtime: Runtime) -> dict:
                 break
             t0 = time.time()
             loss = train_step(session, runtime.finishing(session))
+            runtime.after_step(session)
         except runtime.recoverable as exc:
             runtime.recover(session, exc)
             session.saved_iteration = _checkpointed_iteration(args)

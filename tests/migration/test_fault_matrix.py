@@ -8,7 +8,8 @@ a fault-free run of the same flags.
   one layer per stage). Under the slow mark; CI runs it.
 - A kill during a checkpoint save: the save is recovered and done again.
 - A kill that leaves the data-parallel replicas one step apart: stayers receive copies.
-- The distributed optimizer with DP=2 (its shards have no replica): the checkpoint fallback.
+- The distributed optimizer with DP=2 and its mirror off (``--tm-optimizer-mirror off``: its shards have
+  no copy): the checkpoint fallback. With the mirror: tests/migration/test_optimizer_mirror.py.
 - fp16 with a dynamic loss scale that grows during the run: the scale resumes too.
 - Kills inside a collective (the victim issued it and its peers are in it): the gradient
   reduction, the gradient-norm all-reduce, and the distributed optimizer's parameter all-gather.
@@ -102,10 +103,12 @@ def test_replicas_one_step_apart_are_brought_level_by_copies(tmp_path, corpus, r
 
 
 def test_distributed_optimizer_recovers_through_the_checkpoint(tmp_path, corpus, reference):
-    """DP=2 with the distributed optimizer: rank 5's optimizer shard exists nowhere else, so every rank
-    reloads checkpoint 4 through the warm path (no restart) and re-runs 5 and 6 identically."""
+    """DP=2 with the distributed optimizer and its mirror off: rank 5's optimizer shard exists nowhere
+    else, so every rank reloads checkpoint 4 through the warm path (no restart) and re-runs 5 and 6
+    identically."""
     base = tm_args(corpus, extra=[*BF16, "--use-distributed-optimizer"])
     ref = reference("tp2pp2dp2-bf16-distopt", 8, base)
+    base = base + ["--tm-optimizer-mirror", "off"]
     ckpt = str(tmp_path / "ckpt")
     job = run_job(
         tmp_path,
@@ -147,11 +150,12 @@ def test_kill_inside_a_collective_is_recovered_bit_identically(tmp_path, corpus,
 
 @pytest.mark.slow
 def test_kill_inside_the_parameter_all_gather_recovers_through_the_checkpoint(tmp_path, corpus, reference):
-    """Distributed optimizer: rank 5 dies inside the all-gather of the updated parameters, after its
-    data-parallel peers stepped their shards. Its shard exists nowhere else, so every rank reloads
-    checkpoint 4 without a restart and re-runs 5 and 6 identically."""
+    """Distributed optimizer, its mirror off: rank 5 dies inside the all-gather of the updated
+    parameters, after its data-parallel peers stepped their shards. Its shard exists nowhere else, so
+    every rank reloads checkpoint 4 without a restart and re-runs 5 and 6 identically."""
     base = tm_args(corpus, extra=[*BF16, "--use-distributed-optimizer"])
     ref = reference("tp2pp2dp2-bf16-distopt", 8, base)
+    base = base + ["--tm-optimizer-mirror", "off"]
     ckpt = str(tmp_path / "ckpt")
     job = run_job(
         tmp_path,

@@ -46,8 +46,8 @@ def _raw(channel: MemoryChannel, data: bytes) -> None:
 def test_metadata_round_trips_as_data():
     ch = MemoryChannel()
     meta = {"iteration": 7, "rng": {"torch": torch.get_rng_state()}, "layout": [("tensor", (2, 3), "torch.float32")]}
-    transfer._send_blob(ch, meta)
-    got = transfer._recv_blob(ch)
+    transfer.send_record(ch, meta)
+    got = transfer.recv_record(ch)
     assert got["iteration"] == 7 and torch.equal(got["rng"]["torch"], meta["rng"]["torch"])
 
 
@@ -66,7 +66,7 @@ def test_a_peer_that_sends_code_is_refused_and_the_code_never_runs(tmp_path):
         ch = MemoryChannel()
         _raw(ch, payload)
         with pytest.raises(MigrationAborted, match="not a TrainMover state record"):
-            transfer._recv_blob(ch)
+            transfer.recv_record(ch)
     assert not os.path.exists(marker), "the peer's code ran"
 
 
@@ -83,24 +83,24 @@ def test_foreign_or_newer_records_are_refused(payload, match):
     torch.save(payload, buf)
     _raw(ch, buf.getvalue())
     with pytest.raises(MigrationAborted, match=match):
-        transfer._recv_blob(ch)
+        transfer.recv_record(ch)
 
 
 def test_an_oversized_announcement_is_refused_before_allocating():
     ch = MemoryChannel()
     ch.send(torch.tensor([transfer.MAX_META_BYTES + 1], dtype=torch.int64), 0)
     with pytest.raises(MigrationAborted, match="refusing"):
-        transfer._recv_blob(ch)
+        transfer.recv_record(ch)
 
 
 def test_tensors_that_differ_from_the_targets_are_named():
-    ours = transfer._manifest([torch.zeros(4, 8), torch.zeros(8, dtype=torch.bfloat16)])
+    ours = transfer.manifest([torch.zeros(4, 8), torch.zeros(8, dtype=torch.bfloat16)])
     transfer.check_manifest(ours, ours, rank=3)
     with pytest.raises(MigrationAborted, match=r"tensor 0: \[4, 16\] torch.float32 sent, \[4, 8\] torch.float32 here"):
         transfer.check_manifest(
-            transfer._manifest([torch.zeros(4, 16), torch.zeros(8, dtype=torch.bfloat16)]), ours, rank=3
+            transfer.manifest([torch.zeros(4, 16), torch.zeros(8, dtype=torch.bfloat16)]), ours, rank=3
         )
     with pytest.raises(MigrationAborted, match="torch.float32 sent, \\[8\\] torch.bfloat16 here"):
-        transfer.check_manifest(transfer._manifest([torch.zeros(4, 8), torch.zeros(8)]), ours, rank=3)
+        transfer.check_manifest(transfer.manifest([torch.zeros(4, 8), torch.zeros(8)]), ours, rank=3)
     with pytest.raises(MigrationAborted, match="sends 1 tensors, this process holds 2"):
-        transfer.check_manifest(transfer._manifest([torch.zeros(4, 8)]), ours, rank=3)
+        transfer.check_manifest(transfer.manifest([torch.zeros(4, 8)]), ours, rank=3)

@@ -69,6 +69,69 @@ class ConvergencePlan:
     from_checkpoint: bool = False
     """True: no replica can serve some shard; every rank loads the latest checkpoint instead."""
     reason: str = ""
+    mirror: bool = False
+    """The copies come from holders' mirrors of the targets' optimizer shards (each source holds its
+    target's), and every rank rebuilds its model parameters from the main parameters afterwards."""
+
+
+def plan_mirror_convergence(
+    holders: dict[int, int],
+    iterations: dict[int, int],
+    shards: dict[int, int],
+    mirrors: dict[int, list[int]],
+    joiners: set[int],
+    staged: dict[int, int] | None = None,
+) -> ConvergencePlan:
+    """The resume point with the distributed optimizer's host-memory mirror.
+
+    ``holders`` maps every rank of the job to the rank holding its shard's mirror; ``iterations``
+    each live stayer with usable state to its completed steps; ``shards`` the same stayers to the
+    boundary their own optimizer shard is at (one past ``iterations`` when the step ran on it and the
+    iteration then failed); ``mirrors`` each live reporting holder to the iterations of its ward's
+    shard it holds committed; ``joiners`` the ranks served by new processes; ``staged`` each stayer to
+    the boundary of its own last staged copy (what it sent its holder last).
+
+    A rank is *level* at ``k`` when it completed ``k`` steps and its shard is at ``k``; otherwise its
+    own staged copy of ``k`` (a copy ``(r, r)``: no traffic) or its holder's committed copy of ``k``
+    brings it there. The own copy is what saves a rank whose holder died while the rank's step of the
+    next iteration ran (its shard moved on in place). The job resumes at the newest ``k`` every rank
+    can reach, one way or the other; when there is none (a holder lost with its ward, or a ward whose
+    newest copy never landed while its holder's older one is too old), every rank falls back to the
+    checkpoint, and the reason names the shard.
+    """
+    missing = set(holders) - set(iterations) - joiners
+    if missing:
+        raise ValueError(f"ranks {sorted(missing)} are neither reporting stayers nor joiners")
+
+    def level(rank: int, k: int) -> bool:
+        return iterations.get(rank) == k and shards.get(rank) == k
+
+    own = staged or {}
+
+    def source(rank: int, k: int) -> int | None:
+        """Who restores ``rank`` to ``k``: itself (level, or its staged copy), its holder, or nobody."""
+        if level(rank, k) or own.get(rank) == k:
+            return rank
+        holder = holders[rank]
+        return holder if holder != rank and k in mirrors.get(holder, []) else None
+
+    candidates = sorted({*iterations.values(), *(i for held in mirrors.values() for i in held)}, reverse=True)
+    for k in candidates:
+        sources = {r: source(r, k) for r in holders}
+        if all(src is not None for src in sources.values()):
+            copies = [(src, r) for r, src in sorted(sources.items()) if src is not None and not level(r, k)]
+            return ConvergencePlan(resume_iteration=k, copies=copies, mirror=True)
+    lost = sorted(r for r in holders if r in joiners or iterations.get(r) != shards.get(r))
+    why = "; ".join(
+        f"rank {r}'s holder rank {holders[r]} "
+        + (f"holds iterations {mirrors[holders[r]]}" if holders[r] in mirrors else "was lost or holds nothing")
+        for r in lost[:4]
+    )
+    return ConvergencePlan(
+        resume_iteration=-1,
+        from_checkpoint=True,
+        reason=f"no iteration that every optimizer shard reaches from its own rank or its mirror ({why})",
+    )
 
 
 def plan_convergence(rings: dict[int, list[int]], iterations: dict[int, int], joiners: set[int]) -> ConvergencePlan:

@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from trainmover_ext.control.actions import (
     Action,
@@ -93,7 +92,6 @@ from trainmover_ext.control.actions import (
     RejectRequest,
     RepairEpoch,
 )
-from trainmover_ext.control.convergence import plan_convergence
 from trainmover_ext.control.lapses import etcd_stalled, lapse_waits
 from trainmover_ext.control.placement import (
     available_standbys,
@@ -106,13 +104,13 @@ from trainmover_ext.control.probes import node_lost, suspicions, unresponsive_ho
 from trainmover_ext.control.records import (
     MAX_EPOCH,
     Alert,
-    ConvergenceRecord,
     FailureReport,
     MigrationPlan,
     MigrationRequest,
     RankRecord,
     Replacement,
 )
+from trainmover_ext.control.resume import decide_convergence, recovery_under_way, state_source
 from trainmover_ext.control.view import View
 
 __all__ = [  # the actions are re-exported: callers take them with the function that returns them
@@ -229,14 +227,6 @@ def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
     return [failed[r] for r in sorted(failed)], actions + probes
 
 
-def _state_source(view: View, rec: RankRecord, failed: set[int]) -> dict[str, Any]:
-    """Where the plan expects the lost state to come from (shown to operators); which replica sends
-    it, and whether the job must go back to the checkpoint after all, is the convergence decision."""
-    if any(q not in failed and q in view.ranks and view.ranks[q].member_id in view.members for q in rec.replicas):
-        return {"kind": "replica"}
-    return {"kind": "checkpoint", "iteration": view.checkpoint_iteration}
-
-
 def _place_lost_nodes(view: View, failures: list[_Failure], taken: set[str]) -> tuple[dict[int, str], list[str]]:
     """Joiners for the ranks of each lost node with two or more failed ranks (one machine each, where one
     is free), and the placement notes of the plan."""
@@ -288,7 +278,7 @@ def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by:
                 leaver=f.rank.member_id,
                 joiner=joiner,
                 role=f.rank.role,
-                state_source=_state_source(view, f.rank, failed_ranks),
+                state_source=state_source(view, f.rank, failed_ranks),
                 local_rank=local_rank,
             )
         )
@@ -349,45 +339,6 @@ def _plan_failures(view: View, now: float, failures: list[_Failure], decided_by:
         )
     )
     return actions
-
-
-def _recovery_under_way(view: View) -> bool:
-    plan = view.last_plan
-    return (
-        plan is not None and plan.reason == "failure" and plan.epoch == view.epoch and plan.epoch not in view.converged
-    )
-
-
-def _decide_convergence(view: View, now: float, decided_by: str) -> list[Action]:
-    """The resume point of the newest failure epoch, once every stayer reported (see the module doc)."""
-    if not _recovery_under_way(view) or not view.ranks:
-        return []  # no rank record is readable (garbage, reported in view.malformed): nothing to resume yet
-    plan = view.last_plan
-    assert plan is not None  # _recovery_under_way checked it
-    joiners = {r.rank for r in plan.replacement_list()}
-    reported = view.recovery.get(plan.epoch, {})
-    stayers = set(view.ranks) - joiners
-    if not stayers <= set(reported):
-        return []  # still waiting; a stayer that dies meanwhile is a new failure (a newer plan)
-    # A stayer whose state is unusable (a copy into it was cut short by this epoch) needs a copy
-    # like a joiner.
-    holding = {r: it for r in stayers if (it := reported[r]) is not None}
-    rings = {r: sorted({r, *rec.replicas}) for r, rec in view.ranks.items()}
-    cplan = plan_convergence(rings, holding, set(view.ranks) - set(holding))
-    record = ConvergenceRecord(
-        epoch=plan.epoch,
-        resume_iteration=cplan.resume_iteration,
-        copies=[list(pair) for pair in cplan.copies],
-        from_checkpoint=cplan.from_checkpoint,
-        reason=cplan.reason,
-        decided_at=now,
-        decided_by=decided_by,
-    )
-    return [
-        CommitConvergence(
-            record=record, expected_epoch_rev=view.epoch_rev, consumed=tuple(view.recovery_keys.get(plan.epoch, []))
-        )
-    ]
 
 
 def _decide_switch_point(view: View) -> list[Action]:
@@ -589,8 +540,8 @@ def decide(view: View, now: float, *, decided_by: str = "") -> list[Action]:
     failures, actions = _failures(view, now)
     if failures:
         return actions + _plan_failures(view, now, failures, decided_by)
-    if _recovery_under_way(view):
-        return actions + _decide_convergence(view, now, decided_by)
+    if recovery_under_way(view):
+        return actions + decide_convergence(view, now, decided_by)
     switch = _decide_switch_point(view)
     if switch:
         return actions + switch

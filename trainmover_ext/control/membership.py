@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from trainmover_ext.control.executor import event_put
 from trainmover_ext.control.records import (
@@ -364,14 +364,18 @@ def report_failure(
     space.put(space.key("reports", rank, reporter), rep.to_bytes())
 
 
-def report_recovery(space: JobSpace, *, epoch: int, rank: int, iteration: int | None) -> None:
+def report_recovery(
+    space: JobSpace, *, epoch: int, rank: int, iteration: int | None, mirror: dict[str, Any] | None = None
+) -> None:
     """Stayer ``rank`` of failure epoch ``epoch``: say how many steps it completed, or ``None`` when
     its state is unusable (a copy into it was cut short by this newer epoch): it then receives a copy
-    like a joiner. One write; the controller decides the resume point from every stayer's report."""
-    space.put(
-        recovery_key(space, epoch, rank),
-        encode("recovery", {"iteration": None if iteration is None else int(iteration)}),
-    )
+    like a joiner. With the distributed optimizer's mirror, ``mirror`` adds the boundary its own shard
+    is at (``shard``) and the committed copies it holds of its ward's (``mirror``: ward, iterations).
+    One write; the controller decides the resume point from every stayer's report."""
+    value: dict[str, Any] = {"iteration": None if iteration is None else int(iteration)}
+    if mirror is not None:
+        value.update(mirror)
+    space.put(recovery_key(space, epoch, rank), encode("recovery", value))
 
 
 def wait_convergence(

@@ -210,6 +210,9 @@ class RankRecord(Record):
     """Stage role of this rank (:data:`ROLES`)."""
     replicas: list[int] = field(default_factory=list)
     """Other ranks holding the same parameter shard (its data-parallel peers); empty with a distributed optimizer."""
+    holder: int | None = None
+    """The rank keeping this rank's optimizer shard in host memory (the distributed optimizer's mirror);
+    None without one."""
     since_epoch: int = 0
     """Epoch at which ``member_id`` started serving the rank."""
     local_rank: int = 0
@@ -278,8 +281,9 @@ class Replacement:
     joiner: str
     role: str
     state_source: dict[str, Any]
-    """``{"kind": "replica", "rank": q, "member": m}``, ``{"kind": "checkpoint", "iteration": k|None}``
-    or, for a planned move, ``{"kind": "leaver", "member": m}``."""
+    """``{"kind": "replica"}``, ``{"kind": "mirror", "rank": holder}`` (the distributed optimizer's
+    host-memory mirror), ``{"kind": "checkpoint", "iteration": k|None[, "why": ...]}`` or, for a
+    planned move, ``{"kind": "leaver", "member": m}``."""
     local_rank: int = 0
     """The ``LOCAL_RANK`` (device) the joiner serves the rank with: its slot on a standby machine, else
     the rank's own (a standby beside the ranks takes the lost rank's device)."""
@@ -361,6 +365,9 @@ class ConvergenceRecord(Record):
     """``[source, target]`` rank pairs: each target receives the source's whole training state."""
     from_checkpoint: bool = False
     """True: some state has no live replica; every rank loads the latest checkpoint instead."""
+    mirror: bool = False
+    """The copies are of optimizer shards from their holders' mirrors (the source holds the target's);
+    every rank then rebuilds its model parameters from the main parameters."""
     reason: str = ""
     decided_at: float = 0.0
     decided_by: str = ""

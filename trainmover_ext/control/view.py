@@ -64,6 +64,13 @@ class View:
     recovery: dict[int, dict[int, int | None]] = field(default_factory=dict)
     """Stayers' reports per failure epoch: epoch -> rank -> completed steps, or None for a rank
     whose state is unusable (a copy into it was cut short) (``recovery/<e>/<r>``)."""
+    shards: dict[int, dict[int, int]] = field(default_factory=dict)
+    """The distributed optimizer's mirror, per failure epoch: rank -> the boundary its own optimizer
+    shard is at (from the same reports)."""
+    staged: dict[int, dict[int, int]] = field(default_factory=dict)
+    """Per failure epoch: rank -> the boundary of its own last staged shard copy."""
+    mirrors: dict[int, dict[int, list[int]]] = field(default_factory=dict)
+    """Per failure epoch: holder rank -> the iterations of its ward's shard it holds committed."""
     recovery_keys: dict[int, list[str]] = field(default_factory=dict)
     """The full keys behind ``recovery``, per epoch (a decision deletes the ones it settles)."""
     converged: set[int] = field(default_factory=set)
@@ -155,6 +162,13 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
                     raise MalformedValue(f"{key} has no iteration; the value is left untouched")
                 held = data["iteration"]
                 view.recovery.setdefault(epoch, {})[rank] = None if held is None else _count(held, key)
+                if data.get("shard") is not None:
+                    view.shards.setdefault(epoch, {})[rank] = _count(data["shard"], key)
+                if data.get("staged") is not None:
+                    view.staged.setdefault(epoch, {})[rank] = _count(data["staged"], key)
+                mirror = data.get("mirror")
+                if isinstance(mirror, dict) and isinstance(mirror.get("iterations"), list):
+                    view.mirrors.setdefault(epoch, {})[rank] = [_count(i, key) for i in mirror["iterations"]]
                 view.recovery_keys.setdefault(epoch, []).append(key)
             elif head == "convergence" and rest:
                 view.converged.add(_number(rest, key))

@@ -119,6 +119,7 @@ def serve_rank(
             )
         t_session = time.time()
         runtime.session = session
+        runtime.start_mirror(session)
         runtime.track_progress(session)
         args.iteration, args.consumed_train_samples = 0, 0
         try:

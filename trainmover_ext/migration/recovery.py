@@ -28,7 +28,7 @@ from trainmover_ext.errors import MigrationAborted, RecoverySuperseded
 from trainmover_ext.kv.job import JobSpace
 from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults
-from trainmover_training import checkpointing, iteration_start
+from trainmover_training import checkpointing, iteration_start, rank_state
 
 if TYPE_CHECKING:
     from trainmover_ext.migration.transfer import Channel
@@ -53,7 +53,13 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, *, fresh_
             # snapshot, as a run without the failure would (a copy below may overwrite it).
             session.rewind()
         faults.at("recover", rank=layout.rank, epoch=e)
-        report_recovery(rt.space, epoch=e, rank=layout.rank, iteration=args.iteration if rt.state_valid else None)
+        report_recovery(
+            rt.space,
+            epoch=e,
+            rank=layout.rank,
+            iteration=args.iteration if rt.state_valid else None,
+            mirror=rt.mirror.report() if rt.mirror is not None and rt.state_valid else None,
+        )
         report = world.recover(e, replaced=replaced)
         logger.info(
             "rank %d: epoch %d kept %d groups, rebuilt %d (%d members in all)",
@@ -67,6 +73,8 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, *, fresh_
     cplan = _await_convergence(rt, e)
     if cplan.from_checkpoint:
         _load_checkpoint(rt, session, cplan)
+    elif cplan.mirror:
+        _copy_from_mirrors(rt, session, cplan)
     else:
         # Over their data-parallel group's communicator, just rebuilt with the joiner: nothing is set up
         # on the critical path.
@@ -92,6 +100,58 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, *, fresh_
     )
     session.reset_data()
     rt.epoch = e
+
+
+def _copy_from_mirrors(rt: WorkerRuntime, session: Session, cplan: ConvergenceRecord) -> None:
+    """Carry out a mirror convergence: each holder serves its ward's shard of the resume iteration,
+    then every rank rebuilds its model parameters from the main parameters (a data-parallel
+    all-gather, so every rank takes part)."""
+    from trainmover_ext.migration.transfer import GroupChannel
+    from trainmover_ext.runtime.memwatch import PeakWindow
+
+    layout, args, e, k = session.layout, session.args, cplan.epoch, cplan.resume_iteration
+    mirror = rt.mirror
+    if mirror is None:
+        raise MigrationAborted(f"rank {layout.rank}: epoch {e} resumes from mirrors, and this rank keeps none")
+    for src, dst in cplan.copies:
+        if layout.rank == src == dst:
+            mirror.restore_own(k)
+            continue
+        if layout.rank not in (src, dst):
+            continue
+        sending = layout.rank == src
+        if not sending:
+            rt.state_valid = False  # until every tensor has landed
+        with PeakWindow() as mem:
+            moved = mirror.serve(GroupChannel(dst), k) if sending else mirror.restore(GroupChannel(src), k)
+        if not sending:
+            print(
+                f"[trainmover] rank {dst} took its optimizer shard of iteration {k} from rank {src}'s mirror "
+                f"({moved / 2**20:.2f} MiB, epoch {e}); RSS peak {mem.peak / 2**20:.1f} MiB",
+                flush=True,
+            )
+        record_transfer(
+            rt.space,
+            {
+                "side": "sent" if sending else "received",
+                "rank": layout.rank,
+                "peer": dst if sending else src,
+                "epoch": e,
+                "bytes": moved,
+                "mirror": True,
+                "start_rss": mem.start_rss,
+                "peak_rss": mem.peak,
+                **({} if sending else {"end_rss": mem.end_rss}),
+            },
+        )
+    if args.iteration != k:
+        raise MigrationAborted(
+            f"rank {layout.rank} holds iteration {args.iteration} after the copies of epoch {e}, not {k}"
+        )
+    rank_state.rebuild_params(session)
+    rt.state_valid = True
+    mirror.forget_after(k)
+    session.started = iteration_start.capture(args)
 
 
 def _await_convergence(rt: WorkerRuntime, epoch: int) -> ConvergenceRecord:
@@ -122,6 +182,8 @@ def _load_checkpoint(rt: WorkerRuntime, session: Session, cplan: ConvergenceReco
     args.iteration = checkpointing.read_latest_iteration(root)
     args.consumed_train_samples = args.iteration * args.global_batch_size
     rt.state_valid = True
+    if rt.mirror is not None:
+        rt.mirror.forget_after(args.iteration)
     session.started = iteration_start.capture(args)
 
 

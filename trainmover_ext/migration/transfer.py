@@ -42,7 +42,7 @@ from torch.distributed.distributed_c10d import PrefixStore, Store, Work
 
 from trainmover_ext.errors import MigrationAborted
 from trainmover_ext.runtime import faults
-from trainmover_training import checkpointing
+from trainmover_training import rank_state
 
 if TYPE_CHECKING:
     from trainmover_training.training import Session
@@ -154,38 +154,7 @@ def open_transfer_link(store: Store, name: str, side: int, timeout_s: float, hos
 
 def _tensor_list(session: Session) -> list[torch.Tensor]:
     """Every tensor of the training state, in an order both ends derive identically."""
-    tensors: list[torch.Tensor] = []
-    for chunk in session.model:
-        tensors += [t for t in chunk.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
-    for opt in checkpointing._optimizers(session.optimizer):
-        state = opt.optimizer.state
-        for group in opt.optimizer.param_groups:
-            for p in group["params"]:
-                for key in sorted(state.get(p, {})):
-                    if isinstance(state[p][key], torch.Tensor):
-                        tensors.append(state[p][key])
-        for group in checkpointing._master_groups(opt) or []:
-            tensors += list(group)
-    return tensors
-
-
-def _optimizer_layout(session: Session) -> list[list[dict[str, tuple[Any, ...]]]]:
-    """Per optimizer, per param: the sorted state keys with shapes/dtypes (non-tensors by value)."""
-    layout = []
-    for opt in checkpointing._optimizers(session.optimizer):
-        state = opt.optimizer.state
-        per_param = []
-        for group in opt.optimizer.param_groups:
-            for p in group["params"]:
-                entry: dict[str, tuple[Any, ...]] = {}
-                for key in sorted(state.get(p, {})):
-                    v = state[p][key]
-                    entry[key] = (
-                        ("tensor", tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else ("value", v)
-                    )
-                per_param.append(entry)
-        layout.append(per_param)
-    return layout
+    return rank_state.model_tensors(session) + rank_state.optimizer_tensors(session)
 
 
 META_FORMAT = "trainmover.state_meta"
@@ -194,26 +163,26 @@ MAX_META_BYTES = 64 << 20
 """A metadata record larger than this is refused before anything is allocated for it."""
 
 
-def _send_blob(channel: Channel[Any], obj: dict[str, Any]) -> None:
+def encode_meta(obj: dict[str, Any]) -> bytes:
+    """A metadata record (plain values and tensors) as bytes: ``torch.save``, read back weights-only."""
     buf = io.BytesIO()
     torch.save({"format": META_FORMAT, "version": META_VERSION, **obj}, buf)
-    _send_raw(channel, buf.getvalue())
+    return buf.getvalue()
 
 
-def _recv_blob(channel: Channel[Any]) -> dict[str, Any]:
-    """The peer's metadata record; a record that is not one (or would run code) is a MigrationAborted."""
-    size = torch.zeros(1, dtype=torch.int64)
-    channel.recv(size, 0).wait()
-    n = int(size.item())
+def check_meta_size(n: int) -> None:
+    """Refuse an announced record size before anything is allocated for it."""
     if not 0 < n <= MAX_META_BYTES:
         raise MigrationAborted(
             f"the state source announced {n} bytes of metadata (at most {MAX_META_BYTES}); refusing it"
         )
-    buf = torch.empty(n, dtype=torch.uint8)
-    channel.recv(buf, 1).wait()
+
+
+def decode_meta(data: bytes) -> dict[str, Any]:
+    """Read :func:`encode_meta`'s bytes; a record that is not one (or would run code) is a MigrationAborted."""
     try:
         # weights_only: tensors, numbers, strings and containers only; anything else is refused unrun.
-        meta = torch.load(io.BytesIO(buf.numpy().tobytes()), weights_only=True)
+        meta = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable record is refused the same way
         raise MigrationAborted(f"the state source's metadata is not a TrainMover state record: {exc}") from exc
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
@@ -226,7 +195,22 @@ def _recv_blob(channel: Channel[Any]) -> dict[str, Any]:
     return meta
 
 
-def _manifest(tensors: list[torch.Tensor]) -> list[list[Any]]:
+def send_record(channel: Channel[Any], obj: dict[str, Any]) -> None:
+    _send_raw(channel, encode_meta(obj))
+
+
+def recv_record(channel: Channel[Any]) -> dict[str, Any]:
+    """The peer's metadata record; a record that is not one (or would run code) is a MigrationAborted."""
+    size = torch.zeros(1, dtype=torch.int64)
+    channel.recv(size, 0).wait()
+    n = int(size.item())
+    check_meta_size(n)
+    buf = torch.empty(n, dtype=torch.uint8)
+    channel.recv(buf, 1).wait()
+    return decode_meta(buf.numpy().tobytes())
+
+
+def manifest(tensors: list[torch.Tensor]) -> list[list[Any]]:
     """``[shape, dtype]`` of every tensor, in transfer order."""
     return [[list(t.shape), str(t.dtype)] for t in tensors]
 
@@ -272,28 +256,19 @@ def send_state(
     ``after_meta`` (fault drills) is called once the metadata is sent; ``forge`` (a drill of
     :mod:`trainmover_ext.runtime.faults`) turns the true record into a crafted one (raw bytes: sent
     as they are)."""
-    args = session.args
     meta = {
-        "iteration": args.iteration,
-        "consumed_train_samples": args.consumed_train_samples,
-        "scheduler": session.scheduler.state_dict(),
-        "grad_scaler": checkpointing.grad_scaler_states(session.optimizer),
-        "rng": session.resume_rng(),  # the resumed iteration's start, not our advanced state
-        "last_record": session.last_record,
+        **rank_state.scalars(session),
         "source_rank": session.layout.rank,
-        "optimizer_layout": _optimizer_layout(session),
-        "param_groups": [
-            [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
-            for opt in checkpointing._optimizers(session.optimizer)
-        ],
+        "optimizer_layout": rank_state.optimizer_layout(session),
+        "param_groups": rank_state.param_group_settings(session),
     }
     tensors = _tensor_list(session)
-    meta["manifest"] = _manifest(tensors)
+    meta["manifest"] = manifest(tensors)
     record = forge({"format": META_FORMAT, "version": META_VERSION, **meta}) if forge is not None else meta
     if isinstance(record, bytes):
         _send_raw(channel, record)
     else:
-        _send_blob(channel, record)
+        send_record(channel, record)
     if after_meta is not None:
         after_meta()
     hoard = faults.extra_state_copy(tensors)  # a drill of the memory check; None otherwise
@@ -308,43 +283,26 @@ def send_state(
     return sent
 
 
-def _check_optimizer_layout(meta: dict[str, Any], session: Session) -> None:
+def check_optimizer_layout(theirs: list, session: Session) -> None:
     """The source's optimizer state must fit this process's parameters before it is materialised."""
-    ours = [
-        [p for g in opt.optimizer.param_groups for p in g["params"]]
-        for opt in checkpointing._optimizers(session.optimizer)
-    ]
-    theirs = meta["optimizer_layout"]
-    if len(theirs) != len(ours) or any(len(a) != len(b) for a, b in zip(theirs, ours, strict=False)):
+    ours = rank_state.parameter_counts(session)
+    if [len(a) for a in theirs] != ours:
         raise MigrationAborted(
             f"rank {session.layout.rank}: the state source's optimizer holds "
             f"{[len(a) for a in theirs]} parameters per optimizer, this process "
-            f"{[len(b) for b in ours]}; nothing was received"
+            f"{ours}; nothing was received"
         )
 
 
 def recv_state(channel: Channel[Any], session: Session) -> int:
     """Target side: overwrite model, optimizer, scheduler, RNG and counters; returns bytes received."""
-    meta = _recv_blob(channel)
-    _check_optimizer_layout(meta, session)
+    meta = recv_record(channel)
+    check_optimizer_layout(meta["optimizer_layout"], session)
     # Materialise the optimizer state with the source's structure so that the
     # tensor order below matches; values are overwritten by the receives.
-    for opt, per_param, groups in zip(
-        checkpointing._optimizers(session.optimizer), meta["optimizer_layout"], meta["param_groups"], strict=False
-    ):
-        params = [p for g in opt.optimizer.param_groups for p in g["params"]]
-        for p, entry in zip(params, per_param, strict=False):
-            st = opt.optimizer.state.setdefault(p, {})
-            for key, spec in entry.items():
-                if spec[0] == "tensor":
-                    dtype = getattr(torch, spec[2].replace("torch.", ""))
-                    st[key] = torch.zeros(spec[1], dtype=dtype, device=p.device if spec[1] else "cpu")
-                else:
-                    st[key] = spec[1]
-        for group, saved in zip(opt.optimizer.param_groups, groups, strict=False):
-            group.update(saved)
+    rank_state.materialize_optimizer_state(session, meta["optimizer_layout"], meta["param_groups"])
     tensors = _tensor_list(session)
-    check_manifest(meta["manifest"], _manifest(tensors), session.layout.rank)
+    check_manifest(meta["manifest"], manifest(tensors), session.layout.rank)
     received, posted = 0, []
     for i, t in enumerate(tensors):
         buf = t.detach() if t.is_contiguous() else torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -354,12 +312,5 @@ def recv_state(channel: Channel[Any], session: Session) -> int:
         work.wait()
         if buf.data_ptr() != t.detach().data_ptr():
             t.detach().copy_(buf)
-    checkpointing.load_scheduler_state(session.scheduler, meta["scheduler"])
-    checkpointing.load_grad_scaler_states(session.optimizer, meta["grad_scaler"])
-    checkpointing.set_rng_state(meta["rng"])
-    session.args.iteration = meta["iteration"]
-    session.args.consumed_train_samples = meta["consumed_train_samples"]
-    record = meta["last_record"]
-    session.last_record = record if record and record["iteration"] == meta["iteration"] else None
-    session.metrics.restore(session.last_record, meta["source_rank"])
+    rank_state.restore_scalars(session, meta, meta["source_rank"])
     return received

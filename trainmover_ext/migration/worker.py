@@ -50,6 +50,7 @@ from trainmover_ext.kv.codec import encode
 from trainmover_ext.launch import progress
 from trainmover_ext.launch.identity import Identity, identity_from_env, open_space
 from trainmover_ext.migration.handover_transport import HandoverChannel
+from trainmover_ext.migration.mirror import Mirror, holder_and_ward, ward_of
 from trainmover_ext.migration.planned import PendingHandover, hand_over, prepare_hand_over
 from trainmover_ext.migration.recovery import converge
 from trainmover_ext.migration.timeline import mark_step
@@ -71,6 +72,22 @@ def _mark_backward(grad: Any) -> Any:
 def stage_role(layout: ParallelLayout) -> str:
     """The control plane's role name of this rank's pipeline stage."""
     return "first" if layout.role in ("first", "only") else layout.role
+
+
+def _ranks_per_node() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def mirror_holder(session: Session, config: TrainMoverConfig) -> int | None:
+    """The rank that holds this rank's optimizer-shard mirror, or None when there is no mirror: it is
+    off, the optimizer is not distributed, the data-parallel size is 1, or the communicator is not
+    nccl_delta (whose groups a recovery rebuilds)."""
+    layout = session.layout
+    if not (config.optimizer_mirror and session.args.use_distributed_optimizer and layout.dp_size > 1):
+        return None
+    if layout.comm != "nccl_delta":
+        return None
+    return holder_and_ward(layout, _ranks_per_node())[0]
 
 
 def grid_of(layout: ParallelLayout) -> GridShape:
@@ -117,6 +134,8 @@ class WorkerRuntime(Runtime):
         self.handed_over: int | None = None
         """Epoch at which this rank, a planned leaver, handed its state over and left training."""
         self.pending_first_iteration: list[int] = []
+        self.mirror: Mirror | None = None
+        """The distributed optimizer's host-memory mirror (:meth:`start_mirror`), when on."""
         """Epochs whose ``first_iteration`` step this process (a joiner) still has to record."""
         grid = grid_of(self.layout)
         if grid.shard_of(self.layout.rank) != (self.layout.tp_rank, self.layout.pp_rank):
@@ -139,6 +158,7 @@ class WorkerRuntime(Runtime):
             if session.args.use_distributed_optimizer
             else [r for r in grid_of(layout).replicas_of(layout.rank) if r != layout.rank]
         )
+        holder = mirror_holder(session, config)
         # Register before naming ourselves in ranks/<r>: a rank whose member is not registered
         # looks orphaned to the controller, which would replace it.
         member = Membership(
@@ -155,6 +175,7 @@ class WorkerRuntime(Runtime):
                     host=ident.host,
                     role=stage_role(layout),
                     replicas=replicas,
+                    holder=holder,
                     local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                 )
             ],
@@ -206,6 +227,24 @@ class WorkerRuntime(Runtime):
         progress.mark("save")
         yield
         progress.mark("control")
+
+    def start_mirror(self, session: Session) -> None:
+        """Keep this rank's optimizer shard in its holder's host memory after every step, and hold its
+        ward's (:mod:`trainmover_ext.migration.mirror`), when the rank's record names a holder (the job's
+        first ranks decided it: a joiner follows them, whatever its own flags)."""
+        if not session.args.use_distributed_optimizer or self.layout.comm != "nccl_delta":
+            return
+        key = self.space.key("ranks", self.layout.rank)
+        entry = self.space.kv.get(key)
+        holder = RankRecord.from_bytes(entry.value, key=key).holder if entry is not None else None
+        if holder is None:
+            return
+        self.mirror = Mirror(session, holder, ward_of(session.layout, holder))
+        logger.info("rank %d: optimizer shard mirrored at rank %d", self.layout.rank, holder)
+
+    def after_step(self, session: Session) -> None:
+        if self.mirror is not None:
+            self.mirror.exchange()
 
     def track_progress(self, session: Session) -> None:
         """Publish the main thread's progress to the agent (:mod:`trainmover_ext.launch.progress`): each

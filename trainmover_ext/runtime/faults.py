@@ -354,9 +354,9 @@ def _install_one(spec: FaultSpec, session: Session) -> None:
 
         session.scheduler.step = sched_step
     else:
-        from trainmover_training import checkpointing
+        from trainmover_training import rank_state
 
-        for opt in checkpointing._optimizers(session.optimizer):
+        for opt in rank_state.optimizers(session):
             inner_step = opt.optimizer.step
 
             def step(*a: Any, _inner: Callable[..., Any] = inner_step, **kw: Any) -> Any:

@@ -1,0 +1,297 @@
+"""The distributed optimizer's host-memory mirror: each rank's optimizer shard kept by a peer.
+
+Why: with ``--use-distributed-optimizer`` each data-parallel rank alone holds its shard of the fp32
+main parameters and the Adam moments, so a lost rank's shard existed nowhere else and every rank
+rolled back to the checkpoint. Here every rank (the *ward*) copies its shard after each step into the
+host memory of a data-parallel peer (its *holder*), on another node where the layout has one
+(:func:`holder_offset`); a replacement takes the shard from there, with no rollback and no extra
+accelerator memory.
+
+Contract
+- :meth:`Mirror.exchange` runs on the training thread after every completed step, on every rank of
+  the data-parallel group at once: each rank posts its shard (:func:`rank_state.shard_tensors`) and
+  the boundary's plain values (:func:`rank_state.scalars`, the optimizer's layout and settings) to
+  its holder, and receives its ward's into the older of two host-memory generations. A generation
+  counts (*committed*) only once all its bytes landed; its CRC-32 is taken then and checked again
+  before it is served, so host memory that changed since is refused. A failure cuts the exchange
+  like any collective (:class:`CommLinkError`): the generation being received stays uncommitted.
+- The holder keeps two generations (the step just completed and the one before), so a recovery can
+  resume one step back when a ward's newest copy never landed (the stayers ahead roll back from
+  their own holders). :meth:`Mirror.report` says which iterations it holds, for the controller.
+- :meth:`Mirror.serve` sends a committed generation to the ward's rank (a joiner, or the ward rolling
+  back); :meth:`Mirror.restore` receives it into this rank's own shard and boundary values. The model
+  parameters then follow from the main parameters (:func:`rank_state.rebuild_params`, every rank).
+- A generation with a wrong iteration, a manifest that is not the target's, or a failed checksum is
+  refused with :class:`MirrorRefused` (a :class:`MigrationAborted`): the next source on the ladder
+  (the checkpoint) is used.
+- Host memory: the holder keeps twice the shard it holds; on an accelerator the ward also stages its
+  shard in one host buffer (a device-to-host copy) before sending. No accelerator memory is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainmover_ext.errors import MigrationAborted
+from trainmover_ext.migration import transfer
+from trainmover_training import rank_state
+
+if TYPE_CHECKING:
+    from trainmover_ext.migration.transfer import Channel
+    from trainmover_training.initialize import ParallelLayout
+    from trainmover_training.training import Session
+
+logger = logging.getLogger(__name__)
+
+TAG = 1 << 20
+"""First tag of the exchange (the size, the record, then one tag per tensor); the state transfer's
+tags are below it."""
+ALIGN = 64
+"""Byte alignment of each tensor inside a generation's buffer."""
+
+
+class MirrorRefused(MigrationAborted):
+    """A mirror generation cannot be used (missing, stale, another layout, or a failed checksum)."""
+
+
+def holder_offset(dp: int, tp: int, ranks_per_node: int) -> int:
+    """How many data-parallel positions ahead a rank's holder is: the nearest peer on another node
+    (ranks are numbered tensor-parallel first, then data-parallel), or the next peer when every peer
+    shares the node (a one-node job)."""
+    step = -(-ranks_per_node // tp)  # data-parallel positions per node
+    return step if 0 < step < dp else 1
+
+
+def holder_and_ward(layout: ParallelLayout, ranks_per_node: int) -> tuple[int, int]:
+    """(the rank holding this rank's shard, the rank whose shard this rank holds); needs dp > 1."""
+    d = holder_offset(layout.dp_size, layout.tp_size, ranks_per_node)
+    base = layout.rank - layout.dp_rank * layout.tp_size  # the data-parallel position 0 of this shard
+    holder = base + ((layout.dp_rank + d) % layout.dp_size) * layout.tp_size
+    ward = base + ((layout.dp_rank - d) % layout.dp_size) * layout.tp_size
+    return holder, ward
+
+
+def ward_of(layout: ParallelLayout, holder: int) -> int:
+    """The rank whose shard this rank holds, given the rank that holds this rank's (the same offset back)."""
+    d = (holder - layout.rank) // layout.tp_size % layout.dp_size
+    base = layout.rank - layout.dp_rank * layout.tp_size
+    return base + ((layout.dp_rank - d) % layout.dp_size) * layout.tp_size
+
+
+@dataclass
+class Generation:
+    """One copy of the ward's state at the boundary ``iteration``."""
+
+    iteration: int = -1
+    record: dict[str, Any] = field(default_factory=dict)
+    """The ward's boundary values, layout, settings and manifest."""
+    buffer: torch.Tensor | None = None
+    """Host memory of every tensor (uint8, each tensor aligned to :data:`ALIGN`)."""
+    views: list[torch.Tensor] = field(default_factory=list)
+    checksum: int | None = None
+    """CRC-32 of ``buffer`` when committed; None while uncommitted."""
+
+    @property
+    def committed(self) -> bool:
+        return self.checksum is not None
+
+    def shape_for(self, manifest: list[list[Any]]) -> None:
+        """Lay the buffer out for ``manifest`` (reallocated only when the size changes; page-locked
+        where an accelerator copies into it)."""
+        offsets, total = [], 0
+        dtypes = [getattr(torch, str(dtype).replace("torch.", "")) for _, dtype in manifest]
+        for (shape, _), dtype in zip(manifest, dtypes, strict=True):
+            offsets.append(total)
+            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            total += -(-n // ALIGN) * ALIGN
+        if self.buffer is None or self.buffer.numel() != total:
+            self.buffer = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self.views = [
+            self.buffer[o : o + int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()]
+            .view(dt)
+            .view(shape)
+            for o, (shape, _), dt in zip(offsets, manifest, dtypes, strict=True)
+        ]
+
+    def crc(self) -> int:
+        assert self.buffer is not None
+        return zlib.crc32(self.buffer.numpy().data)
+
+
+class Mirror:
+    """This rank's two sides of the mirror: ward of ``holder``, holder of ``ward`` (module docstring)."""
+
+    def __init__(self, session: Session, holder: int, ward: int) -> None:
+        self.session, self.holder, self.ward = session, holder, ward
+        self.generations = [Generation(), Generation()]
+        """The ward's two newest copies."""
+        self.own = Generation()
+        """This rank's own last staged copy (``checksum`` 0 once staged; no CRC is taken of it)."""
+        self.stepped_at: int | None = None
+        """The iteration whose optimizer step ran on this rank's shard (set when the inner step ends)."""
+        for opt in rank_state.optimizers(session):
+            opt.optimizer.register_step_post_hook(self._stepped)
+
+    def _stepped(self, *_: Any) -> None:
+        self.stepped_at = self.session.args.iteration + 1
+
+    # --- the ward's side and the holder's, every step ---------------------------------
+    def shard_iteration(self) -> int:
+        """The boundary this rank's own shard is at: one past ``args.iteration`` when the step of the
+        iteration in progress ran on it and the iteration then failed (the parameter all-gather)."""
+        args = self.session.args
+        return args.iteration + 1 if self.stepped_at == args.iteration + 1 else args.iteration
+
+    def _stage(self, record: dict[str, Any]) -> list[torch.Tensor]:
+        """Copy this rank's shard into its own host-memory generation (what it sends, and what it rolls
+        back to if its next step runs and that iteration then fails)."""
+        tensors = [t.detach() for t in rank_state.shard_tensors(self.session)]
+        own = self.own
+        own.checksum, own.iteration = None, -1
+        own.shape_for(transfer.manifest(tensors))
+        for view, t in zip(own.views, tensors, strict=True):
+            view.copy_(t, non_blocking=True)
+        if any(t.device.type == "cuda" for t in tensors):
+            torch.cuda.current_stream().synchronize()
+        own.iteration, own.record, own.checksum = record["iteration"], record, 0
+        return own.views
+
+    def exchange(self) -> None:
+        """Send this rank's shard to its holder and take its ward's (see the module docstring)."""
+        from trainmover_ext.migration.transfer import GroupChannel
+
+        record = {
+            "kind": "mirror",
+            "ward": self.session.layout.rank,
+            **rank_state.scalars(self.session),
+            "optimizer_layout": rank_state.optimizer_layout(self.session),
+            "param_groups": rank_state.param_group_settings(self.session),
+            "manifest": transfer.manifest(rank_state.shard_tensors(self.session)),
+        }
+        tensors = self._stage(record)
+        data = transfer.encode_meta(record)
+        out, inc = GroupChannel(self.holder), GroupChannel(self.ward)
+        sends = [
+            out.send(torch.tensor([len(data)], dtype=torch.int64), TAG),
+            out.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), TAG + 1),
+        ]
+        sends += [out.send(t, TAG + 2 + i) for i, t in enumerate(tensors)]
+        size = torch.zeros(1, dtype=torch.int64)
+        inc.recv(size, TAG).wait()
+        transfer.check_meta_size(int(size.item()))
+        blob = torch.empty(int(size.item()), dtype=torch.uint8)
+        inc.recv(blob, TAG + 1).wait()
+        theirs = transfer.decode_meta(blob.numpy().tobytes())
+        if theirs.get("kind") != "mirror" or theirs.get("ward") != self.ward:
+            raise MirrorRefused(f"rank {self.session.layout.rank}: rank {self.ward} sent no mirror record of its own")
+        gen = self._slot_for(theirs["iteration"])
+        gen.checksum, gen.iteration, gen.record = None, theirs["iteration"], theirs
+        gen.shape_for(theirs["manifest"])
+        works = [inc.recv(v, TAG + 2 + i) for i, v in enumerate(gen.views)]
+        for work in works:
+            work.wait()
+        out.wait_sends(sends)
+        gen.checksum = gen.crc()
+
+    def _slot_for(self, iteration: int) -> Generation:
+        """The generation to overwrite: one already at ``iteration`` (a re-run), else the older."""
+        for gen in self.generations:
+            if gen.iteration == iteration:
+                return gen
+        return min(self.generations, key=lambda g: (g.committed, g.iteration))
+
+    # --- recovery ------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """What the controller reads of this rank: its shard's boundary and the ward's committed copies."""
+        held = sorted(g.iteration for g in self.generations if g.committed)
+        staged = self.own.iteration if self.own.committed else None
+        return {"shard": self.shard_iteration(), "staged": staged, "mirror": {"ward": self.ward, "iterations": held}}
+
+    def committed(self, iteration: int) -> Generation:
+        """The ward's committed generation of ``iteration``, its checksum verified."""
+        for gen in self.generations:
+            if gen.committed and gen.iteration == iteration:
+                if gen.crc() != gen.checksum:
+                    gen.checksum = None
+                    raise MirrorRefused(
+                        f"rank {self.session.layout.rank}: the mirror of rank {self.ward}'s shard at iteration "
+                        f"{iteration} fails its checksum (host memory changed since it landed); not served"
+                    )
+                return gen
+        held = sorted(g.iteration for g in self.generations if g.committed)
+        raise MirrorRefused(
+            f"rank {self.session.layout.rank} holds no committed mirror of rank {self.ward} at iteration "
+            f"{iteration} (it holds {held or 'none'})"
+        )
+
+    def forget_after(self, iteration: int) -> None:
+        """Drop generations newer than the boundary the job resumed at (they will be sent again)."""
+        for gen in [*self.generations, self.own]:
+            if gen.iteration > iteration:
+                gen.checksum, gen.iteration = None, -1
+        self.stepped_at = None
+
+    def serve(self, channel: Channel[Any], iteration: int) -> int:
+        """Send the ward's generation of ``iteration`` (the receiver is the ward's rank); returns bytes sent.
+        A generation that cannot be served is announced as refused, so the receiver does not wait."""
+        try:
+            gen = self.committed(iteration)
+        except MirrorRefused as exc:
+            transfer.send_record(channel, {"kind": "mirror", "refused": str(exc)})
+            raise
+        transfer.send_record(channel, {**gen.record, "source_rank": self.session.layout.rank})
+        works = [channel.send(v, 100 + i) for i, v in enumerate(gen.views)]
+        channel.wait_sends(works)
+        return sum(v.numel() * v.element_size() for v in gen.views)
+
+    def restore(self, channel: Channel[Any], iteration: int) -> int:
+        """Receive this rank's shard and boundary values of ``iteration`` from its holder (:meth:`serve`)."""
+        rank = self.session.layout.rank
+        meta = transfer.recv_record(channel)
+        if meta.get("kind") != "mirror" or "refused" in meta:
+            raise MirrorRefused(f"rank {rank}: its holder sent no mirror: {meta.get('refused', 'not a mirror record')}")
+        ours = self._prepare(meta, iteration)
+        posted = []
+        for i, t in enumerate(ours):
+            buf = t if t.device.type == "cpu" and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
+            posted.append((t, buf, channel.recv(buf, 100 + i)))
+        for t, buf, work in posted:
+            work.wait()
+            if buf is not t:
+                t.copy_(buf)
+        rank_state.restore_scalars(self.session, meta, meta["source_rank"])
+        return sum(t.numel() * t.element_size() for t in ours)
+
+    def restore_own(self, iteration: int) -> int:
+        """Go back to this rank's own staged copy of ``iteration`` (its step of the next iteration ran,
+        and that iteration failed)."""
+        own = self.own
+        if not own.committed or own.iteration != iteration:
+            raise MirrorRefused(
+                f"rank {self.session.layout.rank}: its own staged copy is of iteration {own.iteration}, not {iteration}"
+            )
+        ours = self._prepare(own.record, iteration)
+        for t, view in zip(ours, own.views, strict=True):
+            t.copy_(view)
+        rank_state.restore_scalars(self.session, own.record, self.session.layout.rank)
+        return sum(t.numel() * t.element_size() for t in ours)
+
+    def _prepare(self, meta: dict[str, Any], iteration: int) -> list[torch.Tensor]:
+        """Check a generation's record against this rank, give the optimizer its layout and settings,
+        and return the shard tensors to copy into."""
+        session, rank = self.session, self.session.layout.rank
+        if meta.get("ward") != rank or meta.get("iteration") != iteration:
+            raise MirrorRefused(
+                f"rank {rank}: the mirror offered is of rank {meta.get('ward')} at iteration "
+                f"{meta.get('iteration')}, not of rank {rank} at {iteration}; nothing was received"
+            )
+        transfer.check_optimizer_layout(meta["optimizer_layout"], session)
+        rank_state.materialize_optimizer_state(session, meta["optimizer_layout"], meta["param_groups"])
+        ours = [t.detach() for t in rank_state.shard_tensors(session)]
+        transfer.check_manifest(meta["manifest"], transfer.manifest(ours), rank)
+        return ours
