@@ -144,8 +144,8 @@ class Mirror:
     def shard_iteration(self) -> int:
         """The boundary this rank's own shard is at: one past ``args.iteration`` when the step of the
         iteration in progress ran on it and the iteration then failed (the parameter all-gather)."""
-        args = self.session.args
-        return args.iteration + 1 if self.stepped_at == args.iteration + 1 else args.iteration
+        done = int(self.session.args.iteration)
+        return done + 1 if self.stepped_at == done + 1 else done
 
     def _stage(self, record: dict[str, Any]) -> list[torch.Tensor]:
         """Copy this rank's shard into its own host-memory generation (what it sends, and what it rolls

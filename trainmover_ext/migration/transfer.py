@@ -283,7 +283,7 @@ def send_state(
     return sent
 
 
-def check_optimizer_layout(theirs: list, session: Session) -> None:
+def check_optimizer_layout(theirs: list[Any], session: Session) -> None:
     """The source's optimizer state must fit this process's parameters before it is materialised."""
     ours = rank_state.parameter_counts(session)
     if [len(a) for a in theirs] != ours:
