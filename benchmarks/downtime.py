@@ -20,6 +20,9 @@ of ``--trials`` with its range and every trial:
 - ``nvrx_lost_s``: NVIDIA resiliency-ext 0.4.1's in-process restart (``nvrx_inprocess.py``; needs
   ``pip install -r requirements-bench.txt``, otherwise null with the reason).
 - ``planned_lost_s``: ``trainmover migrate --rank VICTIM`` while the job trains (``--planned-iters``).
+- ``distopt_lost_s``: ``unexpected`` with ``--use-distributed-optimizer`` (``--distopt-trials``): the lost
+  rank's optimizer shard comes from its holder's host-memory mirror; ``distopt_over_unexpected`` is its
+  ratio to the replicated case of the same run (goal <= 1.5).
 - ``scale``: ``unexpected`` at ``--scale`` world sizes, the last rank killed.
 
 Every faulted run also gives ``events[]`` (kind, rank, wall time, iteration, ``fraction_inside``,
@@ -34,6 +37,7 @@ started and whether it was warm, idle standbys, the penalty window) and its per-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import shlex
@@ -173,6 +177,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--planned-trials", type=int, default=3, help="Planned-move trials (0 skips).")
     parser.add_argument(
+        "--distopt-trials",
+        type=int,
+        default=3,
+        help="Trials of the unexpected scenario with --use-distributed-optimizer (its shard from the mirror; 0 skips).",
+    )
+    parser.add_argument(
         "--planned-iters",
         type=int,
         default=100,
@@ -225,6 +235,10 @@ def main(argv=None) -> int:
     tm = Strategy(name="trainmover", warm_until_iteration=warm_until)
     if "trainmover" in chosen and args.planned_trials:
         runs["planned"] = Scenario("planned", tm, job_of(8, args.planned_iters))
+    if "trainmover" in chosen and args.distopt_trials:
+        base = job_of(8)
+        distopt = Job(args=[*base.args, "--use-distributed-optimizer"], world=8, iters=base.iters)
+        runs["distopt"] = Scenario("distopt", tm, dataclasses.replace(distopt, save_interval=base.save_interval))
     for ranks in [int(r) for r in args.scale.split(",") if r.strip()] if "trainmover" in chosen else []:
         runs[f"scale_{ranks}"] = Scenario(f"scale_{ranks}", tm, job_of(ranks))
     for n, point in enumerate(points):
@@ -233,6 +247,9 @@ def main(argv=None) -> int:
             if key == "planned":
                 if n < args.planned_trials:
                     run.trial(workdir, n, [dict(kill[0], kind="migrate")], args, rows, events)
+            elif key == "distopt":
+                if n < args.distopt_trials:
+                    run.trial(workdir, n, kill, args, rows, events)
             elif key.startswith("scale_"):
                 if n < args.scale_trials:
                     ranks = run.job.world
@@ -279,6 +296,9 @@ def summarize(scenarios: dict[str, dict], skipped: dict[str, str], args, argv) -
         out[f"{name}_lost_s"], out[f"{name}_lost_range_s"] = median_of(key), range_of(key)
     out["nvrx_lost_s"], out["nvrx_lost_range_s"] = median_of("nvrx"), range_of("nvrx")
     out["planned_lost_s"], out["planned_lost_range_s"] = median_of("planned"), range_of("planned")
+    out["distopt_lost_s"], out["distopt_lost_range_s"] = median_of("distopt"), range_of("distopt")
+    d, u = out["distopt_lost_s"], out["unexpected_lost_s"]
+    out["distopt_over_unexpected"] = round(d / u, 4) if d is not None and u else None
     steady = [
         s["steady_iteration_s"]["median"]
         for k, s in scenarios.items()

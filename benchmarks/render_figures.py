@@ -33,6 +33,9 @@ COMMANDS = {
     "downtime_nodes": "python benchmarks/downtime_nodes.py --json benchmarks/results/downtime_nodes.json",
     "comm": "python benchmarks/comm.py --json benchmarks/results/comm.json",
     "detection": "python benchmarks/detection.py --json benchmarks/results/detection.json",
+    "mirror": "python benchmarks/mirror.py --json benchmarks/results/mirror.json",
+    "downtime_distopt": "python benchmarks/downtime.py --strategies trainmover --planned-trials 0 --scale '' "
+    "--json benchmarks/results/downtime_distopt.json",
 }
 MIN_RUNS = 3
 
@@ -318,6 +321,36 @@ def detection_line(data: dict | None) -> list[str]:
     ]
 
 
+def mirror_lines(mirror: dict | None, distopt: dict | None) -> list[str]:
+    """The distributed optimizer's mirror: its steady-state cost and the lost time it buys."""
+    rows = {r["dp"]: r for r in (mirror or {}).get("overhead") or []}
+    if not rows:
+        cost = f"cost {NOT_YET} (`{COMMANDS['mirror']}`)"
+    else:
+        parts = [
+            f"{num(r['ratio'])}× ({num(r['ratio_range'][0])}-{num(r['ratio_range'][1])}, {r['runs']} rounds) at DP={dp}"
+            for dp, r in sorted(rows.items())
+        ]
+        host = max((mirror or {}).get("host_bytes_per_rank", {}).values() or [0])
+        cost = (
+            f"iteration time with it over without {', '.join(parts)}; at most {host / 2**20:.1f} MiB of host memory "
+            f"per rank, {mirror['device_bytes_extra']} bytes on the accelerator"
+        )
+    d = distopt or {}
+    if d.get("distopt_lost_s") is None or d.get("unexpected_lost_s") is None:
+        lost = f"lost time {NOT_YET} (`{COMMANDS['downtime_distopt']}`)"
+    else:
+        lost = (
+            f"one SIGKILL loses {num(d['distopt_lost_s'], ' s')} ({num(d['distopt_lost_range_s'][0])}-"
+            f"{num(d['distopt_lost_range_s'][1])}) against {num(d['unexpected_lost_s'], ' s')} replicated in the same "
+            f"run ({num(d['distopt_over_unexpected'])}×, goal ≤ 1.5)"
+        )
+    return [
+        "**Distributed optimizer** (each optimizer shard mirrored in a peer's host memory after every step,",
+        f"8 ranks, bf16): {cost}; {lost}.",
+    ]
+
+
 # ---------------------------------------------------------------------------- blocks
 
 
@@ -360,6 +393,8 @@ def readme_block(results_dir: str, *, full: bool = False) -> list[str]:
             if full
             else detection_line(load(results_dir, "detection"))
         ),
+        "",
+        *mirror_lines(load(results_dir, "mirror"), load(results_dir, "downtime_distopt")),
     ]
 
 

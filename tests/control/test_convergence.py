@@ -85,39 +85,46 @@ HOLDERS = {0: 2, 2: 0, 1: 3, 3: 1, 4: 6, 6: 4, 5: 7, 7: 5}
 def test_mirror_a_lost_rank_takes_its_shard_from_its_holder():
     its = {r: 6 for r in HOLDERS if r != 5}
     held = {r: [5, 6] for r in its}
-    plan = plan_mirror_convergence(HOLDERS, its, dict(its), held, joiners={5}, staged=dict(its))
+    plan = plan_mirror_convergence(HOLDERS, its, dict(its), held, joiners={5}, staged={r: [i] for r, i in its.items()})
     assert (plan.resume_iteration, plan.copies, plan.mirror) == (6, [(7, 5)], True)
 
 
 def test_mirror_ranks_ahead_roll_back_and_a_stepped_rank_uses_its_own_copy():
     """Rank 5 died inside its step of iteration 7: its peer 7 stepped its shard in place (7) but could
-    not gather, the other groups completed 7. Resume at 6: 7 from its own staged copy, 5 from 7's
-    mirror, the others from their holders' copies of 6."""
+    not gather, the other groups completed 7. Resume at 6: every stayer from its own staged copy of 6
+    (no traffic), 5 from 7's mirror."""
     its = {0: 7, 1: 7, 2: 7, 3: 7, 4: 7, 6: 7, 7: 6}
     shards = {**its, 7: 7}
     held = {0: [6, 7], 1: [6, 7], 2: [6, 7], 3: [6, 7], 4: [6, 7], 6: [6, 7], 7: [5, 6]}
-    staged = {**its, 7: 6}
+    staged = {**{r: [i - 1, i] for r, i in its.items()}, 7: [5, 6]}
     plan = plan_mirror_convergence(HOLDERS, its, shards, held, joiners={5}, staged=staged)
     assert plan.resume_iteration == 6
+    assert plan.copies == [(0, 0), (1, 1), (2, 2), (3, 3), (4, 4), (7, 5), (6, 6), (7, 7)]
+    # Without their own copies, the ranks ahead take their holders' (the same iteration, over the network).
+    plan = plan_mirror_convergence(HOLDERS, its, shards, held, joiners={5}, staged={7: [5, 6]})
     assert plan.copies == [(2, 0), (3, 1), (0, 2), (1, 3), (6, 4), (7, 5), (4, 6), (7, 7)]
 
 
 def test_mirror_holder_lost_with_its_ward_falls_back_to_the_checkpoint():
     its = {r: 6 for r in HOLDERS if r not in (5, 7)}
     held = {r: [5, 6] for r in its}
-    plan = plan_mirror_convergence(HOLDERS, its, dict(its), held, joiners={5, 7}, staged=dict(its))
+    staged = {r: [5, 6] for r in its}
+    plan = plan_mirror_convergence(HOLDERS, its, dict(its), held, joiners={5, 7}, staged=staged)
     assert plan.from_checkpoint and not plan.copies
     assert "rank 5's holder rank 7 was lost" in plan.reason, plan.reason
 
 
-def test_mirror_an_uncommitted_newest_copy_is_not_used():
-    """Rank 5 died in its exchange after step 6: its holder 7 committed only 4 and 5. Resume at 6 is
-    impossible for 5, and at 5 for 7 (5, its holder, is the one lost): the checkpoint, and the
-    reason names the copies the holder has."""
+def test_mirror_a_newest_copy_that_never_landed_costs_one_step():
+    """Rank 5 died in its mirror copy after step 6: its holder 7 committed only 4 and 5. Every stayer
+    goes back to its own copy of 5, rank 5 takes 7's: the job resumes at 5."""
     its = {r: 6 for r in HOLDERS if r != 5}
     held = {r: [5, 6] for r in its}
     held[7] = [4, 5]
-    plan = plan_mirror_convergence(HOLDERS, its, dict(its), held, joiners={5}, staged=dict(its))
+    staged = {r: [5, 6] for r in its}
+    plan = plan_mirror_convergence(HOLDERS, its, dict(its), held, joiners={5}, staged=staged)
+    assert plan.resume_iteration == 5 and (7, 5) in plan.copies
+    assert all(src == dst for src, dst in plan.copies if dst != 5)
+    # With one own copy (6) rank 7 could not go back to 5 (its holder is the rank lost): the checkpoint,
+    # and the reason names the copies the holder has.
+    plan = plan_mirror_convergence(HOLDERS, its, dict(its), held, joiners={5}, staged={r: [6] for r in its})
     assert plan.from_checkpoint and "rank 5's holder rank 7 holds iterations [4, 5]" in plan.reason, plan.reason
-    held[7] = [5, 6]  # the same with the copy committed: no fallback
-    assert plan_mirror_convergence(HOLDERS, its, dict(its), held, joiners={5}, staged=dict(its)).resume_iteration == 6

@@ -30,6 +30,7 @@ SAMPLE = {
     "--tm-comm": "native",
     "--tm-log-level": "INFO",
     "--tm-record-dir": "recordings-here",
+    "--tm-optimizer-mirror": "off",
 }
 
 

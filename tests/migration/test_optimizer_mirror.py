@@ -29,33 +29,49 @@ def _mirror_copies(job) -> set[tuple[int, int]]:
     return {(t.rank, t.peer) for t in transfers(job) if t.side == "sent" and t.mirror}
 
 
-@pytest.mark.parametrize("phase", ["backward", "step"])
-def test_a_lost_rank_takes_its_shard_from_the_mirror(tmp_path, corpus, reference, phase):
-    """TP2 x PP2 x DP2, no checkpoint: rank 5 dies in iteration 7; its holder (rank 7, its data-parallel
-    peer) serves the shard of iteration 6, and the job goes on from there bit-identically."""
-    base = tm_args(corpus, extra=DISTOPT)
-    ref = reference("tp2pp2dp2-bf16-distopt", 8, base)
-    job = run_job(tmp_path, 8, base + ["--tm-inject-fault", f"5:7:{phase}"], name=f"mirror_{phase}")
-    assert_recovered(job, ref, 5)
-    assert_killed(job, 5)
-    assert state_sources(job, 5) == ["mirror"]
-    assert (7, 5) in _mirror_copies(job), job.stdout()[-3000:]
-    assert [r["resumed_iteration"] for r in read_metrics(job.metrics_path, "recovered")] == [6]
+LAYOUTS = {2: 2, 4: 1}
+"""Data-parallel size -> tensor-parallel size of the 8-rank jobs (pipeline 2)."""
+
+CELLS = [
+    # dp, victim, iteration, phase, resumed at
+    (2, 5, 7, "backward", 6),  # nobody stepped: no rollback
+    (2, 5, 7, "step", 6),  # the other groups completed 7 and roll back; rank 7 stepped in place: its own copy
+    (2, 5, 6, "in-gather", 5),
+    (2, 5, 7, "mirror", 6),  # its copy of 7 never lands: everyone goes back to 6, from their own copies
+    (4, 6, 7, "forward", 6),
+    (4, 6, 7, "allreduce", 6),  # before its gradient reduce-scatter
+    (4, 6, 6, "in-gather", 5),  # its peers stepped their shards: they roll back from their holders
+]
 
 
-def test_dp4_kill_in_the_parameter_all_gather(tmp_path, corpus, reference):
-    """TP1 x PP2 x DP4: rank 6 dies inside the all-gather of the updated parameters, after its peers
-    stepped their shards. Their shards are one step ahead of what the job can resume at: they roll
-    back from their own holders' mirrors, and the model parameters are rebuilt from the main ones."""
-    base = tm_args(corpus, tp=1, extra=DISTOPT)
-    ref = reference("tp1pp2dp4-bf16-distopt", 8, base)
-    job = run_job(tmp_path, 8, base + ["--tm-inject-fault", "6:6:in-gather"], name="mirror_gather")
-    assert "inside all_gather" in job.stdout(), job.stdout()[-3000:]
-    assert_recovered(job, ref, 6)
-    assert state_sources(job, 6) == ["mirror"]
-    assert [r["resumed_iteration"] for r in read_metrics(job.metrics_path, "recovered")] == [5]
+@pytest.mark.parametrize(
+    "dp,victim,iteration,phase,resumed",
+    [pytest.param(*c, id=f"dp{c[0]}-{c[3]}", marks=() if i == 0 else pytest.mark.slow) for i, c in enumerate(CELLS)],
+)
+def test_a_lost_rank_takes_its_shard_from_the_mirror(
+    tmp_path, corpus, reference, dp, victim, iteration, phase, resumed
+):
+    """8 ranks (TP2 x PP2 x DP2, or TP1 x PP2 x DP4), no checkpoint: the victim's holder serves its shard
+    of the resume iteration, ranks ahead of it roll back, the parameters are rebuilt from the main
+    ones, and the job goes on bit-identically; with no rollback every iteration is logged once."""
+    base = tm_args(corpus, tp=LAYOUTS[dp], extra=DISTOPT)
+    ref = reference(f"tp{LAYOUTS[dp]}pp2dp{dp}-bf16-distopt", 8, base)
+    job = run_job(tmp_path, 8, base + ["--tm-inject-fault", f"{victim}:{iteration}:{phase}"], name=f"mirror_{phase}")
+    if phase.startswith("in-"):
+        assert "inside all_gather" in job.stdout(), job.stdout()[-3000:]
+    else:
+        assert_killed(job, victim)
+    assert_recovered(job, ref, victim)
+    assert state_sources(job, victim) == ["mirror"]
+    holders = {5: 7, 6: 7}  # DP2: the peer; DP4: the next data-parallel rank (one node)
+    assert (holders[victim], victim) in _mirror_copies(job), job.stdout()[-3000:]
+    assert [r["resumed_iteration"] for r in read_metrics(job.metrics_path, "recovered")] == [resumed]
+    if phase in ("forward", "backward", "allreduce"):  # nobody stepped: nothing is re-run
+        logged = [r["iteration"] for r in read_metrics(job.metrics_path, "iteration")]
+        assert sorted(logged) == sorted(set(logged)), f"an iteration was logged twice: {logged}"
 
 
+@pytest.mark.slow
 def test_holder_and_ward_lost_together_fall_back_to_the_checkpoint(tmp_path, corpus, reference):
     """DP=2: ranks 5 and 7 hold each other's shard; killed in the same iteration, neither shard has a
     copy, so every rank reloads checkpoint 4, and the plan says why (the two deaths may land in one

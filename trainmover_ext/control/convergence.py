@@ -80,7 +80,7 @@ def plan_mirror_convergence(
     shards: dict[int, int],
     mirrors: dict[int, list[int]],
     joiners: set[int],
-    staged: dict[int, int] | None = None,
+    staged: dict[int, list[int]] | None = None,
 ) -> ConvergencePlan:
     """The resume point with the distributed optimizer's host-memory mirror.
 
@@ -89,7 +89,7 @@ def plan_mirror_convergence(
     boundary their own optimizer shard is at (one past ``iterations`` when the step ran on it and the
     iteration then failed); ``mirrors`` each live reporting holder to the iterations of its ward's
     shard it holds committed; ``joiners`` the ranks served by new processes; ``staged`` each stayer to
-    the boundary of its own last staged copy (what it sent its holder last).
+    the boundaries of its own two last staged copies (what it sent its holder last).
 
     A rank is *level* at ``k`` when it completed ``k`` steps and its shard is at ``k``; otherwise its
     own staged copy of ``k`` (a copy ``(r, r)``: no traffic) or its holder's committed copy of ``k``
@@ -110,7 +110,7 @@ def plan_mirror_convergence(
 
     def source(rank: int, k: int) -> int | None:
         """Who restores ``rank`` to ``k``: itself (level, or its staged copy), its holder, or nobody."""
-        if level(rank, k) or own.get(rank) == k:
+        if level(rank, k) or k in own.get(rank, []):
             return rank
         holder = holders[rank]
         return holder if holder != rank and k in mirrors.get(holder, []) else None

@@ -67,8 +67,8 @@ class View:
     shards: dict[int, dict[int, int]] = field(default_factory=dict)
     """The distributed optimizer's mirror, per failure epoch: rank -> the boundary its own optimizer
     shard is at (from the same reports)."""
-    staged: dict[int, dict[int, int]] = field(default_factory=dict)
-    """Per failure epoch: rank -> the boundary of its own last staged shard copy."""
+    staged: dict[int, dict[int, list[int]]] = field(default_factory=dict)
+    """Per failure epoch: rank -> the boundaries of its own last staged shard copies."""
     mirrors: dict[int, dict[int, list[int]]] = field(default_factory=dict)
     """Per failure epoch: holder rank -> the iterations of its ward's shard it holds committed."""
     recovery_keys: dict[int, list[str]] = field(default_factory=dict)
@@ -164,8 +164,8 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
                 view.recovery.setdefault(epoch, {})[rank] = None if held is None else _count(held, key)
                 if data.get("shard") is not None:
                     view.shards.setdefault(epoch, {})[rank] = _count(data["shard"], key)
-                if data.get("staged") is not None:
-                    view.staged.setdefault(epoch, {})[rank] = _count(data["staged"], key)
+                if isinstance(data.get("staged"), list):
+                    view.staged.setdefault(epoch, {})[rank] = [_count(i, key) for i in data["staged"]]
                 mirror = data.get("mirror")
                 if isinstance(mirror, dict) and isinstance(mirror.get("iterations"), list):
                     view.mirrors.setdefault(epoch, {})[rank] = [_count(i, key) for i in mirror["iterations"]]

@@ -9,23 +9,27 @@ accelerator memory.
 
 Contract
 - :meth:`Mirror.exchange` runs on the training thread after every completed step, on every rank of
-  the data-parallel group at once: each rank posts its shard (:func:`rank_state.shard_tensors`) and
-  the boundary's plain values (:func:`rank_state.scalars`, the optimizer's layout and settings) to
-  its holder, and receives its ward's into the older of two host-memory generations. A generation
+  the data-parallel group at once: each rank stages its shard (:func:`rank_state.shard_tensors`) in
+  the older of its own two host-memory copies (on an accelerator, the device-to-host copy), sends it
+  with the boundary's plain values (:func:`rank_state.scalars`, the optimizer's layout and settings)
+  to its holder as one buffer, and receives its ward's into the older of two generations. A generation
   counts (*committed*) only once all its bytes landed; its CRC-32 is taken then and checked again
   before it is served, so host memory that changed since is refused. A failure cuts the exchange
   like any collective (:class:`CommLinkError`): the generation being received stays uncommitted.
-- The holder keeps two generations (the step just completed and the one before), so a recovery can
-  resume one step back when a ward's newest copy never landed (the stayers ahead roll back from
-  their own holders). :meth:`Mirror.report` says which iterations it holds, for the controller.
+- Holder and ward each keep two generations (the step just completed and the one before), so a
+  recovery can resume one step back when a ward's newest copy never landed: the stayers go back to
+  their own copies or their holders'. A rank whose step ran in an iteration that then failed (the
+  parameter all-gather) goes back to its own. :meth:`Mirror.report` says what it holds, for the
+  controller (:func:`~trainmover_ext.control.convergence.plan_mirror_convergence` decides).
 - :meth:`Mirror.serve` sends a committed generation to the ward's rank (a joiner, or the ward rolling
   back); :meth:`Mirror.restore` receives it into this rank's own shard and boundary values. The model
   parameters then follow from the main parameters (:func:`rank_state.rebuild_params`, every rank).
-- A generation with a wrong iteration, a manifest that is not the target's, or a failed checksum is
-  refused with :class:`MirrorRefused` (a :class:`MigrationAborted`): the next source on the ladder
-  (the checkpoint) is used.
-- Host memory: the holder keeps twice the shard it holds; on an accelerator the ward also stages its
-  shard in one host buffer (a device-to-host copy) before sending. No accelerator memory is used.
+- Bad copies: :meth:`Mirror.report` checks every committed generation's CRC before it offers it, so
+  the controller plans from another copy (one step back) or the checkpoint, once per epoch, and never
+  from a corrupt one. A generation of another rank or iteration, or whose manifest is not the
+  target's, is refused at the copy with :class:`MirrorRefused` (a :class:`MigrationAborted`: the
+  node then falls back to stop-restart).
+- Host memory: four shards per rank (its ward's twice, its own twice); no accelerator memory.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 
 from trainmover_ext.errors import MigrationAborted
 from trainmover_ext.migration import transfer
+from trainmover_ext.runtime import faults
 from trainmover_training import rank_state
 
 if TYPE_CHECKING:
@@ -49,7 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TAG = 1 << 20
-"""First tag of the exchange (the size, the record, then one tag per tensor); the state transfer's
+"""First tag of the exchange (the size, the record, then the shard as one buffer); the state transfer's
 tags are below it."""
 ALIGN = 64
 """Byte alignment of each tensor inside a generation's buffer."""
@@ -123,6 +128,14 @@ class Generation:
         return zlib.crc32(self.buffer.numpy().data)
 
 
+def _slot(generations: list[Generation], iteration: int) -> Generation:
+    """The generation to overwrite with ``iteration``: one already at it (a re-run), else the older."""
+    for gen in generations:
+        if gen.iteration == iteration:
+            return gen
+    return min(generations, key=lambda g: (g.committed, g.iteration))
+
+
 class Mirror:
     """This rank's two sides of the mirror: ward of ``holder``, holder of ``ward`` (module docstring)."""
 
@@ -130,8 +143,11 @@ class Mirror:
         self.session, self.holder, self.ward = session, holder, ward
         self.generations = [Generation(), Generation()]
         """The ward's two newest copies."""
-        self.own = Generation()
-        """This rank's own last staged copy (``checksum`` 0 once staged; no CRC is taken of it)."""
+        self.owns = [Generation(), Generation()]
+        """This rank's own two last staged copies (``checksum`` 0 once staged; no CRC is taken of them): a
+        rank whose holder died before its newest copy landed, or whose step ran in an iteration that then
+        failed, goes back to one of them."""
+        self._said = False
         self.stepped_at: int | None = None
         """The iteration whose optimizer step ran on this rank's shard (set when the inner step ends)."""
         for opt in rank_state.optimizers(session):
@@ -147,11 +163,11 @@ class Mirror:
         done = int(self.session.args.iteration)
         return done + 1 if self.stepped_at == done + 1 else done
 
-    def _stage(self, record: dict[str, Any]) -> list[torch.Tensor]:
+    def _stage(self, record: dict[str, Any]) -> torch.Tensor:
         """Copy this rank's shard into its own host-memory generation (what it sends, and what it rolls
         back to if its next step runs and that iteration then fails)."""
         tensors = [t.detach() for t in rank_state.shard_tensors(self.session)]
-        own = self.own
+        own = _slot(self.owns, record["iteration"])
         own.checksum, own.iteration = None, -1
         own.shape_for(transfer.manifest(tensors))
         for view, t in zip(own.views, tensors, strict=True):
@@ -159,7 +175,8 @@ class Mirror:
         if any(t.device.type == "cuda" for t in tensors):
             torch.cuda.current_stream().synchronize()
         own.iteration, own.record, own.checksum = record["iteration"], record, 0
-        return own.views
+        assert own.buffer is not None
+        return own.buffer
 
     def exchange(self) -> None:
         """Send this rank's shard to its holder and take its ward's (see the module docstring)."""
@@ -173,14 +190,15 @@ class Mirror:
             "param_groups": rank_state.param_group_settings(self.session),
             "manifest": transfer.manifest(rank_state.shard_tensors(self.session)),
         }
-        tensors = self._stage(record)
+        flat = self._stage(record)
         data = transfer.encode_meta(record)
         out, inc = GroupChannel(self.holder), GroupChannel(self.ward)
         sends = [
             out.send(torch.tensor([len(data)], dtype=torch.int64), TAG),
             out.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), TAG + 1),
         ]
-        sends += [out.send(t, TAG + 2 + i) for i, t in enumerate(tensors)]
+        faults.mirror_point(rank=self.session.layout.rank, iteration=record["iteration"])
+        sends.append(out.send(flat, TAG + 2))  # both ends lay a manifest out alike: one message
         size = torch.zeros(1, dtype=torch.int64)
         inc.recv(size, TAG).wait()
         transfer.check_meta_size(int(size.item()))
@@ -192,25 +210,44 @@ class Mirror:
         gen = self._slot_for(theirs["iteration"])
         gen.checksum, gen.iteration, gen.record = None, theirs["iteration"], theirs
         gen.shape_for(theirs["manifest"])
-        works = [inc.recv(v, TAG + 2 + i) for i, v in enumerate(gen.views)]
-        for work in works:
-            work.wait()
+        assert gen.buffer is not None
+        inc.recv(gen.buffer, TAG + 2).wait()
         out.wait_sends(sends)
         gen.checksum = gen.crc()
+        if not self._said:
+            self._said = True
+            print(
+                f"[trainmover] rank {self.session.layout.rank}: optimizer-shard mirror holds {self.host_bytes()} "
+                f"bytes of host memory (rank {self.ward}'s shard twice, and its own twice); sends "
+                f"{flat.numel()} bytes to rank {self.holder} per step",
+                flush=True,
+            )
+
+    def host_bytes(self) -> int:
+        """Host memory the mirror holds on this rank: the ward's two generations and its own two."""
+        return sum(g.buffer.numel() for g in [*self.generations, *self.owns] if g.buffer is not None)
 
     def _slot_for(self, iteration: int) -> Generation:
-        """The generation to overwrite: one already at ``iteration`` (a re-run), else the older."""
-        for gen in self.generations:
-            if gen.iteration == iteration:
-                return gen
-        return min(self.generations, key=lambda g: (g.committed, g.iteration))
+        return _slot(self.generations, iteration)
 
     # --- recovery ------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
-        """What the controller reads of this rank: its shard's boundary and the ward's committed copies."""
-        held = sorted(g.iteration for g in self.generations if g.committed)
-        staged = self.own.iteration if self.own.committed else None
-        return {"shard": self.shard_iteration(), "staged": staged, "mirror": {"ward": self.ward, "iterations": held}}
+        """What the controller reads of this rank: its shard's boundary, its own staged copies, and the ward's
+        copies that are committed and still pass their checksum (one that fails is dropped here, so the
+        controller never plans a copy from it: the job then resumes from another copy or the checkpoint)."""
+        held = []
+        for gen in self.generations:
+            if gen.committed:
+                try:
+                    held.append(self.committed(gen.iteration).iteration)
+                except MirrorRefused as exc:
+                    print(f"[trainmover] {exc}", flush=True)
+        staged = sorted(g.iteration for g in self.owns if g.committed)
+        return {
+            "shard": self.shard_iteration(),
+            "staged": staged,
+            "mirror": {"ward": self.ward, "iterations": sorted(held)},
+        }
 
     def committed(self, iteration: int) -> Generation:
         """The ward's committed generation of ``iteration``, its checksum verified."""
@@ -231,7 +268,7 @@ class Mirror:
 
     def forget_after(self, iteration: int) -> None:
         """Drop generations newer than the boundary the job resumed at (they will be sent again)."""
-        for gen in [*self.generations, self.own]:
+        for gen in [*self.generations, *self.owns]:
             if gen.iteration > iteration:
                 gen.checksum, gen.iteration = None, -1
         self.stepped_at = None
@@ -245,9 +282,9 @@ class Mirror:
             transfer.send_record(channel, {"kind": "mirror", "refused": str(exc)})
             raise
         transfer.send_record(channel, {**gen.record, "source_rank": self.session.layout.rank})
-        works = [channel.send(v, 100 + i) for i, v in enumerate(gen.views)]
-        channel.wait_sends(works)
-        return sum(v.numel() * v.element_size() for v in gen.views)
+        assert gen.buffer is not None
+        channel.wait_sends([channel.send(gen.buffer, 100)])
+        return gen.buffer.numel()
 
     def restore(self, channel: Channel[Any], iteration: int) -> int:
         """Receive this rank's shard and boundary values of ``iteration`` from its holder (:meth:`serve`)."""
@@ -256,25 +293,28 @@ class Mirror:
         if meta.get("kind") != "mirror" or "refused" in meta:
             raise MirrorRefused(f"rank {rank}: its holder sent no mirror: {meta.get('refused', 'not a mirror record')}")
         ours = self._prepare(meta, iteration)
-        posted = []
-        for i, t in enumerate(ours):
-            buf = t if t.device.type == "cpu" and t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
-            posted.append((t, buf, channel.recv(buf, 100 + i)))
-        for t, buf, work in posted:
-            work.wait()
-            if buf is not t:
-                t.copy_(buf)
+        # Into one of this rank's own staged copies, which it keeps: it then holds the state restored.
+        own = _slot(self.owns, iteration)
+        own.checksum, own.iteration = None, -1
+        own.shape_for(meta["manifest"])
+        assert own.buffer is not None
+        channel.recv(own.buffer, 100).wait()
+        for t, view in zip(ours, own.views, strict=True):
+            t.copy_(view)
+        own.iteration, own.record, own.checksum = iteration, {k: v for k, v in meta.items() if k != "source_rank"}, 0
         rank_state.restore_scalars(self.session, meta, meta["source_rank"])
-        return sum(t.numel() * t.element_size() for t in ours)
+        return own.buffer.numel()
 
     def restore_own(self, iteration: int) -> int:
-        """Go back to this rank's own staged copy of ``iteration`` (its step of the next iteration ran,
-        and that iteration failed)."""
-        own = self.own
-        if not own.committed or own.iteration != iteration:
+        """Go back to this rank's own staged copy of ``iteration`` (its step of the next iteration ran and
+        that iteration failed, or its holder died before its newest copy landed)."""
+        held = [g for g in self.owns if g.committed and g.iteration == iteration]
+        if not held:
             raise MirrorRefused(
-                f"rank {self.session.layout.rank}: its own staged copy is of iteration {own.iteration}, not {iteration}"
+                f"rank {self.session.layout.rank}: its own staged copies are of iterations "
+                f"{sorted(g.iteration for g in self.owns if g.committed)}, not {iteration}"
             )
+        own = held[0]
         ours = self._prepare(own.record, iteration)
         for t, view in zip(ours, own.views, strict=True):
             t.copy_(view)

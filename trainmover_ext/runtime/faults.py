@@ -21,6 +21,8 @@ loader or a stuck kernel look like), while running iteration ITERATION (1-based)
 - ``in-gather``: inside the distributed optimizer's parameter all-gather: right after
   this rank issued the first all-gather after its optimizer step (the other
   data-parallel ranks have stepped their shards). Needs ``--use-distributed-optimizer``.
+- ``mirror``: in the distributed optimizer's mirror copy after the step (its record sent, its shard
+  not): the holder never commits this iteration's copy. Needs ``--use-distributed-optimizer``;
 - ``log``: after the optimizer and scheduler steps, before the iteration's
   metrics record is written (the iteration is complete everywhere else);
 - ``save``: during the checkpoint save after ITERATION (ITERATION counts
@@ -74,7 +76,7 @@ if TYPE_CHECKING:
 
     from trainmover_training.training import Session
 
-TRAINING_PHASES = ("forward", "backward", "allreduce", "clip", "step", "log", "save")
+TRAINING_PHASES = ("forward", "backward", "allreduce", "clip", "step", "mirror", "log", "save")
 IN_COLLECTIVE_PHASES = ("in-reduce", "in-norm", "in-gather")
 """Drills that strike right after this rank issued a collective on TrainMover's communicator."""
 MIGRATION_PHASES = ("join", "recover", "send", "prepare", "handover")
@@ -82,6 +84,8 @@ PHASES = TRAINING_PHASES + IN_COLLECTIVE_PHASES + MIGRATION_PHASES
 
 _armed: list[FaultSpec] = []
 """The migration-phase drills of this process (see :func:`arm` and :func:`at`)."""
+_mirror_drills: list[FaultSpec] = []
+"""This original worker's ``mirror`` drills (:func:`mirror_point`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +210,13 @@ def at(phase: str, *, rank: int, epoch: int) -> None:
             strike(spec, f"({phase}, epoch {epoch})")
 
 
+def mirror_point(*, rank: int, iteration: int) -> None:
+    """The mirror copy of ``iteration`` is under way on ``rank``: it dies here if a drill names it."""
+    for spec in _mirror_drills:
+        if spec.rank == rank and spec.iteration == iteration:
+            strike(spec, f"(mirror, iteration {iteration})")
+
+
 def install(specs: list[FaultSpec], session: Session) -> None:
     """Arm ``specs`` on this process (call once, on the original worker): the training-phase drills
     that name its rank, and every migration-phase drill (:func:`arm`).
@@ -231,9 +242,10 @@ def _check_bounds(spec: FaultSpec, session: Session) -> None:
             f"--tm-inject-fault names iteration {spec.iteration}, but the job trains iterations "
             f"1..{iters} (--train-iters)"
         )
-    if spec.phase == "in-gather" and not getattr(session.args, "use_distributed_optimizer", False):
+    if spec.phase in ("in-gather", "mirror") and not getattr(session.args, "use_distributed_optimizer", False):
         raise ConfigError(
-            "--tm-inject-fault phase in-gather needs --use-distributed-optimizer (no all-gather otherwise)"
+            f"--tm-inject-fault phase {spec.phase} needs --use-distributed-optimizer (it has no "
+            f"{'all-gather' if spec.phase == 'in-gather' else 'mirror'} otherwise)"
         )
 
 
@@ -342,6 +354,8 @@ def _install_one(spec: FaultSpec, session: Session) -> None:
             return inner_opt_step(*a, **kw)
 
         session.optimizer.step = opt_step
+    elif spec.phase == "mirror":
+        _mirror_drills.append(spec)
     elif spec.phase == "save":
         session.save_hooks.append(lambda: fire("save"))
     elif spec.phase == "log":
