@@ -148,6 +148,11 @@ class Mirror:
         rank whose holder died before its newest copy landed, or whose step ran in an iteration that then
         failed, goes back to one of them."""
         self._said = False
+        self._layout: dict[str, Any] | None = None
+        """This rank's optimizer layout and shard manifest (computed once)."""
+        self._layout_sent = False
+        """Whether the holder has this rank's layout (sent with the first copy, again after a recovery)."""
+        self._ward_layout: dict[str, Any] | None = None
         self.stepped_at: int | None = None
         """The iteration whose optimizer step ran on this rank's shard (set when the inner step ends)."""
         for opt in rank_state.optimizers(session):
@@ -163,63 +168,79 @@ class Mirror:
         done = int(self.session.args.iteration)
         return done + 1 if self.stepped_at == done + 1 else done
 
-    def _stage(self, record: dict[str, Any]) -> torch.Tensor:
-        """Copy this rank's shard into its own host-memory generation (what it sends, and what it rolls
-        back to if its next step runs and that iteration then fails)."""
-        tensors = [t.detach() for t in rank_state.shard_tensors(self.session)]
+    def _stage(self) -> Generation:
+        """Copy this rank's shard into the older of its own host-memory copies, with the boundary's plain
+        values as they are (no encoding): what it sends, and what it may go back to."""
+        session = self.session
+        tensors = [t.detach() for t in rank_state.shard_tensors(session)]
+        if self._layout is None:  # the optimizer's layout and the manifest never change in a run
+            self._layout = {
+                "optimizer_layout": rank_state.optimizer_layout(session),
+                "manifest": transfer.manifest(tensors),
+            }
+        record = {
+            "kind": "mirror",
+            "ward": session.layout.rank,
+            **rank_state.scalars(session),
+            "param_groups": rank_state.param_group_settings(session),
+            **self._layout,
+        }
         own = _slot(self.owns, record["iteration"])
         own.checksum, own.iteration = None, -1
-        own.shape_for(transfer.manifest(tensors))
+        own.shape_for(self._layout["manifest"])
         for view, t in zip(own.views, tensors, strict=True):
             view.copy_(t, non_blocking=True)
         if any(t.device.type == "cuda" for t in tensors):
             torch.cuda.current_stream().synchronize()
         own.iteration, own.record, own.checksum = record["iteration"], record, 0
-        assert own.buffer is not None
-        return own.buffer
+        return own
 
     def exchange(self) -> None:
-        """Send this rank's shard to its holder and take its ward's (see the module docstring)."""
+        """Send this rank's shard to its holder and take its ward's (see the module docstring).
+
+        Per step one header (the iteration, and the length of a layout record that follows only when
+        the holder may lack it: the first copy, and the first after a recovery) and the shard as one
+        buffer. The boundary's plain values do not travel: a ward's equal its holder's, a data-parallel
+        peer of the same shard (:meth:`serve`)."""
         from trainmover_ext.migration.transfer import GroupChannel
 
-        record = {
-            "kind": "mirror",
-            "ward": self.session.layout.rank,
-            **rank_state.scalars(self.session),
-            "optimizer_layout": rank_state.optimizer_layout(self.session),
-            "param_groups": rank_state.param_group_settings(self.session),
-            "manifest": transfer.manifest(rank_state.shard_tensors(self.session)),
-        }
-        flat = self._stage(record)
-        data = transfer.encode_meta(record)
+        own = self._stage()
+        layout = b"" if self._layout_sent else transfer.encode_meta({"kind": "mirror", **(self._layout or {})})
         out, inc = GroupChannel(self.holder), GroupChannel(self.ward)
-        sends = [
-            out.send(torch.tensor([len(data)], dtype=torch.int64), TAG),
-            out.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), TAG + 1),
-        ]
-        faults.mirror_point(rank=self.session.layout.rank, iteration=record["iteration"])
-        sends.append(out.send(flat, TAG + 2))  # both ends lay a manifest out alike: one message
-        size = torch.zeros(1, dtype=torch.int64)
-        inc.recv(size, TAG).wait()
-        transfer.check_meta_size(int(size.item()))
-        blob = torch.empty(int(size.item()), dtype=torch.uint8)
-        inc.recv(blob, TAG + 1).wait()
-        theirs = transfer.decode_meta(blob.numpy().tobytes())
-        if theirs.get("kind") != "mirror" or theirs.get("ward") != self.ward:
-            raise MirrorRefused(f"rank {self.session.layout.rank}: rank {self.ward} sent no mirror record of its own")
-        gen = self._slot_for(theirs["iteration"])
-        gen.checksum, gen.iteration, gen.record = None, theirs["iteration"], theirs
-        gen.shape_for(theirs["manifest"])
+        sends = [out.send(torch.tensor([own.iteration, len(layout)], dtype=torch.int64), TAG)]
+        if layout:
+            sends.append(out.send(torch.frombuffer(bytearray(layout), dtype=torch.uint8), TAG + 1))
+        faults.mirror_point(rank=self.session.layout.rank, iteration=own.iteration)
+        assert own.buffer is not None
+        sends.append(out.send(own.buffer, TAG + 2))  # both ends lay a manifest out alike: one message
+        header = torch.zeros(2, dtype=torch.int64)
+        inc.recv(header, TAG).wait()
+        iteration, size = (int(v) for v in header.tolist())
+        if size:
+            transfer.check_meta_size(size)
+            blob = torch.empty(size, dtype=torch.uint8)
+            inc.recv(blob, TAG + 1).wait()
+            theirs = transfer.decode_meta(blob.numpy().tobytes())
+            if theirs.get("kind") != "mirror" or "manifest" not in theirs:
+                raise MirrorRefused(f"rank {self.session.layout.rank}: rank {self.ward} sent no mirror layout")
+            self._ward_layout = {k: theirs[k] for k in ("optimizer_layout", "manifest")}
+        if self._ward_layout is None:
+            raise MirrorRefused(f"rank {self.session.layout.rank}: rank {self.ward}'s copy came without its layout")
+        gen = self._slot_for(iteration)
+        gen.checksum, gen.iteration = None, iteration
+        gen.record = {"kind": "mirror", "ward": self.ward, "iteration": iteration, **self._ward_layout}
+        gen.shape_for(self._ward_layout["manifest"])
         assert gen.buffer is not None
         inc.recv(gen.buffer, TAG + 2).wait()
         out.wait_sends(sends)
+        self._layout_sent = True
         gen.checksum = gen.crc()
         if not self._said:
             self._said = True
             print(
                 f"[trainmover] rank {self.session.layout.rank}: optimizer-shard mirror holds {self.host_bytes()} "
                 f"bytes of host memory (rank {self.ward}'s shard twice, and its own twice); sends "
-                f"{flat.numel()} bytes to rank {self.holder} per step",
+                f"{own.buffer.numel()} bytes to rank {self.holder} per step",
                 flush=True,
             )
 
@@ -272,6 +293,7 @@ class Mirror:
             if gen.iteration > iteration:
                 gen.checksum, gen.iteration = None, -1
         self.stepped_at = None
+        self._layout_sent = False  # the holder may be a joiner
 
     def serve(self, channel: Channel[Any], iteration: int) -> int:
         """Send the ward's generation of ``iteration`` (the receiver is the ward's rank); returns bytes sent.
@@ -281,10 +303,32 @@ class Mirror:
         except MirrorRefused as exc:
             transfer.send_record(channel, {"kind": "mirror", "refused": str(exc)})
             raise
-        transfer.send_record(channel, {**gen.record, "source_rank": self.session.layout.rank})
+        try:
+            boundary = self._boundary(iteration)
+        except MirrorRefused as exc:
+            transfer.send_record(channel, {"kind": "mirror", "refused": str(exc)})
+            raise
+        transfer.send_record(channel, {**boundary, **gen.record, "source_rank": self.session.layout.rank})
         assert gen.buffer is not None
         channel.wait_sends([channel.send(gen.buffer, 100)])
         return gen.buffer.numel()
+
+    def _boundary(self, iteration: int) -> dict[str, Any]:
+        """This rank's plain values of boundary ``iteration`` (its ward's are the same: a data-parallel
+        peer of one shard has the same counters, scheduler, loss scaler and random state): from its own
+        staged copy of it, or from the session when it is at that boundary."""
+        keys = ("iteration", "consumed_train_samples", "scheduler", "grad_scaler", "rng", "last_record", "param_groups")
+        for own in self.owns:
+            if own.committed and own.iteration == iteration:
+                return {k: own.record[k] for k in keys}
+        if self.session.args.iteration == iteration:
+            now = {**rank_state.scalars(self.session), "param_groups": rank_state.param_group_settings(self.session)}
+            return {k: now[k] for k in keys}
+        raise MirrorRefused(
+            f"rank {self.session.layout.rank} cannot serve rank {self.ward}'s shard of iteration {iteration}: it "
+            f"holds the boundary values of iterations {sorted(g.iteration for g in self.owns if g.committed)} and "
+            f"is at {self.session.args.iteration}"
+        )
 
     def restore(self, channel: Channel[Any], iteration: int) -> int:
         """Receive this rank's shard and boundary values of ``iteration`` from its holder (:meth:`serve`)."""
