@@ -10,7 +10,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainmover_ext.migration.mirror import Generation, Mirror, MirrorRefused, holder_offset
+from trainmover_ext.migration.mirror import (
+    Generation,
+    Mirror,
+    MirrorRefused,
+    holder_and_ward,
+    holder_offset,
+    ward_of,
+)
 
 MANIFEST = [[[3, 4], "torch.float32"], [[], "torch.float32"], [[5], "torch.bfloat16"]]
 
@@ -80,8 +87,33 @@ def test_views_are_aligned_and_typed():
 
 
 @pytest.mark.parametrize(
-    "dp,tp,per_node,expected",
+    "dp,stride,per_node,expected",
     [(2, 2, 8, 1), (4, 1, 8, 1), (4, 2, 4, 2), (8, 1, 4, 4), (2, 1, 1, 1)],
 )
-def test_the_holder_is_on_another_node_where_there_is_one(dp, tp, per_node, expected):
-    assert holder_offset(dp, tp, per_node) == expected
+def test_the_holder_is_on_another_node_where_there_is_one(dp, stride, per_node, expected):
+    assert holder_offset(dp, stride, per_node) == expected
+
+
+@pytest.mark.parametrize("pp_before_dp", [False, True])
+@pytest.mark.parametrize("tp,pp,dp,per_node", [(2, 2, 2, 8), (1, 2, 4, 8), (2, 2, 4, 4), (1, 1, 8, 2)])
+def test_holders_form_a_ring_over_each_shard_and_leave_the_node(tp, pp, dp, per_node, pp_before_dp):
+    """Every rank holds exactly one ward's shard, of its own (tp, pp) coordinates; ward_of inverts
+    holder_and_ward; the holder is on another node whenever the shard spans nodes."""
+    holders, wards, coords = {}, {}, {}
+    for rank in range(tp * pp * dp):
+        tp_rank = rank % tp
+        pp_rank, dp_rank = (
+            ((rank // tp) % pp, rank // (tp * pp)) if pp_before_dp else (rank // (tp * dp), (rank // tp) % dp)
+        )
+        layout = SimpleNamespace(
+            rank=rank, tp_size=tp, pp_size=pp, dp_size=dp, dp_rank=dp_rank, pp_before_dp=pp_before_dp
+        )
+        holders[rank], wards[rank] = holder_and_ward(layout, per_node)
+        assert ward_of(layout, holders[rank]) == wards[rank]
+        coords[rank] = (tp_rank, pp_rank)
+    for rank, holder in holders.items():
+        assert coords[holder] == coords[rank] and holder != rank  # a data-parallel peer of the same shard
+        peers_elsewhere = any(coords[r] == coords[rank] and r // per_node != rank // per_node for r in coords)
+        if peers_elsewhere:
+            assert holder // per_node != rank // per_node, (rank, holder)
+    assert sorted(holders.values()) == sorted(holders) and all(holders[w] == r for r, w in wards.items())

@@ -10,9 +10,11 @@ accelerator memory.
 Contract
 - :meth:`Mirror.exchange` runs on the training thread after every completed step, on every rank of
   the data-parallel group at once: each rank stages its shard (:func:`rank_state.shard_tensors`) in
-  the older of its own two host-memory copies (on an accelerator, the device-to-host copy), sends it
-  with the boundary's plain values (:func:`rank_state.scalars`, the optimizer's layout and settings)
-  to its holder as one buffer, and receives its ward's into the older of two generations. A generation
+  the older of its own two host-memory copies (on an accelerator, the device-to-host copy) beside the
+  boundary's plain values (:func:`rank_state.scalars`, the optimizer's settings), sends the shard to
+  its holder as one buffer, and receives its ward's into the older of two generations. The plain
+  values do not travel: a holder is a data-parallel peer of its ward's shard, whose counters,
+  scheduler, loss scaler and random state are its own; it serves its own with the ward's shard. A generation
   counts (*committed*) only once all its bytes landed; its CRC-32 is taken then and checked again
   before it is served, so host memory that changed since is refused. A failure cuts the exchange
   like any collective (:class:`CommLinkError`): the generation being received stays uncommitted.
@@ -64,28 +66,34 @@ class MirrorRefused(MigrationAborted):
     """A mirror generation cannot be used (missing, stale, another layout, or a failed checksum)."""
 
 
-def holder_offset(dp: int, tp: int, ranks_per_node: int) -> int:
-    """How many data-parallel positions ahead a rank's holder is: the nearest peer on another node
-    (ranks are numbered tensor-parallel first, then data-parallel), or the next peer when every peer
-    shares the node (a one-node job)."""
-    step = -(-ranks_per_node // tp)  # data-parallel positions per node
+def holder_offset(dp: int, stride: int, ranks_per_node: int) -> int:
+    """How many data-parallel positions ahead a rank's holder is: the nearest peer on another node, or
+    the next peer when every peer shares the node (a one-node job). ``stride``: how far apart in rank
+    numbers two data-parallel neighbours are (:func:`dp_stride`)."""
+    step = -(-ranks_per_node // stride)  # data-parallel positions per node
     return step if 0 < step < dp else 1
+
+
+def dp_stride(layout: ParallelLayout) -> int:
+    """Rank distance of data-parallel neighbours: TP (megatron's tp-dp-pp order) or TP x PP
+    (``--use-tp-pp-dp-mapping``)."""
+    return layout.tp_size * (layout.pp_size if layout.pp_before_dp else 1)
 
 
 def holder_and_ward(layout: ParallelLayout, ranks_per_node: int) -> tuple[int, int]:
     """(the rank holding this rank's shard, the rank whose shard this rank holds); needs dp > 1."""
-    d = holder_offset(layout.dp_size, layout.tp_size, ranks_per_node)
-    base = layout.rank - layout.dp_rank * layout.tp_size  # the data-parallel position 0 of this shard
-    holder = base + ((layout.dp_rank + d) % layout.dp_size) * layout.tp_size
-    ward = base + ((layout.dp_rank - d) % layout.dp_size) * layout.tp_size
-    return holder, ward
+    stride = dp_stride(layout)
+    d = holder_offset(layout.dp_size, stride, ranks_per_node)
+    base = layout.rank - layout.dp_rank * stride  # the data-parallel position 0 of this shard
+    return base + (layout.dp_rank + d) % layout.dp_size * stride, base + (layout.dp_rank - d) % layout.dp_size * stride
 
 
 def ward_of(layout: ParallelLayout, holder: int) -> int:
     """The rank whose shard this rank holds, given the rank that holds this rank's (the same offset back)."""
-    d = (holder - layout.rank) // layout.tp_size % layout.dp_size
-    base = layout.rank - layout.dp_rank * layout.tp_size
-    return base + ((layout.dp_rank - d) % layout.dp_size) * layout.tp_size
+    stride = dp_stride(layout)
+    d = (holder - layout.rank) // stride % layout.dp_size
+    base = layout.rank - layout.dp_rank * stride
+    return base + (layout.dp_rank - d) % layout.dp_size * stride
 
 
 @dataclass
