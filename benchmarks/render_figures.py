@@ -340,10 +340,21 @@ def mirror_lines(mirror: dict | None, distopt: dict | None) -> list[str]:
     if d.get("distopt_lost_s") is None or d.get("unexpected_lost_s") is None:
         lost = f"lost time {NOT_YET} (`{COMMANDS['downtime_distopt']}`)"
     else:
+        pace = [
+            t["pre_fault_ratio"]
+            for key in ("unexpected", "distopt")
+            for t in d.get("scenarios", {}).get(key, {}).get("trials", [])
+        ]
+        noise = (
+            f"; before the fault the faulted runs ran at {num(min(pace))}-{num(max(pace))}× their twins' pace, so "
+            "noise of that size is in these figures"
+            if pace
+            else ""
+        )
         lost = (
-            f"one SIGKILL loses {num(d['distopt_lost_s'], ' s')} ({num(d['distopt_lost_range_s'][0])}-"
+            f"one SIGKILL loses {num(d['distopt_lost_s'], ' s')} ({num(d['distopt_lost_range_s'][0])} to "
             f"{num(d['distopt_lost_range_s'][1])}) against {num(d['unexpected_lost_s'], ' s')} replicated in the same "
-            f"run ({num(d['distopt_over_unexpected'])}×, goal ≤ 1.5)"
+            f"run ({num(d['distopt_over_unexpected'])}×, goal ≤ 1.5{noise})"
         )
     return [
         "**Distributed optimizer** (each optimizer shard mirrored in a peer's host memory after every step,",

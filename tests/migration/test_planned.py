@@ -93,6 +93,14 @@ def test_planned_migration_is_bit_identical(tmp_path, corpus, reference, rank):
     _migrate_and_check(tmp_path, corpus, reference, 8, tm_args(corpus), "tp2pp2dp2", rank)
 
 
+def test_planned_migration_with_the_distributed_optimizer(tmp_path, corpus, reference):
+    """bf16 with the distributed optimizer and its mirror: the leaver hands over its shard; from the
+    switch on, the joiner holds its ward's copies and its holder its own (the first copies of the new
+    epoch carry the layout a new process lacks), and the run stays bit-identical."""
+    args = tm_args(corpus, extra=["--bf16", "--use-distributed-optimizer"])
+    _migrate_and_check(tmp_path, corpus, reference, 8, args, "tp2pp2dp2-bf16-distopt", 5)
+
+
 def test_planned_migration_in_fp16(tmp_path, corpus, reference):
     """fp16 with a dynamic loss scale that doubles every 3 iterations: the leaver hands its scaler over
     with the rest of its state (the trajectory compared includes the logged scale)."""

@@ -158,8 +158,9 @@ class Mirror:
         self._said = False
         self._layout: dict[str, Any] | None = None
         """This rank's optimizer layout and shard manifest (computed once)."""
-        self._layout_sent = False
-        """Whether the holder has this rank's layout (sent with the first copy, again after a recovery)."""
+        self._layout_epoch: int | None = None
+        """The membership epoch in which this rank last sent its holder its layout (a new epoch may have
+        a new holder process: a failure's or a planned move's joiner)."""
         self._ward_layout: dict[str, Any] | None = None
         self.stepped_at: int | None = None
         """The iteration whose optimizer step ran on this rank's shard (set when the inner step ends)."""
@@ -207,13 +208,17 @@ class Mirror:
         """Send this rank's shard to its holder and take its ward's (see the module docstring).
 
         Per step one header (the iteration, and the length of a layout record that follows only when
-        the holder may lack it: the first copy, and the first after a recovery) and the shard as one
+        the holder may lack it: the first copy, and the first of each membership epoch) and the shard as one
         buffer. The boundary's plain values do not travel: a ward's equal its holder's, a data-parallel
         peer of the same shard (:meth:`serve`)."""
+        import nccl_delta
         from trainmover_ext.migration.transfer import GroupChannel
 
         own = self._stage()
-        layout = b"" if self._layout_sent else transfer.encode_meta({"kind": "mirror", **(self._layout or {})})
+        epoch = nccl_delta.current_world().epoch
+        layout = (
+            b"" if self._layout_epoch == epoch else transfer.encode_meta({"kind": "mirror", **(self._layout or {})})
+        )
         out, inc = GroupChannel(self.holder), GroupChannel(self.ward)
         sends = [out.send(torch.tensor([own.iteration, len(layout)], dtype=torch.int64), TAG)]
         if layout:
@@ -241,7 +246,7 @@ class Mirror:
         assert gen.buffer is not None
         inc.recv(gen.buffer, TAG + 2).wait()
         out.wait_sends(sends)
-        self._layout_sent = True
+        self._layout_epoch = epoch
         gen.checksum = gen.crc()
         if not self._said:
             self._said = True
@@ -301,7 +306,7 @@ class Mirror:
             if gen.iteration > iteration:
                 gen.checksum, gen.iteration = None, -1
         self.stepped_at = None
-        self._layout_sent = False  # the holder may be a joiner
+        self._layout_epoch = None  # the holder may be a joiner
 
     def serve(self, channel: Channel[Any], iteration: int) -> int:
         """Send the ward's generation of ``iteration`` (the receiver is the ward's rank); returns bytes sent.
