@@ -155,7 +155,8 @@ class Mirror:
         """This rank's own two last staged copies (``checksum`` 0 once staged; no CRC is taken of them): a
         rank whose holder died before its newest copy landed, or whose step ran in an iteration that then
         failed, goes back to one of them."""
-        self._said = False
+        self._copies = 0
+        """Copies exchanged; the second has allocated every buffer, and is when the sizes are said."""
         self._layout: dict[str, Any] | None = None
         """This rank's optimizer layout and shard manifest (computed once)."""
         self._layout_epoch: int | None = None
@@ -248,8 +249,8 @@ class Mirror:
         out.wait_sends(sends)
         self._layout_epoch = epoch
         gen.checksum = gen.crc()
-        if not self._said:
-            self._said = True
+        self._copies += 1
+        if self._copies == 2:
             print(
                 f"[trainmover] rank {self.session.layout.rank}: optimizer-shard mirror holds {self.host_bytes()} "
                 f"bytes of host memory (rank {self.ward}'s shard twice, and its own twice); sends "
