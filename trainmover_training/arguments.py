@@ -276,9 +276,9 @@ def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         default="torch",
         help="Format of the checkpoints --save writes. torch: one file per rank, resumes bit-exactly in the "
         "same TP/PP/DP layout only. torch_dist: megatron-core's dist_checkpointing, as Megatron-LM writes "
-        "it; resumes in the same layout bit-exactly or under another TP/PP layout (needs the default "
-        "process group on gloo or nccl, so not with --trainmover's nccl_delta communicator). --load "
-        "reads either format, whatever this flag says.",
+        "it; resumes in the same layout bit-exactly or under another TP/PP layout (the distributed "
+        "optimizer's state: under another data-parallel size only). --load reads either format, whatever "
+        "this flag says.",
     )
 
 

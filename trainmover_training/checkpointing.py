@@ -69,8 +69,6 @@ def check_save_format(args) -> None:
     group exists)."""
     if args.save and getattr(args, "ckpt_format", "torch") == dist_checkpoint.FORMAT:
         dist_checkpoint.require_planning_backend()
-        if not args.no_save_optim:
-            dist_checkpoint.require_supported_optimizer(args, "--no-save-optim")
 
 
 def checkpoint_format(path: str) -> str | None:

@@ -9,8 +9,8 @@ Layout::
 
 The state dict is Megatron-LM's: ``model`` (``model0``, ``model1``... with virtual pipeline
 stages) is each chunk's ``sharded_state_dict()``, ``optimizer`` the optimizer's sharded state
-(parameter-space, so it reshards across TP and PP; the distributed optimizer's state is refused, see
-:func:`require_supported_optimizer`), ``opt_param_scheduler``, ``iteration``,
+(parameter space, so it reshards across TP and PP; the distributed optimizer's in Megatron-LM's
+default bucket space, :data:`DISTOPT_SHARDING`, which reshards across DP only), ``opt_param_scheduler``, ``iteration``,
 ``checkpoint_version``, ``args`` (its plain values, with ``consumed_train_samples``) and
 ``rng_state``, one object per (PP, TP, DP) rank. RNG states load only into the layout that saved
 them; another layout keeps its own (dropout then differs from an uninterrupted run, as in
@@ -50,6 +50,12 @@ METADATA_FILE = "metadata.json"
 """megatron-core's marker of a complete dist checkpoint (written last, by rank 0)."""
 CHECKPOINT_VERSION = 3.0
 """Megatron-LM's ``checkpoint_version`` of the checkpoints it writes."""
+DISTOPT_SHARDING = "dp_reshardable"
+"""How the distributed optimizer's state is laid out in a checkpoint, as Megatron-LM writes it by
+default: each rank writes its own shard of each gradient bucket (no gather), and the checkpoint loads at
+another data-parallel size, not at another TP or PP layout. A checkpoint is read in the layout it names."""
+SHARDING_KEY = "param_state_sharding_type"
+"""Where megatron-core records that layout in the optimizer's common state."""
 PLANNING_BACKENDS = ("gloo", "nccl", "cpu:gloo,cuda:nccl", "nccl_delta")
 _PLAIN = (str, int, float, bool, type(None))
 
@@ -96,9 +102,12 @@ def require_planning_backend() -> None:
         )
 
 
-def sharded_training_state(model, optimizer, *, with_optim: bool, rng: bool, layout, is_loading: bool) -> dict:
-    """The sharded part of the state dict: model chunks, optionally the optimizer and this rank's
-    RNG object (its ``data`` is the current state; on load, a placeholder that the load replaces)."""
+def sharded_training_state(
+    model, optimizer, *, with_optim: bool, rng: bool, layout, is_loading: bool, sharding: str | None = None
+) -> dict:
+    """The sharded part of the state dict: model chunks, optionally the optimizer (the distributed
+    optimizer's in the layout ``sharding``) and this rank's RNG object (its ``data`` is the current state;
+    on load, a placeholder that the load replaces)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     state: dict = {
@@ -107,7 +116,8 @@ def sharded_training_state(model, optimizer, *, with_optim: bool, rng: bool, lay
     if with_optim:
         # The optimizer's sharded tensors are matched to the model's by parameter identity: it takes
         # the whole dict (every chunk), as in Megatron-LM.
-        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading)
+        metadata = {"distrib_optim_sharding_type": sharding} if sharding else None
+        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading, metadata=metadata)
     if rng:
         shape, offset = rng_sharding(layout)
         state["rng_state"] = ShardedObject("rng_state", rng_state(), shape, offset, replica_id=0)
@@ -185,17 +195,22 @@ def restore_zero_step(state) -> None:
         restore_zero_step(child)
 
 
-def require_supported_optimizer(args, opt_out: str) -> None:
-    """Raise unless this job's optimizer state round-trips through a torch_dist checkpoint.
+def restore_distopt_steps(optimizer) -> None:
+    """Give each parameter of a distributed optimizer just loaded its own Adam step, the saved one.
 
-    megatron-core 0.16.1's distributed optimizer does not, without Apex or TransformerEngine (as on
-    CPU): building its sharded state for loading asserts on a fresh optimizer, and once its state is
-    initialised by hand the loaded Adam step stays 0, so the step after the resume differs."""
-    if args.use_distributed_optimizer:
-        raise CheckpointError(
-            "--ckpt-format torch_dist does not keep the state of --use-distributed-optimizer exactly with "
-            f"this megatron-core (its Adam step is not restored): use --ckpt-format torch, or {opt_out}"
-        )
+    Without Apex or TransformerEngine, megatron-core keeps the step in the param groups and, on load,
+    hands one step tensor to every parameter's state; torch's Adam then increments that one tensor once
+    per parameter per step. Its bucket-space state also copies the loading process's own step (taken
+    before the load) over it. Each parameter gets a tensor of its own holding its group's saved step."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = inner.state.get(param)
+                if state and "step" in state:
+                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
 
 
 def save(
@@ -218,7 +233,6 @@ def save(
 
     require_planning_backend()
     if not args.no_save_optim:
-        require_supported_optimizer(args, "--no-save-optim")
         fill_initial_adam_state(optimizer)
     path = iteration_dir(root, iteration)
     os.makedirs(path, exist_ok=True)
@@ -229,6 +243,7 @@ def save(
         rng=True,
         layout=layout,
         is_loading=False,
+        sharding=DISTOPT_SHARDING if args.use_distributed_optimizer else None,
     )
     state.update(
         iteration=iteration,
@@ -287,6 +302,53 @@ def _check_model_shape(saved_args, args, path: str) -> None:
         )
 
 
+def saved_sharding(state) -> str | None:
+    """The distributed optimizer's layout recorded in a checkpoint's optimizer state (the first found:
+    a chained optimizer records it once per member, all alike), or None for a plain optimizer's."""
+    if isinstance(state, dict):
+        if isinstance(state.get(SHARDING_KEY), str):
+            return state[SHARDING_KEY]
+        children = list(state.values())
+    elif isinstance(state, (list, tuple)):
+        children = list(state)
+    else:
+        return None
+    for child in children:
+        found = saved_sharding(child)
+        if found:
+            return found
+    return None
+
+
+def _check_optimizer_layout(common: dict, saved_args, args, path: str) -> str | None:
+    """The layout to read the optimizer state of ``path`` in (None for a plain optimizer), or
+    CheckpointError when this job cannot read it: the other kind of optimizer, or a distributed
+    optimizer's bucket-space state under another TP or PP layout."""
+    sharding = saved_sharding(common.get("optimizer"))
+    if bool(sharding) != bool(args.use_distributed_optimizer):
+        saved, now = ("the distributed optimizer", "a plain one") if sharding else ("a plain optimizer", "the distributed one")
+        raise CheckpointError(
+            f"the torch_dist checkpoint {path} holds the state of {saved}, and this job runs {now}: "
+            "resume with the optimizer flags of the job that saved it (--use-distributed-optimizer), or "
+            "with --no-load-optim to start the optimizer fresh"
+        )
+    if sharding == DISTOPT_SHARDING and saved_args is not None:
+        names = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+        diff = [
+            f"{name.replace('_', '-')} saved={getattr(saved_args, name, None)} now={getattr(args, name, None)}"
+            for name in names
+            if getattr(saved_args, name, None) != getattr(args, name, None)
+        ]
+        if diff:
+            raise CheckpointError(
+                f"the distributed optimizer's state in {path} is laid out by gradient bucket "
+                f"({DISTOPT_SHARDING}, as Megatron-LM writes it), which loads at another data-parallel size "
+                f"but not under another model-parallel layout ({', '.join(diff)}): resume at the saving "
+                "layout, or with --no-load-optim to start the optimizer fresh"
+            )
+    return sharding
+
+
 def load(root: str, iteration: int, model, optimizer, scheduler, args, layout) -> tuple[int, int]:
     """Load the ``torch_dist`` checkpoint of ``iteration`` under ``root`` into this rank's model
     (any TP/PP layout), optimizer, scheduler and RNG; returns ``(iteration, consumed_samples)``.
@@ -312,8 +374,12 @@ def load(root: str, iteration: int, model, optimizer, scheduler, args, layout) -
     load_rng = not args.no_load_rng and common.get("rng_sharding") == list(shape)
     if not args.no_load_rng and not load_rng and layout.rank == 0:
         logger.warning("%s was saved by another layout (or holds no RNG state): RNG states are not loaded", path)
+    sharding = None
     if load_optim:
-        require_supported_optimizer(args, "--no-load-optim")
+        sharding = _check_optimizer_layout(common, saved_args, args, path)
+        # megatron-core builds the distributed optimizer's loading dict from its current state, which a
+        # fresh optimizer lacks; the values are placeholders the load overwrites.
+        fill_initial_adam_state(optimizer)
     state = sharded_training_state(
         model,
         optimizer,
@@ -321,6 +387,7 @@ def load(root: str, iteration: int, model, optimizer, scheduler, args, layout) -
         rng=load_rng,
         layout=layout,
         is_loading=True,
+        sharding=sharding,
     )
     try:
         # RAISE_UNEXPECTED: a tensor this model needs and the checkpoint lacks is an error, while
@@ -330,7 +397,11 @@ def load(root: str, iteration: int, model, optimizer, scheduler, args, layout) -
             core_module(chunk).load_state_dict(loaded[key], strict=True)
         if load_optim:
             restore_zero_step(loaded["optimizer"])
-            optimizer.load_state_dict(loaded["optimizer"])
+            # In fp32 the distributed optimizer's main parameters are views of the model's leaves: its
+            # bucket-space load copies into them in place, which autograd refuses outside no_grad.
+            with torch.no_grad():
+                optimizer.load_state_dict(loaded["optimizer"])
+            restore_distopt_steps(optimizer)
     except CheckpointError:
         raise
     # megatron-core's CheckpointingException, torch's shape and key errors, and DCP's
@@ -347,3 +418,4 @@ def load(root: str, iteration: int, model, optimizer, scheduler, args, layout) -
     resumed = int(common.get("iteration", 0))
     consumed = int(getattr(saved_args, "consumed_train_samples", 0) or 0) if "iteration" in common else 0
     return resumed, consumed
+

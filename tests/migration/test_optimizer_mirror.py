@@ -74,8 +74,9 @@ def test_a_lost_rank_takes_its_shard_from_the_mirror(
 @pytest.mark.slow
 def test_holder_and_ward_lost_together_fall_back_to_the_checkpoint(tmp_path, corpus, reference):
     """DP=2: ranks 5 and 7 hold each other's shard; killed in the same iteration, neither shard has a
-    copy, so every rank reloads checkpoint 4, and the plan says why (the two deaths may land in one
-    plan or two: the second then finds the first's replacement holding no copy yet)."""
+    copy, so every rank reloads checkpoint 4 (torch_dist, with the distributed optimizer's state, as
+    Megatron-LM writes it), and the plan says why (the two deaths may land in one plan or two: the
+    second then finds the first's replacement holding no copy yet)."""
     base = tm_args(corpus, extra=DISTOPT)
     ref = reference("tp2pp2dp2-bf16-distopt", 8, base)
     ckpt = str(tmp_path / "ckpt")
@@ -84,7 +85,8 @@ def test_holder_and_ward_lost_together_fall_back_to_the_checkpoint(tmp_path, cor
     job = run_job(
         tmp_path,
         8,
-        two + ["--save", ckpt, "--save-interval", "4", "--tm-inject-fault", "5:7:backward,7:7:backward"],
+        two + ["--save", ckpt, "--save-interval", "4", "--ckpt-format", "torch_dist"]
+        + ["--tm-inject-fault", "5:7:backward,7:7:backward"],
         name="mirror_both",
     )
     assert trajectory(job.metrics_path) == ref
