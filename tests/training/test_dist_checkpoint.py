@@ -44,8 +44,9 @@ def _perturbed_copy(src_root, dst_root, iteration: int, key: str = PERTURBED) ->
 
     src, dst = _iter_dir(src_root, iteration), _iter_dir(dst_root, iteration)
     os.makedirs(dst)
-    for name in ("common.pt", "metadata.json"):
-        shutil.copy(os.path.join(src, name), dst)
+    for name in os.listdir(src):  # megatron-core's own files (common.pt, metadata.json: which, by version)
+        if not name.endswith(".distcp") and name != ".metadata":
+            shutil.copy(os.path.join(src, name), dst)
     whole = os.path.join(str(dst_root), "whole.pt")
     dcp_to_torch_save(src, whole)
     state = torch.load(whole, weights_only=False)  # written just above, by this test
