@@ -410,7 +410,7 @@ def test_the_time_limit_signal_saves_a_checkpoint_and_requeues(slurm, tmp_path):
         assert time.monotonic() < deadline, _read(out) + _read(logs / "node-0.log")
         time.sleep(0.3)
     # Slurm holds a requeued job back for a while (BeginTime); the test need not wait for it.
-    slurm._run(["scontrol", "update", f"JobId={job}", "BeginTime=now"], check=False)
+    slurm.start_requeued_now(job, timeout=120)
     info = slurm.wait_job(job, timeout=400)
     report = f"{info}\nbatch output:\n{_read(out)[-4000:]}\n--- node-0.log:\n{_read(logs / 'node-0.log')[-4000:]}"
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", report

@@ -259,6 +259,28 @@ class SlurmCluster:
         """``scontrol -o show job ID`` as a dict (JobState, ExitCode, StdOut, NodeList, Reason ...)."""
         return parse_kv_line(self._run(["scontrol", "-o", "show", "job", str(job_id)]).stdout)
 
+    def start_requeued_now(self, job_id: int, timeout: float) -> dict[str, str]:
+        """Make a requeued job eligible at once; returns its state once it is.
+
+        Slurm holds a requeued batch job back (its begin time about two minutes ahead), and refuses a
+        new begin time while the job's first run is still completing. Retries ``scontrol update
+        StartTime=now`` until the job runs, ends, or pends for another reason than its begin time;
+        raises SlurmError with the job's state otherwise."""
+        deadline = time.monotonic() + timeout
+        info: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            state = info.get("JobState")
+            if state not in ("PENDING", "REQUEUED", "COMPLETING", "REQUEUE_HOLD", "REQUEUE_FED"):
+                return info
+            if state == "PENDING" and info.get("Reason") != "BeginTime":
+                return info
+            if state == "PENDING":
+                # scontrol's name for the earliest start is StartTime (it refuses BeginTime=).
+                self._run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False)
+            time.sleep(0.3)
+        raise SlurmError(f"requeued job {job_id} not eligible within {timeout}s: {info}\n{self.logs()}")
+
     def wait_running(self, job_id: int, timeout: float) -> dict[str, str]:
         """Poll until the job is RUNNING; raises SlurmError with its state and reason otherwise."""
         deadline = time.monotonic() + timeout
