@@ -232,12 +232,20 @@ ITERS_THROUGH = 80
 """~0.2 s each on two cores: the interruption and the reconnection fall well inside the run."""
 
 
-def _train_through(tmp_path, corpus, name: str, interrupt: Callable[[EmbeddedEtcd, LaunchedJob], None]) -> LaunchedJob:
+@pytest.fixture(scope="module")
+def through_reference(tmp_path_factory, corpus) -> dict[int, tuple]:
+    """The fault-free trajectory both interruptions are compared with (one run for the module)."""
+    tmp = tmp_path_factory.mktemp("through_ref")
+    return trajectory(run_job(tmp, 8, tm_args(corpus, iters=ITERS_THROUGH), name="ref").metrics_path)
+
+
+def _train_through(
+    tmp_path, corpus, ref, name: str, interrupt: Callable[[EmbeddedEtcd, LaunchedJob], None]
+) -> LaunchedJob:
     """A real job (tp2·pp2·dp2, one standby) on an external etcd that ``interrupt`` takes away mid-run, once
     the standby is warm: the job finishes, trains the fault-free trajectory bit for bit, and no migration
     is planned (no member was declared dead)."""
     args = tm_args(corpus, iters=ITERS_THROUGH)
-    ref = trajectory(run_job(tmp_path, 8, args, name="ref").metrics_path)
     server = EmbeddedEtcd(EmbeddedEtcdConfig(data_dir=tmp_path / "etcd")).start(timeout=60)
     try:
         job = start_job(
@@ -271,7 +279,7 @@ def _train_through(tmp_path, corpus, name: str, interrupt: Callable[[EmbeddedEtc
 
 
 @pytest.mark.slow
-def test_training_runs_through_an_etcd_outage_of_three_ttls(tmp_path, corpus):
+def test_training_runs_through_an_etcd_outage_of_three_ttls(tmp_path, corpus, through_reference):
     """etcd killed for three lease TTLs and started again: the ranks train on through the outage."""
     seen: dict[str, int] = {}
 
@@ -283,12 +291,12 @@ def test_training_runs_through_an_etcd_outage_of_three_ttls(tmp_path, corpus):
         seen["at_restart"] = max(trajectory(job.metrics_path))
         server.start(timeout=30)
 
-    _train_through(tmp_path, corpus, "outage", outage)
+    _train_through(tmp_path, corpus, through_reference, "outage", outage)
     assert seen["at_kill"] < seen["at_restart"] < ITERS_THROUGH, f"trained {seen} of {ITERS_THROUGH} in the outage"
 
 
 @pytest.mark.slow
-def test_training_runs_through_an_etcd_pause_of_three_ttls(tmp_path, corpus):
+def test_training_runs_through_an_etcd_pause_of_three_ttls(tmp_path, corpus, through_reference):
     """etcd stopped (SIGSTOP) for three lease TTLs: it keeps its clock, so every lease, the controller's
     own and the agent's included, has lapsed when it serves again. Nothing is replaced: the controller
     holds every lapse while its own lease lapsed this recently, and every live member registers again."""
@@ -300,5 +308,5 @@ def test_training_runs_through_an_etcd_pause_of_three_ttls(tmp_path, corpus):
         finally:
             server.kill(signal.SIGCONT)
 
-    job = _train_through(tmp_path, corpus, "pause", pause)
+    job = _train_through(tmp_path, corpus, through_reference, "pause", pause)
     assert "registered again" in job.stderr() + job.stdout(), "no lease lapsed: the pause tested nothing"
