@@ -326,7 +326,10 @@ def _check_optimizer_layout(common: dict, saved_args, args, path: str) -> str | 
     optimizer's bucket-space state under another TP or PP layout."""
     sharding = saved_sharding(common.get("optimizer"))
     if bool(sharding) != bool(args.use_distributed_optimizer):
-        saved, now = ("the distributed optimizer", "a plain one") if sharding else ("a plain optimizer", "the distributed one")
+        kinds = (
+            ("the distributed optimizer", "a plain one") if sharding else ("a plain optimizer", "the distributed one")
+        )
+        saved, now = kinds
         raise CheckpointError(
             f"the torch_dist checkpoint {path} holds the state of {saved}, and this job runs {now}: "
             "resume with the optimizer flags of the job that saved it (--use-distributed-optimizer), or "
@@ -418,4 +421,3 @@ def load(root: str, iteration: int, model, optimizer, scheduler, args, layout) -
     resumed = int(common.get("iteration", 0))
     consumed = int(getattr(saved_args, "consumed_train_samples", 0) or 0) if "iteration" in common else 0
     return resumed, consumed
-

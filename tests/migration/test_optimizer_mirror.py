@@ -85,7 +85,8 @@ def test_holder_and_ward_lost_together_fall_back_to_the_checkpoint(tmp_path, cor
     job = run_job(
         tmp_path,
         8,
-        two + ["--save", ckpt, "--save-interval", "4", "--ckpt-format", "torch_dist"]
+        two
+        + ["--save", ckpt, "--save-interval", "4", "--ckpt-format", "torch_dist"]
         + ["--tm-inject-fault", "5:7:backward,7:7:backward"],
         name="mirror_both",
     )

@@ -294,3 +294,38 @@ def test_bad_architecture_flags_are_refused(extra, flag):
 
     with pytest.raises(TrainingConfigError, match=flag):
         parse_args(argv=tiny_args(None, tp=2, extra=extra), world_size=2)
+
+
+def _checkpoint_args(**kw) -> argparse.Namespace:
+    base = dict(
+        use_distributed_optimizer=False,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=None,
+    )
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_a_torch_dist_checkpoint_is_read_in_the_optimizer_layout_it_names():
+    """The distributed optimizer's bucket-space state loads at the saving TP/PP layout (any DP size), as
+    the layout it records (a chained optimizer records it per member); the other kind of optimizer, or
+    another TP/PP layout, is a CheckpointError that says what to do."""
+    from trainmover_training.dist_checkpoint import DISTOPT_SHARDING, _check_optimizer_layout, saved_sharding
+    from trainmover_training.errors import CheckpointError
+
+    distopt = {"optimizer": {0: {"optimizer": {"param_groups": []}, "param_state_sharding_type": DISTOPT_SHARDING}}}
+    plain = {"optimizer": {"optimizer": {"param_groups": []}, "state": {}}}
+    assert saved_sharding(distopt["optimizer"]) == DISTOPT_SHARDING and saved_sharding(plain["optimizer"]) is None
+    saved = _checkpoint_args(use_distributed_optimizer=True)
+    assert (
+        _check_optimizer_layout(distopt, saved, _checkpoint_args(use_distributed_optimizer=True), "p")
+        == DISTOPT_SHARDING
+    )
+    assert _check_optimizer_layout(plain, _checkpoint_args(), _checkpoint_args(), "p") is None
+    with pytest.raises(CheckpointError, match="holds the state of the distributed optimizer.*--no-load-optim"):
+        _check_optimizer_layout(distopt, saved, _checkpoint_args(), "p")
+    with pytest.raises(CheckpointError, match="holds the state of a plain optimizer"):
+        _check_optimizer_layout(plain, _checkpoint_args(), _checkpoint_args(use_distributed_optimizer=True), "p")
+    other = _checkpoint_args(use_distributed_optimizer=True, tensor_model_parallel_size=2)
+    with pytest.raises(CheckpointError, match="tensor-model-parallel-size saved=1 now=2"):
+        _check_optimizer_layout(distopt, saved, other, "p")
