@@ -380,9 +380,10 @@ def load(root: str, iteration: int, model, optimizer, scheduler, args, layout) -
     sharding = None
     if load_optim:
         sharding = _check_optimizer_layout(common, saved_args, args, path)
-        # megatron-core builds the distributed optimizer's loading dict from its current state, which a
-        # fresh optimizer lacks; the values are placeholders the load overwrites.
-        fill_initial_adam_state(optimizer)
+        if sharding:
+            # megatron-core builds the distributed optimizer's loading dict from its current state, which
+            # a fresh optimizer lacks; the values are placeholders the load overwrites.
+            fill_initial_adam_state(optimizer)
     state = sharded_training_state(
         model,
         optimizer,
