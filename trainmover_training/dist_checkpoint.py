@@ -326,10 +326,9 @@ def _check_optimizer_layout(common: dict, saved_args, args, path: str) -> str | 
     optimizer's bucket-space state under another TP or PP layout."""
     sharding = saved_sharding(common.get("optimizer"))
     if bool(sharding) != bool(args.use_distributed_optimizer):
-        kinds = (
-            ("the distributed optimizer", "a plain one") if sharding else ("a plain optimizer", "the distributed one")
-        )
-        saved, now = kinds
+        saved, now = ("the distributed optimizer", "a plain one")
+        if not sharding:
+            saved, now = "a plain optimizer", "the distributed one"
         raise CheckpointError(
             f"the torch_dist checkpoint {path} holds the state of {saved}, and this job runs {now}: "
             "resume with the optimizer flags of the job that saved it (--use-distributed-optimizer), or "

@@ -68,6 +68,16 @@ def _perturbed_copy(src_root, dst_root, iteration: int, key: str = PERTURBED) ->
     return str(dst_root)
 
 
+def _resumed_losses(tmp_path, nproc: int, args: list[str], name: str) -> dict[int, float]:
+    """Run a job that resumes from the checkpoint of :data:`SAVE_AT`; its losses, which must be those of
+    iterations SAVE_AT+1..ITERS."""
+    job = run_job(tmp_path, nproc, args, name=name)
+    assert read_metrics(job.metrics_path, "startup")[0]["resumed_iteration"] == SAVE_AT
+    got = losses_by_iteration(job.metrics_path)
+    assert sorted(got) == list(range(SAVE_AT + 1, ITERS + 1))
+    return got
+
+
 def _max_difference(got: dict[int, float], want: dict[int, float]) -> float:
     assert sorted(got) and set(got) <= set(want), (sorted(got), sorted(want))
     return max(abs(got[it] - want[it]) for it in got)
@@ -137,10 +147,7 @@ def test_resume_under_another_layout_matches_the_saving_layout(tmp_path, corpus)
     want = losses_by_iteration(ref.metrics_path)
     (ckpt / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
     pp4 = tiny_args(corpus, tp=1, pp=4, iters=ITERS, dropout=0, extra=DIST)
-    resumed = run_job(tmp_path, 4, pp4 + ["--load", str(ckpt)], name="tp1pp4")
-    assert read_metrics(resumed.metrics_path, "startup")[0]["resumed_iteration"] == SAVE_AT
-    got = losses_by_iteration(resumed.metrics_path)
-    assert sorted(got) == list(range(SAVE_AT + 1, ITERS + 1))
+    got = _resumed_losses(tmp_path, 4, pp4 + ["--load", str(ckpt)], "tp1pp4")
     worst = _max_difference(got, want)
     print(f"TP2·PP2 -> TP1·PP4 resume: iterations {sorted(got)}, worst loss difference {worst:.3e}")
     assert worst <= 1e-5, (got, want)
@@ -170,10 +177,8 @@ def test_distributed_optimizer_state_resumes_bit_identically(tmp_path, corpus):
     ref = run_job(tmp_path, 4, args + ["--save", str(ckpt)], name="uninterrupted")
     (ckpt / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
     plain = tiny_args(corpus, pp=2, iters=ITERS, extra=flags)
-    resumed = run_job(tmp_path, 4, plain + ["--load", str(ckpt)], name="resumed")
-    assert read_metrics(resumed.metrics_path, "startup")[0]["resumed_iteration"] == SAVE_AT
-    want, got = losses_by_iteration(ref.metrics_path), losses_by_iteration(resumed.metrics_path)
-    assert sorted(got) == list(range(SAVE_AT + 1, ITERS + 1))
+    want = losses_by_iteration(ref.metrics_path)
+    got = _resumed_losses(tmp_path, 4, plain + ["--load", str(ckpt)], "resumed")
     diffs = {it: (got[it], want[it]) for it in got if got[it] != want[it]}
     assert not diffs, f"not bit-identical: {diffs}"
     print("distributed-optimizer resume: iterations", sorted(got), "bit-identical")
@@ -187,7 +192,7 @@ def test_distributed_optimizer_state_resumes_bit_identically(tmp_path, corpus):
 
 def test_distributed_optimizer_state_resumes_at_another_data_parallel_size(tmp_path, corpus):
     """Saved at PP2·DP2 (4 ranks), resumed at PP2·DP1 (2 ranks) and PP2·DP4 (8 ranks): each rank reads
-    the parameter-space ranges its new shard covers, and 4..6 are within 1e-6 of the DP2 continuation
+    the bucket ranges its new shard covers, and 4..6 are within 1e-6 of the DP2 continuation
     (fp32, dropout off: another layout draws other masks and sums its micro-batches in another order).
     Negative: the DP1 resume with the optimizer left fresh is off by more than 1e-3. Another pipeline
     layout is refused with what to do (this state is laid out by gradient bucket)."""
@@ -198,10 +203,7 @@ def test_distributed_optimizer_state_resumes_at_another_data_parallel_size(tmp_p
     (ckpt / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
     plain = tiny_args(corpus, pp=2, iters=ITERS, dropout=0, extra=flags)
     for ranks in (2, 8):
-        job = run_job(tmp_path, ranks, plain + ["--load", str(ckpt)], name=f"dp{ranks // 2}")
-        assert read_metrics(job.metrics_path, "startup")[0]["resumed_iteration"] == SAVE_AT
-        got = losses_by_iteration(job.metrics_path)
-        assert sorted(got) == list(range(SAVE_AT + 1, ITERS + 1))
+        got = _resumed_losses(tmp_path, ranks, plain + ["--load", str(ckpt)], f"dp{ranks // 2}")
         worst = _max_difference(got, want)
         print(f"PP2·DP2 -> PP2·DP{ranks // 2} resume: worst loss difference {worst:.3e}")
         assert worst <= 1e-6, (got, want)
