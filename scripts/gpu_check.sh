@@ -4,7 +4,7 @@
 #   1. the GPU-marked tests that need one device: training on CUDA with NCCL, the CUDA RNG snapshot and
 #      rewind, a CUDA state staged through host memory by the hand-over pair, backend and spec selection;
 #   2. a single-rank training job on CUDA, plain and on TrainMover's communicator (nccl_delta's backend
-#      registered on CUDA, its groups of one);
+#      registered on CUDA, its groups of one), whose losses must be bit-identical;
 #   3. the unit tests of nccl_delta with CUDA present (the NCCL transport imports, `auto` picks NCCL).
 # The multi-GPU checks (NCCL groups, their replacement, moves, the communicator benchmark) are in
 # scripts/gpu_check_multi.sh.
@@ -29,5 +29,13 @@ for comm in native nccl_delta; do
     --tm-metrics-file "$OUT/gpu_train_$comm.jsonl" 2>&1 | tee "$OUT/gpu_train_$comm.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
+# TrainMover's communicator (groups of one here) computes exactly what the native backend does.
+$PY - "$OUT/gpu_train_native.jsonl" "$OUT/gpu_train_nccl_delta.jsonl" <<'PYEOF' || status=1
+import json, sys
+runs = [[(r["iteration"], r["loss"]) for r in map(json.loads, open(p)) if "loss" in r] for p in sys.argv[1:]]
+same = len(runs[0]) == 20 and runs[0] == runs[1]
+print(f"losses native vs nccl_delta over {len(runs[0])} iterations: {'bit-identical' if same else 'DIFFER'}")
+sys.exit(0 if same else 1)
+PYEOF
 echo "gpu_check.sh: $([ $status -eq 0 ] && echo PASSED || echo FAILED) (logs in $OUT)"
 exit $status

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``trainmover`` console script; returns the exit code."""
+    from trainmover_ext.launch.process import fork_safe_cuda_checks
+
+    fork_safe_cuda_checks()  # before any CUDA check: `launch` forks its ranks from this process
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:

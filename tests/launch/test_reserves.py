@@ -6,6 +6,7 @@ forked."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -62,3 +63,20 @@ def test_a_woken_reserve_runs_the_script_with_what_it_was_sent(tmp_path):
     assert "argv ['--flag', 'a b']" in out and "env inherited sent" in out, out
     assert "nice 3 pgid is pid True" in out, out
     assert (logs / "stderr.log").read_text() == "to stderr\n"
+
+
+def test_the_launcher_keeps_cuda_checks_off_the_cuda_runtime():
+    """The agent forks its ranks, so its CUDA checks must go through NVML (torch's switch): a check
+    through the CUDA runtime makes every forked rank fail at ``torch.cuda.set_device`` on a GPU
+    machine (scripts/gpu_check.sh runs that case). A value the user set is kept."""
+    probe = (
+        "import os; from trainmover_ext.launch.process import NVML_CUDA_CHECK, preimport_for_fork; "
+        "preimport_for_fork(); print(os.environ.get(NVML_CUDA_CHECK))"
+    )
+    for given, expected in ((None, "1"), ("0", "0")):
+        env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+        if given is not None:
+            env["PYTORCH_NVML_BASED_CUDA_CHECK"] = given
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[-1] == expected, out.stdout

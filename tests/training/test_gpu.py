@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_trains_on_cuda_with_nccl(tmp_path):
     job = run_job(tmp_path, 1, tiny_args(None, iters=6, extra=["--bf16"]), name="gpu")
-    assert "backend nccl" in job.stdout()
+    assert "| comm nccl |" in job.stdout(), job.stdout()[-2000:]
     losses = losses_by_iteration(job.metrics_path)
     assert sorted(losses) == list(range(1, 7))
     assert losses[6] < losses[1]
@@ -30,13 +30,17 @@ def test_backend_and_spec_selection_on_gpu():
 def test_cuda_rng_snapshot_and_rewind():
     """An abandoned iteration's dropout masks are drawn again identically on CUDA: the snapshot covers
     torch's CUDA generator and megatron's tracker (whose states are CUDA generator states on a GPU)."""
+    import inspect
     from types import SimpleNamespace
 
     from megatron.core import tensor_parallel
 
     from trainmover_training import iteration_start
 
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    # No parallel state here: megatron-core 0.19 reads the ranks from it unless they are given.
+    given = inspect.signature(tensor_parallel.model_parallel_cuda_manual_seed).parameters
+    ranks = {name: 0 for name in ("tp_rank", "ep_rank", "etp_rank") if name in given}
+    tensor_parallel.model_parallel_cuda_manual_seed(1234, **ranks)
     args = SimpleNamespace(iteration=5, consumed_train_samples=80)
     start = iteration_start.capture(args)
     dev = torch.device("cuda", torch.cuda.current_device())

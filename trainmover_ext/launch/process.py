@@ -12,6 +12,11 @@ child while forking is still safe, and the child sleeps on a socket; at a
 refill :func:`activate` sends it the process's environment, arguments and
 output descriptors, and it runs the script exactly as a forked rank would.
 :func:`discard` ends an unused one.
+
+A child forked from a process that has asked the CUDA runtime anything (``torch.cuda.is_available()``
+counts devices through it by default) cannot use CUDA: torch refuses with "Cannot re-initialize CUDA in
+forked subprocess". :func:`fork_safe_cuda_checks` makes torch answer such questions through NVML
+instead; the launcher calls it before it imports torch.
 """
 
 from __future__ import annotations
@@ -36,6 +41,19 @@ from trainmover_ext.launch.logs import ProcessOutput
 
 _PR_SET_PDEATHSIG = 1
 
+# torch's documented switch: its CUDA checks ask NVML, which leaves the CUDA runtime untouched.
+NVML_CUDA_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
+def fork_safe_cuda_checks() -> None:
+    """Make ``torch.cuda.is_available()`` in this process (and the ranks it starts) leave forking safe.
+
+    Without it, the first such call in the agent (megatron-core's patches ask it at import) initialises
+    the CUDA driver, and every rank forked afterwards fails at ``torch.cuda.set_device``. torch reads the
+    variable at each call, so this works whenever it runs before the first check. A value the user set
+    is kept."""
+    os.environ.setdefault(NVML_CUDA_CHECK, "1")
+
 
 def _die_with_parent(parent_pid: int) -> None:
     try:
@@ -49,6 +67,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def preimport_for_fork() -> None:
     """Import the heavy modules once in the agent so forked ranks skip 4-10 s of imports."""
+    fork_safe_cuda_checks()
     import trainmover_training  # noqa: F401  (first: it quiets megatron-core's CPU fallback warnings)
 
     # isort: split
