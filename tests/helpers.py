@@ -482,3 +482,29 @@ def wait_until(pred, timeout_s: float, interval_s: float = 0.05) -> bool:
             return False
         time.sleep(interval_s)
     return True
+
+
+def warm_standbys(job, role: str | None = None) -> set[str]:
+    """Standby member ids that `trainmover status` lists with warm roles (with ``role``: warm for it)."""
+    status = trainmover_cli("status", *control_flags(job))
+    assert status.returncode == 0, status.stderr[-2000:]
+    section = status.stdout.split("standbys:", 1)[1].split("last migration:", 1)[0]
+    rows = [line.split() for line in section.splitlines()[2:] if line.strip() and "(starting)" not in line]
+    return {row[0] for row in rows if role is None or role in row[3].split(",")}
+
+
+def wait_warm(job, role: str | None = None, member: str | None = None) -> set[str]:
+    """Wait until a standby (``member``, or any) is warm (for ``role``); returns the warm ones."""
+
+    def ready() -> set[str] | None:
+        warm = warm_standbys(job, role)
+        return warm if (member in warm if member else warm) else None
+
+    return wait_for(
+        ready,
+        120,
+        interval=0.2,
+        what=f"{member or 'a standby'} to be warm for {role or 'any role'}",
+        detail=lambda: job.stdout()[-3000:],
+        give_up=lambda: job.popen.poll() is not None,
+    )

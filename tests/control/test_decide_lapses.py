@@ -73,3 +73,16 @@ def test_without_rejoin_s_a_lapse_is_proof_at_once():
     v.settle_s = 0.0
     _lapse(v, "w2", ago=1.0)
     assert [r.rank for r in _plans(decide(v, NOW))[0].plan.replacement_list()] == [2]
+
+
+def test_the_lapses_of_one_node_are_planned_together():
+    """A node cut off from etcd while its agent's lease holds: its ranks' leases lapse moments apart. When
+    the first one's wait is over, the others that lapsed with it join its plan, although their own waits
+    run a little longer; a rank of the node whose lease holds, and a lapse on another node, do not."""
+    v = _lapsing_view()
+    _lapse(v, "w4", ago=REJOIN_S + 0.1)
+    _lapse(v, "w5", "w7", ago=REJOIN_S - 0.4)
+    _lapse(v, "w1", ago=REJOIN_S - 0.4)  # n0: its own wait is not over
+    plan = _plans(decide(v, NOW))
+    assert [r.rank for r in plan[0].plan.replacement_list()] == [4, 5, 7]
+    assert all(why == "lease expired" for _, why in plan[0].why)

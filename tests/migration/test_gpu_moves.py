@@ -17,17 +17,28 @@ import pytest
 import torch
 
 from harness.nodes import Node, NodesJob
-from helpers import JobProbe, tm_args, trainmover_cli, wait_until
+from helpers import (
+    JobProbe,
+    control_flags,
+    fell_back,
+    replaced,
+    run_job,
+    start_job,
+    tm_args,
+    trainmover_cli,
+    trajectory,
+    wait_iteration,
+    wait_until,
+    wait_warm,
+)
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-        reason="needs 2 CUDA devices: 2 ranks, and a standby machine of 2 slots on the same or 2 more devices",
-    ),
-]
+pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA devices: 2 ranks, and a standby machine of 2 slots on the same or 2 more devices",
+)
 def test_a_planned_move_and_a_failover_on_nccl(tmp_path, corpus):
     args = tm_args(corpus, tp=1, pp=1, iters=60)
     own_gpus = torch.cuda.device_count() >= 4
@@ -58,3 +69,27 @@ def test_a_planned_move_and_a_failover_on_nccl(tmp_path, corpus):
         assert "falling back" not in logs
     finally:
         job.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_planned_move_on_one_gpu_is_bit_identical(tmp_path, corpus):
+    """One GPU (scripts/gpu_check.sh): a one-rank bf16 job with a standby on the same device, warmed in its
+    sandbox (the launcher's default). `trainmover migrate --rank 0` hands the rank's CUDA state to the
+    standby through host memory (NCCL refuses two ends on one device), and the job trains on with the
+    losses of a run without the move, bit for bit."""
+    args = tm_args(corpus, tp=1, pp=1, gbs=4, iters=40, extra=["--bf16"], standby_nice=None, sandbox=True)
+    ref = trajectory(run_job(tmp_path, 1, args, name="ref").metrics_path)
+    job = start_job(tmp_path, 1, args, name="onegpu")
+    try:
+        wait_iteration(job, 3)
+        wait_warm(job, "first")  # a one-stage job's rank has the first stage's role
+        out = trainmover_cli("migrate", "--rank", "0", *control_flags(job), timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert job.wait(300) == 0, job.stderr()[-4000:]
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+    assert [(r["rank"], r["reason"]) for r in replaced(job)] == [(0, "planned")], job.stderr()[-3000:]
+    assert not fell_back(job), job.stderr()[-3000:]
+    assert "planned hand-over of epoch 1 on gloo" in job.stdout() + job.stderr()
+    assert trajectory(job.metrics_path) == ref, "the trajectory differs from the run without the move"

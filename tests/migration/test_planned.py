@@ -21,6 +21,7 @@ from helpers import (
     transfer_reports,
     wait_for,
     wait_iteration,
+    wait_warm,
 )
 
 # TP2 x PP2 x DP2: rank = tp + 2*dp + 4*pp
@@ -46,29 +47,12 @@ def _finish(job) -> str:
     return job.stderr()
 
 
-def _wait_warm(job, role: str | None = None, member: str | None = None) -> set[str]:
-    """Wait until a standby (``member``, or any) is warm (for ``role``); returns the warm ones."""
-
-    def ready() -> set[str] | None:
-        warm = _warm_standbys(job, role)
-        return warm if (member in warm if member else warm) else None
-
-    return wait_for(
-        ready,
-        120,
-        interval=0.2,
-        what=f"{member or 'a standby'} to be warm for {role or 'any role'}",
-        detail=lambda: job.stdout()[-3000:],
-        give_up=lambda: job.popen.poll() is not None,
-    )
-
-
 def _migrate_and_check(tmp_path, corpus, reference, nproc, args, ref_key, rank, iters=ITERS):
     ref = reference(ref_key, nproc, args)
     job = start_job(tmp_path, nproc, args, name=f"planned_{rank}")
     try:
         wait_iteration(job, 3)
-        _wait_warm(job)
+        wait_warm(job)
         _migrate(job, "--rank", str(rank))
     except BaseException:
         job.popen.kill()
@@ -116,15 +100,6 @@ def test_planned_migration_of_a_middle_stage(tmp_path, corpus, reference):
     _migrate_and_check(tmp_path, corpus, reference, 6, args, "tp1pp3dp2_40", 2, iters=40)
 
 
-def _warm_standbys(job, role: str | None = None) -> set[str]:
-    """Standby member ids that `trainmover status` lists with warm roles (with ``role``: warm for it)."""
-    status = trainmover_cli("status", *control_flags(job))
-    assert status.returncode == 0, status.stderr[-2000:]
-    section = status.stdout.split("standbys:", 1)[1].split("last migration:", 1)[0]
-    rows = [line.split() for line in section.splitlines()[2:] if line.strip() and "(starting)" not in line]
-    return {row[0] for row in rows if role is None or role in row[3].split(",")}
-
-
 def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, reference):
     """--tm-leaver-becomes-standby: rank 1's process hands its state over, stays alive as a standby
     (no new interpreter is started for the consumed one), warms up, and is then moved into rank 6
@@ -143,7 +118,7 @@ def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, referen
     try:
         wait_iteration(job, 3)
         rank1_pid = job.rank_pids()[0][1]
-        _wait_warm(job, "first")
+        wait_warm(job, "first")
         _migrate(job, "--rank", "1")
         (back,) = wait_for(
             lambda: job.events("standby_rejoined"), 120, interval=0.1, what="the leaver to rejoin the pool"
@@ -151,7 +126,7 @@ def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, referen
         assert (back["detail"]["pid"], back["detail"]["rank"]) == (rank1_pid, 1)
         rejoined = back["detail"]["member"]
         # rank 6 is on the last stage: `migrate --to` accepts only a standby warm for its role
-        _wait_warm(job, "last", rejoined)
+        wait_warm(job, "last", rejoined)
         _migrate(job, "--rank", "6", "--to", rejoined)
     except BaseException:
         job.popen.kill()

@@ -266,3 +266,34 @@ def test_standby_duty_flag():
     assert TrainMoverConfig(standby_duty=0.25).standby_duty == 0.25
     with pytest.raises(ConfigError, match="--tm-standby-duty"):
         TrainMoverConfig(standby_duty=1.5)
+
+
+def test_shadow_iterations_run_on_the_device_of_the_recorded_job():
+    """A job on NCCL trains on CUDA, so its standby's shadow model is built on CUDA (megatron-core's bf16
+    optimizer takes CUDA parameters only; scripts/gpu_check.sh runs the GPU case). A job on gloo: CPU."""
+    from trainmover_ext.sandbox.shadow import shadow_device
+
+    assert shadow_device("gloo") == torch.device("cpu")
+    if torch.cuda.is_available():
+        assert shadow_device("nccl") == torch.device("cuda", torch.cuda.current_device())
+    else:
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            shadow_device("nccl")
+
+
+def test_a_kept_model_on_another_device_is_not_adopted():
+    """A standby that warmed on one device and is promoted onto another builds its model anew."""
+    from types import SimpleNamespace
+
+    from trainmover_ext.errors import KeptRoleUnusable
+    from trainmover_ext.sandbox.adopt import KeptRole, adopt, adopt_or_build
+
+    def kept() -> KeptRole:
+        parts = SimpleNamespace(layout=SimpleNamespace(device=torch.device("cuda", 0)), model=[], optimizer=None)
+        return KeptRole(role="first", rank=0, session=parts)
+
+    promoted = SimpleNamespace(device=torch.device("cuda", 1))
+    with pytest.raises(KeptRoleUnusable, match="is on cuda:0, the rank runs on cuda:1"):
+        adopt(kept(), promoted, None, 0)
+    session, why, replaced = adopt_or_build(kept(), promoted, None, 0, build=lambda why: ("built", why))
+    assert session == ("built", why) and "cuda:1" in why and replaced == 0

@@ -57,7 +57,14 @@ class CuttableProxy:
                 _shut(client)
                 continue
             with self._lock:
-                self._sockets += [client, upstream]
+                # A cut between the check above and here must still sever this one: cut() takes the lock.
+                severed = self._cut.is_set()
+                if not severed:
+                    self._sockets += [client, upstream]
+            if severed:
+                _shut(client)
+                _shut(upstream)
+                continue
             for src, dst in ((client, upstream), (upstream, client)):
                 threading.Thread(target=_pump, args=(src, dst), name="proxy-pump", daemon=True).start()
 

@@ -40,7 +40,9 @@ Cases:
   again); the standbys of a lost node are never chosen. A rank whose lease
   expired while its node's agent still looks alive waits ``View.rejoin_s``
   first: a live rank registers again, a dead, frozen or stalled one is reported
-  by its agent, and the agent's lease may be about to expire too.
+  by its agent, and the agent's lease may be about to expire too. Once one such
+  wait is over, every rank of that node whose lease lapsed as well joins the same
+  plan.
 - **etcd stalled**: the controller's own lease lapsed within ``View.rejoin_s``
   although it runs: every lapse of that moment is etcd's (a pause longer than the
   TTL, a disk stall), so lapsed leases and lapsed agents replace nothing until
@@ -176,6 +178,13 @@ def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
         if r in view.finished:
             continue  # its worker completed training and left: nothing to replace
         if rec.member_id not in view.members and not stalled and not lapse_waits(view, rec, now, lost):
+            leaving, why = _lost_joiner(moving, rec, view, "lease expired")
+            failed[r] = _Failure(rank=leaving, reason=why, detected_at=view.gone_at.get(rec.member_id))
+    # Lapses on one host are decided together: once one rank's wait is over, every rank of that host whose
+    # lease lapsed too joins the same plan (each waiting out its own clock would split one node's loss).
+    for r, rec in sorted(view.ranks.items()):
+        lapsed_beside = rec.host in {f.rank.host for f in failed.values()} and rec.member_id not in view.members
+        if lapsed_beside and r not in failed and r not in view.finished:
             leaving, why = _lost_joiner(moving, rec, view, "lease expired")
             failed[r] = _Failure(rank=leaving, reason=why, detected_at=view.gone_at.get(rec.member_id))
     # The leaver of a planned move still holds the rank's only copy of its state until the hand-over:

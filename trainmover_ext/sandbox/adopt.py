@@ -22,8 +22,8 @@ Contract:
   RNG and data position still come from the state transfer, which overwrites
   what the shadow iterations left.
 - :class:`KeptRoleUnusable` says why a kept session cannot be adopted (another
-  rank, a group without a real counterpart, or one held where it cannot be
-  replaced, e.g. in a tuple). :func:`keep_if_fits` and :func:`adopt_or_build`
+  rank, another device, a group without a real counterpart, or one held where it
+  cannot be replaced, e.g. in a tuple). :func:`keep_if_fits` and :func:`adopt_or_build`
   are the promotion's two steps: they free parts that do not fit before the
   rank's world is built, and fall back to building the model, saying why.
 """
@@ -127,6 +127,10 @@ def adopt(kept: KeptRole, layout, metrics, rank: int) -> tuple[Any, int]:
         raise KeptRoleUnusable("the kept parts were dropped")
     if not kept.fits(rank):
         raise KeptRoleUnusable(f"the kept {kept.role} model was built as rank {kept.rank}, not rank {rank}")
+    if kept.session.layout.device != layout.device:
+        raise KeptRoleUnusable(
+            f"the kept {kept.role} model is on {kept.session.layout.device}, the rank runs on {layout.device}"
+        )
     real = real_groups()
     mapping: dict[int, dist.ProcessGroup] = {}
     for name, (old, members) in kept.replay_groups.items():

@@ -50,11 +50,11 @@ def state_digest(model: list) -> dict[str, str]:
     for chunk in model:
         for name, param in chunk.named_parameters():
             params.update(name.encode())
-            params.update(param.detach().contiguous().view(torch.uint8).numpy().tobytes())
+            params.update(param.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
             grad: torch.Tensor | None = getattr(param, "main_grad", None)
             if grad is None:
                 grad = param.grad
             if grad is not None:
                 grads.update(name.encode())
-                grads.update(grad.detach().contiguous().view(torch.uint8).numpy().tobytes())
+                grads.update(grad.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return {"grad": grads.hexdigest(), "param": params.hexdigest()}

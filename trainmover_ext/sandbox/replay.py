@@ -262,7 +262,9 @@ def register() -> None:
     """Register the ``tm_replay`` backend (idempotent)."""
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    # A job on NCCL is replayed on CUDA tensors (see shadow.shadow_device): its groups serve both devices.
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=devices)
 
 
 @contextlib.contextmanager

@@ -141,17 +141,30 @@ def _ensure_globals(args) -> None:
         build_tokenizer(args)
 
 
+def shadow_device(backend: str) -> torch.device:
+    """Where shadow iterations of a job on ``backend`` run: where the job's ranks do. A job on NCCL
+    trains on CUDA (its bf16/fp16 optimizer takes CUDA parameters only), so the standby's shadow model
+    is built on this process's current CUDA device; a job on gloo trains on the CPU."""
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise ConfigError("the recording is of a job on NCCL (CUDA), and this standby sees no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _layout_from_mpu(args, recording: Recording):
     from trainmover_training.initialize import layout_from_groups
 
-    # The job's backend decides megatron's p2p batching; replay the job's choice, not ours.
+    # The job's backend decides megatron's p2p batching and the device; replay the job's choice, not ours.
+    backend = recording.index["layout"]["backend"]
+    device = shadow_device(backend)
     return layout_from_groups(
         args,
         rank=recording.rank,
         world_size=recording.world_size,
-        local_rank=0,
-        device=torch.device("cpu"),
-        backend=recording.index["layout"]["backend"],
+        local_rank=device.index or 0,
+        device=device,
+        backend=backend,
         comm=recording.index["layout"].get("comm") or "",
     )
 
