@@ -2,9 +2,11 @@
 
 Contract: :func:`add_parser` registers the subcommand on the ``trainmover``
 dispatcher; :func:`run` returns 0 on success and 1 when ``--check`` finds a
-figure outside the paper tolerance. Invalid inputs raise
-:class:`~trainmover_ext.errors.ConfigError` naming the flag (the dispatcher
-prints it and exits 2). Defaults are the paper's inputs.
+figure outside the paper tolerance. Invalid inputs (``--check`` without
+``--paper`` too) raise :class:`~trainmover_ext.errors.ConfigError` naming the
+flag (the dispatcher prints it and exits 2). Defaults are the paper's inputs;
+the report lists every input with its source (:mod:`.sources`), and names the
+ones fitted to the paper's own projection.
 """
 
 from __future__ import annotations
@@ -113,7 +115,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="also print the paper's figures beside ours (8K/64K/128K, 10-min rebalance)",
     )
-    run_group.add_argument("--check", action="store_true", help="with --paper: exit 1 if a figure is off by > 5 pp")
+    run_group.add_argument(
+        "--check", action="store_true", help="with --paper (required): exit 1 if a figure is off by > 5 pp"
+    )
     run_group.add_argument(
         "--scale-check",
         type=int,
@@ -133,24 +137,82 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, list[str]]:
-    """Build the SimConfig: defaults, then ``--downtimes-json``, then explicit flags."""
+# --downtimes-json key -> the field it sets
+_MEASURED_FIELDS = {
+    "restart_s": "restart_ref_s",
+    "ranks": "restart_ref_gpus",
+    "unexpected_s": "tm_unexpected_s",
+    "planned_s": "tm_planned_s",
+    "nvrx_inprocess_s": "nvrx_inprocess_s",
+    "scale": "tm_unexpected_scale_exp",
+    "iteration_s": "iteration_s",
+}
+# SimConfig flags -> field, for the inputs' sources (a value that differs from the default was given)
+_JOB_FLAGS = {
+    "gpus": "gpus",
+    "gpus_per_node": "gpus_per_node",
+    "gpu_mttf_hours": "gpu_mttf_hours",
+    "mttf_hours": "mttf_hours",
+    "unexpected_per_planned": "unexpected_per_planned",
+    "rebalance_minutes": "rebalance_minutes",
+    "checkpoint_interval_min": "checkpoint_interval_min",
+    "checkpoint_save_s": "checkpoint_save_s",
+    "checkpoint_load_s": "checkpoint_load_s",
+    "standbys": "standbys",
+    "max_standbys": "max_standbys",
+    "standby_replace_hours": "standby_replace_hours",
+    "seed": "seed",
+    "replicas": "replicas",
+}
+
+
+@dataclasses.dataclass
+class InputOrigins:
+    """Which inputs did not come from the defaults: read from ``--downtimes-json`` (field -> file:key)
+    or given by a flag (field names)."""
+
+    measured: dict[str, str] = dataclasses.field(default_factory=dict)
+    given: set[str] = dataclasses.field(default_factory=set)
+
+    def summary(self) -> list[str]:
+        """The old one-line list: ``file:key`` and ``--flag`` entries of the downtime models."""
+        return sorted(set(self.measured.values())) + sorted(
+            f"--{flag.replace('_', '-')}" for flag, (name, _, _) in _DOWNTIME_FLAGS.items() if name in self.given
+        )
+
+
+def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, InputOrigins]:
+    """Build the SimConfig (defaults, then ``--downtimes-json``, then explicit flags) and where its
+    inputs came from."""
     from trainmover_ext.simulate.strategies import load_measured_downtimes
 
     model = DowntimeModel()
-    sources: list[str] = []
+    origins = InputOrigins()
     iteration_s = None
     if args.downtimes_json:
         model, iteration_s, applied = load_measured_downtimes(args.downtimes_json, model)
-        sources = [f"{args.downtimes_json}:{key}" for key in applied]
+        for key in applied:
+            origins.measured[_MEASURED_FIELDS[key]] = f"{args.downtimes_json}:{key}"
     explicit = {
         field: getattr(args, flag) for flag, (field, _, _) in _DOWNTIME_FLAGS.items() if getattr(args, flag) is not None
     }
     if explicit:
         model = replace(model, **explicit)
-        sources += [f"--{flag.replace('_', '-')}" for flag in _DOWNTIME_FLAGS if getattr(args, flag) is not None]
+        origins.given.update(explicit)
+        for name in explicit:
+            origins.measured.pop(name, None)
     if args.iteration_s is not None:
         iteration_s = args.iteration_s
+        origins.given.add("iteration_s")
+        origins.measured.pop("iteration_s", None)
+    defaults = SimConfig()
+    origins.given.update(
+        name for flag, name in _JOB_FLAGS.items() if getattr(args, flag, None) != getattr(defaults, name)
+    )
+    if args.infra_cost_min * 60.0 != defaults.infra_cost_s:
+        origins.given.add("infra_cost_s")
+    if args.weeks is not None or args.days is not None:
+        origins.given.add("weeks")
     if args.days is not None and not (math.isfinite(args.days) and args.days > 0):
         raise ConfigError(f"--days {args.days}: must be > 0 (or use --weeks)")
     weeks = args.weeks if args.weeks is not None else (args.days / 7.0 if args.days is not None else 4.0)
@@ -174,20 +236,23 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, list[str]]:
         replicas=args.replicas,
         downtimes=model,
     )
-    return cfg, sources
+    return cfg, origins
 
 
 def run(args: argparse.Namespace) -> int:
     """Simulate, print the table, and write the requested JSON and plot."""
     from trainmover_ext.simulate import paper, report
     from trainmover_ext.simulate.engine import project
+    from trainmover_ext.simulate.sources import format_inputs, inputs_of
 
-    cfg, sources = config_from_args(args)
+    if args.check and not args.paper:
+        raise ConfigError("--check compares with the paper's figures: give --paper too")
+    cfg, origins = config_from_args(args)
+    inputs = inputs_of(cfg, measured=origins.measured, given=origins.given)
     projection = project(cfg)
     print(report.format_projection(projection))
-    if sources:
-        print("downtimes from: " + ", ".join(sources))
-    doc = report.projection_to_json(projection, downtime_sources=sources)
+    print(format_inputs(inputs))
+    doc = report.projection_to_json(projection, downtime_sources=origins.summary(), inputs=inputs)
     status = 0
     if args.paper:
         comparison = paper.compare_with_paper(cfg)

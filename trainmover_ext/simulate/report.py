@@ -14,6 +14,7 @@ from pathlib import Path
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.simulate.config import HOUR_S, SimConfig
 from trainmover_ext.simulate.engine import Projection, project
+from trainmover_ext.simulate.sources import Input
 from trainmover_ext.simulate.strategies import STRATEGY_NAMES
 
 SWEEP_GPUS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -27,8 +28,12 @@ _LABELS = {
 }
 
 
-def projection_to_json(projection: Projection, *, downtime_sources: list[str] | None = None) -> dict:
-    """The ``--json`` document: ``gpus``, ``ettr``, ``waste_reduction_pct``, ``best_standbys`` and details."""
+def projection_to_json(
+    projection: Projection, *, downtime_sources: list[str] | None = None, inputs: list[Input] | None = None
+) -> dict:
+    """The ``--json`` document: ``gpus``, ``ettr``, ``waste_reduction_pct``, ``best_standbys`` and details;
+    ``inputs[]`` lists every input with its source (``{name, value, source, reference, fitted}``), and
+    ``config`` is the configuration as simulated."""
     cfg = projection.cfg
     results = projection.results
     return {
@@ -43,7 +48,9 @@ def projection_to_json(projection: Projection, *, downtime_sources: list[str] | 
         "events": {name: dict(res.events) for name, res in results.items()},
         "standby_misses": results["trainmover"].standby_misses,
         "downtime_sources": downtime_sources or [],
-        "inputs": asdict(cfg),
+        "inputs": [asdict(i) for i in inputs or []],
+        "fitted_inputs": [i.name for i in inputs or [] if i.fitted],
+        "config": asdict(cfg),
     }
 
 

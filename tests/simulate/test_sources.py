@@ -1,0 +1,62 @@
+"""Every input of a projection names its source: measured, published or assumed, and fitted when it was
+fitted to the reference paper's own outputs (issue: the simulator as evidence). Pure logic and the CLI."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+
+from trainmover_ext.cli import main
+from trainmover_ext.simulate.config import DowntimeModel, SimConfig
+from trainmover_ext.simulate.sources import DEFAULT_SOURCES, inputs_of
+
+FITTED = {"restart_ref_s", "restart_scale_exp", "parcae_reconfig_ref_s", "parcae_scale_exp", "tm_cold_join_s"}
+
+
+def test_every_input_has_a_default_source():
+    names = {f.name for f in fields(SimConfig) if f.name != "downtimes"} | {f.name for f in fields(DowntimeModel)}
+    assert set(DEFAULT_SOURCES) == names, "a new input needs its source in DEFAULT_SOURCES"
+    assert {s.kind for s in DEFAULT_SOURCES.values()} <= {"measured", "published", "assumed"}
+    assert all(s.reference for s in DEFAULT_SOURCES.values())
+
+
+def test_the_inputs_fitted_to_the_paper_are_named_as_such():
+    inputs = {i.name: i for i in inputs_of(SimConfig())}
+    assert FITTED | {"standby_replace_hours"} == {n for n, i in inputs.items() if i.fitted}
+    assert all(inputs[n].source == "assumed" for n in FITTED), "a value fitted to the paper is no measurement"
+    assert (
+        inputs["unexpected_per_planned"].source == "published"
+        and "Llama 3" in inputs["unexpected_per_planned"].reference
+    )
+
+
+def test_the_json_carries_each_input_with_its_source(tmp_path, capsys):
+    measured = tmp_path / "downtime.json"
+    measured.write_text(json.dumps({"unexpected_s": 4.0, "iteration_s": 0.5}))
+    out = tmp_path / "sim.json"
+    argv = ["simulate", "--gpus", "2048", "--days", "2", "--downtimes-json", str(measured), "--nvrx-s", "60"]
+    assert main([*argv, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    by_name = {i["name"]: i for i in doc["inputs"]}
+    assert set(by_name) == set(DEFAULT_SOURCES)
+    assert by_name["tm_unexpected_s"] == {
+        "name": "tm_unexpected_s",
+        "value": 4.0,
+        "source": "measured",
+        "reference": f"{measured}:unexpected_s",
+        "fitted": False,
+    }
+    assert by_name["iteration_s"]["source"] == "measured"
+    assert (
+        by_name["nvrx_inprocess_s"]["source"] == "assumed"
+        and "command line" in by_name["nvrx_inprocess_s"]["reference"]
+    )
+    assert by_name["gpus"]["value"] == 2048 and "command line" in by_name["gpus"]["reference"]
+    assert set(doc["fitted_inputs"]) == FITTED | {"standby_replace_hours"}
+    text = capsys.readouterr().out
+    assert "tm_unexpected_s = 4.0: measured" in text and "fitted to the paper's own projection" in text
+
+
+def test_check_without_paper_is_refused(capsys):
+    assert main(["simulate", "--gpus", "1024", "--days", "1", "--check"]) == 2
+    assert "--paper" in capsys.readouterr().err

@@ -1,0 +1,128 @@
+"""Where each input of a projection comes from: measured by us, published, or assumed.
+
+Contract: :func:`inputs_of` lists every input of a :class:`~.config.SimConfig` (its downtime model's
+too) as an :class:`Input` with its value and source. A default's source is :data:`DEFAULT_SOURCES`'s;
+a value read from ``--downtimes-json`` is ``measured`` (the file and key); a value given by a flag is
+``assumed`` (the user's). Values fitted to the reference paper's own outputs are ``assumed`` with
+``fitted`` set: a projection resting on them cannot confirm that paper, and the report says so. Pure
+functions; the report prints the list and ``--json`` carries it as ``inputs[]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+from trainmover_ext.simulate.config import SimConfig
+
+Kind = Literal["measured", "published", "assumed"]
+
+PAPER = "TrainMover paper (arXiv 2412.12636)"
+LLAMA3 = (
+    "Llama 3 report (Dubey et al. 2024, section 3.3.4: 419 unexpected and 47 planned interruptions "
+    "in 54 days on 16,384 GPUs)"
+)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A default's origin: its kind, the reference (paper and figure, benchmark, or why assumed), and
+    whether it was fitted to the reference paper's outputs."""
+
+    kind: Kind
+    reference: str
+    fitted: bool = False
+
+
+@dataclass(frozen=True)
+class Input:
+    """One input of a projection, as the report prints it and ``inputs[]`` carries it."""
+
+    name: str
+    value: float | int | None
+    source: Kind
+    reference: str
+    fitted: bool = False
+
+
+def _fitted(what: str) -> Source:
+    return Source("assumed", f"fitted to the {PAPER}'s own projection: {what}", fitted=True)
+
+
+DEFAULT_SOURCES: dict[str, Source] = {
+    # the job and its failure model
+    "gpus": Source("assumed", "the scale asked about (the paper's 8K operating point by default)"),
+    "gpus_per_node": Source("assumed", "8 GPUs per machine (DGX/HGX H100)"),
+    "gpu_mttf_hours": Source(
+        "published", f"{PAPER}: 'MTTF about 3 h at 8K GPUs', i.e. Llama 3's job MTTF applied at 8,192 GPUs"
+    ),
+    "mttf_hours": Source("assumed", "unset: the job MTTF follows from --gpu-mttf-hours"),
+    "unexpected_per_planned": Source("published", f"{LLAMA3}: 419 / 47 = 8.9"),
+    "rebalance_minutes": Source("assumed", "no rebalancing unless asked"),
+    "infra_cost_s": Source("published", f"{PAPER}: +2 min of infrastructure cost per interruption"),
+    "checkpoint_interval_min": Source("assumed", "30 min"),
+    "checkpoint_save_s": Source("assumed", "0 s: asynchronous saves overlap training"),
+    "checkpoint_load_s": Source("assumed", "60 s"),
+    "iteration_s": Source("assumed", "6 s"),
+    "standbys": Source("assumed", "unset: the count that maximises ETTR is searched"),
+    "max_standbys": Source("assumed", "bound of the standby search"),
+    "standby_replace_hours": _fitted("48 h, together with tm_cold_join_s, to the 35.91% (8K) and 55% (128K) savings"),
+    "weeks": Source("assumed", "4 weeks of fault-free progress"),
+    "seed": Source("assumed", "seed of the interruption streams"),
+    "replicas": Source("assumed", "seeded runs averaged per point"),
+    # the downtime models
+    "restart_ref_s": _fitted("540 s at 128 GPUs, to the stop-restart ETTR 0.50 under 10-minute rebalancing"),
+    "restart_ref_gpus": Source("assumed", "128 GPUs, the scale of the paper's rebalancing figure"),
+    "restart_scale_exp": _fitted("0.17, to the stop-restart ETTR 0.42 at 1,024 GPUs"),
+    "parcae_reconfig_ref_s": _fitted("880 s, to the 82.77% (8K) and 88% (128K) savings against Parcae"),
+    "parcae_scale_exp": _fitted("0.06, with parcae_reconfig_ref_s"),
+    "parcae_shrink_gpus": Source("assumed", "one TP8 x PP8 model replica"),
+    "parcae_regrow_hours": Source("assumed", "1 h before elastic capacity lets a shrunk job grow back"),
+    "nvrx_inprocess_s": Source("assumed", "90 s: NVRx documents no latency figure"),
+    "nvrx_scale_exp": Source("assumed", "0.1: every rank rebuilds its communicators"),
+    "tm_unexpected_s": Source("published", f"{PAPER}, abstract: 'around 20 seconds' at 1,024 GPUs"),
+    "tm_unexpected_scale_exp": Source("assumed", "0: only the leaver's groups change"),
+    "tm_planned_s": Source("published", f"{PAPER}: 99% efficiency under 10-minute rebalancing (at most ~6-10 s)"),
+    "tm_cold_join_s": _fitted("190 s, together with standby_replace_hours, to the 35.91% and 55% savings"),
+}
+"""The source of every default, by field name of :class:`SimConfig` and :class:`DowntimeModel`."""
+
+
+def inputs_of(cfg: SimConfig, *, measured: dict[str, str] | None = None, given: set[str] | None = None) -> list[Input]:
+    """Every input of ``cfg`` with its source. ``measured`` maps field -> where the value was read
+    (``--downtimes-json`` file and key); ``given`` names the fields set by a flag."""
+    measured, given = measured or {}, given or set()
+    out = []
+    for owner in (cfg, cfg.downtimes):
+        for f in fields(owner):
+            if f.name == "downtimes":
+                continue
+            value = getattr(owner, f.name)
+            if f.name in measured:
+                out.append(Input(f.name, value, "measured", measured[f.name]))
+            elif f.name in given:
+                out.append(Input(f.name, value, "assumed", "given on the command line"))
+            else:
+                src = DEFAULT_SOURCES[f.name]
+                out.append(Input(f.name, value, src.kind, src.reference, src.fitted))
+    return out
+
+
+def fitted_names(inputs: list[Input]) -> list[str]:
+    """The inputs whose values were fitted to the reference paper's outputs."""
+    return [i.name for i in inputs if i.fitted]
+
+
+def format_inputs(inputs: list[Input]) -> str:
+    """The report's table of inputs and a warning naming the fitted ones."""
+    lines = ["inputs (name = value: source, reference)"]
+    for i in inputs:
+        mark = " [FITTED]" if i.fitted else ""
+        lines.append(f"  {i.name} = {i.value}: {i.source}{mark}, {i.reference}")
+    fitted = fitted_names(inputs)
+    if fitted:
+        lines.append(
+            f"  {len(fitted)} input(s) were fitted to the paper's own projection ({', '.join(fitted)}): "
+            "agreement with the paper's figures then confirms the fit, not the paper"
+        )
+    return "\n".join(lines)
