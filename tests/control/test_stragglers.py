@@ -1,0 +1,91 @@
+"""The straggler detector (control.stragglers), pure logic: a rank slowed 1.2x, 1.5x and 2x is named within
+the window; one-off spikes, excluded iterations (saves, evaluation), a newly joined rank and stages that
+simply differ in work flag nobody; 300 noisy iterations without a slowdown flag nobody."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from trainmover_ext.control.stragglers import Sample, StragglerConfig, StragglerDetector
+
+STAGES = 2
+RANKS = 8  # rank r is on stage r // 4; the last stage does 1.3x the work of the first
+
+
+def _times(rng: random.Random, slow: dict[int, float] | None = None, noise: float = 0.04) -> dict[int, Sample]:
+    slow = slow or {}
+    out = {}
+    for r in range(RANKS):
+        stage = r * STAGES // RANKS
+        base = 0.1 * (1.3 if stage == STAGES - 1 else 1.0)
+        out[r] = Sample(
+            peer_key=("stage", stage), compute_s=base * slow.get(r, 1.0) * rng.uniform(1 - noise, 1 + noise)
+        )
+    return out
+
+
+@pytest.mark.parametrize("factor", [1.2, 1.5, 2.0])
+def test_a_slowed_rank_is_named_within_the_window(factor):
+    rng, det = random.Random(7), StragglerDetector(StragglerConfig(threshold=1.15, window=5))
+    flags = []
+    for it in range(1, 40):
+        found = det.observe(it, _times(rng, {5: factor} if it >= 20 else None))
+        flags += [(f.rank, f.iteration) for f in found]
+    assert flags == [(5, 24)], "named once, after 5 slow iterations (20-24), and nobody else"
+
+
+def test_no_false_positive_in_300_noisy_iterations_with_saves_evaluations_and_spikes():
+    rng, det = random.Random(3), StragglerDetector()
+    flags = []
+    for it in range(1, 301):
+        times = _times(rng, noise=0.05)
+        if it % 37 == 0:  # a garbage collection on one rank: one iteration 3x
+            r = rng.randrange(RANKS)
+            times[r] = Sample(times[r].peer_key, times[r].compute_s * 3)
+        excluded = it % 50 == 0 or it % 75 == 0  # checkpoint saves and evaluations, marked by the caller
+        if excluded:
+            times = {r: Sample(s.peer_key, s.compute_s * 4 if r == 0 else s.compute_s) for r, s in times.items()}
+        flags += det.observe(it, times, excluded=excluded)
+    assert flags == []
+
+
+def test_the_detector_can_fail_without_its_peer_keys():
+    """The companion: judged against every rank instead of its stage, the last stage (1.3x the work of the
+    first) would be flagged whole. The peer key is what keeps it out."""
+    rng, det = random.Random(3), StragglerDetector()
+    flagged = set()
+    for it in range(1, 30):
+        flagged |= {f.rank for f in det.observe(it, {r: Sample("all", s.compute_s) for r, s in _times(rng).items()})}
+    assert flagged == {4, 5, 6, 7}
+
+
+def test_a_newly_joined_rank_settles_first_and_is_judged_afresh():
+    rng, det = random.Random(1), StragglerDetector(StragglerConfig(window=3, settle=4))
+    before = [[f.rank for f in det.observe(it, _times(rng, {2: 1.5}))] for it in range(1, 10)]
+    assert before == [[], [], [2], [], [], [], [], [], []]
+    det.joined(2, 10)  # the straggler was moved: a standby serves rank 2 from iteration 10
+    slow_start = [det.observe(it, _times(rng, {2: 2.0} if it < 14 else None)) for it in range(10, 30)]
+    assert all(found == [] for found in slow_start), "its first iterations are warm-up, not slowness"
+    # Without the settle time the same start would be flagged: the check can fail.
+    eager = StragglerDetector(StragglerConfig(window=3, settle=0))
+    eager.joined(2, 10)
+    assert [f.rank for it in range(10, 14) for f in eager.observe(it, _times(rng, {2: 2.0}))] == [2]
+
+
+def test_a_rank_is_flagged_again_only_after_it_kept_pace_in_between():
+    det = StragglerDetector(StragglerConfig(window=2))
+    pace = {r: Sample("k", 1.0) for r in range(3)}
+    slow = {**pace, 1: Sample("k", 1.5)}
+    got = [[f.rank for f in det.observe(it, slow if it not in (4,) else pace)] for it in range(1, 8)]
+    assert got == [[], [1], [], [], [], [1], []]
+
+
+def test_a_lone_rank_has_no_peers_and_bad_thresholds_are_refused():
+    det = StragglerDetector(StragglerConfig(window=1))
+    assert det.observe(1, {0: Sample("a", 9.0), 1: Sample("b", 1.0)}) == []
+    with pytest.raises(ValueError, match="threshold"):
+        StragglerConfig(threshold=1.0)
+    with pytest.raises(ValueError, match="window"):
+        StragglerConfig(window=0)

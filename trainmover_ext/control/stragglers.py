@@ -1,0 +1,105 @@
+"""Which rank is a straggler: the pure detector over per-iteration compute times.
+
+Contract (pure logic, no I/O, no clock; the caller feeds it what the ranks published):
+- :meth:`StragglerDetector.observe` takes one iteration's compute times (forward, backward and step,
+  without the time spent waiting in communication) of the ranks that reported, each with its **peer
+  key**: ranks with the same key do the same work (the same pipeline stage and layout position), so
+  a last stage that is slower than a first one is no straggler.
+- A rank is *slow* in an iteration when its time exceeds the median of its peers' (the other ranks
+  of its key) by ``threshold`` or more. It is flagged when it was slow in ``window`` consecutive
+  counted iterations; each flag is returned once, and the rank is flagged again only after it was
+  seen at its peers' pace in between.
+- Not counted, so that one-off spikes never add up to a flag: an iteration the caller marks
+  ``excluded`` (a checkpoint save, an evaluation), and a rank's first ``settle`` iterations after it
+  joined (a promoted standby warms its caches; its peers are not compared with it meanwhile
+  either). A single spike (a garbage collection) breaks no streak of the others and makes none.
+- A key with one rank has no peers: it is never judged.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class StragglerConfig:
+    """The detector's thresholds."""
+
+    threshold: float = 1.15
+    """A rank is slow in an iteration when its compute time is at least this many times its peers' median."""
+    window: int = 5
+    """Consecutive slow iterations that make a straggler."""
+    settle: int = 3
+    """Iterations of a newly joined rank that are not counted (nor compared with its peers)."""
+
+    def __post_init__(self) -> None:
+        if not self.threshold > 1.0:
+            raise ValueError(f"straggler threshold must be > 1, got {self.threshold}")
+        if self.window < 1 or self.settle < 0:
+            raise ValueError(f"straggler window must be >= 1 and settle >= 0, got {self.window}, {self.settle}")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One rank's compute time in one iteration, and the key of the ranks that do the same work."""
+
+    peer_key: Hashable
+    compute_s: float
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A flagged rank: at ``iteration`` it had been slow for ``window`` counted iterations."""
+
+    rank: int
+    iteration: int
+    ratio: float
+    """Its compute time over its peers' median in that iteration."""
+    peers_median_s: float
+
+
+@dataclass
+class StragglerDetector:
+    """Streaks of slow iterations per rank (see the module docstring)."""
+
+    config: StragglerConfig = field(default_factory=StragglerConfig)
+    _streak: dict[int, int] = field(default_factory=dict)
+    _flagged: set[int] = field(default_factory=set)
+    _joined_at: dict[int, int] = field(default_factory=dict)
+
+    def joined(self, rank: int, iteration: int) -> None:
+        """``rank`` is served by a new process from ``iteration`` on: its streak restarts, and its next
+        ``settle`` iterations are not counted."""
+        self._joined_at[rank] = iteration
+        self._streak.pop(rank, None)
+        self._flagged.discard(rank)
+
+    def observe(self, iteration: int, samples: Mapping[int, Sample], *, excluded: bool = False) -> list[Straggler]:
+        """Count ``iteration``; returns the ranks flagged in it (each flag once)."""
+        if excluded:
+            return []
+        counted = {r: s for r, s in samples.items() if not self._settling(r, iteration)}
+        groups: dict[Hashable, dict[int, float]] = {}
+        for r, s in counted.items():
+            groups.setdefault(s.peer_key, {})[r] = s.compute_s
+        flagged = []
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            for r, t in members.items():
+                median = statistics.median(v for q, v in members.items() if q != r)
+                if median > 0 and t >= self.config.threshold * median:
+                    self._streak[r] = self._streak.get(r, 0) + 1
+                else:
+                    self._streak[r] = 0
+                    self._flagged.discard(r)
+                if self._streak[r] >= self.config.window and r not in self._flagged:
+                    self._flagged.add(r)
+                    flagged.append(Straggler(rank=r, iteration=iteration, ratio=t / median, peers_median_s=median))
+        return sorted(flagged, key=lambda s: s.rank)
+
+    def _settling(self, rank: int, iteration: int) -> bool:
+        joined = self._joined_at.get(rank)
+        return joined is not None and iteration < joined + self.config.settle
