@@ -15,14 +15,22 @@ from collections.abc import Callable, Sequence
 
 from trainmover_training.arguments_logging import add_eval_logging_args, validate_eval_logging
 from trainmover_training.errors import ConfigError
-from trainmover_training.megatron_lm_flags import add_no_effect_args
+from trainmover_training.megatron_lm_flags import add_no_effect_args, refusal
 from trainmover_training.tokenizer import add_tokenizer_args, validate_tokenizer_args
 
 
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors say how to get help."""
+    """An ArgumentParser whose errors say how to get help, and why a Megatron-LM flag it knows of is refused."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            words = message[len(prefix) :].split()
+            refused = [(w, why) for w in words if (why := refusal(w)) is not None]
+            if refused:  # the words after a refused flag are its values
+                unknown = [w for w in words if w.startswith("-") and refusal(w) is None]
+                message = "; ".join(f"{w.split('=', 1)[0]} is not supported: {why}" for w, why in refused)
+                message += f"; {prefix}{' '.join(unknown)}" if unknown else ""
         self.print_usage()
         self.exit(2, f"{self.prog}: error: {message}\nRun `{self.prog} --help` for the list of flags.\n")
 
@@ -102,6 +110,59 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="Layer implementation: 'auto' uses TransformerEngine when it and CUDA are present, "
         "else megatron-core's local spec.",
     )
+
+
+def _add_recompute_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("activation recomputation (megatron-core's, as in Megatron-LM)")
+    g.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="Recompute the core attention in the backward pass instead of keeping its activations "
+        "(the same as --recompute-granularity selective).",
+    )
+    g.add_argument(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        default=None,
+        help="'full': recompute whole transformer layers (with --recompute-method and --recompute-num-layers); "
+        "'selective': only the core attention. Default: keep every activation.",
+    )
+    g.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        default=None,
+        help="With --recompute-granularity full: 'uniform' recomputes every chunk of --recompute-num-layers "
+        "layers; 'block' the first --recompute-num-layers layers of each pipeline stage.",
+    )
+    g.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=None,
+        help="With --recompute-granularity full: layers per recomputed chunk ('uniform') or per stage ('block').",
+    )
+
+
+def _validate_recompute(args: argparse.Namespace) -> None:
+    """Megatron-LM's rules for the recompute flags, as errors naming the flag (megatron-core's own
+    TransformerConfig would otherwise fail later, on every rank)."""
+    if args.recompute_activations:
+        if args.recompute_granularity == "full":
+            raise ConfigError("--recompute-activations is selective recomputation: drop --recompute-granularity full")
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "full":
+        if args.recompute_method is None or args.recompute_num_layers is None:
+            raise ConfigError(
+                "--recompute-granularity full needs --recompute-method uniform|block and --recompute-num-layers N"
+            )
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        if not 1 <= args.recompute_num_layers <= per_stage:
+            raise ConfigError(
+                f"--recompute-num-layers {args.recompute_num_layers}: must be between 1 and the layers of one "
+                f"pipeline stage ({per_stage})"
+            )
+    elif args.recompute_method is not None or args.recompute_num_layers is not None:
+        flag = "--recompute-method" if args.recompute_method is not None else "--recompute-num-layers"
+        raise ConfigError(f"{flag} applies to --recompute-granularity full only")
 
 
 def _add_training_args(parser: argparse.ArgumentParser) -> None:
@@ -287,6 +348,7 @@ def build_parser(extra_args_provider: Callable | None = None, prog: str = "pretr
     parser = _Parser(prog=prog, description="Pretrain a GPT model with megatron-core.", allow_abbrev=False)
     _add_model_args(parser)
     _add_training_args(parser)
+    _add_recompute_args(parser)
     _add_parallel_args(parser)
     _add_data_args(parser)
     _add_checkpoint_args(parser)
@@ -328,6 +390,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         )
     args.world_size = world_size
     args.data_parallel_size = world_size // (tp * pp)
+    _validate_recompute(args)
     dp = args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp

@@ -19,6 +19,7 @@ NO_EFFECT_FLAGS = {
     "log_throughput": "the iteration line always shows tokens/s",
     "overlap_param_gather": "a GPU overlap setting; the result is the same",
     "log_timers_to_tensorboard": "iteration time goes to TensorBoard anyway",
+    "use_flash_attn": "flash attention comes with TransformerEngine's attention (--transformer-impl)",
 }
 """Megatron-LM flags accepted so that its launch scripts run unchanged, but with no effect here (each
 says why; the logging rank names the ones given, once, at start)."""
@@ -50,6 +51,7 @@ def add_no_effect_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--log-timers-to-tensorboard", action="store_true", help=NO_EFFECT_FLAGS["log_timers_to_tensorboard"] + "."
     )
+    g.add_argument("--use-flash-attn", action="store_true", help=NO_EFFECT_FLAGS["use_flash_attn"] + ".")
 
 
 def no_effect_given(args: argparse.Namespace) -> list[str]:
@@ -85,7 +87,9 @@ EXAMPLE_FLAGS = (
     # evaluation, logging, checkpoints
     "--log-interval --save-interval --eval-interval --eval-iters --save --load --ckpt-format "
     "--tensorboard-dir --wandb-project --wandb-exp-name --wandb-save-dir --log-throughput --profile "
-    "--log-params-norm --log-num-zeros-in-grad --log-timers-to-tensorboard"
+    "--log-params-norm --log-num-zeros-in-grad --log-timers-to-tensorboard "
+    # memory
+    "--recompute-activations --recompute-granularity --recompute-method --recompute-num-layers --use-flash-attn"
 ).split()
 """Every flag of ``examples/gpt3/train_gpt3_175b_distributed.sh`` and
 ``examples/llama/train_llama3_8b_h200_bf16.sh`` (and a few common neighbours)."""
@@ -103,6 +107,26 @@ NOT_SUPPORTED = {
     "--log-num-zeros-in-grad": "not logged",
 }
 """Example flags the parser refuses, each with what to do instead."""
+
+MOE = "mixture-of-experts is not supported yet (README, 'What is supported'): drop the MoE and expert-parallel flags"
+REFUSED_PREFIXES = {"--moe-": MOE}
+"""Flag families refused by prefix, with the reason."""
+REFUSED = {
+    **NOT_SUPPORTED,
+    "--num-experts": MOE,
+    "--expert-model-parallel-size": MOE,
+    "--expert-tensor-parallel-size": MOE,
+}
+"""Every flag the parser refuses by name, with the reason and what to do instead (never argparse's generic
+"unrecognized arguments")."""
+
+
+def refusal(flag: str) -> str | None:
+    """Why ``flag`` (``--name`` or ``--name=value``) is refused, or None when it is simply unknown."""
+    name = flag.split("=", 1)[0]
+    if name in REFUSED:
+        return REFUSED[name]
+    return next((why for prefix, why in REFUSED_PREFIXES.items() if name.startswith(prefix)), None)
 
 
 def support_table(parser: argparse.ArgumentParser, no_effect: dict[str, str]) -> list[tuple[str, str]]:
