@@ -40,7 +40,7 @@ MUST_SAY = (
     "MoE",
     "context parallelism",
     "Megatron-LM fork",
-    "Only run on CPU so far",
+    "run on CPU so far",  # what has run on a GPU, said plainly
 )
 
 
