@@ -25,11 +25,11 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # noqa: D401 - argparse API
         prefix = "unrecognized arguments: "
         if message.startswith(prefix):
-            words = message[len(prefix) :].split()
-            refused = [(w, why) for w in words if (why := refusal(w)) is not None]
+            words = [(w, refusal(w)) for w in message[len(prefix) :].split()]
+            refused = [(w.split("=", 1)[0], why) for w, why in words if why is not None]
             if refused:  # the words after a refused flag are its values
-                unknown = [w for w in words if w.startswith("-") and refusal(w) is None]
-                message = "; ".join(f"{w.split('=', 1)[0]} is not supported: {why}" for w, why in refused)
+                unknown = [w for w, why in words if w.startswith("-") and why is None]
+                message = "; ".join(f"{name} is not supported: {why}" for name, why in refused)
                 message += f"; {prefix}{' '.join(unknown)}" if unknown else ""
         self.print_usage()
         self.exit(2, f"{self.prog}: error: {message}\nRun `{self.prog} --help` for the list of flags.\n")

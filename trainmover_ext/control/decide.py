@@ -182,8 +182,9 @@ def _failures(view: View, now: float) -> tuple[list[_Failure], list[Action]]:
             failed[r] = _Failure(rank=leaving, reason=why, detected_at=view.gone_at.get(rec.member_id))
     # Lapses on one host are decided together: once one rank's wait is over, every rank of that host whose
     # lease lapsed too joins the same plan (each waiting out its own clock would split one node's loss).
+    lapsed_hosts = {f.rank.host for f in failed.values()}
     for r, rec in sorted(view.ranks.items()):
-        lapsed_beside = rec.host in {f.rank.host for f in failed.values()} and rec.member_id not in view.members
+        lapsed_beside = rec.host in lapsed_hosts and rec.member_id not in view.members
         if lapsed_beside and r not in failed and r not in view.finished:
             leaving, why = _lost_joiner(moving, rec, view, "lease expired")
             failed[r] = _Failure(rank=leaving, reason=why, detected_at=view.gone_at.get(rec.member_id))
