@@ -8,6 +8,7 @@ with apt when missing, and a failure to do so fails the test: CI runs as root.
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -53,17 +54,30 @@ def etcd_server(tmp_path):
         server.stop()
 
 
-def _port_pair() -> int:
-    """A port p with p and p+1 free on loopback (etcd's client and peer ports)."""
-    for _ in range(50):
-        (port,) = free_ports(1)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-        return port
-    raise AssertionError("no two consecutive free ports on loopback")
+def _job_ports(etcd_members: int = 1) -> tuple[int, int]:
+    """A master port and an etcd base port for one job, each free on loopback now: the base and the
+    2 * ``etcd_members`` - 1 ports after it (member i takes client port base + 2i and peer port base + 2i + 1).
+
+    They are drawn below the kernel's ephemeral range, so a connection some process opens meanwhile
+    (the reference run's, etcd clients', gloo's) cannot take one of them before the job binds it; the
+    ephemeral range is where bind(port 0) draws from. Call this just before submitting the job."""
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, low - 2 * etcd_members - 2)
+        wanted = [base - 1] + [base + i for i in range(2 * etcd_members)]
+        if all(_bindable(port) for port in wanted):
+            return base - 1, base
+    raise AssertionError(f"no {2 * etcd_members + 1} consecutive free ports below {low} on loopback")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _read(path) -> str:
@@ -74,8 +88,7 @@ def _read(path) -> str:
 def test_sbatch_trains_on_two_nodes(slurm, tmp_path, tls):
     """2 nodes x 2 ranks (PP2 x DP2), embedded etcd on the first node (its auth on; with
     --tm-etcd-tls over TLS with the job's client certificates): training completes on both nodes."""
-    (master_port,) = free_ports(1)
-    etcd_port = _port_pair()
+    master_port, etcd_port = _job_ports()
     logs, out = tmp_path / "logs", tmp_path / "batch.out"
     metrics = tmp_path / "metrics.jsonl"
     train = tiny_args(None, pp=2, iters=ITERS, gbs=4, extra=["--tm-metrics-file", str(metrics)])
@@ -143,8 +156,7 @@ def _failover_under_slurm(
     iteration 3 (6 with standby machines: they start beside the job and must be warm by then); assert
     the job completed every iteration with no second migration or fallback. Returns the node logs (the
     standby machines' last) and a report for assertion messages."""
-    (master_port,) = free_ports(1)
-    etcd_port = _port_pair()
+    master_port, etcd_port = _job_ports()
     logs, out = tmp_path / "logs", tmp_path / "batch.out"
     metrics = tmp_path / "metrics.jsonl"
     iters, fault = (10, "3:6:forward") if standby_nodes else (6, "3:3:forward")
@@ -320,14 +332,13 @@ def test_a_lost_node_moves_to_the_standby_node_and_the_allocation_survives(slurm
     keeps its quorum on n1 and n3, training completes bit-identically to a fault-free run of the same
     flags, and Slurm keeps the allocation: the batch script ends once every rank finished."""
     iters = 40
-    (master_port,) = free_ports(1)
-    etcd_port = _port_pair()
     logs, out = tmp_path / "logs", tmp_path / "batch.out"
     metrics = tmp_path / "metrics.jsonl"
     flags = ["--trainmover", "--tm-standbys", "0", "--tm-standby-nice", "0", "--tm-no-sandbox"]
     flags += ["--use-tp-pp-dp-mapping"]
     train = tiny_args(None, tp=2, pp=2, iters=iters, gbs=8, extra=flags)
     ref = trajectory(run_job(tmp_path, 8, train, name="ref").metrics_path)
+    master_port, etcd_port = _job_ports(etcd_members=3)
     job = slurm.submit(
         SBATCH,
         [
@@ -381,13 +392,12 @@ def test_the_time_limit_signal_saves_a_checkpoint_and_requeues(slurm, tmp_path):
     job is requeued, and the second run resumes from that checkpoint, with a fresh embedded etcd, and
     trains every remaining iteration exactly as an uninterrupted run does."""
     iters = 30
-    (master_port,) = free_ports(1)
-    etcd_port = _port_pair()
     logs, out = tmp_path / "logs", tmp_path / "batch.out"
     metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
     flags = ["--trainmover", "--tm-standbys", "0", "--tm-no-sandbox", "--exit-signal-handler"]
     train = tiny_args(None, pp=2, iters=iters, gbs=4, extra=flags)
     ref = trajectory(run_job(tmp_path, 4, train, name="ref").metrics_path)
+    master_port, etcd_port = _job_ports()
     job = slurm.submit(
         SBATCH,
         [
