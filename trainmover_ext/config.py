@@ -14,6 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
+from trainmover_ext.control.records import STRAGGLER_ACTIONS, StragglerPolicy
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.launch.heartbeat import DEFAULT_HANG_TIMEOUT_S
 
@@ -96,6 +97,16 @@ class TrainMoverConfig:
     """``--tm-optimizer-mirror on|off``: with ``--use-distributed-optimizer`` under ``--trainmover``, every
     rank's optimizer shard is copied after each step into a data-parallel peer's host memory, and a lost
     rank takes its shard from there (:mod:`trainmover_ext.migration.mirror`); off: from the checkpoint."""
+    inject_slowdown: str | None = None
+    """``--tm-inject-slowdown RANK:FACTOR[:FROM]``: straggler drill (see trainmover_ext.runtime.slowdown)."""
+    straggler_action: str = "report"
+    """``--tm-straggler-action``: what the controller does with a rank whose compute time stays above its
+    peers' (``trainmover_ext.control.straggler_watch``): ``report`` it, ``migrate`` it to a warm standby
+    and quarantine its slot, or ``off``. The job's policy; ``trainmover straggler`` changes it at run time."""
+    straggler_threshold: float = 1.15
+    """``--tm-straggler-threshold``: slow means this many times the median compute time of the rank's peers."""
+    straggler_window: int = 10
+    """``--tm-straggler-window``: consecutive slow iterations that make a straggler."""
     comm: str = "auto"
     """``--tm-comm``: ``nccl_delta`` (every group's native communicator replaceable live), ``native``
     (torch's groups as they are), or
@@ -112,6 +123,13 @@ class TrainMoverConfig:
             from trainmover_ext.runtime.faults import FaultSpec
 
             FaultSpec.parse_all(self.inject_fault)
+        if self.inject_slowdown:
+            from trainmover_ext.runtime.slowdown import Slowdown
+
+            Slowdown.parse(self.inject_slowdown)
+        StragglerPolicy(
+            action=self.straggler_action, threshold=self.straggler_threshold, window=self.straggler_window
+        ).check()
         if self.role not in ("worker", "standby"):
             raise ConfigError("--tm-role must be 'worker' or 'standby'")
         if self.lease_ttl_s <= 0:
@@ -183,8 +201,14 @@ _FLAG_TO_FIELD = {
     "tm_comm": "comm",
     "tm_optimizer_mirror": "optimizer_mirror",
     "tm_inject_fault": "inject_fault",
+    "tm_inject_slowdown": "inject_slowdown",
+    "tm_straggler_action": "straggler_action",
+    "tm_straggler_threshold": "straggler_threshold",
+    "tm_straggler_window": "straggler_window",
 }
 
+
+_FOR_THE_AGENT = " Read by the agents of `trainmover launch`; needs --trainmover."
 
 _FOR_THE_LAUNCHER = (
     " Read by `trainmover launch` (before or after the script), which gives it to every process it starts; "
@@ -429,6 +453,43 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "ITER: join (the standby promoted into RANK dies while joining), recover (RANK dies in that "
         "epoch's recovery), send (RANK dies while sending its state), prepare / handover (the "
         "planned leaver dies in phase 1 / while handing over). Comma-separate several drills.",
+    )
+    g.add_argument(
+        "--tm-inject-slowdown",
+        default=None,
+        metavar="RANK:FACTOR[:FROM]",
+        help="Straggler drill: the worker serving RANK computes FACTOR times slower from iteration FROM "
+        "(default 1) on: it sleeps FACTOR-1 times its compute time at the end of each iteration, so its peers "
+        "wait for it; the numerics do not change. A standby that takes the rank over is not slowed.",
+    )
+    g.add_argument(
+        "--tm-straggler-action",
+        choices=STRAGGLER_ACTIONS,
+        default=None,
+        help="What the controller does with a straggler, a rank whose compute time (forward, backward and step, "
+        "without waits in collectives) stays --tm-straggler-threshold times its peers' median (the ranks of "
+        "the same pipeline role) for --tm-straggler-window iterations: report (the default) logs it, records "
+        "it in `trainmover status` and on the timeline; migrate also moves it to a warm standby with a planned "
+        "move and quarantines its slot (no standby there is promoted until `trainmover quarantine --clear`); "
+        "off judges nothing. Needs the agent's heartbeat files (--tm-hang-timeout above 0). The job's first "
+        "agent records it; `trainmover straggler --action ...` changes it while the job runs." + _FOR_THE_AGENT,
+    )
+    g.add_argument(
+        "--tm-straggler-threshold",
+        type=float,
+        default=None,
+        help="A rank is slow in an iteration when its compute time is at least this many times its peers' "
+        "median (default 1.15, must be > 1)." + _FOR_THE_AGENT,
+    )
+    g.add_argument(
+        "--tm-straggler-window",
+        type=int,
+        default=None,
+        help="Consecutive slow iterations that make a straggler (default 10). A rank's pace in an iteration is the "
+        "median of its last 5 compute times, so one spike (a garbage collection) makes no slow iteration. A rank's "
+        "first 3 iterations after "
+        "it joins are not counted, nor are saves and evaluations (they are outside the measured compute)."
+        + _FOR_THE_AGENT,
     )
     g.add_argument(
         "--tm-log-level",

@@ -81,6 +81,12 @@ class TrainMoverHooks:
             from trainmover_ext.runtime import faults
 
             faults.install(faults.FaultSpec.parse_all(config.inject_fault), session)
+        if config.inject_slowdown and self.worker is not None:
+            from trainmover_ext.runtime.slowdown import Slowdown, SlowdownClock
+
+            spec = Slowdown.parse(config.inject_slowdown)
+            if spec.rank == session.layout.rank:
+                self.worker.slowdown = SlowdownClock(spec)
         if self.worker is not None:
             self.worker.start_mirror(session)
             self.worker.track_progress(session)  # after the drills: a hang in forward is seen in forward

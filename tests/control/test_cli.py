@@ -153,3 +153,39 @@ def test_migrate_refuses_a_target_that_is_not_a_warm_standby(etcd, kv, capsys):
     finally:
         for m in members:
             m.close()
+
+
+def test_straggler_policy_and_quarantine_at_run_time(etcd, kv, capsys):
+    """`trainmover straggler` shows and changes the job's policy (bad values refused, nothing written);
+    `trainmover quarantine` lists and clears quarantined slots; `trainmover status` shows both."""
+    from trainmover_ext.control.records import Quarantine, StragglerRecord, quarantine_key
+    from trainmover_ext.control.straggler_watch import read_policy
+
+    space = JobSpace.create(kv, "strag")
+    f = flags(etcd, space.token, job="strag")
+    assert main(["straggler", *f]) == 0
+    assert "straggler policy: report, threshold 1.15x the peers' median for 10 iterations" in capsys.readouterr().out
+    assert main(["straggler", "--action", "migrate", "--threshold", "1.3", *f]) == 0
+    policy = read_policy(space)
+    assert (policy.action, policy.threshold, policy.window) == ("migrate", 1.3, 10)
+    assert main(["straggler", "--threshold", "0.9", *f]) == 2
+    assert "--tm-straggler-threshold must be > 1" in capsys.readouterr().err
+    assert read_policy(space).threshold == 1.3
+
+    space.put(quarantine_key(space, "n7", 3), Quarantine(host="n7", slot=3, reason="rank 5 at 1.4x").to_bytes())
+    record = StragglerRecord(
+        rank=5, member_id="w5", host="n7", slot=3, iteration=40, ratio=1.4, peers_median_s=0.1, action="migrate"
+    )
+    space.put(space.key("stragglers", 5), record.to_bytes())
+    assert main(["status", *f]) == 0
+    out = capsys.readouterr().out
+    assert "policy: migrate, threshold 1.3x" in out and "rank 5: w5 on n7 slot 3 at 1.4x" in out
+    assert "QUARANTINED n7 slot 3" in out
+    assert main(["quarantine", *f]) == 0
+    assert "n7:3" in capsys.readouterr().out
+    assert main(["quarantine", "--clear", "n7:4", *f]) == 2
+    assert "not quarantined: n7:4 (quarantined: n7:3); nothing cleared" in capsys.readouterr().err
+    assert main(["quarantine", "--clear", "n7", *f]) == 2
+    assert main(["quarantine", "--clear", "n7:3", *f]) == 0
+    assert "cleared n7:3" in capsys.readouterr().out
+    assert read_view(space).quarantine == []

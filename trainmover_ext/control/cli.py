@@ -210,11 +210,37 @@ def format_status(view: View, job: str) -> str:
         for step, t in sorted(plan.steps.items(), key=lambda kv: kv[1]):
             assert t0 is not None  # steps is not empty here
             out.append(f"    {step:<12} {_ts(t)}  +{(t - t0) * 1000:.1f} ms")
+    out += format_stragglers(view)
     for a in view.alerts.values():
         out.append(f"ALERT rank {a.rank}: {a.reason}")
     for key, msg in view.malformed.items():
         out.append(f"WARNING unreadable key {key}: {msg}")
     return "\n".join(out)
+
+
+def format_stragglers(view: View) -> list[str]:
+    """The ``stragglers:`` section of ``trainmover status``: the policy, each rank flagged, the quarantine."""
+    policy = view.straggler_policy
+    if policy is None and not view.stragglers and not view.quarantine:
+        return []
+    out = ["", "stragglers:"]
+    if policy is not None:
+        out.append(
+            f"  policy: {policy.action}, threshold {policy.threshold:g}x its peers' median for {policy.window} "
+            f"iterations (set by {policy.set_by or '?'})"
+        )
+    for st in sorted(view.stragglers.values(), key=lambda st: st.rank):
+        moved = f"; move requested ({st.request})" if st.request else ""
+        out.append(
+            f"  rank {st.rank}: {st.member_id} on {st.host} slot {st.slot} at {st.ratio:g}x its peers at iteration "
+            f"{st.iteration} ({_ts(st.flagged_at)}){moved}"
+        )
+    for q in sorted(view.quarantine, key=lambda q: (q.host, q.slot)):
+        out.append(
+            f"  QUARANTINED {q.host} slot {q.slot} since {_ts(q.since)}: {q.reason} "
+            f"(`trainmover quarantine --clear {q.host}:{q.slot}` lets standbys there be promoted again)"
+        )
+    return out
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -450,6 +476,25 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "drain",
             "move every rank of a node to a standby machine in one planned migration, then report the node free",
             drain.cmd_drain,
+        )
+    )
+    from trainmover_ext.control import straggler_cli
+
+    straggler_cli.add_arguments(
+        _sub(
+            subparsers,
+            "straggler",
+            "show or change the job's straggler policy while it runs (what the controller does with a rank "
+            "slower than its peers)",
+            straggler_cli.cmd_straggler,
+        )
+    )
+    straggler_cli.add_quarantine_arguments(
+        _sub(
+            subparsers,
+            "quarantine",
+            "list the slots quarantined as slow, or clear them so that standbys there may be promoted again",
+            straggler_cli.cmd_quarantine,
         )
     )
     controller = _sub(

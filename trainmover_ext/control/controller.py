@@ -15,6 +15,8 @@ Contract:
   node runs out (:mod:`~trainmover_ext.control.probes`).
 - A standby machine's agent is the preferred leader (``ControllerConfig.preferred``): losing a
   machine that runs ranks then never takes the controller with it.
+- The leader also runs the straggler watch (:mod:`~trainmover_ext.control.straggler_watch`) after each
+  round that had nothing left to decide.
 - :meth:`Controller.close` stops the thread and resigns (revoking the leader
   lease so a successor is elected at once). It is safe to call twice, or on a
   controller that never started.
@@ -41,6 +43,7 @@ from trainmover_ext.control.election import LeaderElection
 from trainmover_ext.control.executor import Executor, Outcome
 from trainmover_ext.control.probes import next_probe_deadline, probe_timeout_s
 from trainmover_ext.control.records import NodeRecord
+from trainmover_ext.control.straggler_watch import StragglerWatch
 from trainmover_ext.control.view import View, read_view
 from trainmover_ext.deadline import RecoveryTimeouts
 from trainmover_ext.errors import ConfigError, LeadershipLost, MalformedValue, TrainMoverError
@@ -156,6 +159,8 @@ class Controller:
         """When the earliest pending probe of the last view runs out."""
         self._thread: threading.Thread | None = None
         self._watch: WatchHandle | None = None
+        self.stragglers: StragglerWatch | None = None
+        """The leader's straggler watch (:mod:`~trainmover_ext.control.straggler_watch`); None while not leading."""
 
     # -- lifecycle --
     def start(self) -> Controller:
@@ -261,7 +266,10 @@ class Controller:
                 if self._may_campaign() and self.election.campaign():
                     view = self._reconcile()
                     if view is not None:
+                        self._watch_stragglers(view)
                         self._hand_over_if_quiet(view)
+                else:
+                    self.stragglers = None  # a later lead judges afresh
                 if self.metrics is not None:
                     self.metrics.observe_leadership(self.election.is_leader)
             except LeadershipLost as exc:
@@ -278,6 +286,11 @@ class Controller:
                 wait = min(wait, max(0.0, self._defer_due - time.monotonic() + 0.005))
             self._wake.wait(wait)
             self._wake.clear()
+
+    def _watch_stragglers(self, view: View) -> None:
+        if self.stragglers is None:
+            self.stragglers = StragglerWatch(self.space, self.config.controller_id, self.election.guard)
+        self.stragglers.tick(view)
 
     def _reconcile(self) -> View | None:
         """Decide and apply until a round has nothing to do; returns that round's view (None when the

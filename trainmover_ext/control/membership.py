@@ -401,6 +401,16 @@ def request_migration(
 ) -> str:
     """Record a planned-migration request (of ``rank``, or with ``node`` a drain of every rank of that
     node, ``rank`` -1); returns its id."""
+    request_id, puts = migration_request_puts(space, rank=rank, to=to, node=node, requested_by=requested_by)
+    space.commit([], puts)
+    return request_id
+
+
+def migration_request_puts(
+    space: JobSpace, *, rank: int, to: str | None = None, node: str | None = None, requested_by: str = "cli"
+) -> tuple[str, list[Put]]:
+    """A new request's id and the writes that record it and its timeline event (for a caller that
+    commits them with writes of its own)."""
     req = MigrationRequest(
         request_id=uuid.uuid4().hex[:12],
         rank=rank,
@@ -409,19 +419,15 @@ def request_migration(
         requested_by=requested_by,
         requested_at=time.time(),
     )
-    space.commit(
-        [],
-        [
-            Put(space.key("requests", req.request_id), req.to_bytes()),
-            event_put(
-                space,
-                "migration_requested",
-                {"request": req.request_id, "rank": rank, "to": to, "node": node},
-                req.requested_at,
-            ),
-        ],
-    )
-    return req.request_id
+    return req.request_id, [
+        Put(space.key("requests", req.request_id), req.to_bytes()),
+        event_put(
+            space,
+            "migration_requested",
+            {"request": req.request_id, "rank": rank, "to": to, "node": node},
+            req.requested_at,
+        ),
+    ]
 
 
 class PlanInbox:

@@ -29,6 +29,7 @@ def available_standbys(view: View, excluded: set[str]) -> list[str]:
             and m.member_id not in serving
             and m.member_id not in excluded
             and m.host not in lost  # its lease has not expired yet, but it died with its node
+            and not any(q.holds(m) for q in view.quarantine)  # a straggler's slot or process
         ),
         key=lambda mid: (view.members[mid].registered_at, mid),
     )

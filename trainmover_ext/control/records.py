@@ -31,6 +31,14 @@ key                     value                                          written b
 ``recordings/<role>``   the sandbox's recording index                  the recording rank          standbys
 ``links/<e>/...``       phase-1 link rendezvous (scale check only)     the scale check             the scale check
 ``leader``              the controller leader's id, on its lease       the election                candidates, ``status``
+``compute/<host>``      :class:`ComputeReport`: the node's ranks'      its agent (about once a     the controller's straggler
+                        recent compute times per iteration             second, while they train)   watch
+``policy/stragglers``   :class:`StragglerPolicy`                       the first agent;            the straggler watch,
+                                                                       ``trainmover straggler``    ``status``
+``stragglers/<r>``      :class:`StragglerRecord`: rank r was flagged   the straggler watch         ``status``, ``events``
+``quarantine/<host>/    :class:`Quarantine`: a slow slot no standby    the straggler watch         controller (placement),
+<slot>``                in it is promoted into                         (cleared by ``trainmover    ``status``
+                                                                       quarantine --clear``)
 ``events/<ns>-<id>``    :class:`Event`, the job's timeline             controller, CLI, agents     ``events``, the run archive
 ``~store/<g>/...``      the ranks' rendezvous store, start number g    ranks (torch, nccl_delta)   ranks
 ======================  =============================================  ==========================  ==============================
@@ -408,6 +416,96 @@ class Alert(Record):
     epoch: int
     reason: str
     raised_at: float
+
+
+@dataclass(kw_only=True)
+class ComputeReport(Record):
+    """A node's ranks' recent compute times (``compute/<host>``), written by its agent: per rank, its last
+    samples as ``[iteration, seconds]`` pairs, oldest first (:mod:`trainmover_ext.launch.compute_relay`)."""
+
+    KIND: ClassVar[str] = "compute"
+    host: str
+    samples: dict[str, list[list[float]]] = field(default_factory=dict)
+    """Rank (a decimal string: JSON keys are strings) -> ``[[iteration, compute_s], ...]``."""
+    published_at: float = 0.0
+
+
+STRAGGLER_ACTIONS = ("report", "migrate", "off")
+
+
+@dataclass(kw_only=True)
+class StragglerPolicy(Record):
+    """What the controller does with a straggler (``policy/stragglers``): set from the first agent's flags
+    (``--tm-straggler-*``), changed at run time by ``trainmover straggler``."""
+
+    KIND: ClassVar[str] = "straggler_policy"
+    action: str = "report"
+    """``report``: log it, record it under ``stragglers/`` and on the timeline; ``migrate``: also move it to a
+    warm standby and quarantine its slot; ``off``: nothing is judged."""
+    threshold: float = 1.15
+    window: int = 10
+    set_by: str = ""
+    set_at: float = 0.0
+
+    def check(self) -> StragglerPolicy:
+        """Itself when sound; :class:`ConfigError` saying which flag is wrong otherwise."""
+        from trainmover_ext.errors import ConfigError
+
+        if self.action not in STRAGGLER_ACTIONS:
+            raise ConfigError(
+                f"--tm-straggler-action must be one of {', '.join(STRAGGLER_ACTIONS)}, got {self.action!r}"
+            )
+        if not (math.isfinite(self.threshold) and self.threshold > 1.0):
+            raise ConfigError(
+                f"--tm-straggler-threshold must be > 1 (a rank this many times slower than its peers' median), "
+                f"got {self.threshold}"
+            )
+        if self.window < 1:
+            raise ConfigError(f"--tm-straggler-window must be >= 1 iteration, got {self.window}")
+        return self
+
+
+@dataclass(kw_only=True)
+class StragglerRecord(Record):
+    """Rank ``rank``, served by ``member_id`` on ``host`` slot ``slot``, computed ``ratio`` times its peers'
+    median for ``window`` iterations up to ``iteration`` (``stragglers/<rank>``)."""
+
+    KIND: ClassVar[str] = "straggler"
+    rank: int
+    member_id: str
+    host: str
+    slot: int
+    iteration: int
+    ratio: float
+    peers_median_s: float
+    action: str
+    """What the policy did: ``report`` or ``migrate`` (then ``request`` names the planned move's request)."""
+    request: str | None = None
+    flagged_at: float = 0.0
+
+
+@dataclass(kw_only=True)
+class Quarantine(Record):
+    """A slot no standby is promoted into until an operator clears it (``quarantine/<host>/<slot>``)."""
+
+    KIND: ClassVar[str] = "quarantine"
+    host: str
+    slot: int
+    reason: str
+    pid: int = 0
+    """The slow process: should it stay as a standby (``--tm-leaver-becomes-standby``), it is never promoted."""
+    since: float = 0.0
+
+    def holds(self, member: MemberRecord) -> bool:
+        """Whether standby ``member`` may not be promoted: it is the slow process, or a standby machine's
+        standby in the slot. (A standby beside an active node's ranks has no slot of its own.)"""
+        if member.host != self.host:
+            return False
+        return (self.pid != 0 and member.pid == self.pid) or member.slot == self.slot
+
+
+def quarantine_key(space: JobSpace, host: str, slot: int) -> str:
+    return space.key("quarantine", host, slot)
 
 
 @dataclass(kw_only=True)

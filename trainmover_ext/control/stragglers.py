@@ -5,10 +5,11 @@ Contract (pure logic, no I/O, no clock; the caller feeds it what the ranks publi
   without the time spent waiting in communication) of the ranks that reported, each with its **peer
   key**: ranks with the same key do the same work (the same pipeline stage and layout position), so
   a last stage that is slower than a first one is no straggler.
-- A rank is *slow* in an iteration when its time exceeds the median of its peers' (the other ranks
-  of its key) by ``threshold`` or more. It is flagged when it was slow in ``window`` consecutive
-  counted iterations; each flag is returned once, and the rank is flagged again only after it was
-  seen at its peers' pace in between.
+- A rank's *pace* in an iteration is the median of its last ``smooth`` counted compute times (one
+  garbage collection or page fault moves no median). It is *slow* in an iteration when its pace
+  exceeds the median of its peers' paces (the other ranks of its key) by ``threshold`` or more. It is
+  flagged when it was slow in ``window`` consecutive counted iterations; each flag is returned once,
+  and the rank is flagged again only after it was seen at its peers' pace in between.
 - Not counted, so that one-off spikes never add up to a flag: an iteration the caller marks
   ``excluded`` (a checkpoint save, an evaluation), and a rank's first ``settle`` iterations after it
   joined (a promoted standby warms its caches; its peers are not compared with it meanwhile
@@ -19,6 +20,7 @@ Contract (pure logic, no I/O, no clock; the caller feeds it what the ranks publi
 from __future__ import annotations
 
 import statistics
+from collections import deque
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
@@ -29,16 +31,21 @@ class StragglerConfig:
 
     threshold: float = 1.15
     """A rank is slow in an iteration when its compute time is at least this many times its peers' median."""
-    window: int = 5
+    window: int = 10
     """Consecutive slow iterations that make a straggler."""
+    smooth: int = 5
+    """Compute times whose median is a rank's pace."""
     settle: int = 3
     """Iterations of a newly joined rank that are not counted (nor compared with its peers)."""
 
     def __post_init__(self) -> None:
         if not self.threshold > 1.0:
             raise ValueError(f"straggler threshold must be > 1, got {self.threshold}")
-        if self.window < 1 or self.settle < 0:
-            raise ValueError(f"straggler window must be >= 1 and settle >= 0, got {self.window}, {self.settle}")
+        if self.window < 1 or self.settle < 0 or self.smooth < 1:
+            raise ValueError(
+                f"straggler window and smooth must be >= 1 and settle >= 0, got {self.window}, {self.smooth}, "
+                f"{self.settle}"
+            )
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ class Straggler:
     rank: int
     iteration: int
     ratio: float
-    """Its compute time over its peers' median in that iteration."""
+    """Its pace over its peers' median pace in that iteration."""
     peers_median_s: float
 
 
@@ -68,12 +75,14 @@ class StragglerDetector:
     _streak: dict[int, int] = field(default_factory=dict)
     _flagged: set[int] = field(default_factory=set)
     _joined_at: dict[int, int] = field(default_factory=dict)
+    _recent: dict[int, deque[float]] = field(default_factory=dict)
 
     def joined(self, rank: int, iteration: int) -> None:
         """``rank`` is served by a new process from ``iteration`` on: its streak restarts, and its next
         ``settle`` iterations are not counted."""
         self._joined_at[rank] = iteration
         self._streak.pop(rank, None)
+        self._recent.pop(rank, None)
         self._flagged.discard(rank)
 
     def observe(self, iteration: int, samples: Mapping[int, Sample], *, excluded: bool = False) -> list[Straggler]:
@@ -83,7 +92,9 @@ class StragglerDetector:
         counted = {r: s for r, s in samples.items() if not self._settling(r, iteration)}
         groups: dict[Hashable, dict[int, float]] = {}
         for r, s in counted.items():
-            groups.setdefault(s.peer_key, {})[r] = s.compute_s
+            recent = self._recent.setdefault(r, deque(maxlen=self.config.smooth))
+            recent.append(s.compute_s)
+            groups.setdefault(s.peer_key, {})[r] = statistics.median(recent)
         flagged = []
         for members in groups.values():
             if len(members) < 2:

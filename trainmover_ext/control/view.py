@@ -30,7 +30,10 @@ from trainmover_ext.control.records import (
     MigrationRequest,
     NodeRecord,
     ProbeRecord,
+    Quarantine,
     RankRecord,
+    StragglerPolicy,
+    StragglerRecord,
     migration_key_suffix,
 )
 from trainmover_ext.errors import MalformedValue
@@ -82,6 +85,12 @@ class View:
     newest_plan_epoch: int = 0
     """The epoch of the newest ``migrations/<e>`` key, readable or not: the job's epoch reached it."""
     leader: str | None = None
+    stragglers: dict[int, StragglerRecord] = field(default_factory=dict)
+    """The last straggler flagged in each rank (``stragglers/<r>``)."""
+    straggler_policy: StragglerPolicy | None = None
+    """The job's straggler policy (``policy/stragglers``); None until the first agent recorded it."""
+    quarantine: list[Quarantine] = field(default_factory=list)
+    """Slow slots and processes no standby is promoted from (``quarantine/<host>/<slot>``)."""
     malformed: dict[str, str] = field(default_factory=dict)
     """Keys whose value could not be read, with the reason; never modified by the controller."""
     gone_at: dict[str, float] = field(default_factory=dict)
@@ -172,6 +181,16 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
                 view.recovery_keys.setdefault(epoch, []).append(key)
             elif head == "convergence" and rest:
                 view.converged.add(_number(rest, key))
+            elif head == "stragglers" and rest:
+                st = StragglerRecord.from_bytes(entry.value, key=key, strict=True)
+                _own_key(rest, str(st.rank), key)
+                view.stragglers[st.rank] = st
+            elif rel == "policy/stragglers":
+                view.straggler_policy = StragglerPolicy.from_bytes(entry.value, key=key, strict=True)
+            elif head == "quarantine" and rest:
+                q = Quarantine.from_bytes(entry.value, key=key, strict=True)
+                _own_key(rest, f"{q.host}/{q.slot}", key)
+                view.quarantine.append(q)
             elif head == "finished" and rest:
                 view.finished.add(_number(rest, key))
             elif rel == "checkpoint":

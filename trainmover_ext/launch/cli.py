@@ -6,6 +6,7 @@ import argparse
 import os
 
 from trainmover_ext.control.cli import add_connection_flags
+from trainmover_ext.control.records import StragglerPolicy
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.kv.job import new_token
 from trainmover_ext.launch.agent import Agent, MetricsEndpoint
@@ -257,6 +258,9 @@ def peek_trainmover_flags(script_args: list[str]) -> dict:
     peek.add_argument("--tm-hang-timeout", type=float, default=DEFAULT_HANG_TIMEOUT_S)
     peek.add_argument("--tm-progress-timeout", type=float, default=None)
     peek.add_argument("--tm-leaver-becomes-standby", action="store_true")
+    peek.add_argument("--tm-straggler-action", default="report")
+    peek.add_argument("--tm-straggler-threshold", type=float, default=1.15)
+    peek.add_argument("--tm-straggler-window", type=int, default=10)
     peek.add_argument("--tm-standby-nice", type=int, default=19)
     peek.add_argument("--tm-standby-reserves", type=int, default=4)
     peek.add_argument("--tm-job", default=None)
@@ -444,6 +448,11 @@ def build(args: argparse.Namespace) -> tuple[LaunchConfig, MetricsEndpoint]:
         hang_timeout_s=tm["tm_hang_timeout"],
         progress_timeout_s=tm["tm_progress_timeout"],
         leaver_becomes_standby=tm["tm_leaver_becomes_standby"],
+        straggler=StragglerPolicy(
+            action=tm["tm_straggler_action"],
+            threshold=tm["tm_straggler_threshold"],
+            window=tm["tm_straggler_window"],
+        ).check(),
         standby_nice=tm["tm_standby_nice"],
         standby_reserves=tm["tm_standby_reserves"],
         sandbox=not tm["tm_no_sandbox"],

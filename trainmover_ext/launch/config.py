@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from trainmover_ext.control.records import StragglerPolicy
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.launch.heartbeat import DEFAULT_HANG_TIMEOUT_S
 from trainmover_ext.launch.logs import LogConfig
@@ -57,6 +58,9 @@ class LaunchConfig:
     progress_timeout_s: float | None = None
     """``--tm-progress-timeout`` of the script: a serving rank whose main thread stalled this long outside a
     collective is fenced and reported by this agent (``launch.stalls``); None: from its pace; 0: off."""
+    straggler: StragglerPolicy = field(default_factory=StragglerPolicy)
+    """``--tm-straggler-action/-threshold/-window`` of the script: the job's straggler policy, recorded by the
+    first agent (``control.straggler_watch``)."""
     leaver_becomes_standby: bool = False
     """``--tm-leaver-becomes-standby`` of the script: a planned leaver stays alive as one of this agent's standbys."""
     standby_reserves: int = 4

@@ -19,6 +19,13 @@ Contract
   ``step`` (the loss reduction and the
   optimizer step), ``eval``, ``save``, ``recovery``, ``done``. The agent judges only
   :data:`JUDGED` phases; the others wait on something else's timeouts.
+- **Compute time** (what the straggler detector compares, ``control.stragglers``): the main thread's
+  wall time from the ``iteration`` mark to :func:`iteration_done`, less the time it spent in
+  :func:`waiting`. Each completed iteration writes one sample ``(iteration, compute_s)`` into a ring
+  of :data:`RING` slots after the record (at :data:`COMPUTE_OFFSET`, slot ``iteration % RING``): one
+  ``pwrite`` per iteration, read by the agent with :func:`read_compute`. On a GPU a collective's wait
+  returns once the wait is queued on the stream, so there the sample is the CPU's view (the iteration's
+  final loss read waits for the device): communication a rank does not block on counts as compute.
 - Everything here is a no-op in a process that has no heartbeat file (not started by the agent).
 """
 
@@ -41,6 +48,11 @@ OFFSET = 8
 """Where the record starts in the heartbeat file (the beat's 8 bytes come first)."""
 _GROUP_BYTES = 40
 _RECORD = struct.Struct(f"<QdqBBxxI{_GROUP_BYTES}sQ")
+_SAMPLE = struct.Struct("<qdq")
+"""A compute sample: its iteration, the compute seconds, its iteration again (a torn slot reads unequal)."""
+RING = 64
+"""Compute samples kept: the agent reads them every ``monitor_interval_s``, far more often than 64 iterations."""
+COMPUTE_OFFSET = OFFSET + _RECORD.size
 _MAIN = threading.main_thread().ident
 
 
@@ -66,6 +78,10 @@ class _Writer:
         self.iteration = 0
         self.phase = "start"
         self.at = time.monotonic()
+        self.began: float | None = None
+        """``time.monotonic()`` of this iteration's ``iteration`` mark (None: no iteration in progress)."""
+        self.waited = 0.0
+        """Seconds of this iteration spent in :func:`waiting`."""
 
     def write(self, group: str | None = None, op: int = 0) -> None:
         self.generation += 1
@@ -108,7 +124,33 @@ def mark(phase: str, iteration: int | None = None) -> None:
     w.phase, w.at = phase, time.monotonic()
     if iteration is not None:
         w.iteration = iteration
+    if phase == "iteration":
+        w.began, w.waited = w.at, 0.0
+    elif phase in RESETS:
+        w.began = None  # a save, evaluation or recovery in between: this iteration is not a sample
     w.write()
+
+
+def compute_so_far() -> float | None:
+    """The compute seconds of the iteration in progress until now (None when none is in progress)."""
+    w = _writer
+    if w is None or w.began is None:
+        return None
+    return max(0.0, time.monotonic() - w.began - w.waited)
+
+
+def iteration_done(iteration: int) -> None:
+    """The main thread completed ``iteration``: publish its compute time (see the module docstring)."""
+    w = _writer
+    if w is None or threading.get_ident() != _MAIN or w.began is None:
+        return
+    compute_s = max(0.0, time.monotonic() - w.began - w.waited)
+    w.began = None
+    try:
+        slot = COMPUTE_OFFSET + (iteration % RING) * _SAMPLE.size
+        os.pwrite(w.fd, _SAMPLE.pack(iteration, compute_s, iteration), slot)
+    except OSError:
+        pass
 
 
 @contextlib.contextmanager
@@ -120,10 +162,12 @@ def waiting(group: str, op: int) -> Iterator[None]:
         return
     w.at = time.monotonic()
     w.write(group, op)
+    started = w.at
     try:
         yield
     finally:
         w.at = time.monotonic()
+        w.waited += w.at - started
         w.write()
 
 
@@ -142,3 +186,19 @@ def read(path: str) -> Progress | None:
         return None
     group = name.rstrip(b"\0").decode(errors="replace") if waits else None
     return Progress(at=at, iteration=iteration, phase=PHASES[phase], group=group, op=op)
+
+
+def read_compute(path: str, after: int = 0) -> list[tuple[int, float]]:
+    """The compute samples in ``path`` of iterations after ``after``, oldest first (torn slots left out)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(COMPUTE_OFFSET)
+            raw = f.read(RING * _SAMPLE.size)
+    except OSError:
+        return []
+    samples = []
+    for i in range(len(raw) // _SAMPLE.size):
+        iteration, compute_s, again = _SAMPLE.unpack_from(raw, i * _SAMPLE.size)
+        if iteration == again and iteration > after:
+            samples.append((iteration, compute_s))
+    return sorted(samples)

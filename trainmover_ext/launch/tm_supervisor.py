@@ -45,6 +45,7 @@ import os
 import signal
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from trainmover_ext.control.fingerprint import describe_diff, read_refusal
 from trainmover_ext.deadline import RecoveryTimeouts
@@ -64,6 +65,9 @@ from trainmover_ext.launch.process import (
 from trainmover_ext.launch.recording_server import RecordingServer
 from trainmover_ext.launch.stalls import StallWatch
 from trainmover_ext.netutil import address_towards
+
+if TYPE_CHECKING:
+    from trainmover_ext.launch.compute_relay import ComputeRelay
 
 MAX_STANDBY_FAILURES = 3
 REPLENISH_AFTER_S = 60.0
@@ -98,6 +102,8 @@ class TrainMoverSupervisor:
         self.space = self.controller = self.member = self.inbox = self.archive = self.probes = None
         self.hangs = HangWatch(0)
         self.stalls = StallWatch(0)
+        self.compute: ComputeRelay | None = None
+        """Relays the serving ranks' compute times to the straggler watch (set once etcd is open)."""
         """Sees a serving rank's main thread stall (``launch.stalls``; its progress is in the heartbeat file)."""
         """Sees a serving process freeze (``launch.heartbeat``); made in :meth:`start`, before any fork."""
         self.recordings: RecordingServer | None = None
@@ -305,6 +311,14 @@ class TrainMoverSupervisor:
             controller = self.controller
             self.agent.metrics_feed.attach(self.space, is_leader=lambda: controller.is_leader)
         self.inbox = PlanInbox(self.space)
+        from trainmover_ext.control.records import StragglerPolicy
+        from trainmover_ext.control.straggler_watch import POLICY_KEY
+        from trainmover_ext.launch.compute_relay import ComputeRelay
+
+        # The job's straggler policy comes from the first agent's flags; `trainmover straggler` changes it.
+        policy = StragglerPolicy(**{**vars(self.cfg.straggler), "set_by": ident.member_id, "set_at": time.time()})
+        self.space.put_if_absent(self.space.key(*POLICY_KEY), policy.to_bytes())
+        self.compute = ComputeRelay(self.space, ident.host)
         from trainmover_ext.control.archive import RunArchive
 
         controller = self.controller
@@ -510,6 +524,19 @@ class TrainMoverSupervisor:
                 self.retired.append(proc)
             self._report(rank, member, -signal.SIGKILL, track=not leaver, hung=why)
 
+    def _relay_compute(self) -> None:
+        """Pass the serving ranks' new compute samples on to the straggler watch (``launch.compute_relay``)."""
+        if self.compute is None:
+            return
+        self.compute.collect(
+            {
+                rank: self.hangs.file_for(proc.heartbeat)
+                for rank, (proc, _) in self.serving.items()
+                if proc.heartbeat and proc.poll() is None
+            }
+        )
+        self.compute.publish()
+
     def supervise(self) -> tuple[bool, int]:
         """Block until done. Returns (finished_ok, exit code); (False, code) asks for the classic fallback."""
         deadline_s = RecoveryTimeouts(self.cfg.lease_ttl_s).replacement_s
@@ -526,6 +553,7 @@ class TrainMoverSupervisor:
                 if code not in (None, 0) and rank not in self.reported:
                     self._report(rank, member, code)
             self._fence_hung()
+            self._relay_compute()
             for rank, (proc, member) in list(self.leaving.items()):
                 code = proc.poll()
                 if code is not None:

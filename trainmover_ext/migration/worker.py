@@ -55,6 +55,7 @@ from trainmover_ext.migration.planned import PendingHandover, hand_over, prepare
 from trainmover_ext.migration.recovery import converge
 from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults, stall_dump
+from trainmover_ext.runtime.slowdown import SlowdownClock
 from trainmover_training.training import Runtime, Session
 
 if TYPE_CHECKING:
@@ -134,9 +135,11 @@ class WorkerRuntime(Runtime):
         self.handed_over: int | None = None
         """Epoch at which this rank, a planned leaver, handed its state over and left training."""
         self.pending_first_iteration: list[int] = []
+        """Epochs whose ``first_iteration`` step this process (a joiner) still has to record."""
         self.mirror: Mirror | None = None
         """The distributed optimizer's host-memory mirror (:meth:`start_mirror`), when on."""
-        """Epochs whose ``first_iteration`` step this process (a joiner) still has to record."""
+        self.slowdown: SlowdownClock | None = None
+        """An injected slowdown of this rank (``--tm-inject-slowdown``, the original worker only)."""
         grid = grid_of(self.layout)
         if grid.shard_of(self.layout.rank) != (self.layout.tp_rank, self.layout.pp_rank):
             raise MigrationAborted("megatron's rank order is not tp-dp-pp; the convergence logic does not apply")
@@ -264,6 +267,9 @@ class WorkerRuntime(Runtime):
         native_group.observe_waits(progress.waiting)
 
     def after_iteration(self, session: Session, loss: float | None) -> None:
+        if self.slowdown is not None:
+            self.slowdown.ended(session.args.iteration)
+        progress.iteration_done(session.args.iteration)
         progress.mark("control")  # the etcd writes below wait on etcd, not on this rank's work
         for epoch in self.pending_first_iteration:
             mark_step(self.space, epoch, "first_iteration", status="done")
@@ -488,6 +494,8 @@ class WorkerRuntime(Runtime):
         go_on = self._before_iteration(session)
         if go_on:
             progress.mark("iteration")
+            if self.slowdown is not None:
+                self.slowdown.began()
         return go_on
 
     def _before_iteration(self, session: Session) -> bool:

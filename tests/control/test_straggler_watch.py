@@ -1,0 +1,218 @@
+"""The straggler path's pieces: a rank's compute samples (progress record), the agent's relay, the leader's watch,
+and the quarantine in placement. The whole path on a real job is tests/migration/test_stragglers.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from trainmover_ext.control.placement import available_standbys
+from trainmover_ext.control.records import (
+    ComputeReport,
+    MemberRecord,
+    Quarantine,
+    RankRecord,
+    StragglerPolicy,
+    StragglerRecord,
+)
+from trainmover_ext.control.straggler_watch import POLICY_KEY, StragglerWatch
+from trainmover_ext.control.view import View, read_view
+from trainmover_ext.errors import ConfigError
+from trainmover_ext.kv import Guard, MemoryKV
+from trainmover_ext.kv.codec import encode
+from trainmover_ext.kv.job import JobSpace
+from trainmover_ext.launch import progress
+from trainmover_ext.launch.compute_relay import ComputeRelay
+
+
+@pytest.fixture
+def record_file(tmp_path, monkeypatch):
+    """A heartbeat file this (main) thread publishes its progress into, as a rank does."""
+    path = tmp_path / "beat"
+    path.write_bytes(b"\0" * 8)
+    monkeypatch.setattr(progress, "_writer", None)
+    progress.start(str(path))
+    yield str(path)
+    monkeypatch.setattr(progress, "_writer", None)
+
+
+def test_a_compute_sample_is_the_iteration_less_its_waits(record_file):
+    progress.mark("iteration")
+    time.sleep(0.05)
+    with progress.waiting("dp", 1):
+        time.sleep(0.2)
+    progress.iteration_done(7)
+    ((iteration, seconds),) = progress.read_compute(record_file)
+    assert iteration == 7
+    assert 0.045 <= seconds < 0.15, seconds  # the 0.2 s wait is not compute
+    assert progress.read_compute(record_file, after=7) == []
+
+
+def test_an_iteration_cut_by_a_save_or_a_recovery_makes_no_sample(record_file):
+    progress.mark("iteration")
+    progress.mark("recovery")
+    progress.iteration_done(3)
+    assert progress.read_compute(record_file) == []
+
+
+def test_the_ring_keeps_the_last_64_iterations(record_file):
+    for i in range(1, 101):
+        progress.mark("iteration")
+        progress.iteration_done(i)
+    assert [i for i, _ in progress.read_compute(record_file)] == list(range(37, 101))
+
+
+def _space() -> JobSpace:
+    return JobSpace.create(MemoryKV(), "j", "tok")
+
+
+def test_the_relay_writes_one_report_per_node_with_each_ranks_new_samples(record_file):
+    space = _space()
+    relay = ComputeRelay(space, "n1", publish_s=1.0)
+    for i in (1, 2):
+        progress.mark("iteration")
+        progress.iteration_done(i)
+    relay.collect({3: record_file})
+    assert relay.publish(now=10.0)
+    assert not relay.publish(now=10.5)  # nothing new, and not due
+    progress.mark("iteration")
+    progress.iteration_done(3)
+    relay.collect({3: record_file})
+    assert not relay.publish(now=10.5)  # new, but not due yet
+    assert relay.publish(now=11.0)
+    entry = space.kv.get(space.key("compute", "n1"))
+    report = ComputeReport.from_bytes(entry.value, key=entry.key, strict=True)
+    assert [i for i, _ in report.samples["3"]] == [1, 2, 3]
+
+
+# -- the watch ----------------------------------------------------------------------------------------
+
+
+def _job(space: JobSpace, *, standby: bool = True) -> None:
+    """PP2 x DP2 on two hosts (ranks 0, 1 first stage; 2, 3 last), a warm standby on h2."""
+    for r in range(4):
+        host = f"h{r // 2}"
+        member = MemberRecord(member_id=f"w{r}", kind="worker", host=host, pid=100 + r)
+        space.put(space.key("members", member.member_id), member.to_bytes())
+        rec = RankRecord(rank=r, member_id=f"w{r}", host=host, role="first" if r < 2 else "last", local_rank=r % 2)
+        space.put(space.key("ranks", r), rec.to_bytes())
+    if standby:
+        s = MemberRecord(member_id="s1", kind="standby", host="h2", pid=200, warm_roles=["first", "middle", "last"])
+        space.put(space.key("members", "s1"), s.to_bytes())
+    space.put(space.key("epoch"), encode("epoch", {"epoch": 0}))
+
+
+def _report(space: JobSpace, iterations: range, times: dict[int, float]) -> None:
+    """Each host's ranks' compute times: ``times`` rank -> seconds in every iteration (default 0.1)."""
+    for host, ranks in (("h0", (0, 1)), ("h1", (2, 3))):
+        samples = {str(r): [[i, times.get(r, 0.1)] for i in iterations] for r in ranks}
+        space.put(space.key("compute", host), ComputeReport(host=host, samples=samples).to_bytes())
+
+
+def _watch(space: JobSpace, action: str) -> StragglerWatch:
+    space.put(space.key(*POLICY_KEY), StragglerPolicy(action=action, threshold=1.15, window=5).to_bytes())
+    return StragglerWatch(space, "ctl", lambda: Guard.absent(space.key("no-such-key")))
+
+
+@pytest.mark.parametrize("slow", [1.2, 1.5, 2.0])
+def test_a_slow_rank_is_named_after_the_window_and_its_move_requested(slow):
+    space = _space()
+    _job(space)
+    watch = _watch(space, "migrate")
+    _report(space, range(1, 5), {1: 0.1 * slow})
+    assert watch.tick(read_view(space)) == []  # 4 slow iterations: under the window
+    _report(space, range(1, 7), {1: 0.1 * slow})
+    (found,) = watch.tick(read_view(space))
+    assert (found.rank, found.iteration, found.host, found.slot) == (1, 5, "h0", 1)
+    assert found.ratio == pytest.approx(slow)
+    view = read_view(space)
+    (request,) = view.requests.values()
+    assert (request.rank, request.request_id) == (1, found.request)
+    (q,) = view.quarantine
+    assert (q.host, q.slot, q.pid) == ("h0", 1, 101)
+    stored = space.kv.get(space.key("stragglers", 1))
+    assert StragglerRecord.from_bytes(stored.value, key=stored.key).rank == 1
+
+
+def test_the_move_waits_for_a_warm_standby():
+    space = _space()
+    _job(space, standby=False)
+    watch = _watch(space, "migrate")
+    _report(space, range(1, 11), {0: 0.2})
+    assert watch.tick(read_view(space)) == []
+    assert read_view(space).requests == {}
+    s = MemberRecord(member_id="s1", kind="standby", host="h2", pid=200, warm_roles=["first"])
+    space.put(space.key("members", "s1"), s.to_bytes())
+    (found,) = watch.tick(read_view(space))
+    assert found.rank == 0 and [r.request_id for r in read_view(space).requests.values()] == [found.request]
+
+
+def test_equal_ranks_and_a_slower_stage_are_no_stragglers():
+    """The last stage at 1.5x the first is its role's pace, not a straggler; ranks within 10% are peers."""
+    space = _space()
+    _job(space)
+    watch = _watch(space, "migrate")
+    _report(space, range(1, 41), {0: 0.1, 1: 0.109, 2: 0.15, 3: 0.15})
+    assert watch.tick(read_view(space)) == []
+    view = read_view(space)
+    assert view.requests == {} and view.quarantine == []
+
+
+def test_report_records_without_moving_and_off_judges_nothing():
+    space = _space()
+    _job(space)
+    watch = _watch(space, "report")
+    _report(space, range(1, 11), {2: 0.2})
+    (found,) = watch.tick(read_view(space))
+    assert (found.rank, found.action, found.request) == (2, "report", None)
+    view = read_view(space)
+    assert view.requests == {} and view.quarantine == []
+    space2 = _space()
+    _job(space2)
+    off = _watch(space2, "off")
+    _report(space2, range(1, 11), {2: 0.2})
+    assert off.tick(read_view(space2)) == [] and space2.kv.get(space2.key("stragglers", 2)) is None
+
+
+def test_a_rank_that_reports_late_holds_its_peers_back_only_for_a_while():
+    """Rank 3 stopped reporting at iteration 2: iterations are judged without it once the others are 8 past."""
+    space = _space()
+    _job(space)
+    watch = _watch(space, "report")
+    samples = {str(r): [[i, 0.3 if r == 1 else 0.1] for i in range(1, 21)] for r in (0, 1, 2)}
+    samples["3"] = [[1, 0.1], [2, 0.1]]
+    space.put(space.key("compute", "h0"), ComputeReport(host="h0", samples=samples).to_bytes())
+    (found,) = watch.tick(read_view(space))
+    assert found.rank == 1 and watch._fed == 12  # 20 - 8
+
+
+def test_a_new_process_in_the_rank_settles_before_it_is_judged():
+    space = _space()
+    _job(space)
+    watch = _watch(space, "report")
+    _report(space, range(1, 4), {1: 0.3})
+    watch.tick(read_view(space))
+    promoted = RankRecord(rank=1, member_id="s1", host="h2", role="first", local_rank=0, since_epoch=1)
+    space.put(space.key("ranks", 1), promoted.to_bytes())
+    # the new process is as slow for 7 iterations: 3 settle, 4 counted: under the window of 5
+    _report(space, range(1, 11), {1: 0.3})
+    assert watch.tick(read_view(space)) == []
+
+
+def test_a_policy_outside_its_range_is_refused_with_the_flag_named():
+    with pytest.raises(ConfigError, match="--tm-straggler-threshold"):
+        StragglerPolicy(threshold=1.0).check()
+    with pytest.raises(ConfigError, match="--tm-straggler-action"):
+        StragglerPolicy(action="kill").check()
+    with pytest.raises(ConfigError, match="--tm-straggler-window"):
+        StragglerPolicy(window=0).check()
+
+
+def test_a_quarantined_slot_or_process_is_never_a_candidate():
+    view = View()
+    for mid, host, pid, slot in (("a", "h0", 7, None), ("b", "h1", 8, 1), ("c", "h1", 9, 2), ("d", "h2", 7, None)):
+        view.members[mid] = MemberRecord(member_id=mid, kind="standby", host=host, pid=pid, slot=slot)
+    assert available_standbys(view, set()) == ["a", "b", "c", "d"]
+    view.quarantine = [Quarantine(host="h0", slot=0, pid=7, reason="slow"), Quarantine(host="h1", slot=1, reason="")]
+    assert available_standbys(view, set()) == ["c", "d"]

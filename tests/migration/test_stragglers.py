@@ -1,0 +1,57 @@
+"""Stragglers on a real job: a rank slowed with ``--tm-inject-slowdown`` is found from the compute times its
+agent relays, named, and (``--tm-straggler-action migrate``) moved to a warm standby by a planned move, its
+slot quarantined; training stays bit-identical to the run without a slow rank. A run without a slow rank,
+with checkpoint saves and evaluations, names nobody."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import fell_back, replaced, start_job, tm_args, trajectory
+
+ITERS = 60
+
+
+def _finish(job) -> str:
+    try:
+        code = job.wait(400)
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+    assert code == 0, job.stderr()[-4000:]
+    return job.stderr()
+
+
+@pytest.mark.parametrize("factor", ["1.2", "1.5", "2"])
+def test_a_slowed_rank_is_found_and_moved_bit_identically(tmp_path, corpus, reference, factor):
+    """PP2 x DP2 in bf16 at dropout 0.1, one standby; rank 1 (first stage, the peer of rank 0) computes
+    ``factor`` times slower from iteration 10. The watch names rank 1 alone, its move is planned and
+    carried out, and the trajectory matches the run without the slowdown bit for bit."""
+    args = tm_args(corpus, tp=1, pp=2, gbs=8, iters=ITERS, extra=["--bf16"])
+    ref = reference("tp1pp2dp2-bf16-i60", 4, args)
+    slowed = args + ["--tm-straggler-action", "migrate", "--tm-inject-slowdown", f"1:{factor}:10"]
+    job = start_job(tmp_path, 4, slowed, name=f"straggler_{factor}")
+    err = _finish(job)
+    found = [e["detail"] for e in job.events("straggler")]
+    assert [(f["rank"], f["action"]) for f in found] == [(1, "migrate")], err[-3000:]
+    # Its pace (the median of 5) is slow from iteration 12, so 10 slow paces name it at 21, give or take a
+    # few noisy iterations; never before the slowdown began.
+    assert found[0]["ratio"] >= 1.15 and 10 <= found[0]["iteration"] <= 25, found
+    moves = [(r["rank"], r["reason"], r["joiner"][:7]) for r in replaced(job)]
+    assert moves == [(1, "planned", "standby")], err[-3000:]
+    assert not fell_back(job)
+    assert trajectory(job.metrics_path) == ref, "a straggler's move changed the numerics"
+
+
+@pytest.mark.slow
+def test_no_rank_is_named_in_a_run_without_a_slow_one(tmp_path, corpus):
+    """300 iterations at the default threshold and window with checkpoint saves and evaluations every 50 and
+    --tm-straggler-action migrate: no straggler is named, nothing moves."""
+    ckpt = tmp_path / "ckpt"
+    extra = ["--tm-straggler-action", "migrate", "--save", str(ckpt), "--save-interval", "50"]
+    extra += ["--eval-interval", "50", "--eval-iters", "2"]
+    job = start_job(tmp_path, 4, tm_args(corpus, tp=1, pp=2, gbs=8, iters=300, extra=extra), name="steady")
+    err = _finish(job)
+    assert job.events("straggler") == [], job.events("straggler")
+    assert replaced(job) == [], err[-3000:]
+    assert len(trajectory(job.metrics_path)) == 300

@@ -1,0 +1,217 @@
+"""The leading controller's straggler watch: feeds the ranks' compute times to the detector and acts on a flag.
+
+Contract:
+- :meth:`StragglerWatch.tick` runs in the leader's controller thread after each decision round (about
+  three times per lease TTL). It reads the job's policy (``policy/stragglers``, the flags' defaults
+  when absent) and the nodes' compute reports (``compute/<host>``, :mod:`trainmover_ext.launch.compute_relay`).
+- Iterations are fed to :class:`~trainmover_ext.control.stragglers.StragglerDetector` in order, each once:
+  an iteration when every rank still training reported it, or, for a rank that reports late or no more,
+  once another rank is :data:`LAG` iterations past it (its peers are then judged without it). The peers of
+  a rank are the ranks of its pipeline role (``RankRecord.role``): stages of one role do the same work.
+- A rank served by a new process (a promoted standby) restarts its streak and is not counted for the
+  detector's ``settle`` iterations.
+- A flagged rank is logged, recorded under ``stragglers/<rank>`` and on the timeline (``straggler``).
+  With ``migrate`` the same transaction asks for its planned move (a ``requests/`` entry the controller
+  decides on like ``trainmover migrate``) and quarantines its slot and process
+  (:class:`~trainmover_ext.control.records.Quarantine`). The flag waits, unrecorded, while another
+  request or plan is in flight or while no warm standby of the rank's role is idle (said once).
+- Every write is guarded by the leader key: a controller that lost the lead writes nothing. The watch's
+  streaks live in memory: a new leader starts them afresh (at most one window later).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from trainmover_ext.control.executor import event_put
+from trainmover_ext.control.membership import migration_request_puts
+from trainmover_ext.control.placement import warm_standbys
+from trainmover_ext.control.records import (
+    ComputeReport,
+    Quarantine,
+    StragglerPolicy,
+    StragglerRecord,
+    quarantine_key,
+)
+from trainmover_ext.control.stragglers import Sample, Straggler, StragglerConfig, StragglerDetector
+from trainmover_ext.control.view import View
+from trainmover_ext.errors import MalformedValue
+from trainmover_ext.kv.base import Guard, Put
+from trainmover_ext.kv.job import JobSpace
+
+logger = logging.getLogger(__name__)
+
+LAG = 8
+"""Iterations a rank may report behind the others before its peers are judged without it."""
+POLICY_KEY = ("policy", "stragglers")
+
+
+def read_policy(space: JobSpace) -> StragglerPolicy:
+    """The job's straggler policy; the defaults when none was recorded (or it is unreadable)."""
+    key = space.key(*POLICY_KEY)
+    entry = space.kv.get(key)
+    if entry is None:
+        return StragglerPolicy()
+    try:
+        return StragglerPolicy.from_bytes(entry.value, key=key, strict=True).check()
+    except (MalformedValue, ValueError) as exc:
+        logger.warning("straggler policy unreadable (%s); using the defaults", exc)
+        return StragglerPolicy()
+
+
+@dataclass
+class StragglerWatch:
+    """See the module docstring."""
+
+    space: JobSpace
+    controller_id: str
+    leader_guard: Callable[[], Guard]
+    detector: StragglerDetector | None = None
+    policy: StragglerPolicy | None = None
+    flagged: list[StragglerRecord] = field(default_factory=list)
+    """Every straggler this watch flagged (tests and benchmarks read it)."""
+    _pending: dict[int, dict[int, float]] = field(default_factory=dict)
+    _fed: int = 0
+    _newest: dict[int, int] = field(default_factory=dict)
+    _serving: dict[int, str] = field(default_factory=dict)
+    _unacted: list[Straggler] = field(default_factory=list)
+    _waiting: set[int] = field(default_factory=set)
+    """Flagged ranks whose move waits for a warm standby (said once)."""
+
+    def tick(self, view: View) -> list[StragglerRecord]:
+        """One round (see the module docstring); returns the stragglers recorded in it."""
+        policy = read_policy(self.space)
+        if policy.action == "off":
+            self.detector, self.policy, self._unacted = None, policy, []
+            return []
+        if (
+            self.detector is None
+            or self.policy is None
+            or (policy.threshold, policy.window)
+            != (
+                self.policy.threshold,
+                self.policy.window,
+            )
+        ):
+            self.detector = StragglerDetector(StragglerConfig(threshold=policy.threshold, window=policy.window))
+            self._serving = {}
+        self.policy = policy
+        for rank, rec in view.ranks.items():
+            if self._serving.get(rank) not in (None, rec.member_id):
+                self.detector.joined(rank, self._fed + 1)
+                self._unacted = [s for s in self._unacted if s.rank != rank]
+            self._serving[rank] = rec.member_id
+        self._gather()
+        training = set(view.ranks) - view.finished
+        for iteration in self._due(training):
+            samples = {
+                r: Sample(peer_key=view.ranks[r].role, compute_s=s)
+                for r, s in self._pending.pop(iteration).items()
+                if r in view.ranks
+            }
+            self._unacted += self.detector.observe(iteration, samples)
+            self._fed = iteration
+        recorded = []
+        while self._unacted:
+            if (record := self._act(view, self._unacted[0], policy)) is None:
+                break  # a move in flight: the flag waits for the next round
+            self._unacted.pop(0)
+            recorded.append(record)
+        return recorded
+
+    def _gather(self) -> None:
+        prefix = self.space.key("compute") + "/"
+        for entry in self.space.kv.get_prefix(prefix).entries:
+            try:
+                report = ComputeReport.from_bytes(entry.value, key=entry.key, strict=True)
+                for rank_text, pairs in report.samples.items():
+                    rank = int(rank_text)
+                    for iteration, seconds in ((int(i), float(s)) for i, s in pairs):
+                        if iteration > self._fed:
+                            self._pending.setdefault(iteration, {})[rank] = seconds
+                        self._newest[rank] = max(self._newest.get(rank, 0), iteration)
+            except (MalformedValue, ValueError, TypeError) as exc:
+                logger.warning("compute report %s unreadable: %s", entry.key, exc)
+
+    def _due(self, training: set[int]) -> list[int]:
+        newest = max((self._newest.get(r, 0) for r in training), default=0)
+        due = []
+        for iteration in sorted(self._pending):
+            complete = all(self._newest.get(r, 0) >= iteration for r in training)
+            if not complete and newest - iteration < LAG:
+                break
+            due.append(iteration)
+        return due
+
+    def _act(self, view: View, found: Straggler, policy: StragglerPolicy) -> StragglerRecord | None:
+        rec = view.ranks.get(found.rank)
+        if rec is None:
+            return None
+        member = view.members.get(rec.member_id)
+        migrate = policy.action == "migrate"
+        if migrate and not _quiet(view):
+            return None
+        if migrate and not warm_standbys(view, rec.role):
+            if found.rank not in self._waiting:
+                self._waiting.add(found.rank)
+                logger.warning(
+                    "straggler: rank %d computes %.2fx its peers' median; its move waits for a warm standby of role %r",
+                    found.rank,
+                    found.ratio,
+                    rec.role,
+                )
+            return None
+        self._waiting.discard(found.rank)
+        now = time.time()
+        record = StragglerRecord(
+            rank=found.rank,
+            member_id=rec.member_id,
+            host=rec.host,
+            slot=rec.local_rank,
+            iteration=found.iteration,
+            ratio=round(found.ratio, 4),
+            peers_median_s=round(found.peers_median_s, 6),
+            action=policy.action,
+            flagged_at=now,
+        )
+        puts: list[Put] = []
+        if migrate:
+            request, puts = migration_request_puts(
+                self.space, rank=found.rank, requested_by=f"straggler watch ({self.controller_id})"
+            )
+            record.request = request
+            quarantine = Quarantine(
+                host=rec.host,
+                slot=rec.local_rank,
+                pid=member.pid if member is not None else 0,
+                reason=f"rank {found.rank} computed {found.ratio:.2f}x its peers' median (iteration {found.iteration})",
+                since=now,
+            )
+            puts.append(Put(quarantine_key(self.space, rec.host, rec.local_rank), quarantine.to_bytes()))
+        puts.append(Put(self.space.key("stragglers", found.rank), record.to_bytes()))
+        detail = {k: getattr(record, k) for k in ("rank", "member_id", "host", "slot", "iteration", "ratio", "action")}
+        puts.append(event_put(self.space, "straggler", detail | {"request": record.request}, now))
+        if not self.space.commit([self.leader_guard()], puts):
+            return None  # the lead changed hands: the new leader judges afresh
+        logger.warning(
+            "straggler: rank %d (%s on %s slot %d) computed %.2fx its peers' median for %d iterations up to %d; %s",
+            found.rank,
+            rec.member_id,
+            rec.host,
+            rec.local_rank,
+            found.ratio,
+            policy.window,
+            found.iteration,
+            f"planned move requested ({record.request}), slot quarantined" if migrate else "reported",
+        )
+        self.flagged.append(record)
+        return record
+
+
+def _quiet(view: View) -> bool:
+    from trainmover_ext.control.controller import quiet  # the controller imports this module
+
+    return quiet(view)
