@@ -34,6 +34,7 @@ COMMANDS = {
     "comm": "python benchmarks/comm.py --json benchmarks/results/comm.json",
     "detection": "python benchmarks/detection.py --json benchmarks/results/detection.json",
     "mirror": "python benchmarks/mirror.py --json benchmarks/results/mirror.json",
+    "straggler": "python benchmarks/straggler.py --json benchmarks/results/straggler.json",
     "downtime_distopt": "python benchmarks/downtime.py --strategies trainmover --planned-trials 0 --scale '' "
     "--json benchmarks/results/downtime_distopt.json",
 }
@@ -321,6 +322,22 @@ def detection_line(data: dict | None) -> list[str]:
     ]
 
 
+def straggler_lines(data: dict | None) -> list[str]:
+    """A straggler: the throughput it costs with no action and with TrainMover moving it (docs/benchmarks.md)."""
+    if data is None:
+        return [f"**A straggler**: {NOT_YET} (`{COMMANDS['straggler']}`)."]
+    job = data.get("config", {})
+    return [
+        f"**A straggler** (rank 1 of a 4-rank job computing {job.get('factor')}x slower from iteration "
+        f"{job.get('start')} of {job.get('iters')}; throughput over that span against the run without it): no action "
+        f"loses {spread_cell(data['no_action']['loss_pct'], ' %')}, TrainMover moving it "
+        f"{spread_cell(data['trainmover']['loss_pct'], ' %')} (goal <= 5 %); named "
+        f"{spread_cell(data['detected_after_iterations'], '')} iterations after the slowdown began; "
+        f"{data['false_positives']} ranks named that were not slow; losses bit-identical: "
+        f"{yes(data['bit_identical'])}. {stamp(data)}",
+    ]
+
+
 def mirror_lines(mirror: dict | None, distopt: dict | None) -> list[str]:
     """The distributed optimizer's mirror: its steady-state cost and the lost time it buys."""
     rows = {r["dp"]: r for r in (mirror or {}).get("overhead") or []}
@@ -411,6 +428,7 @@ def readme_block(results_dir: str, *, full: bool = False) -> list[str]:
 
 def docs_block(results_dir: str) -> list[str]:
     lines = readme_block(results_dir, full=True)
+    lines += ["", *straggler_lines(load(results_dir, "straggler"))]
     comm = load(results_dir, "comm")
     if comm and comm.get("allreduce"):
         lines += [
