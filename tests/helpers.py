@@ -90,6 +90,17 @@ def run_job(
     return job
 
 
+def finish_job(job: LaunchedJob, timeout: float = 300) -> str:
+    """Wait for a started job to end well (killed if it outlives ``timeout``); returns the launcher's log."""
+    try:
+        code = job.wait(timeout)
+    finally:
+        if job.popen.poll() is None:
+            job.popen.kill()
+    assert code == 0, job.stderr()[-4000:]
+    return job.stderr()
+
+
 def read_metrics(path: str, event: str = "iteration") -> list[dict]:
     if not os.path.exists(path):
         return []

@@ -12,6 +12,7 @@ from helpers import (
     assert_transfer_memory,
     control_flags,
     fell_back,
+    finish_job,
     read_metrics,
     replaced,
     start_job,
@@ -36,17 +37,6 @@ def _migrate(job, *argv: str) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def _finish(job) -> str:
-    """Wait for the job to end well; returns the launcher's log."""
-    try:
-        code = job.wait(300)
-    finally:
-        if job.popen.poll() is None:
-            job.popen.kill()
-    assert code == 0, job.stderr()[-4000:]
-    return job.stderr()
-
-
 def _migrate_and_check(tmp_path, corpus, reference, nproc, args, ref_key, rank, iters=ITERS):
     ref = reference(ref_key, nproc, args)
     job = start_job(tmp_path, nproc, args, name=f"planned_{rank}")
@@ -57,7 +47,7 @@ def _migrate_and_check(tmp_path, corpus, reference, nproc, args, ref_key, rank, 
     except BaseException:
         job.popen.kill()
         raise
-    err = _finish(job)
+    err = finish_job(job)
     assert [(r["rank"], r["joiner"][:7]) for r in replaced(job)] == [(rank, "standby")], err[-3000:]
     assert replaced(job)[0]["reason"] == "planned" and not fell_back(job), err[-3000:]
     got = trajectory(job.metrics_path)
@@ -131,7 +121,7 @@ def test_leaver_rejoins_the_pool_and_is_promoted_again(tmp_path, corpus, referen
     except BaseException:
         job.popen.kill()
         raise
-    err = _finish(job)
+    err = finish_job(job)
     moves = [(r["rank"], r["joiner"], r["reason"]) for r in replaced(job)]
     assert moves[1] == (6, rejoined, "planned") and len(moves) == 2, moves
     assert [e["detail"]["rank"] for e in job.events("standby_rejoined")] == [1, 6], err[-3000:]

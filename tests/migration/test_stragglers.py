@@ -1,25 +1,15 @@
 """Stragglers on a real job: a rank slowed with ``--tm-inject-slowdown`` is found from the compute times its
 agent relays, named, and (``--tm-straggler-action migrate``) moved to a warm standby by a planned move, its
-slot quarantined; training stays bit-identical to the run without a slow rank. A run without a slow rank,
+slot quarantined (that placement then skips it: tests/control/test_straggler_watch.py); training stays bit-identical to the run without a slow rank. A run without a slow rank,
 with checkpoint saves and evaluations, names nobody."""
 
 from __future__ import annotations
 
 import pytest
 
-from helpers import fell_back, replaced, start_job, tm_args, trajectory
+from helpers import fell_back, finish_job, replaced, start_job, tm_args, trajectory
 
 ITERS = 150
-
-
-def _finish(job) -> str:
-    try:
-        code = job.wait(400)
-    finally:
-        if job.popen.poll() is None:
-            job.popen.kill()
-    assert code == 0, job.stderr()[-4000:]
-    return job.stderr()
 
 
 @pytest.mark.parametrize("factor", ["1.2", "1.5", "2"])
@@ -31,13 +21,14 @@ def test_a_slowed_rank_is_found_and_moved_bit_identically(tmp_path, corpus, refe
     ref = reference("tp1pp2dp2-bf16-i150", 4, args)
     slowed = args + ["--tm-straggler-action", "migrate", "--tm-inject-slowdown", f"1:{factor}:10"]
     job = start_job(tmp_path, 4, slowed, name=f"straggler_{factor}")
-    err = _finish(job)
+    err = finish_job(job, 400)
     found = [e["detail"] for e in job.events("straggler")]
     assert [(f["rank"], f["action"]) for f in found] == [(1, "migrate")], err[-3000:]
     # Its pace (the median of 5) is slow from iteration 12, so 10 slow paces name it at 21, give or take a
     # few noisy iterations; never before the slowdown began. At 1.2x, within reach of the threshold (1.15) on
     # 2 busy cores, the 10 slow paces in a row may take longer.
     assert found[0]["ratio"] >= 1.15 and found[0]["iteration"] >= 10, found
+    assert found[0]["slot"] == 1 and found[0]["request"], found  # its slot (LOCAL_RANK 1) quarantined with the move
     if float(factor) >= 1.5:
         assert found[0]["iteration"] <= 25, found
     moves = [(r["rank"], r["reason"], r["joiner"][:7]) for r in replaced(job)]
@@ -54,7 +45,7 @@ def test_no_rank_is_named_in_a_run_without_a_slow_one(tmp_path, corpus):
     extra = ["--tm-straggler-action", "migrate", "--save", str(ckpt), "--save-interval", "50"]
     extra += ["--eval-interval", "50", "--eval-iters", "2"]
     job = start_job(tmp_path, 4, tm_args(corpus, tp=1, pp=2, gbs=8, iters=300, extra=extra), name="steady")
-    err = _finish(job)
+    err = finish_job(job, 400)
     assert job.events("straggler") == [], job.events("straggler")
     assert replaced(job) == [], err[-3000:]
     assert len(trajectory(job.metrics_path)) == 300
