@@ -1,7 +1,8 @@
 """Stragglers on a real job: a rank slowed with ``--tm-inject-slowdown`` is found from the compute times its
 agent relays, named, and (``--tm-straggler-action migrate``) moved to a warm standby by a planned move, its
-slot quarantined (that placement then skips it: tests/control/test_straggler_watch.py); training stays bit-identical to the run without a slow rank. A run without a slow rank,
-with checkpoint saves and evaluations, names nobody."""
+slot quarantined (placement then skips it: tests/control/test_straggler_watch.py); training stays
+bit-identical to the run without a slow rank. A run without a slow rank, with checkpoint saves and
+evaluations, names nobody."""
 
 from __future__ import annotations
 
