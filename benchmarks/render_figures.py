@@ -35,6 +35,7 @@ COMMANDS = {
     "detection": "python benchmarks/detection.py --json benchmarks/results/detection.json",
     "mirror": "python benchmarks/mirror.py --json benchmarks/results/mirror.json",
     "straggler": "python benchmarks/straggler.py --json benchmarks/results/straggler.json",
+    "rebalance": "python benchmarks/rebalance.py --json benchmarks/results/rebalance.json",
     "downtime_distopt": "python benchmarks/downtime.py --strategies trainmover --planned-trials 0 --scale '' "
     "--json benchmarks/results/downtime_distopt.json",
 }
@@ -338,6 +339,20 @@ def straggler_lines(data: dict | None) -> list[str]:
     ]
 
 
+def rebalance_lines(data: dict | None) -> list[str]:
+    """Scheduled rebalancing: the throughput its planned moves cost (docs/benchmarks.md)."""
+    if data is None:
+        return [f"**Rebalancing**: {NOT_YET} (`{COMMANDS['rebalance']}`)."]
+    job = data.get("config", {})
+    return [
+        f"**Rebalancing** (the same 4-rank job, {job.get('iters')} iterations, a planned move every "
+        f"{job.get('interval_s')} s rotating the ranks through the standby pool, against the run without): "
+        f"{spread_cell(data['loss_pct'], ' %')} of throughput (goal < 3 %) for "
+        f"{spread_cell(data['rebalances'], '')} moves a run; losses bit-identical: {yes(data['bit_identical'])}. "
+        f"{stamp(data)}",
+    ]
+
+
 def mirror_lines(mirror: dict | None, distopt: dict | None) -> list[str]:
     """The distributed optimizer's mirror: its steady-state cost and the lost time it buys."""
     rows = {r["dp"]: r for r in (mirror or {}).get("overhead") or []}
@@ -428,7 +443,12 @@ def readme_block(results_dir: str, *, full: bool = False) -> list[str]:
 
 def docs_block(results_dir: str) -> list[str]:
     lines = readme_block(results_dir, full=True)
-    lines += ["", *straggler_lines(load(results_dir, "straggler"))]
+    lines += [
+        "",
+        *straggler_lines(load(results_dir, "straggler")),
+        "",
+        *rebalance_lines(load(results_dir, "rebalance")),
+    ]
     comm = load(results_dir, "comm")
     if comm and comm.get("allreduce"):
         lines += [

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-from trainmover_ext.control.records import STRAGGLER_ACTIONS, StragglerPolicy
+from trainmover_ext.control.records import STRAGGLER_ACTIONS, RebalancePolicy, StragglerPolicy
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.launch.heartbeat import DEFAULT_HANG_TIMEOUT_S
 
@@ -107,6 +107,9 @@ class TrainMoverConfig:
     """``--tm-straggler-threshold``: slow means this many times the median compute time of the rank's peers."""
     straggler_window: int = 10
     """``--tm-straggler-window``: consecutive slow iterations that make a straggler."""
+    rebalance_interval_min: float = 0.0
+    """``--tm-rebalance-interval``: minutes between scheduled planned moves (``trainmover_ext.control.rebalance``);
+    0: none."""
     comm: str = "auto"
     """``--tm-comm``: ``nccl_delta`` (every group's native communicator replaceable live), ``native``
     (torch's groups as they are), or
@@ -130,6 +133,7 @@ class TrainMoverConfig:
         StragglerPolicy(
             action=self.straggler_action, threshold=self.straggler_threshold, window=self.straggler_window
         ).check()
+        RebalancePolicy(interval_s=self.rebalance_interval_min * 60).check()
         if self.role not in ("worker", "standby"):
             raise ConfigError("--tm-role must be 'worker' or 'standby'")
         if self.lease_ttl_s <= 0:
@@ -205,6 +209,7 @@ _FLAG_TO_FIELD = {
     "tm_straggler_action": "straggler_action",
     "tm_straggler_threshold": "straggler_threshold",
     "tm_straggler_window": "straggler_window",
+    "tm_rebalance_interval": "rebalance_interval_min",
 }
 
 
@@ -490,6 +495,16 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "first 3 iterations after "
         "it joins are not counted, nor are saves and evaluations (they are outside the measured compute)."
         + _FOR_THE_AGENT,
+    )
+    g.add_argument(
+        "--tm-rebalance-interval",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="Minutes between scheduled planned moves that rotate the job's members through the standby pool "
+        "(e.g. to cycle machines through maintenance): each moves the rank served longest to an idle warm "
+        "standby, one at a time and never during a recovery. Default 0: none. `trainmover rebalance` changes it "
+        "while the job runs, or asks for one move now." + _FOR_THE_AGENT,
     )
     g.add_argument(
         "--tm-log-level",

@@ -189,3 +189,33 @@ def test_straggler_policy_and_quarantine_at_run_time(etcd, kv, capsys):
     assert main(["quarantine", "--clear", "n7:3", *f]) == 0
     assert "cleared n7:3" in capsys.readouterr().out
     assert read_view(space).quarantine == []
+
+
+def test_rebalance_schedule_and_a_move_now(etcd, kv, capsys):
+    """`trainmover rebalance` shows and sets the schedule (a negative one refused) and asks for one move now
+    (refused, with what to do, when no standby can take any rank)."""
+    from trainmover_ext.control.rebalance import POLICY_KEY
+    from trainmover_ext.control.records import RebalancePolicy
+
+    space = JobSpace.create(kv, "reb")
+    f = flags(etcd, space.token, job="reb")
+    init_job(space, [RankRecord(rank=r, member_id=f"w{r}", host="h0", role="first") for r in range(2)])
+    assert main(["rebalance", *f]) == 0
+    assert "rebalancing: off" in capsys.readouterr().out
+    assert main(["rebalance", "--interval", "-1", *f]) == 2
+    assert "--tm-rebalance-interval must be >= 0" in capsys.readouterr().err
+    assert main(["rebalance", "--interval", "10", *f]) == 0
+    assert "rebalancing: every 10 min" in capsys.readouterr().out
+    entry = space.kv.get(space.key(*POLICY_KEY))
+    assert RebalancePolicy.from_bytes(entry.value, key=entry.key).interval_s == 600
+    assert main(["rebalance", "--now", *f]) == 2
+    assert "no idle standby is warm" in capsys.readouterr().err
+    standby = Membership(
+        space, MemberRecord(member_id="s0", kind="standby", host="h1", pid=2, warm_roles=list(ROLES)), ttl_s=5
+    ).register()
+    try:
+        assert main(["rebalance", "--now", *f]) == 0
+        assert "rank 0 -> a standby chosen by the controller" in capsys.readouterr().out
+        assert [r.rank for r in read_view(space).requests.values()] == [0]
+    finally:
+        standby.close()

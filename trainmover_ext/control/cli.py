@@ -478,23 +478,32 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             drain.cmd_drain,
         )
     )
-    from trainmover_ext.control import straggler_cli
+    from trainmover_ext.control import policy_cli
 
-    straggler_cli.add_arguments(
+    policy_cli.add_arguments(
         _sub(
             subparsers,
             "straggler",
             "show or change the job's straggler policy while it runs (what the controller does with a rank "
             "slower than its peers)",
-            straggler_cli.cmd_straggler,
+            policy_cli.cmd_straggler,
         )
     )
-    straggler_cli.add_quarantine_arguments(
+    policy_cli.add_quarantine_arguments(
         _sub(
             subparsers,
             "quarantine",
             "list the slots quarantined as slow, or clear them so that standbys there may be promoted again",
-            straggler_cli.cmd_quarantine,
+            policy_cli.cmd_quarantine,
+        )
+    )
+    policy_cli.add_rebalance_arguments(
+        _sub(
+            subparsers,
+            "rebalance",
+            "show or set the job's rebalancing schedule (planned moves that rotate members through the standby "
+            "pool), or ask for one move now",
+            policy_cli.cmd_rebalance,
         )
     )
     controller = _sub(

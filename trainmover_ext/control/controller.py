@@ -15,8 +15,9 @@ Contract:
   node runs out (:mod:`~trainmover_ext.control.probes`).
 - A standby machine's agent is the preferred leader (``ControllerConfig.preferred``): losing a
   machine that runs ranks then never takes the controller with it.
-- The leader also runs the straggler watch (:mod:`~trainmover_ext.control.straggler_watch`) after each
-  round that had nothing left to decide.
+- The leader also runs the straggler watch (:mod:`~trainmover_ext.control.straggler_watch`) and the
+  rebalancing schedule (:mod:`~trainmover_ext.control.rebalance`) after each round that had nothing left
+  to decide.
 - :meth:`Controller.close` stops the thread and resigns (revoking the leader
   lease so a successor is elected at once). It is safe to call twice, or on a
   controller that never started.
@@ -42,6 +43,7 @@ from trainmover_ext.control.decide import PlanMigration, RaiseAlert, decide
 from trainmover_ext.control.election import LeaderElection
 from trainmover_ext.control.executor import Executor, Outcome
 from trainmover_ext.control.probes import next_probe_deadline, probe_timeout_s
+from trainmover_ext.control.rebalance import Rebalancer
 from trainmover_ext.control.records import NodeRecord
 from trainmover_ext.control.straggler_watch import StragglerWatch
 from trainmover_ext.control.view import View, read_view
@@ -161,6 +163,8 @@ class Controller:
         self._watch: WatchHandle | None = None
         self.stragglers: StragglerWatch | None = None
         """The leader's straggler watch (:mod:`~trainmover_ext.control.straggler_watch`); None while not leading."""
+        self.rebalancer: Rebalancer | None = None
+        """The leader's rebalancing schedule (:mod:`~trainmover_ext.control.rebalance`); None while not leading."""
 
     # -- lifecycle --
     def start(self) -> Controller:
@@ -266,10 +270,10 @@ class Controller:
                 if self._may_campaign() and self.election.campaign():
                     view = self._reconcile()
                     if view is not None:
-                        self._watch_stragglers(view)
+                        self._leader_duties(view)
                         self._hand_over_if_quiet(view)
                 else:
-                    self.stragglers = None  # a later lead judges afresh
+                    self.stragglers = self.rebalancer = None  # a later lead starts afresh
                 if self.metrics is not None:
                     self.metrics.observe_leadership(self.election.is_leader)
             except LeadershipLost as exc:
@@ -287,10 +291,14 @@ class Controller:
             self._wake.wait(wait)
             self._wake.clear()
 
-    def _watch_stragglers(self, view: View) -> None:
+    def _leader_duties(self, view: View) -> None:
+        """After a round with nothing left to decide: the straggler watch, then the rebalancing schedule."""
         if self.stragglers is None:
             self.stragglers = StragglerWatch(self.space, self.config.controller_id, self.election.guard)
+        if self.rebalancer is None:
+            self.rebalancer = Rebalancer(self.space, self.config.controller_id, self.election.guard)
         self.stragglers.tick(view)
+        self.rebalancer.tick(view)
 
     def _reconcile(self) -> View | None:
         """Decide and apply until a round has nothing to do; returns that round's view (None when the

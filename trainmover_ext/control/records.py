@@ -35,6 +35,9 @@ key                     value                                          written b
                         recent compute times per iteration             second, while they train)   watch
 ``policy/stragglers``   :class:`StragglerPolicy`                       the first agent;            the straggler watch,
                                                                        ``trainmover straggler``    ``status``
+``policy/rebalance``    :class:`RebalancePolicy`                       the first agent;            the rebalancer, ``status``
+                                                                       ``trainmover rebalance``;
+                                                                       the rebalancer (last_at)
 ``stragglers/<r>``      :class:`StragglerRecord`: rank r was flagged   the straggler watch         ``status``, ``events``
 ``quarantine/<host>/    :class:`Quarantine`: a slow slot no standby    the straggler watch         controller (placement),
 <slot>``                in it is promoted into                         (cleared by ``trainmover    ``status``
@@ -462,6 +465,30 @@ class StragglerPolicy(Record):
             )
         if self.window < 1:
             raise ConfigError(f"--tm-straggler-window must be >= 1 iteration, got {self.window}")
+        return self
+
+
+@dataclass(kw_only=True)
+class RebalancePolicy(Record):
+    """Scheduled rotation through the standby pool (``policy/rebalance``): every ``interval_s`` the leading
+    controller asks for one planned move of the rank served longest (:mod:`trainmover_ext.control.rebalance`)."""
+
+    KIND: ClassVar[str] = "rebalance_policy"
+    interval_s: float = 0.0
+    """Seconds between scheduled moves; 0: none."""
+    last_at: float = 0.0
+    """When the last scheduled move was asked for (0: never); the next is due ``interval_s`` after it, or after
+    ``set_at`` when later."""
+    set_by: str = ""
+    set_at: float = 0.0
+
+    def check(self) -> RebalancePolicy:
+        from trainmover_ext.errors import ConfigError
+
+        if not (math.isfinite(self.interval_s) and self.interval_s >= 0):
+            raise ConfigError(
+                f"--tm-rebalance-interval must be >= 0 minutes (0 turns scheduled moves off), got {self.interval_s / 60:g}"
+            )
         return self
 
 

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from trainmover_ext.control.cli import add_connection_flags
-from trainmover_ext.control.records import StragglerPolicy
+from trainmover_ext.control.records import RebalancePolicy, StragglerPolicy
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.kv.job import new_token
 from trainmover_ext.launch.agent import Agent, MetricsEndpoint
@@ -261,6 +261,7 @@ def peek_trainmover_flags(script_args: list[str]) -> dict:
     peek.add_argument("--tm-straggler-action", default="report")
     peek.add_argument("--tm-straggler-threshold", type=float, default=1.15)
     peek.add_argument("--tm-straggler-window", type=int, default=10)
+    peek.add_argument("--tm-rebalance-interval", type=float, default=0.0)
     peek.add_argument("--tm-standby-nice", type=int, default=19)
     peek.add_argument("--tm-standby-reserves", type=int, default=4)
     peek.add_argument("--tm-job", default=None)
@@ -453,6 +454,7 @@ def build(args: argparse.Namespace) -> tuple[LaunchConfig, MetricsEndpoint]:
             threshold=tm["tm_straggler_threshold"],
             window=tm["tm_straggler_window"],
         ).check(),
+        rebalance=RebalancePolicy(interval_s=tm["tm_rebalance_interval"] * 60).check(),
         standby_nice=tm["tm_standby_nice"],
         standby_reserves=tm["tm_standby_reserves"],
         sandbox=not tm["tm_no_sandbox"],

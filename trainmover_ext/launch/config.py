@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from trainmover_ext.control.records import StragglerPolicy
+from trainmover_ext.control.records import RebalancePolicy, StragglerPolicy
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.launch.heartbeat import DEFAULT_HANG_TIMEOUT_S
 from trainmover_ext.launch.logs import LogConfig
@@ -61,6 +61,8 @@ class LaunchConfig:
     straggler: StragglerPolicy = field(default_factory=StragglerPolicy)
     """``--tm-straggler-action/-threshold/-window`` of the script: the job's straggler policy, recorded by the
     first agent (``control.straggler_watch``)."""
+    rebalance: RebalancePolicy = field(default_factory=RebalancePolicy)
+    """``--tm-rebalance-interval`` of the script: scheduled rotation moves, recorded by the first agent that has one."""
     leaver_becomes_standby: bool = False
     """``--tm-leaver-becomes-standby`` of the script: a planned leaver stays alive as one of this agent's standbys."""
     standby_reserves: int = 4

@@ -311,13 +311,19 @@ class TrainMoverSupervisor:
             controller = self.controller
             self.agent.metrics_feed.attach(self.space, is_leader=lambda: controller.is_leader)
         self.inbox = PlanInbox(self.space)
-        from trainmover_ext.control.records import StragglerPolicy
+        from trainmover_ext.control.records import RebalancePolicy, StragglerPolicy
         from trainmover_ext.control.straggler_watch import POLICY_KEY
         from trainmover_ext.launch.compute_relay import ComputeRelay
 
         # The job's straggler policy comes from the first agent's flags; `trainmover straggler` changes it.
         policy = StragglerPolicy(**{**vars(self.cfg.straggler), "set_by": ident.member_id, "set_at": time.time()})
         self.space.put_if_absent(self.space.key(*POLICY_KEY), policy.to_bytes())
+        if self.cfg.rebalance.interval_s > 0:
+            from trainmover_ext.control import rebalance
+
+            interval_s = self.cfg.rebalance.interval_s
+            schedule = RebalancePolicy(interval_s=interval_s, set_by=ident.member_id, set_at=time.time())
+            self.space.put_if_absent(self.space.key(*rebalance.POLICY_KEY), schedule.to_bytes())
         self.compute = ComputeRelay(self.space, ident.host)
         from trainmover_ext.control.archive import RunArchive
 

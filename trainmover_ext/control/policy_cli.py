@@ -1,10 +1,12 @@
-"""``trainmover straggler`` and ``trainmover quarantine``: the straggler policy and the quarantine, at run time.
+"""``trainmover straggler``, ``quarantine`` and ``rebalance``: the job's policies, at run time.
 
 - ``trainmover straggler`` prints the job's policy; with ``--action``, ``--threshold`` or ``--window`` it
   changes those fields (the others are kept) in one compare-and-swap on ``policy/stragglers``, and the
   leading controller's watch applies the change at its next round (new thresholds restart its streaks).
 - ``trainmover quarantine`` lists the quarantined slots; ``--clear HOST:SLOT`` (repeatable) or
   ``--clear-all`` removes them, after which standbys there may be promoted again.
+- ``trainmover rebalance`` prints the rebalancing schedule; ``--interval MIN`` sets it (0: off), and
+  ``--now`` asks for one rotation move at once (:mod:`trainmover_ext.control.rebalance`).
 Bad input is refused with exit 2 and nothing written.
 """
 
@@ -14,7 +16,14 @@ import argparse
 import os
 import time
 
-from trainmover_ext.control.records import STRAGGLER_ACTIONS, Quarantine, StragglerPolicy, quarantine_key
+from trainmover_ext.control import rebalance
+from trainmover_ext.control.records import (
+    STRAGGLER_ACTIONS,
+    Quarantine,
+    RebalancePolicy,
+    StragglerPolicy,
+    quarantine_key,
+)
 from trainmover_ext.control.straggler_watch import POLICY_KEY
 from trainmover_ext.control.view import read_view
 from trainmover_ext.errors import ConfigError, MalformedValue
@@ -116,6 +125,56 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
             print(f"cleared {q.host}:{q.slot}: standbys there may be promoted again")
         if not cleared:
             print("no slot is quarantined")
+        return 0
+    finally:
+        space.kv.close()
+
+
+def add_rebalance_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=None,
+        metavar="MIN",
+        help="minutes between scheduled rotation moves (0 turns them off); the next is due this long after now",
+    )
+    p.add_argument(
+        "--now",
+        action="store_true",
+        help="ask for one rotation move at once: the rank served longest moves to an idle warm standby",
+    )
+
+
+def cmd_rebalance(args: argparse.Namespace) -> int:
+    from trainmover_ext.control.cli import open_job
+
+    if args.interval is not None:
+        RebalancePolicy(interval_s=args.interval * 60).check()
+    space = open_job(args)
+    try:
+        key = space.key(*rebalance.POLICY_KEY)
+        entry = space.kv.get(key)
+        try:
+            current = RebalancePolicy() if entry is None else RebalancePolicy.from_bytes(entry.value, key=key)
+        except MalformedValue:
+            current = RebalancePolicy()
+        if args.interval is not None:
+            who = {"set_by": f"cli@{os.uname().nodename}", "set_at": time.time()}
+            current = RebalancePolicy(**(vars(current) | {"interval_s": args.interval * 60} | who))
+            guard = Guard.absent(key) if entry is None else Guard.mod_revision(key, entry.mod_revision)
+            if not space.commit([guard], [Put(key, current.to_bytes())]):
+                raise ConfigError("the rebalancing schedule changed meanwhile; run it again")
+        every = f"every {current.interval_s / 60:g} min" if current.interval_s > 0 else "off"
+        print(f"rebalancing: {every}")
+        if args.now:
+            planned = rebalance.rebalance_puts(space, read_view(space), f"cli@{os.uname().nodename}", time.time())
+            if planned is None:
+                raise ConfigError(
+                    "no rank can move now: no idle standby is warm for any rank's stage role (see `trainmover status`)"
+                )
+            rank, request, puts = planned
+            space.commit([], puts)
+            print(f"requested planned migration {request}: rank {rank} -> a standby chosen by the controller")
         return 0
     finally:
         space.kv.close()

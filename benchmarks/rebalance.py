@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Throughput lost to scheduled rebalancing: the same job with a planned move every few seconds and with none.
+
+The job is ``straggler.py``'s (4 ranks PP2 x DP2, the tests' tiny GPT, bf16, dropout 0.1, one standby,
+``--iters`` iterations) with ``--tm-leaver-becomes-standby``, so that each move's leaver rejoins the pool
+and the ranks rotate through it. Each trial runs it twice, one after the other: with no schedule, and with
+``--tm-rebalance-interval`` of ``--interval-s`` seconds. A run's throughput is its wall time from the end
+of iteration ``--from`` - 1 to the end of the last; ``loss_pct`` is the rebalanced run's over the other's,
+less one, in percent, with every move's pause in it. ``rebalances`` counts the moves carried out; the
+losses must match the run without them bit for bit.
+
+    python benchmarks/rebalance.py --json benchmarks/results/rebalance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import measured_at, print_table, write_json  # noqa: E402
+from lost_time import spread  # noqa: E402
+from straggler import job_args, run, span_s  # noqa: E402
+
+from harness.jobs import DEFAULT_CORPUS_PREFIX, ensure_corpus  # noqa: E402
+
+
+def trial(workdir: str, n: int, opts) -> dict:
+    base = job_args(opts.data_prefix, opts.iters) + ["--tm-leaver-becomes-standby"]
+    print(f"trial {n}: no rebalancing ...", flush=True)
+    plain = run(workdir, f"t{n}_plain", base, opts.timeout)
+    print(f"trial {n}: a move every {opts.interval_s:g} s ...", flush=True)
+    moved = run(
+        workdir, f"t{n}_rebalanced", base + ["--tm-rebalance-interval", f"{opts.interval_s / 60:.6f}"], opts.timeout
+    )
+    losses = {i: v[0] for i, v in plain["iterations"].items()}
+    return {
+        "plain_span_s": round(span_s(plain, opts.start), 4),
+        "rebalanced_span_s": round(span_s(moved, opts.start), 4),
+        "loss_pct": round(100 * (span_s(moved, opts.start) / span_s(plain, opts.start) - 1), 3),
+        "rebalances": sum(len(m.get("replacements", [])) for m in moved["moves"]),
+        "bit_identical": {i: v[0] for i, v in moved["iterations"].items()} == losses,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", default=None, help="Write the result as JSON to this path.")
+    parser.add_argument("--trials", type=int, default=3, help="Trials (two runs each).")
+    parser.add_argument("--iters", type=int, default=250, help="Iterations of every run.")
+    parser.add_argument("--interval-s", type=float, default=3.0, help="Seconds between scheduled moves.")
+    parser.add_argument("--from", dest="start", type=int, default=10, help="The first iteration compared.")
+    parser.add_argument("--timeout", type=float, default=900, help="Seconds one run may take.")
+    parser.add_argument("--keep-logs", action="store_true", help="Keep every run's files (the path is printed).")
+    parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
+    opts = parser.parse_args(argv)
+    ensure_corpus(opts.data_prefix)
+    workdir = tempfile.mkdtemp(prefix="tm_rebalance_")
+    trials, failed = [], []
+    for n in range(opts.trials):
+        try:
+            trials.append(trial(workdir, n, opts))
+        except (RuntimeError, subprocess.TimeoutExpired, KeyError) as exc:
+            print(f"trial {n} failed: {str(exc)[:300]}", flush=True)
+            failed.append(f"{n}: {str(exc)[:500]}")
+    result = {
+        "command": shlex.join(["python", "benchmarks/rebalance.py", *(sys.argv[1:] if argv is None else argv)]),
+        "measured_at": measured_at(),
+        "job": "4 ranks PP2 x DP2, tiny GPT (4 layers, hidden 32), bf16, dropout 0.1, one standby (basic warm-up, "
+        f"niceness 0), --tm-leaver-becomes-standby, {opts.iters} iterations; a planned move every "
+        f"{opts.interval_s:g} s (CPU gloo, 2 cores)",
+        "config": vars(opts) | {"json": None},
+        "loss_pct": spread(t["loss_pct"] for t in trials),
+        "rebalances": spread(t["rebalances"] for t in trials),
+        "bit_identical": bool(trials) and all(t["bit_identical"] for t in trials),
+        "trials": trials,
+        "failed": failed,
+    }
+    if opts.keep_logs or failed:
+        print(f"run files kept in {workdir}", flush=True)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_table(
+        "throughput lost to scheduled rebalancing (percent)",
+        [("loss_pct", result["loss_pct"]["median"], result["loss_pct"]["values"])]
+        + [("rebalances", result["rebalances"]["median"], result["rebalances"]["values"])],
+        ("figure", "median", "trials"),
+    )
+    write_json(opts.json, result)
+    enough = all(t["rebalances"] >= 5 for t in trials)
+    return 0 if not failed and result["bit_identical"] and enough else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
