@@ -348,7 +348,8 @@ def rebalance_lines(data: dict | None) -> list[str]:
         f"**Rebalancing** (the same 4-rank job, {job.get('iters')} iterations, a planned move every "
         f"{job.get('interval_s')} s rotating the ranks through the standby pool, against the run without): "
         f"{spread_cell(data['loss_pct'], ' %')} of throughput (goal < 3 %) for "
-        f"{spread_cell(data['rebalances'], '')} moves a run; losses bit-identical: {yes(data['bit_identical'])}. "
+        f"{spread_cell(data['rebalances'], '')} moves a run, {spread_cell(data.get('lost_per_move_s'))} lost per "
+        f"move; losses bit-identical: {yes(data['bit_identical'])}. "
         f"{stamp(data)}",
     ]
 
