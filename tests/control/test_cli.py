@@ -208,6 +208,8 @@ def test_rebalance_schedule_and_a_move_now(etcd, kv, capsys):
     assert "rebalancing: every 10 min" in capsys.readouterr().out
     entry = space.kv.get(space.key(*POLICY_KEY))
     assert RebalancePolicy.from_bytes(entry.value, key=entry.key).interval_s == 600
+    assert main(["status", *f]) == 0
+    assert "rebalancing: a planned move every 10 min" in capsys.readouterr().out
     assert main(["rebalance", "--now", *f]) == 2
     assert "no idle standby is warm" in capsys.readouterr().err
     standby = Membership(

@@ -210,7 +210,7 @@ def format_status(view: View, job: str) -> str:
         for step, t in sorted(plan.steps.items(), key=lambda kv: kv[1]):
             assert t0 is not None  # steps is not empty here
             out.append(f"    {step:<12} {_ts(t)}  +{(t - t0) * 1000:.1f} ms")
-    out += format_stragglers(view)
+    out += format_policies(view)
     for a in view.alerts.values():
         out.append(f"ALERT rank {a.rank}: {a.reason}")
     for key, msg in view.malformed.items():
@@ -218,12 +218,17 @@ def format_status(view: View, job: str) -> str:
     return "\n".join(out)
 
 
-def format_stragglers(view: View) -> list[str]:
-    """The ``stragglers:`` section of ``trainmover status``: the policy, each rank flagged, the quarantine."""
-    policy = view.straggler_policy
+def format_policies(view: View) -> list[str]:
+    """The ``stragglers:`` section of ``trainmover status`` (the policy, each rank flagged, the quarantine) and
+    the rebalancing schedule."""
+    policy, schedule = view.straggler_policy, view.rebalance_policy
+    out = []
+    if schedule is not None and schedule.interval_s > 0:
+        last = f"; last move asked at {_ts(schedule.last_at)}" if schedule.last_at else ""
+        out += ["", f"rebalancing: a planned move every {schedule.interval_s / 60:g} min{last}"]
     if policy is None and not view.stragglers and not view.quarantine:
-        return []
-    out = ["", "stragglers:"]
+        return out
+    out += ["", "stragglers:"]
     if policy is not None:
         out.append(
             f"  policy: {policy.action}, threshold {policy.threshold:g}x its peers' median for {policy.window} "

@@ -32,6 +32,7 @@ from trainmover_ext.control.records import (
     ProbeRecord,
     Quarantine,
     RankRecord,
+    RebalancePolicy,
     StragglerPolicy,
     StragglerRecord,
     migration_key_suffix,
@@ -89,6 +90,8 @@ class View:
     """The last straggler flagged in each rank (``stragglers/<r>``)."""
     straggler_policy: StragglerPolicy | None = None
     """The job's straggler policy (``policy/stragglers``); None until the first agent recorded it."""
+    rebalance_policy: RebalancePolicy | None = None
+    """The job's rebalancing schedule (``policy/rebalance``); None: none was ever set."""
     quarantine: list[Quarantine] = field(default_factory=list)
     """Slow slots and processes no standby is promoted from (``quarantine/<host>/<slot>``)."""
     malformed: dict[str, str] = field(default_factory=dict)
@@ -187,6 +190,8 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
                 view.stragglers[st.rank] = st
             elif rel == "policy/stragglers":
                 view.straggler_policy = StragglerPolicy.from_bytes(entry.value, key=key, strict=True)
+            elif rel == "policy/rebalance":
+                view.rebalance_policy = RebalancePolicy.from_bytes(entry.value, key=key, strict=True)
             elif head == "quarantine" and rest:
                 q = Quarantine.from_bytes(entry.value, key=key, strict=True)
                 _own_key(rest, f"{q.host}/{q.slot}", key)
