@@ -102,6 +102,15 @@ class TrainMoverHooks:
         worker, config = self.worker, self.config
         if worker is None or worker.handed_over is None or not config.leaver_becomes_standby:
             return None
+        from trainmover_ext.control.straggler_watch import is_quarantined
+
+        if is_quarantined(worker.space, worker.ident.host, os.getpid()):
+            print(
+                f"[trainmover] {worker.ident.member_id} left its rank as a straggler and is quarantined: not "
+                "rejoining the standby pool",
+                flush=True,
+            )
+            return None
         leaver, epoch = worker.ident.member_id, worker.handed_over
         self.worker = None
 

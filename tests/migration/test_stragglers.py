@@ -38,6 +38,24 @@ def test_a_slowed_rank_is_found_and_moved_bit_identically(tmp_path, corpus, refe
     assert trajectory(job.metrics_path) == ref, "a straggler's move changed the numerics"
 
 
+def test_a_moved_straggler_is_never_promoted_again(tmp_path, corpus, reference):
+    """--tm-leaver-becomes-standby: rank 1, 2x slower from iteration 10, is moved to the standby; its process,
+    quarantined, leaves instead of rejoining the pool, and the agent refills the pool with a fresh standby.
+    When rank 0 is SIGKILLed in iteration 120, that fresh standby takes it. Bit-identical throughout."""
+    args = tm_args(corpus, tp=1, pp=2, gbs=8, iters=ITERS, extra=["--bf16"])
+    ref = reference("tp1pp2dp2-bf16-i150", 4, args)
+    extra = ["--tm-straggler-action", "migrate", "--tm-inject-slowdown", "1:2:10", "--tm-leaver-becomes-standby"]
+    job = start_job(tmp_path, 4, args + extra + ["--tm-inject-fault", "0:120:forward"], name="quarantine")
+    err = finish_job(job, 400)
+    moves = replaced(job)
+    assert [(m["rank"], m["reason"]) for m in moves] == [(1, "planned"), (0, "failure")], err[-3000:]
+    assert job.events("standby_rejoined") == [], "the quarantined leaver rejoined the pool"
+    assert "is quarantined: not rejoining the standby pool" in err, err[-3000:]
+    refills = [e["detail"]["member"] for e in job.events("standby_started") if e["detail"]["how"] != "fork"]
+    assert moves[1]["joiner"] in refills, (moves, refills)
+    assert trajectory(job.metrics_path) == ref
+
+
 @pytest.mark.slow
 def test_no_rank_is_named_in_a_run_without_a_slow_one(tmp_path, corpus):
     """300 iterations at the default threshold and window with checkpoint saves and evaluations every 50 and

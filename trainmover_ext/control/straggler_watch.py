@@ -31,6 +31,7 @@ from trainmover_ext.control.membership import migration_request_puts
 from trainmover_ext.control.placement import warm_standbys
 from trainmover_ext.control.records import (
     ComputeReport,
+    MemberRecord,
     Quarantine,
     StragglerPolicy,
     StragglerRecord,
@@ -38,7 +39,7 @@ from trainmover_ext.control.records import (
 )
 from trainmover_ext.control.stragglers import Sample, Straggler, StragglerConfig, StragglerDetector
 from trainmover_ext.control.view import View
-from trainmover_ext.errors import MalformedValue
+from trainmover_ext.errors import MalformedValue, TrainMoverError
 from trainmover_ext.kv.base import Guard, Put
 from trainmover_ext.kv.job import JobSpace
 
@@ -47,6 +48,25 @@ logger = logging.getLogger(__name__)
 LAG = 8
 """Iterations a rank may report behind the others before its peers are judged without it."""
 POLICY_KEY = ("policy", "stragglers")
+
+
+def is_quarantined(space: JobSpace, host: str, pid: int) -> bool:
+    """Whether process ``pid`` of ``host`` is quarantined as slow: a planned leaver that is must not rejoin the
+    standby pool (it would never be promoted, and would keep the pool from being refilled). etcd trouble
+    answers False: the process rejoins, and placement still skips it."""
+    probe = MemberRecord(member_id="", kind="standby", host=host, pid=pid)
+    try:
+        entries = space.kv.get_prefix(space.key("quarantine") + "/").entries
+    except TrainMoverError as exc:
+        logger.warning("could not read the quarantine (%s); assuming pid %d is not in it", exc, pid)
+        return False
+    for entry in entries:
+        try:
+            if Quarantine.from_bytes(entry.value, key=entry.key).holds(probe):
+                return True
+        except MalformedValue:
+            continue
+    return False
 
 
 def read_policy(space: JobSpace) -> StragglerPolicy:

@@ -391,7 +391,7 @@ class TrainMoverSupervisor:
                     if plan.reason == "failure" and old[0].poll() is None:
                         # Fence a member declared dead while alive (hung): it must never touch the job again.
                         old[0].signal(signal.SIGKILL)
-                    if plan.reason == "planned" and self.cfg.leaver_becomes_standby:
+                    if plan.reason == "planned" and self.cfg.leaver_becomes_standby and not self._slow(old[0].pid):
                         standby = leaver_standby_id(rep.leaver, plan.epoch)
                         self.standbys[standby] = old[0]
                         rejoined = True
@@ -529,6 +529,13 @@ class TrainMoverSupervisor:
                 del self.leaving[rank]
                 self.retired.append(proc)
             self._report(rank, member, -signal.SIGKILL, track=not leaver, hung=why)
+
+    def _slow(self, pid: int) -> bool:
+        """Whether our process ``pid`` is quarantined as a straggler: as a leaver it exits instead of rejoining
+        the pool (the worker checks the same), and a fresh standby refills the pool."""
+        from trainmover_ext.control.straggler_watch import is_quarantined
+
+        return self.space is not None and is_quarantined(self.space, self.member.record.host, pid)
 
     def _relay_compute(self) -> None:
         """Pass the serving ranks' new compute samples on to the straggler watch (``launch.compute_relay``)."""
