@@ -3,8 +3,9 @@
 # NCCL cannot put two ranks of one communicator). One short script:
 #   1. the GPU-marked tests that need one device: training on CUDA with NCCL, the CUDA RNG snapshot and
 #      rewind, a CUDA state staged through host memory by the hand-over pair, backend and spec selection,
-#      and a planned move of a one-rank bf16 job onto a standby warmed in its sandbox on the same GPU,
-#      bit-identical to the run without it;
+#      a planned move of a one-rank bf16 job onto a standby warmed in its sandbox on the same GPU,
+#      bit-identical to the run without it, and the agent's GPU health read through NVML (needs
+#      nvidia-ml-py, which the container image has);
 #   2. a single-rank training job on CUDA, plain and on TrainMover's communicator (nccl_delta's backend
 #      registered on CUDA, its groups of one), whose losses must be bit-identical;
 #   3. the unit tests of nccl_delta with CUDA present (the NCCL transport imports, `auto` picks NCCL).
@@ -22,7 +23,8 @@ status=0
 # A skip of a one-GPU test is a failure here: the device is present.
 $PY -m pytest -q -rs --timeout 600 tests/training/test_gpu.py tests/migration/test_handover_transport.py \
   tests/nccl_delta/test_units.py tests/nccl_delta/test_gpu.py::test_auto_transport_is_nccl_with_cuda \
-  tests/migration/test_gpu_moves.py::test_a_planned_move_on_one_gpu_is_bit_identical 2>&1 \
+  tests/migration/test_gpu_moves.py::test_a_planned_move_on_one_gpu_is_bit_identical \
+  tests/launch/test_gpu_health.py::test_nvml_reads_every_local_gpu 2>&1 \
   | tee "$OUT/gpu_tests.log"
 if [ "${PIPESTATUS[0]}" -ne 0 ] || grep -q "SKIPPED" "$OUT/gpu_tests.log"; then status=1; fi
 for comm in native nccl_delta; do

@@ -33,6 +33,8 @@ key                     value                                          written b
 ``leader``              the controller leader's id, on its lease       the election                candidates, ``status``
 ``compute/<host>``      :class:`ComputeReport`: the node's ranks'      its agent (about once a     the controller's straggler
                         recent compute times per iteration             second, while they train)   watch
+``health/<host>``       :class:`GpuHealthReport`: what makes the node's  its agent (on a change)    the straggler watch
+                        GPUs unfit, per slot
 ``policy/stragglers``   :class:`StragglerPolicy`                       the first agent;            the straggler watch,
                                                                        ``trainmover straggler``    ``status``
 ``policy/rebalance``    :class:`RebalancePolicy`                       the first agent;            the rebalancer, ``status``
@@ -433,6 +435,18 @@ class ComputeReport(Record):
     published_at: float = 0.0
 
 
+@dataclass(kw_only=True)
+class GpuHealthReport(Record):
+    """What makes a node's GPUs unfit (``health/<host>``), written by its agent when it changes
+    (:mod:`trainmover_ext.launch.gpu_health`): per slot (a decimal string), the problems in words; a slot
+    with none is fit."""
+
+    KIND: ClassVar[str] = "gpu_health"
+    host: str
+    unfit: dict[str, list[str]] = field(default_factory=dict)
+    read_at: float = 0.0
+
+
 STRAGGLER_ACTIONS = ("report", "migrate", "off")
 
 
@@ -507,6 +521,8 @@ class StragglerRecord(Record):
     peers_median_s: float
     action: str
     """What the policy did: ``report`` or ``migrate`` (then ``request`` names the planned move's request)."""
+    reason: str = ""
+    """Why, when not its pace: the problems of its GPU (``health/<host>``)."""
     request: str | None = None
     flagged_at: float = 0.0
 

@@ -31,6 +31,7 @@ from trainmover_ext.control.membership import migration_request_puts
 from trainmover_ext.control.placement import warm_standbys
 from trainmover_ext.control.records import (
     ComputeReport,
+    GpuHealthReport,
     MemberRecord,
     Quarantine,
     StragglerPolicy,
@@ -100,6 +101,10 @@ class StragglerWatch:
     _unacted: list[Straggler] = field(default_factory=list)
     _waiting: set[int] = field(default_factory=set)
     """Flagged ranks whose move waits for a warm standby (said once)."""
+    _unfit_seen: set[tuple[int, str]] = field(default_factory=set)
+    """(rank, member) flagged for its GPU's health: once per process."""
+    _reasons: dict[int, str] = field(default_factory=dict)
+    """Why a pending flag was raised, when not its pace (its GPU's problems)."""
 
     def tick(self, view: View) -> list[StragglerRecord]:
         """One round (see the module docstring); returns the stragglers recorded in it."""
@@ -134,6 +139,7 @@ class StragglerWatch:
             }
             self._unacted += self.detector.observe(iteration, samples)
             self._fed = iteration
+        self._unacted += self._unfit_gpus(view)
         recorded = []
         while self._unacted:
             if (record := self._act(view, self._unacted[0], policy)) is None:
@@ -141,6 +147,24 @@ class StragglerWatch:
             self._unacted.pop(0)
             recorded.append(record)
         return recorded
+
+    def _unfit_gpus(self, view: View) -> list[Straggler]:
+        """The ranks whose slot's GPU its agent reports unfit (``health/<host>``), each process once."""
+        unfit: dict[tuple[str, int], list[str]] = {}
+        for entry in self.space.kv.get_prefix(self.space.key("health") + "/").entries:
+            try:
+                report = GpuHealthReport.from_bytes(entry.value, key=entry.key, strict=True)
+                unfit |= {(report.host, int(slot)): found for slot, found in report.unfit.items() if found}
+            except (MalformedValue, ValueError) as exc:
+                logger.warning("GPU health report %s unreadable: %s", entry.key, exc)
+        flagged = []
+        for rank, rec in sorted(view.ranks.items()):
+            found = unfit.get((rec.host, rec.local_rank))
+            if found and (rank, rec.member_id) not in self._unfit_seen and rank not in view.finished:
+                self._unfit_seen.add((rank, rec.member_id))
+                self._reasons[rank] = "GPU " + "; ".join(found)
+                flagged.append(Straggler(rank=rank, iteration=self._fed, ratio=0.0, peers_median_s=0.0))
+        return flagged
 
     def _gather(self) -> None:
         prefix = self.space.key("compute") + "/"
@@ -172,16 +196,16 @@ class StragglerWatch:
             return None
         member = view.members.get(rec.member_id)
         migrate = policy.action == "migrate"
+        why = self._reasons.get(found.rank) or (
+            f"computed {found.ratio:.2f}x its peers' median for {policy.window} iterations up to {found.iteration}"
+        )
         if migrate and not _quiet(view):
             return None
         if migrate and not warm_standbys(view, rec.role):
             if found.rank not in self._waiting:
                 self._waiting.add(found.rank)
                 logger.warning(
-                    "straggler: rank %d computes %.2fx its peers' median; its move waits for a warm standby of role %r",
-                    found.rank,
-                    found.ratio,
-                    rec.role,
+                    "straggler: rank %d %s; its move waits for a warm standby of role %r", found.rank, why, rec.role
                 )
             return None
         self._waiting.discard(found.rank)
@@ -195,6 +219,7 @@ class StragglerWatch:
             ratio=round(found.ratio, 4),
             peers_median_s=round(found.peers_median_s, 6),
             action=policy.action,
+            reason=self._reasons.get(found.rank, ""),
             flagged_at=now,
         )
         puts: list[Put] = []
@@ -207,24 +232,23 @@ class StragglerWatch:
                 host=rec.host,
                 slot=rec.local_rank,
                 pid=member.pid if member is not None else 0,
-                reason=f"rank {found.rank} computed {found.ratio:.2f}x its peers' median (iteration {found.iteration})",
+                reason=f"rank {found.rank} {why}",
                 since=now,
             )
             puts.append(Put(quarantine_key(self.space, rec.host, rec.local_rank), quarantine.to_bytes()))
         puts.append(Put(self.space.key("stragglers", found.rank), record.to_bytes()))
-        detail = {k: getattr(record, k) for k in ("rank", "member_id", "host", "slot", "iteration", "ratio", "action")}
-        puts.append(event_put(self.space, "straggler", detail | {"request": record.request}, now))
+        keys = ("rank", "member_id", "host", "slot", "iteration", "ratio", "action", "reason", "request")
+        puts.append(event_put(self.space, "straggler", {k: getattr(record, k) for k in keys}, now))
         if not self.space.commit([self.leader_guard()], puts):
             return None  # the lead changed hands: the new leader judges afresh
+        self._reasons.pop(found.rank, None)
         logger.warning(
-            "straggler: rank %d (%s on %s slot %d) computed %.2fx its peers' median for %d iterations up to %d; %s",
+            "straggler: rank %d (%s on %s slot %d) %s; %s",
             found.rank,
             rec.member_id,
             rec.host,
             rec.local_rank,
-            found.ratio,
-            policy.window,
-            found.iteration,
+            why,
             f"planned move requested ({record.request}), slot quarantined" if migrate else "reported",
         )
         self.flagged.append(record)

@@ -68,6 +68,7 @@ from trainmover_ext.netutil import address_towards
 
 if TYPE_CHECKING:
     from trainmover_ext.launch.compute_relay import ComputeRelay
+    from trainmover_ext.launch.gpu_health import GpuHealthWatch
 
 MAX_STANDBY_FAILURES = 3
 REPLENISH_AFTER_S = 60.0
@@ -103,6 +104,8 @@ class TrainMoverSupervisor:
         self.hangs = HangWatch(0)
         self.stalls = StallWatch(0)
         self.compute: ComputeRelay | None = None
+        self.gpu: GpuHealthWatch | None = None
+        """Reads this node's GPUs through NVML (``launch.gpu_health``); None where there is no NVML."""
         """Relays the serving ranks' compute times to the straggler watch (set once etcd is open)."""
         """Sees a serving rank's main thread stall (``launch.stalls``; its progress is in the heartbeat file)."""
         """Sees a serving process freeze (``launch.heartbeat``); made in :meth:`start`, before any fork."""
@@ -325,6 +328,11 @@ class TrainMoverSupervisor:
             schedule = RebalancePolicy(interval_s=interval_s, set_by=ident.member_id, set_at=time.time())
             self.space.put_if_absent(self.space.key(*rebalance.POLICY_KEY), schedule.to_bytes())
         self.compute = ComputeRelay(self.space, ident.host)
+        from trainmover_ext.launch.gpu_health import GpuHealthWatch
+
+        self.gpu = GpuHealthWatch(self.cfg.nproc_per_node)
+        if not self.gpu.start():
+            self.gpu = None
         from trainmover_ext.control.archive import RunArchive
 
         controller = self.controller
@@ -342,7 +350,9 @@ class TrainMoverSupervisor:
             # Before the controller resigns: a stopping agent keeps exporting its last job-wide figures
             # (migrations, members) instead of clearing them as an agent that lost the lead would.
             self.agent.metrics_feed.detach()
-        for obj in (self.probes, self.archive, self.inbox, self.controller, self.member, self.recordings, self.hangs):
+        for obj in (
+            self.probes, self.archive, self.inbox, self.controller, self.member, self.recordings, self.hangs, self.gpu,
+        ):  # fmt: skip
             if obj is not None:
                 try:
                     obj.close()
@@ -537,6 +547,27 @@ class TrainMoverSupervisor:
 
         return self.space is not None and is_quarantined(self.space, self.member.record.host, pid)
 
+    def _watch_gpus(self) -> None:
+        """Publish this node's GPU problems when they change (``launch.gpu_health``; a no-op without NVML)."""
+        if self.gpu is None or self.space is None:
+            return
+        found = self.gpu.poll()
+        if found is None:
+            return
+        from trainmover_ext.control.records import GpuHealthReport
+        from trainmover_ext.errors import TrainMoverError
+
+        host = self.member.record.host
+        report = GpuHealthReport(host=host, unfit={str(k): v for k, v in found.items()}, read_at=time.time())
+        for slot, problems in sorted(found.items()):
+            if problems:
+                self.agent.log(f"GPU {slot}: {'; '.join(problems)}")
+        try:
+            self.space.put(self.space.key("health", host), report.to_bytes())
+        except TrainMoverError as exc:
+            self.agent.log(f"GPU health not published ({exc}); trying again at the next read")
+            self.gpu.forget_last()
+
     def _relay_compute(self) -> None:
         """Pass the serving ranks' new compute samples on to the straggler watch (``launch.compute_relay``)."""
         if self.compute is None:
@@ -567,6 +598,7 @@ class TrainMoverSupervisor:
                     self._report(rank, member, code)
             self._fence_hung()
             self._relay_compute()
+            self._watch_gpus()
             for rank, (proc, member) in list(self.leaving.items()):
                 code = proc.poll()
                 if code is not None:
