@@ -35,9 +35,13 @@ import threading
 import time
 from collections import Counter as Tally
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
+
+if TYPE_CHECKING:
+    from trainmover_ext.launch.gpu_health import GpuReading
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +266,41 @@ class AgentMetrics(ControlMetrics):
             labels,
             registry=reg,
         )
+        gpu = labels + ["slot"]
+        self.gpu_unfit = Gauge(
+            "trainmover_gpu_unfit",
+            "1 while the GPU of this slot has XID errors, uncorrected ECC errors or clocks held down by the board",
+            gpu,
+            registry=reg,
+        )
+        self.gpu_sm_clock = Gauge("trainmover_gpu_sm_clock_mhz", "SM clock of the slot's GPU", gpu, registry=reg)
+        self.gpu_temperature = Gauge(
+            "trainmover_gpu_temperature_celsius", "Temperature of the slot's GPU", gpu, registry=reg
+        )
+        self.gpu_ecc = Gauge(
+            "trainmover_gpu_ecc_uncorrected_errors",
+            "Volatile uncorrected ECC errors of the slot's GPU",
+            gpu,
+            registry=reg,
+        )
+        self.gpu_xid = Gauge(
+            "trainmover_gpu_xid_errors", "XID errors of the slot's GPU since the agent started", gpu, registry=reg
+        )
         self.zero_migrations()
+
+    def observe_gpus(self, readings: dict[int, GpuReading], unfit: dict[int, list[str]]) -> None:
+        """After each read of the node's GPUs (:mod:`trainmover_ext.launch.gpu_health`)."""
+        for slot, r in readings.items():
+            key = (self.job, str(slot))
+            self.gpu_unfit.labels(*key).set(1 if unfit.get(slot) else 0)
+            self.gpu_xid.labels(*key).set(len(r.xid_errors))
+            for gauge, value in (
+                (self.gpu_sm_clock, r.sm_clock_mhz),
+                (self.gpu_temperature, r.temperature_c),
+                (self.gpu_ecc, r.ecc_uncorrected),
+            ):
+                if value is not None:
+                    gauge.labels(*key).set(value)
 
     def zero_migrations(self) -> None:
         """Export the migrations counter as 0 per kind before the first migration, so rate() works."""

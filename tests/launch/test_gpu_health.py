@@ -103,3 +103,18 @@ def test_nvml_reads_every_local_gpu():
         assert watch.poll(now=2.0) is None
     finally:
         watch.close()
+
+
+def test_the_agent_exports_each_slots_gpu_as_series():
+    from trainmover_ext.metrics import AgentMetrics
+
+    metrics = AgentMetrics(job="j")
+    readings = {0: parse(0, BUSY), 1: parse(1, HOT)}
+    metrics.observe_gpus(readings, {i: problems(r) for i, r in readings.items()})
+    text = metrics.render().decode()
+    assert 'trainmover_gpu_unfit{slot="0",tm_job="j"} 0.0' in text
+    assert 'trainmover_gpu_unfit{slot="1",tm_job="j"} 1.0' in text
+    assert 'trainmover_gpu_xid_errors{slot="1",tm_job="j"} 2.0' in text
+    assert 'trainmover_gpu_sm_clock_mhz{slot="1",tm_job="j"} 1110.0' in text
+    assert 'trainmover_gpu_temperature_celsius{slot="1",tm_job="j"} 91.0' in text
+    metrics.close()

@@ -144,6 +144,10 @@ class GpuHealthWatch:
         self._events: list[Any] = []
         self._xids: dict[int, list[int]] = {}
         self._last: dict[int, list[str]] = {}
+        self.unfit: dict[int, list[str]] = {}
+        """Each slot's problems at the last read."""
+        self.reads = 0
+        """Reads done so far."""
         self._read_at = 0.0
         self.readings: dict[int, GpuReading] = {}
 
@@ -178,6 +182,7 @@ class GpuHealthWatch:
         if self.nvml is None or now - self._read_at < self.interval_s:
             return None
         self._read_at = now
+        self.reads += 1
         found: dict[int, list[str]] = {}
         for index, (handle, events) in enumerate(zip(self._handles, self._events, strict=True)):
             try:
@@ -189,6 +194,7 @@ class GpuHealthWatch:
             raw["xid_errors"] = self._xids[index]
             self.readings[index] = parse(index, raw)
             found[index] = problems(self.readings[index])
+        self.unfit = found
         if found == self._last:
             return None
         self._last = found

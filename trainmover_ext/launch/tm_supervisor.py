@@ -551,7 +551,10 @@ class TrainMoverSupervisor:
         """Publish this node's GPU problems when they change (``launch.gpu_health``; a no-op without NVML)."""
         if self.gpu is None or self.space is None:
             return
+        reads = self.gpu.reads
         found = self.gpu.poll()
+        if self.agent.metrics is not None and self.gpu.reads != reads:
+            self.agent.metrics.observe_gpus(self.gpu.readings, self.gpu.unfit)
         if found is None:
             return
         from trainmover_ext.control.records import GpuHealthReport
