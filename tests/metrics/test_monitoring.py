@@ -29,7 +29,7 @@ def _promtool() -> str:
 def test_alert_rules_pass_promtool():
     res = subprocess.run([_promtool(), "check", "rules", RULES], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "6 rules found" in res.stdout
+    assert "7 rules found" in res.stdout
 
 
 def test_alert_unit_tests_pass():
