@@ -161,6 +161,10 @@ class MigrationAborted(TrainMoverError):
     """A migration could not complete; the job keeps its previous membership epoch."""
 
 
+class JobFinishedFirst(TrainMoverError):
+    """Every rank completed training before a planned move took effect: its joiner leaves, with nothing to do."""
+
+
 class RecoverySuperseded(MigrationAborted):
     """A newer plan superseded the migration step under way; the runtime restarts recovery at the newest epoch."""
 

@@ -100,16 +100,11 @@ class TrainMoverHooks:
         """What this process does next once its rank is given up: a planned leaver with
         ``--tm-leaver-becomes-standby`` rejoins the pool (the caller drops its model first)."""
         worker, config = self.worker, self.config
-        if worker is None or worker.handed_over is None or not config.leaver_becomes_standby:
+        if worker is None or worker.handed_over is None:
             return None
-        from trainmover_ext.control.straggler_watch import is_quarantined
+        from trainmover_ext.migration.joiner import rejoins
 
-        if is_quarantined(worker.space, worker.ident.host, os.getpid()):
-            print(
-                f"[trainmover] {worker.ident.member_id} left its rank as a straggler and is quarantined: not "
-                "rejoining the standby pool",
-                flush=True,
-            )
+        if not rejoins(config, worker.space, worker.ident):
             return None
         leaver, epoch = worker.ident.member_id, worker.handed_over
         self.worker = None

@@ -174,6 +174,15 @@ def test_planned_request_uses_the_leaver_as_source():
     assert rep.state_source == {"kind": "leaver", "member": "w3"} and act.plan.resume_iteration is None
 
 
+def test_a_planned_request_is_rejected_once_a_rank_finished_training():
+    """No boundary is left for a move once ranks completed their last iteration (a scheduled or straggler move
+    asked for at the very end); the same request is planned while every rank trains (above)."""
+    req = MigrationRequest(request_id="r1", rank=3, to="s1", requested_at=50.0)
+    view = base_view(requests={ROOT + "requests/r1": req}, finished={0, 1})
+    rejected = only(decide(view, 60.0), RejectRequest)
+    assert "the job is finishing: ranks [0, 1] completed their last iteration" in rejected.reason
+
+
 @pytest.mark.parametrize(
     "req,msg",
     [

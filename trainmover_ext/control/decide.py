@@ -387,6 +387,15 @@ def _plan_request(view: View, now: float, decided_by: str) -> list[Action]:
         return []  # no migrations/<e> key is left for the next epoch
     actions: list[Action] = []
     for key, req in sorted(view.requests.items(), key=lambda kv: (kv[1].requested_at, kv[0])):
+        if view.finished:  # a planned move needs every rank at a later boundary: there is none
+            actions.append(
+                RejectRequest(
+                    key=key,
+                    request_id=req.request_id,
+                    reason=f"the job is finishing: ranks {sorted(view.finished)} completed their last iteration",
+                )
+            )
+            continue
         if req.node is not None:
             action = _plan_drain(view, now, key, req, decided_by)
             actions.append(action)

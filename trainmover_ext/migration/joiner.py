@@ -21,10 +21,19 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trainmover_ext.control.records import MigrationPlan
-from trainmover_ext.errors import CommLinkError, MembershipLost, MigrationAborted, RecoverySuperseded
+from trainmover_ext.deadline import Deadline
+from trainmover_ext.errors import (
+    CommLinkError,
+    JobFinishedFirst,
+    MembershipLost,
+    MigrationAborted,
+    RecoverySuperseded,
+    TrainMoverError,
+)
 from trainmover_ext.launch import progress
 from trainmover_ext.migration.timeline import mark_rank_step, mark_step
 from trainmover_ext.runtime import faults
@@ -122,8 +131,20 @@ def serve_rank(
         runtime.start_mirror(session)
         runtime.track_progress(session)
         args.iteration, args.consumed_train_samples = 0, 0
+
+        def job_finished() -> bool:
+            try:
+                done = space.kv.get_prefix(space.key("finished") + "/").entries
+            except TrainMoverError:
+                return False
+            return len(done) >= layout.world_size
+
         try:
-            joining.wait()
+            try:
+                joining.wait(job_finished)
+            except JobFinishedFirst as exc:
+                print(f"[trainmover] rank {rep.rank} (joiner of epoch {plan.epoch}): {exc}; leaving", flush=True)
+                return {"iterations": 0, "exit_reason": "the job finished before this move took effect"}
             mark_step(space, plan.epoch, "joined", at=joining.done_at)
             if plan.reason == "planned":
                 # Links up and model built: the job may now pick the hand-over boundary.
@@ -159,7 +180,10 @@ def serve_rank(
             adopted_kept_model=not_adopted is None,
             not_adopted=not_adopted,
         )
-        return train_loop(session, runtime)
+        summary = train_loop(session, runtime)
+        if runtime.handed_over is not None and rejoins(config, space, ident):
+            summary["rejoin"] = (ident.member_id, runtime.handed_over)  # run_standby takes it back to the pool
+        return summary
     finally:
         runtime.close()
         metrics.close()
@@ -205,9 +229,15 @@ class _Joining:
         self._thread = threading.Thread(target=run, name=f"tm_join_e{epoch}", daemon=True)
         self._thread.start()
 
-    def wait(self) -> None:
-        """Block until the links are up (at most ``timeout_s``); a superseded join raises ``CommAbandoned``."""
-        self._thread.join(self.timeout_s)
+    def wait(self, job_finished: Callable[[], bool]) -> None:
+        """Block until the links are up (at most ``timeout_s``); a superseded join raises ``CommAbandoned``,
+        and :class:`JobFinishedFirst` when ``job_finished()`` says every rank completed training meanwhile
+        (a planned move asked for at the last boundary: the others trained to the end without it)."""
+        deadline = Deadline(self.timeout_s)
+        while self._thread.is_alive() and not deadline.expired:
+            self._thread.join(min(1.0, deadline.remaining()))
+            if self._thread.is_alive() and job_finished():
+                raise JobFinishedFirst("every rank completed its last iteration before this joiner's links were up")
         if self._thread.is_alive():
             raise MembershipLost(
                 f"the joiner's links were not up within {self.timeout_s:.0f}s; "
@@ -215,3 +245,20 @@ class _Joining:
             )
         if self.error is not None:
             raise self.error
+
+
+def rejoins(config: TrainMoverConfig, space: JobSpace, ident: Identity) -> bool:
+    """Whether this process, a planned leaver, goes back to the standby pool: with
+    ``--tm-leaver-becomes-standby``, unless it is quarantined as a straggler (its agent decides the same)."""
+    if not config.leaver_becomes_standby:
+        return False
+    from trainmover_ext.control.straggler_watch import is_quarantined
+
+    if is_quarantined(space, ident.host, os.getpid()):
+        print(
+            f"[trainmover] {ident.member_id} left its rank as a straggler and is quarantined: not rejoining the "
+            "standby pool",
+            flush=True,
+        )
+        return False
+    return True

@@ -192,7 +192,22 @@ def warm_up(
 def run_standby(
     args: argparse.Namespace, config: TrainMoverConfig, providers: Providers, t_process: float
 ) -> dict[str, Any]:
-    """The standby's whole life; returns the training summary once it served a rank."""
+    """The standby's whole life; returns the training summary once it served a rank. A rank it leaves by a
+    planned move under ``--tm-leaver-becomes-standby`` (``serve_rank`` returns ``rejoin``) sends it back to
+    the pool, as often as that happens, in this same process and without deeper calls."""
+    while True:
+        summary = _standby_once(args, config, providers, t_process)
+        rejoin = summary.pop("rejoin", None)
+        if rejoin is None:
+            return summary
+        del summary
+        _become_standby_again(config, *rejoin)
+
+
+def _standby_once(
+    args: argparse.Namespace, config: TrainMoverConfig, providers: Providers, t_process: float
+) -> dict[str, Any]:
+    """Warm up, wait to be promoted, serve the rank: one turn of :func:`run_standby`."""
     from trainmover_ext.launch.identity import slot_from_env
     from trainmover_ext.sandbox.pacing import Pacer
     from trainmover_ext.sandbox.standby import StandbyMemberRecord
@@ -275,6 +290,13 @@ def rejoin_as_standby(
     model and optimizer were torn down. It becomes a standby in the same process, as
     ``leaver_standby_id(leaver, epoch)`` (the id its agent adopts it under), warms up like any
     standby and may be promoted into any rank later; returns what :func:`run_standby` returns."""
+    _become_standby_again(config, leaver, epoch)
+    return run_standby(args, config, providers, t_process)
+
+
+def _become_standby_again(config: TrainMoverConfig, leaver: str, epoch: int) -> None:
+    """This process, the planned leaver ``leaver`` of ``epoch``, takes the standby id its agent adopts it under
+    and a standby's CPU priority; its memory is given back first."""
     import gc
 
     from trainmover_ext.launch.identity import ENV_MEMBER_ID, leaver_standby_id
@@ -294,4 +316,3 @@ def rejoin_as_standby(
         f"{os.environ[ENV_MEMBER_ID]} (pid {os.getpid()}, CPU niceness {os.getpriority(os.PRIO_PROCESS, 0)})",
         flush=True,
     )
-    return run_standby(args, config, providers, t_process)
