@@ -20,17 +20,13 @@ import argparse
 import os
 import shlex
 import shutil
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import measured_at, print_table, write_json  # noqa: E402
 from lost_time import spread  # noqa: E402
-from straggler import job_args, run, span_s  # noqa: E402
-
-from harness.jobs import DEFAULT_CORPUS_PREFIX, ensure_corpus  # noqa: E402
+from straggler import add_job_args, job_args, run, run_trials, span_s  # noqa: E402
 
 
 def trial(workdir: str, n: int, opts) -> dict:
@@ -56,24 +52,12 @@ def trial(workdir: str, n: int, opts) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", default=None, help="Write the result as JSON to this path.")
-    parser.add_argument("--trials", type=int, default=3, help="Trials (two runs each).")
+    add_job_args(parser, "two")
     parser.add_argument("--iters", type=int, default=1500, help="Iterations of every run.")
     parser.add_argument("--interval-s", type=float, default=20.0, help="Seconds between scheduled moves.")
     parser.add_argument("--from", dest="start", type=int, default=10, help="The first iteration compared.")
-    parser.add_argument("--timeout", type=float, default=900, help="Seconds one run may take.")
-    parser.add_argument("--keep-logs", action="store_true", help="Keep every run's files (the path is printed).")
-    parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
     opts = parser.parse_args(argv)
-    ensure_corpus(opts.data_prefix)
-    workdir = tempfile.mkdtemp(prefix="tm_rebalance_")
-    trials, failed = [], []
-    for n in range(opts.trials):
-        try:
-            trials.append(trial(workdir, n, opts))
-        except (RuntimeError, subprocess.TimeoutExpired, KeyError) as exc:
-            print(f"trial {n} failed: {str(exc)[:300]}", flush=True)
-            failed.append(f"{n}: {str(exc)[:500]}")
+    workdir, trials, failed = run_trials(opts, "rebalance", trial)
     result = {
         "command": shlex.join(["python", "benchmarks/rebalance.py", *(sys.argv[1:] if argv is None else argv)]),
         "measured_at": measured_at(),

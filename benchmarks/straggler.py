@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,19 +113,19 @@ def trial(workdir: str, n: int, opts) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_job_args(parser: argparse.ArgumentParser, runs_per_trial: str) -> None:
+    """The flags every benchmark of this 4-rank job takes (``straggler.py``, ``rebalance.py``)."""
     parser.add_argument("--json", default=None, help="Write the result as JSON to this path.")
-    parser.add_argument("--trials", type=int, default=3, help="Trials (three runs each).")
-    parser.add_argument("--iters", type=int, default=150, help="Iterations of every run.")
-    parser.add_argument("--factor", type=float, default=1.2, help="How many times slower rank 1 computes.")
-    parser.add_argument("--from", dest="start", type=int, default=20, help="The first slowed iteration.")
+    parser.add_argument("--trials", type=int, default=3, help=f"Trials ({runs_per_trial} runs each).")
     parser.add_argument("--timeout", type=float, default=900, help="Seconds one run may take.")
     parser.add_argument("--keep-logs", action="store_true", help="Keep every run's files (the path is printed).")
     parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
-    opts = parser.parse_args(argv)
+
+
+def run_trials(opts, name: str, trial: Callable[[str, int, argparse.Namespace], dict]) -> tuple[str, list, list]:
+    """``opts.trials`` trials in a fresh work folder: (the folder, the trials' results, the failures)."""
     ensure_corpus(opts.data_prefix)
-    workdir = tempfile.mkdtemp(prefix="tm_straggler_")
+    workdir = tempfile.mkdtemp(prefix=f"tm_{name}_")
     trials, failed = [], []
     for n in range(opts.trials):
         try:
@@ -132,6 +133,17 @@ def main(argv=None) -> int:
         except (RuntimeError, subprocess.TimeoutExpired, KeyError) as exc:
             print(f"trial {n} failed: {str(exc)[:300]}", flush=True)
             failed.append(f"{n}: {str(exc)[:500]}")
+    return workdir, trials, failed
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_job_args(parser, "three")
+    parser.add_argument("--iters", type=int, default=150, help="Iterations of every run.")
+    parser.add_argument("--factor", type=float, default=1.2, help="How many times slower rank 1 computes.")
+    parser.add_argument("--from", dest="start", type=int, default=20, help="The first slowed iteration.")
+    opts = parser.parse_args(argv)
+    workdir, trials, failed = run_trials(opts, "straggler", trial)
     result = {
         "command": shlex.join(["python", "benchmarks/straggler.py", *(sys.argv[1:] if argv is None else argv)]),
         "measured_at": measured_at(),
