@@ -24,6 +24,7 @@ SAMPLE = {
     "--tm-role": "standby",
     "--tm-etcd-endpoints": "127.0.0.1:1",
     "--tm-inject-fault": "1:3:forward",
+    "--tm-inject-slowdown": "1:1.5:10",
     "--tm-standby-duty": "0.5",
     "--tm-standby-nice": "5",
     "--tm-keep-role": "first",
