@@ -34,14 +34,11 @@ import os
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import start_http_server
-
-if TYPE_CHECKING:
-    from trainmover_ext.launch.gpu_health import GpuReading
 
 logger = logging.getLogger(__name__)
 
@@ -288,8 +285,9 @@ class AgentMetrics(ControlMetrics):
         )
         self.zero_migrations()
 
-    def observe_gpus(self, readings: dict[int, GpuReading], unfit: dict[int, list[str]]) -> None:
-        """After each read of the node's GPUs (:mod:`trainmover_ext.launch.gpu_health`)."""
+    def observe_gpus(self, readings: Mapping[int, Any], unfit: Mapping[int, list[str]]) -> None:
+        """After each read of the node's GPUs: slot -> its ``trainmover_ext.launch.gpu_health.GpuReading`` (read
+        by attribute: this layer is below the launcher's), and each slot's problems."""
         for slot, r in readings.items():
             key = (self.job, str(slot))
             self.gpu_unfit.labels(*key).set(1 if unfit.get(slot) else 0)
