@@ -140,7 +140,6 @@ def warm_up(
     from trainmover_ext.errors import RecordingCorrupt, RecordingNotFound
 
     preload_s = preload_rank_code(args)  # job-independent: done while the workers build their model
-    pacer.pace()
     if not config.sandbox:
         reason = "--tm-no-sandbox: the sandbox is off"
     else:
@@ -151,6 +150,9 @@ def warm_up(
     if config.record_dir:
         from trainmover_ext.sandbox.standby import warm_general_standby
 
+        # Before any pause: once its fingerprint matched it advertises every role (colder until warm), so a
+        # rank lost now is served at once. Paced first, a standby at --tm-standby-duty 0.02 slept 50 times its
+        # preload's CPU time (15 s on a slow machine) before it could serve anything.
         refuse_unless_fingerprint_matches(args, config, space, member)
         try:
             return warm_general_standby(
@@ -172,6 +174,7 @@ def warm_up(
         )
     elif config.sandbox:
         print(f"[trainmover] standby {member.record.member_id}: basic warm-up only: {reason}", flush=True)
+    pacer.pace()
     timings = {"preload_s": preload_s, **basic_warm_up(args, providers)}  # also while the workers start
     pacer.pace()
     if not config.record_dir:
