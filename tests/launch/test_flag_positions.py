@@ -128,11 +128,11 @@ def test_every_tm_flag_acts_or_is_refused(option, position, capsys, tmp_path, mo
 
 def test_the_launcher_acts_on_script_flags_from_either_side(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for flags in (["--tm-standbys", "2", "--tm-lease-ttl", "3"],):
+    for flags in (["--tm-standbys", "2", "--tm-lease-ttl", "1.5"],):
         _, before = _run_to_start(["launch", *flags, PRETRAIN, "--trainmover", "--mock-data"])
         _, after = _run_to_start(["launch", PRETRAIN, "--trainmover", "--mock-data", *flags])
         for config in (before, after):
-            assert config.standbys == 2 and config.lease_ttl_s == 3.0
+            assert config.standbys == 2 and config.lease_ttl_s == 1.5
 
 
 def test_a_standby_machine_takes_the_job_flags_after_the_script(tmp_path, monkeypatch):

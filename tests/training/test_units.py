@@ -72,8 +72,8 @@ def test_trainmover_flags_parse_and_unwired_flags_refuse(monkeypatch):
     import trainmover_ext.config as config
 
     parser = add_trainmover_args(argparse.ArgumentParser())
-    cfg = config_from_args(parser.parse_args(["--trainmover", "--tm-job", "j1", "--tm-lease-ttl", "3"]))
-    assert cfg.enabled and cfg.job == "j1" and cfg.lease_ttl_s == 3.0
+    cfg = config_from_args(parser.parse_args(["--trainmover", "--tm-job", "j1", "--tm-lease-ttl", "1.5"]))
+    assert cfg.enabled and cfg.job == "j1" and cfg.lease_ttl_s == 1.5
     assert config_from_args(parser.parse_args(["--trainmover", "--tm-leaver-becomes-standby"])).leaver_becomes_standby
     with pytest.raises(ConfigError, match="--tm-leaver-becomes-standby needs --trainmover"):
         config_from_args(parser.parse_args(["--tm-leaver-becomes-standby"]))

@@ -67,8 +67,7 @@ from trainmover_ext.launch.stalls import StallWatch
 from trainmover_ext.netutil import address_towards
 
 if TYPE_CHECKING:
-    from trainmover_ext.launch.compute_relay import ComputeRelay
-    from trainmover_ext.launch.gpu_health import GpuHealthWatch
+    from trainmover_ext.launch.node_reports import NodeReports
 
 MAX_STANDBY_FAILURES = 3
 REPLENISH_AFTER_S = 60.0
@@ -103,10 +102,8 @@ class TrainMoverSupervisor:
         self.space = self.controller = self.member = self.inbox = self.archive = self.probes = None
         self.hangs = HangWatch(0)
         self.stalls = StallWatch(0)
-        self.compute: ComputeRelay | None = None
-        self.gpu: GpuHealthWatch | None = None
-        """Reads this node's GPUs through NVML (``launch.gpu_health``); None where there is no NVML."""
-        """Relays the serving ranks' compute times to the straggler watch (set once etcd is open)."""
+        self.reports: NodeReports | None = None
+        """Compute times and GPU health for the straggler watch (``launch.node_reports``; once etcd is open)."""
         """Sees a serving rank's main thread stall (``launch.stalls``; its progress is in the heartbeat file)."""
         """Sees a serving process freeze (``launch.heartbeat``); made in :meth:`start`, before any fork."""
         self.recordings: RecordingServer | None = None
@@ -314,25 +311,9 @@ class TrainMoverSupervisor:
             controller = self.controller
             self.agent.metrics_feed.attach(self.space, is_leader=lambda: controller.is_leader)
         self.inbox = PlanInbox(self.space)
-        from trainmover_ext.control.records import RebalancePolicy, StragglerPolicy
-        from trainmover_ext.control.straggler_watch import POLICY_KEY
-        from trainmover_ext.launch.compute_relay import ComputeRelay
+        from trainmover_ext.launch.node_reports import NodeReports
 
-        # The job's straggler policy comes from the first agent's flags; `trainmover straggler` changes it.
-        policy = StragglerPolicy(**{**vars(self.cfg.straggler), "set_by": ident.member_id, "set_at": time.time()})
-        self.space.put_if_absent(self.space.key(*POLICY_KEY), policy.to_bytes())
-        if self.cfg.rebalance.interval_s > 0:
-            from trainmover_ext.control import rebalance
-
-            interval_s = self.cfg.rebalance.interval_s
-            schedule = RebalancePolicy(interval_s=interval_s, set_by=ident.member_id, set_at=time.time())
-            self.space.put_if_absent(self.space.key(*rebalance.POLICY_KEY), schedule.to_bytes())
-        self.compute = ComputeRelay(self.space, ident.host)
-        from trainmover_ext.launch.gpu_health import GpuHealthWatch
-
-        self.gpu = GpuHealthWatch(self.cfg.nproc_per_node)
-        if not self.gpu.start():
-            self.gpu = None
+        self.reports = NodeReports.open(self.space, ident.host, self.cfg, ident.member_id, self.agent.log)
         from trainmover_ext.control.archive import RunArchive
 
         controller = self.controller
@@ -350,9 +331,8 @@ class TrainMoverSupervisor:
             # Before the controller resigns: a stopping agent keeps exporting its last job-wide figures
             # (migrations, members) instead of clearing them as an agent that lost the lead would.
             self.agent.metrics_feed.detach()
-        for obj in (
-            self.probes, self.archive, self.inbox, self.controller, self.member, self.recordings, self.hangs, self.gpu,
-        ):  # fmt: skip
+        objs = (self.probes, self.archive, self.inbox, self.controller, self.member, self.recordings, self.hangs)
+        for obj in (*objs, self.reports):
             if obj is not None:
                 try:
                     obj.close()
@@ -547,42 +527,12 @@ class TrainMoverSupervisor:
 
         return self.space is not None and is_quarantined(self.space, self.member.record.host, pid)
 
-    def _watch_gpus(self) -> None:
-        """Publish this node's GPU problems when they change (``launch.gpu_health``; a no-op without NVML)."""
-        if self.gpu is None or self.space is None:
-            return
-        reads = self.gpu.reads
-        found = self.gpu.poll()
-        if self.agent.metrics is not None and self.gpu.reads != reads:
-            self.agent.metrics.observe_gpus(self.gpu.readings, self.gpu.unfit)
-        if found is None:
-            return
-        from trainmover_ext.control.records import GpuHealthReport
-        from trainmover_ext.errors import TrainMoverError
-
-        host = self.member.record.host
-        report = GpuHealthReport(host=host, unfit={str(k): v for k, v in found.items()}, read_at=time.time())
-        for slot, problems in sorted(found.items()):
-            if problems:
-                self.agent.log(f"GPU {slot}: {'; '.join(problems)}")
-        try:
-            self.space.put(self.space.key("health", host), report.to_bytes())
-        except TrainMoverError as exc:
-            self.agent.log(f"GPU health not published ({exc}); trying again at the next read")
-            self.gpu.forget_last()
-
-    def _relay_compute(self) -> None:
-        """Pass the serving ranks' new compute samples on to the straggler watch (``launch.compute_relay``)."""
-        if self.compute is None:
-            return
-        self.compute.collect(
-            {
-                rank: self.hangs.file_for(proc.heartbeat)
-                for rank, (proc, _) in self.serving.items()
-                if proc.heartbeat and proc.poll() is None
-            }
-        )
-        self.compute.publish()
+    def _report_node(self) -> None:
+        """Compute times and GPU health for the straggler watch (``launch.node_reports``)."""
+        if self.reports is not None:
+            serving = [(r, p) for r, (p, _) in self.serving.items() if p.heartbeat and p.poll() is None]
+            files = {r: self.hangs.file_for(p.heartbeat) for r, p in serving}
+            self.reports.tick(files, self.agent.metrics)
 
     def supervise(self) -> tuple[bool, int]:
         """Block until done. Returns (finished_ok, exit code); (False, code) asks for the classic fallback."""
@@ -600,8 +550,7 @@ class TrainMoverSupervisor:
                 if code not in (None, 0) and rank not in self.reported:
                     self._report(rank, member, code)
             self._fence_hung()
-            self._relay_compute()
-            self._watch_gpus()
+            self._report_node()
             for rank, (proc, member) in list(self.leaving.items()):
                 code = proc.poll()
                 if code is not None:
