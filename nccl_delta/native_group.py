@@ -54,7 +54,7 @@ ABORT_SETTLE_S = 2.0
 
 IssueObserver = Callable[["NativeGroup", str], None]
 _observer: IssueObserver | None = None
-WaitObserver = Callable[[str, int], contextlib.AbstractContextManager[None]]
+WaitObserver = Callable[[str, int, int | None], contextlib.AbstractContextManager[None]]
 _wait_observer: WaitObserver | None = None
 
 
@@ -67,18 +67,20 @@ def observe_issues(observer: IssueObserver | None) -> None:
 
 
 def observe_waits(observer: WaitObserver | None) -> None:
-    """Wrap every wait for an op that has not completed yet in ``observer(group name, op number)``
+    """Wrap every wait for an op that has not completed yet in ``observer(group name, op number, peer)``
     (``None``: stop): how a rank says which collective its thread blocks in (a progress watchdog
-    tells a waiting rank from the one it waits for). One test per wait otherwise."""
+    tells a waiting rank from the one it waits for), and, for a point-to-point op, on which peer
+    (its logical rank; None for a collective: a slow-link watch times each pair). One test per wait
+    otherwise."""
     global _wait_observer
     _wait_observer = observer
 
 
-def waiting_in(group: str, number: int = 0) -> contextlib.AbstractContextManager[None]:
+def waiting_in(group: str, number: int = 0, peer: int | None = None) -> contextlib.AbstractContextManager[None]:
     """The wait observer's context for a blocking op of ``group`` that is not a native work (WORLD's ring,
-    a pair still being built); a no-op without an observer."""
+    a pair still being built, whose ``peer`` is the other end); a no-op without an observer."""
     observer = _wait_observer
-    return observer(group, number) if observer is not None else contextlib.nullcontext()
+    return observer(group, number, peer) if observer is not None else contextlib.nullcontext()
 
 
 def own_client(store: Store) -> Store:
@@ -247,7 +249,7 @@ class NativeGroup:
             number = self.issued
         if _observer is not None:
             _observer(self, op)
-        return NativeWork(work, self, comm, op, number)
+        return NativeWork(work, self, comm, op, number, send_to if send_to is not None else recv_from)
 
     def _refused(self, op: str) -> CommLinkError:
         if self.state in (QUIET, ABORTED):
@@ -393,18 +395,22 @@ def ledgers_agree(ledgers: dict[int, dict[str, Any] | None]) -> bool:
 class NativeWork(dist.Work):
     """A native backend's work behind the group handle; ``wait`` turns its errors into ours."""
 
-    def __init__(self, work: Any, group: NativeGroup, comm: NativeComm, op: str, number: int = 0):
+    def __init__(
+        self, work: Any, group: NativeGroup, comm: NativeComm, op: str, number: int = 0, peer: int | None = None
+    ):
         super().__init__()
         self._work = work
         self._group = group
         self._comm = comm
         self._op = op
         self._number = number
+        self._peer = peer
+        """The logical rank at the other end of a point-to-point op (None: a collective)."""
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         observer = _wait_observer
         if observer is not None and not self._work.is_completed():
-            with observer(self._group.name, self._number):
+            with observer(self._group.name, self._number, self._peer):
                 return self._wait(timeout)
         return self._wait(timeout)
 

@@ -158,7 +158,7 @@ class PendingPairWork(dist.Work):
         return self._work
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        with waiting_in(self._pair.group.name):
+        with waiting_in(self._pair.group.name, 0, self._pair.peer):
             work = self._await_issue(timeout)
         return bool(work.wait() if timeout is None else work.wait(timeout))
 

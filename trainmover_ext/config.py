@@ -99,6 +99,8 @@ class TrainMoverConfig:
     rank takes its shard from there (:mod:`trainmover_ext.migration.mirror`); off: from the checkpoint."""
     inject_slowdown: str | None = None
     """``--tm-inject-slowdown RANK:FACTOR[:FROM]``: straggler drill (see trainmover_ext.runtime.slowdown)."""
+    inject_link_delay: str | None = None
+    """``--tm-inject-link-delay A:B:SECONDS[:FROM]``: slow-link drill (see trainmover_ext.runtime.slowdown)."""
     straggler_action: str = "report"
     """``--tm-straggler-action``: what the controller does with a rank whose compute time stays above its
     peers' (``trainmover_ext.control.straggler_watch``): ``report`` it, ``migrate`` it to a warm standby
@@ -130,6 +132,10 @@ class TrainMoverConfig:
             from trainmover_ext.runtime.slowdown import Slowdown
 
             Slowdown.parse(self.inject_slowdown)
+        if self.inject_link_delay:
+            from trainmover_ext.runtime.slowdown import LinkDelay
+
+            LinkDelay.parse(self.inject_link_delay)
         StragglerPolicy(
             action=self.straggler_action, threshold=self.straggler_threshold, window=self.straggler_window
         ).check()
@@ -206,6 +212,7 @@ _FLAG_TO_FIELD = {
     "tm_optimizer_mirror": "optimizer_mirror",
     "tm_inject_fault": "inject_fault",
     "tm_inject_slowdown": "inject_slowdown",
+    "tm_inject_link_delay": "inject_link_delay",
     "tm_straggler_action": "straggler_action",
     "tm_straggler_threshold": "straggler_threshold",
     "tm_straggler_window": "straggler_window",
@@ -466,6 +473,14 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="Straggler drill: the worker serving RANK computes FACTOR times slower from iteration FROM "
         "(default 1) on: it sleeps FACTOR-1 times its compute time at the end of each iteration, so its peers "
         "wait for it; the numerics do not change. A standby that takes the rank over is not slowed.",
+    )
+    g.add_argument(
+        "--tm-inject-link-delay",
+        default=None,
+        metavar="A:B:SECONDS[:FROM]",
+        help="Slow-link drill: from iteration FROM (default 1) on, every wait of rank A's or rank B's worker in a "
+        "point-to-point op with the other ends SECONDS later, as over a slow network path between them; their "
+        "compute and the numerics do not change. The straggler watch reports the pair (trainmover status).",
     )
     g.add_argument(
         "--tm-straggler-action",

@@ -87,6 +87,12 @@ class TrainMoverHooks:
             spec = Slowdown.parse(config.inject_slowdown)
             if spec.rank == session.layout.rank:
                 self.worker.slowdown = SlowdownClock(spec)
+        if config.inject_link_delay and self.worker is not None:
+            from trainmover_ext.runtime.slowdown import LinkDelay
+
+            delay = LinkDelay.parse(config.inject_link_delay)
+            if delay.peer_of(session.layout.rank) is not None:
+                self.worker.link_delay = delay
         if self.worker is not None:
             self.worker.start_mirror(session)
             self.worker.track_progress(session)  # after the drills: a hang in forward is seen in forward

@@ -158,7 +158,13 @@ def test_migrate_refuses_a_target_that_is_not_a_warm_standby(etcd, kv, capsys):
 def test_straggler_policy_and_quarantine_at_run_time(etcd, kv, capsys):
     """`trainmover straggler` shows and changes the job's policy (bad values refused, nothing written);
     `trainmover quarantine` lists and clears quarantined slots; `trainmover status` shows both."""
-    from trainmover_ext.control.records import Quarantine, StragglerRecord, quarantine_key
+    from trainmover_ext.control.records import (
+        Quarantine,
+        SlowLinkRecord,
+        StragglerRecord,
+        quarantine_key,
+        slow_link_key,
+    )
     from trainmover_ext.control.straggler_watch import read_policy
 
     space = JobSpace.create(kv, "strag")
@@ -177,10 +183,15 @@ def test_straggler_policy_and_quarantine_at_run_time(etcd, kv, capsys):
         rank=5, member_id="w5", host="n7", slot=3, iteration=40, ratio=1.4, peers_median_s=0.1, action="migrate"
     )
     space.put(space.key("stragglers", 5), record.to_bytes())
+    link = SlowLinkRecord(
+        ranks=[2, 6], hosts=["n1", "n3"], iteration=50, ratio=2.5, peers_median_s=0.01, waited_s=0.025
+    )
+    space.put(slow_link_key(space, 6, 2), link.to_bytes())
     assert main(["status", *f]) == 0
     out = capsys.readouterr().out
     assert "policy: migrate, threshold 1.3x" in out and "rank 5: w5 on n7 slot 3 at 1.4x" in out
     assert "QUARANTINED n7 slot 3" in out
+    assert "SLOW LINK rank 2 (n1) <-> rank 6 (n3): waited 2.5x its peers' median" in out
     assert main(["quarantine", *f]) == 0
     assert "n7:3" in capsys.readouterr().out
     assert main(["quarantine", "--clear", "n7:4", *f]) == 2

@@ -43,10 +43,33 @@ def test_a_compute_sample_is_the_iteration_less_its_waits(record_file):
     with progress.waiting("dp", 1):
         time.sleep(0.2)
     progress.iteration_done(7)
-    ((iteration, seconds),) = progress.read_compute(record_file)
-    assert iteration == 7
-    assert 0.045 <= seconds < 0.15, seconds  # the 0.2 s wait is not compute
+    (sample,) = progress.read_compute(record_file)
+    assert sample.iteration == 7
+    assert 0.045 <= sample.compute_s < 0.15, sample  # the 0.2 s wait is not compute
+    assert sample.links == ()  # a collective's wait is on no one peer
     assert progress.read_compute(record_file, after=7) == []
+
+
+def test_a_sample_carries_the_point_to_point_waits_by_peer(record_file):
+    progress.mark("iteration")
+    with progress.waiting("pp-0", 1, peer=2):
+        time.sleep(0.06)
+    with progress.waiting("dp-0", 2):
+        time.sleep(0.03)
+    with progress.waiting("pp-0", 3, peer=5):
+        time.sleep(0.02)
+    with progress.waiting("pp-0", 4, peer=2):
+        time.sleep(0.06)
+    with progress.waiting("pp-0", 5, peer=9):  # a third peer, waited on least: not carried
+        time.sleep(0.001)
+    progress.iteration_done(4)
+    (sample,) = progress.read_compute(record_file)
+    assert [peer for peer, _ in sample.links] == [2, 5]
+    assert 0.12 <= sample.links[0][1] < 0.2 and 0.02 <= sample.links[1][1] < 0.06, sample
+    assert sample.compute_s < 0.05, sample
+    progress.mark("iteration")
+    progress.iteration_done(5)
+    assert progress.read_compute(record_file, after=4)[0].links == ()  # counted per iteration
 
 
 def test_an_iteration_cut_by_a_save_or_a_recovery_makes_no_sample(record_file):
@@ -60,7 +83,7 @@ def test_the_ring_keeps_the_last_64_iterations(record_file):
     for i in range(1, 101):
         progress.mark("iteration")
         progress.iteration_done(i)
-    assert [i for i, _ in progress.read_compute(record_file)] == list(range(37, 101))
+    assert [s.iteration for s in progress.read_compute(record_file)] == list(range(37, 101))
 
 
 def _space() -> JobSpace:
@@ -83,7 +106,7 @@ def test_the_relay_writes_one_report_per_node_with_each_ranks_new_samples(record
     assert relay.publish(now=11.0)
     entry = space.kv.get(space.key("compute", "n1"))
     report = ComputeReport.from_bytes(entry.value, key=entry.key, strict=True)
-    assert [i for i, _ in report.samples["3"]] == [1, 2, 3]
+    assert [entry[0] for entry in report.samples["3"]] == [1, 2, 3]
 
 
 # -- the watch ----------------------------------------------------------------------------------------
@@ -108,6 +131,54 @@ def _report(space: JobSpace, iterations: range, times: dict[int, float]) -> None
     for host, ranks in (("h0", (0, 1)), ("h1", (2, 3))):
         samples = {str(r): [[i, times.get(r, 0.1)] for i in iterations] for r in ranks}
         space.put(space.key("compute", host), ComputeReport(host=host, samples=samples).to_bytes())
+
+
+def _report_links(space: JobSpace, iterations: range, waits: dict[tuple[int, int], float], slow: int = -1) -> None:
+    """Compute 0.1 s everywhere (0.2 s on ``slow``); each pipeline's pair (0, 2) and (1, 3) waits 0.02 s on each
+    other, or ``waits[(a, b)]`` (each end half of it)."""
+    for host, ranks in (("h0", (0, 1)), ("h1", (2, 3))):
+        samples = {}
+        for r in ranks:
+            peer = r + 2 if r < 2 else r - 2
+            pair = (min(r, peer), max(r, peer))
+            each = waits.get(pair, 0.04) / 2
+            samples[str(r)] = [[i, 0.2 if r == slow else 0.1, peer, each] for i in iterations]
+        space.put(space.key("compute", host), ComputeReport(host=host, samples=samples).to_bytes())
+
+
+def test_a_slow_link_is_named_as_its_pair_and_nothing_moves():
+    space = _space()
+    _job(space)
+    watch = _watch(space, "migrate")
+    _report_links(space, range(1, 11), {(0, 2): 0.1})
+    assert watch.tick(read_view(space)) == []  # no straggler
+    (link,) = watch.slow_links
+    assert (link.ranks, link.hosts, link.iteration) == ([0, 2], ["h0", "h1"], 5)
+    assert link.ratio == pytest.approx(2.5) and link.peers_median_s == pytest.approx(0.04)
+    view = read_view(space)
+    assert [lk.ranks for lk in view.slow_links] == [[0, 2]]
+    assert view.requests == {} and view.quarantine == [] and view.stragglers == {}
+    _report_links(space, range(1, 21), {(0, 2): 0.1})
+    watch.tick(read_view(space))
+    assert len(watch.slow_links) == 1  # flagged once while it stays slow
+
+
+def test_a_slow_rank_makes_its_partner_wait_but_is_no_slow_link():
+    """Rank 2 computes 2x slower and rank 0 waits for it: a straggler (2), no slow link (0, 2)."""
+    space = _space()
+    _job(space)
+    watch = _watch(space, "report")
+    _report_links(space, range(1, 21), {(0, 2): 0.14}, slow=2)
+    (found,) = watch.tick(read_view(space))
+    assert found.rank == 2 and watch.slow_links == []
+
+
+def test_pairs_at_their_peers_pace_are_no_slow_links():
+    space = _space()
+    _job(space)
+    watch = _watch(space, "report")
+    _report_links(space, range(1, 41), {(0, 2): 0.044, (1, 3): 0.04})
+    assert watch.tick(read_view(space)) == [] and watch.slow_links == []
 
 
 def _watch(space: JobSpace, action: str) -> StragglerWatch:

@@ -25,6 +25,7 @@ SAMPLE = {
     "--tm-etcd-endpoints": "127.0.0.1:1",
     "--tm-inject-fault": "1:3:forward",
     "--tm-inject-slowdown": "1:1.5:10",
+    "--tm-inject-link-delay": "0:2:0.005:10",
     "--tm-standby-duty": "0.5",
     "--tm-standby-nice": "5",
     "--tm-keep-role": "first",

@@ -2,7 +2,8 @@
 agent relays, named, and (``--tm-straggler-action migrate``) moved to a warm standby by a planned move, its
 slot quarantined (placement then skips it: tests/control/test_straggler_watch.py); training stays
 bit-identical to the run without a slow rank. A run without a slow rank, with checkpoint saves and
-evaluations, names nobody."""
+evaluations, names nobody. A slow link between two ranks (``--tm-inject-link-delay``) is reported as that
+pair, not as a straggler, and nothing moves."""
 
 from __future__ import annotations
 
@@ -66,5 +67,25 @@ def test_no_rank_is_named_in_a_run_without_a_slow_one(tmp_path, corpus):
     job = start_job(tmp_path, 4, tm_args(corpus, tp=1, pp=2, gbs=8, iters=300, extra=extra), name="steady")
     err = finish_job(job, 400)
     assert job.events("straggler") == [], job.events("straggler")
+    assert job.events("slow_link") == [], job.events("slow_link")
     assert replaced(job) == [], err[-3000:]
     assert len(trajectory(job.metrics_path)) == 300
+
+
+def test_a_slow_link_is_named_as_its_pair_and_nothing_moves(tmp_path, corpus, reference):
+    """PP2 x DP2 in bf16 at dropout 0.1 with --tm-straggler-action migrate; from iteration 10 every wait of rank
+    0 or rank 2 (the two stages of one pipeline) on the other ends 5 ms later, a slow path between them. The
+    watch names the pair (0, 2) once, names no straggler (their compute is their peers'), and moves nothing;
+    the trajectory matches the run without the delay bit for bit."""
+    args = tm_args(corpus, tp=1, pp=2, gbs=8, iters=ITERS, extra=["--bf16"])
+    ref = reference("tp1pp2dp2-bf16-i150", 4, args)
+    extra = ["--tm-straggler-action", "migrate", "--tm-inject-link-delay", "0:2:0.005:10"]
+    job = start_job(tmp_path, 4, args + extra, name="slow_link")
+    err = finish_job(job, 400)
+    links = [e["detail"] for e in job.events("slow_link")]
+    assert [(link["ranks"], link["iteration"] >= 10) for link in links] == [([0, 2], True)], (links, err[-3000:])
+    assert links[0]["ratio"] >= 1.15, links
+    assert job.events("straggler") == [], job.events("straggler")
+    assert replaced(job) == [], err[-3000:]
+    assert "slow link: ranks 0 (" in err, err[-3000:]
+    assert trajectory(job.metrics_path) == ref, "a slow link changed the numerics"

@@ -226,7 +226,7 @@ def format_policies(view: View) -> list[str]:
     if schedule is not None and schedule.interval_s > 0:
         last = f"; last move asked at {_ts(schedule.last_at)}" if schedule.last_at else ""
         out += ["", f"rebalancing: a planned move every {schedule.interval_s / 60:g} min{last}"]
-    if policy is None and not view.stragglers and not view.quarantine:
+    if policy is None and not view.stragglers and not view.quarantine and not view.slow_links:
         return out
     out += ["", "stragglers:"]
     if policy is not None:
@@ -239,6 +239,12 @@ def format_policies(view: View) -> list[str]:
         out.append(
             f"  rank {st.rank}: {st.member_id} on {st.host} slot {st.slot} at {st.ratio:g}x its peers at iteration "
             f"{st.iteration} ({_ts(st.flagged_at)}){moved}"
+        )
+    for link in sorted(view.slow_links, key=lambda link: link.ranks):
+        (a, b), (ha, hb) = link.ranks, link.hosts
+        out.append(
+            f"  SLOW LINK rank {a} ({ha}) <-> rank {b} ({hb}): waited {link.ratio:g}x its peers' median on each other "
+            f"at iteration {link.iteration} ({_ts(link.flagged_at)}); check the network path between them"
         )
     for q in sorted(view.quarantine, key=lambda q: (q.host, q.slot)):
         out.append(

@@ -41,6 +41,8 @@ key                     value                                          written b
                                                                        ``trainmover rebalance``;
                                                                        the rebalancer (last_at)
 ``stragglers/<r>``      :class:`StragglerRecord`: rank r was flagged   the straggler watch         ``status``, ``events``
+``slow_links/<a>-<b>``  :class:`SlowLinkRecord`: ranks a < b wait on   the straggler watch         ``status``, ``events``
+                        each other longer than their peers
 ``quarantine/<host>/    :class:`Quarantine`: a slow slot no standby    the straggler watch         controller (placement),
 <slot>``                in it is promoted into                         (cleared by ``trainmover    ``status``
                                                                        quarantine --clear``)
@@ -431,7 +433,9 @@ class ComputeReport(Record):
     KIND: ClassVar[str] = "compute"
     host: str
     samples: dict[str, list[list[float]]] = field(default_factory=dict)
-    """Rank (a decimal string: JSON keys are strings) -> ``[[iteration, compute_s], ...]``."""
+    """Rank (a decimal string: JSON keys are strings) -> ``[[iteration, compute_s, peer, wait_s, ...], ...]``:
+    after the compute time, the seconds the rank waited in point-to-point ops with each peer it waited on
+    (a logical rank), in that iteration."""
     published_at: float = 0.0
 
 
@@ -525,6 +529,31 @@ class StragglerRecord(Record):
     """Why, when not its pace: the problems of its GPU (``health/<host>``)."""
     request: str | None = None
     flagged_at: float = 0.0
+
+
+@dataclass(kw_only=True)
+class SlowLinkRecord(Record):
+    """Ranks ``ranks`` (a < b) waited ``ratio`` times as long on each other's point-to-point ops as the pairs in
+    the same position (their peers' median) for ``window`` iterations up to ``iteration``, while neither
+    computed slower than its peers: their link, not either rank, is slow (``slow_links/<a>-<b>``). Reported,
+    never acted on: moving either end may not help."""
+
+    KIND: ClassVar[str] = "slow_link"
+    ranks: list[int]
+    hosts: list[str]
+    """Each rank's host, in the same order."""
+    iteration: int
+    ratio: float
+    peers_median_s: float
+    """The other pairs' median seconds waited per iteration."""
+    waited_s: float
+    """This pair's seconds waited per iteration (its pace)."""
+    flagged_at: float = 0.0
+
+
+def slow_link_key(space: JobSpace, a: int, b: int) -> str:
+    """``slow_links/<a>-<b>`` of the job (``a < b``)."""
+    return space.key("slow_links", f"{min(a, b)}-{max(a, b)}")
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,11 @@ Contract:
   decides on like ``trainmover migrate``) and quarantines its slot and process
   (:class:`~trainmover_ext.control.records.Quarantine`). The flag waits, unrecorded, while another
   request or plan is in flight or while no warm standby of the rank's role is idle (said once).
+- **Slow links**: each iteration's point-to-point waits (each rank's seconds waited on each peer) add up per
+  pair of ranks; a second detector with the same thresholds compares each pair with the pairs of the
+  same roles. A pair flagged while neither end was slow in compute in that iteration (a slow rank makes
+  its partner wait too: that is a straggler, not a link) is logged, recorded under
+  ``slow_links/<a>-<b>`` and on the timeline (``slow_link``), naming both ends. Nothing is moved for it.
 - Every write is guarded by the leader key: a controller that lost the lead writes nothing. The watch's
   streaks live in memory: a new leader starts them afresh (at most one window later).
 """
@@ -34,9 +39,11 @@ from trainmover_ext.control.records import (
     GpuHealthReport,
     MemberRecord,
     Quarantine,
+    SlowLinkRecord,
     StragglerPolicy,
     StragglerRecord,
     quarantine_key,
+    slow_link_key,
 )
 from trainmover_ext.control.stragglers import Sample, Straggler, StragglerConfig, StragglerDetector
 from trainmover_ext.control.view import View
@@ -90,15 +97,20 @@ class StragglerWatch:
     space: JobSpace
     controller_id: str
     leader_guard: Callable[[], Guard]
-    detector: StragglerDetector | None = None
+    detector: StragglerDetector[int] | None = None
     policy: StragglerPolicy | None = None
     flagged: list[StragglerRecord] = field(default_factory=list)
     """Every straggler this watch flagged (tests and benchmarks read it)."""
-    _pending: dict[int, dict[int, float]] = field(default_factory=dict)
+    links: StragglerDetector[tuple[int, int]] | None = None
+    """The slow-link detector (its keys: pairs of ranks, low first)."""
+    slow_links: list[SlowLinkRecord] = field(default_factory=list)
+    """Every slow link this watch flagged (tests and benchmarks read it)."""
+    _pending: dict[int, dict[int, tuple[float, dict[int, float]]]] = field(default_factory=dict)
+    """Iteration -> rank -> (compute seconds, seconds waited on each peer)."""
     _fed: int = 0
     _newest: dict[int, int] = field(default_factory=dict)
     _serving: dict[int, str] = field(default_factory=dict)
-    _unacted: list[Straggler] = field(default_factory=list)
+    _unacted: list[Straggler[int]] = field(default_factory=list)
     _waiting: set[int] = field(default_factory=set)
     """Flagged ranks whose move waits for a warm standby (said once)."""
     _unfit_seen: set[tuple[int, str]] = field(default_factory=set)
@@ -121,23 +133,26 @@ class StragglerWatch:
                 self.policy.window,
             )
         ):
-            self.detector = StragglerDetector(StragglerConfig(threshold=policy.threshold, window=policy.window))
-            self._serving = {}
-        self.policy = policy
+            config = StragglerConfig(threshold=policy.threshold, window=policy.window)
+            self.links = StragglerDetector[tuple[int, int]](config)
+            self.detector, self._serving = StragglerDetector[int](config), {}
+        self.policy, detector, links = policy, self.detector, self.links
+        assert links is not None  # built with the detector
         for rank, rec in view.ranks.items():
             if self._serving.get(rank) not in (None, rec.member_id):
-                self.detector.joined(rank, self._fed + 1)
+                detector.joined(rank, self._fed + 1)
+                for pair in [pair for pair in links.keys if rank in pair]:
+                    links.joined(pair, self._fed + 1)
                 self._unacted = [s for s in self._unacted if s.rank != rank]
             self._serving[rank] = rec.member_id
         self._gather()
         training = set(view.ranks) - view.finished
         for iteration in self._due(training):
-            samples = {
-                r: Sample(peer_key=view.ranks[r].role, compute_s=s)
-                for r, s in self._pending.pop(iteration).items()
-                if r in view.ranks
-            }
-            self._unacted += self.detector.observe(iteration, samples)
+            row = {r: times for r, times in self._pending.pop(iteration).items() if r in view.ranks}
+            samples = {r: Sample(peer_key=view.ranks[r].role, compute_s=compute) for r, (compute, _) in row.items()}
+            self._unacted += sorted(detector.observe(iteration, samples), key=lambda s: s.rank)
+            for found in links.observe(iteration, self._link_samples(view, row, detector.slow)):
+                self._report_link(view, found)
             self._fed = iteration
         self._unacted += self._unfit_gpus(view)
         recorded = []
@@ -148,7 +163,63 @@ class StragglerWatch:
             recorded.append(record)
         return recorded
 
-    def _unfit_gpus(self, view: View) -> list[Straggler]:
+    @staticmethod
+    def _link_samples(
+        view: View, row: dict[int, tuple[float, dict[int, float]]], slow: set[int]
+    ) -> dict[tuple[int, int], Sample]:
+        """One iteration's pairs: (a, b) -> the seconds a waited on b plus b on a, keyed by their roles; a pair
+        with an end slow in compute is left out (not counted)."""
+        waited: dict[tuple[int, int], float] = {}
+        for rank, (_, on_peer) in row.items():
+            for peer, seconds in on_peer.items():
+                if peer in view.ranks and peer != rank:
+                    pair = (min(rank, peer), max(rank, peer))
+                    waited[pair] = waited.get(pair, 0.0) + seconds
+        return {
+            (a, b): Sample(peer_key=(view.ranks[a].role, view.ranks[b].role), compute_s=seconds)
+            for (a, b), seconds in waited.items()
+            if a not in slow and b not in slow
+        }
+
+    def _report_link(self, view: View, found: Straggler[tuple[int, int]]) -> None:
+        a, b = found.rank
+        if a not in view.ranks or b not in view.ranks:
+            return
+        hosts = [view.ranks[a].host, view.ranks[b].host]
+        now = time.time()
+        record = SlowLinkRecord(
+            ranks=[a, b],
+            hosts=hosts,
+            iteration=found.iteration,
+            ratio=round(found.ratio, 4),
+            peers_median_s=round(found.peers_median_s, 6),
+            waited_s=round(found.ratio * found.peers_median_s, 6),
+            flagged_at=now,
+        )
+        detail = {"ranks": [a, b], "hosts": hosts, "iteration": found.iteration, "ratio": record.ratio}
+        puts = [
+            Put(slow_link_key(self.space, a, b), record.to_bytes()),
+            event_put(self.space, "slow_link", detail, now),
+        ]
+        if not self.space.commit([self.leader_guard()], puts):
+            return  # the lead changed hands
+        logger.warning(
+            "slow link: ranks %d (%s) and %d (%s) waited %.2fx their peers' median on each other (%.4f s an "
+            "iteration, peers %.4f s) for %d iterations up to %d, neither computing slowly: check the network path "
+            "between them",
+            a,
+            hosts[0],
+            b,
+            hosts[1],
+            found.ratio,
+            record.waited_s,
+            found.peers_median_s,
+            self.links.config.window if self.links else 0,
+            found.iteration,
+        )
+        self.slow_links.append(record)
+
+    def _unfit_gpus(self, view: View) -> list[Straggler[int]]:
         """The ranks whose slot's GPU its agent reports unfit (``health/<host>``), each process once."""
         unfit: dict[tuple[str, int], list[str]] = {}
         for entry in self.space.kv.get_prefix(self.space.key("health") + "/").entries:
@@ -173,9 +244,9 @@ class StragglerWatch:
                 report = ComputeReport.from_bytes(entry.value, key=entry.key, strict=True)
                 for rank_text, pairs in report.samples.items():
                     rank = int(rank_text)
-                    for iteration, seconds in ((int(i), float(s)) for i, s in pairs):
+                    for iteration, seconds, on_peer in map(_sample, pairs):
                         if iteration > self._fed:
-                            self._pending.setdefault(iteration, {})[rank] = seconds
+                            self._pending.setdefault(iteration, {})[rank] = (seconds, on_peer)
                         self._newest[rank] = max(self._newest.get(rank, 0), iteration)
             except (MalformedValue, ValueError, TypeError) as exc:
                 logger.warning("compute report %s unreadable: %s", entry.key, exc)
@@ -190,7 +261,7 @@ class StragglerWatch:
             due.append(iteration)
         return due
 
-    def _act(self, view: View, found: Straggler, policy: StragglerPolicy) -> StragglerRecord | None:
+    def _act(self, view: View, found: Straggler[int], policy: StragglerPolicy) -> StragglerRecord | None:
         rec = view.ranks.get(found.rank)
         if rec is None:
             return None
@@ -253,6 +324,14 @@ class StragglerWatch:
         )
         self.flagged.append(record)
         return record
+
+
+def _sample(entry: list[float]) -> tuple[int, float, dict[int, float]]:
+    """A report's ``[iteration, compute_s, peer, wait_s, ...]``."""
+    links = entry[2:]
+    if len(links) % 2:
+        raise ValueError(f"compute sample {entry!r}: peers and waits must pair up")
+    return int(entry[0]), float(entry[1]), {int(links[k]): float(links[k + 1]) for k in range(0, len(links), 2)}
 
 
 def _quiet(view: View) -> bool:

@@ -15,6 +15,8 @@ Contract (pure logic, no I/O, no clock; the caller feeds it what the ranks publi
   joined (a promoted standby warms its caches; its peers are not compared with it meanwhile
   either). A single spike (a garbage collection) breaks no streak of the others and makes none.
 - A key with one rank has no peers: it is never judged.
+- The same detector judges links (``control.straggler_watch``): its "ranks" are then any hashable keys
+  (a pair of ranks) and its times the seconds waited on the pair's point-to-point ops.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ import statistics
 from collections import deque
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+"""What a detector judges: a rank (int), or a pair of ranks (a link)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,10 +63,11 @@ class Sample:
 
 
 @dataclass(frozen=True)
-class Straggler:
+class Straggler(Generic[K]):
     """A flagged rank: at ``iteration`` it had been slow for ``window`` counted iterations."""
 
-    rank: int
+    rank: K
+    """The flagged rank, or the flagged pair of a detector of links."""
     iteration: int
     ratio: float
     """Its pace over its peers' median pace in that iteration."""
@@ -68,16 +75,26 @@ class Straggler:
 
 
 @dataclass
-class StragglerDetector:
+class StragglerDetector(Generic[K]):
     """Streaks of slow iterations per rank (see the module docstring)."""
 
     config: StragglerConfig = field(default_factory=StragglerConfig)
-    _streak: dict[int, int] = field(default_factory=dict)
-    _flagged: set[int] = field(default_factory=set)
-    _joined_at: dict[int, int] = field(default_factory=dict)
-    _recent: dict[int, deque[float]] = field(default_factory=dict)
+    _streak: dict[K, int] = field(default_factory=dict)
+    _flagged: set[K] = field(default_factory=set)
+    _joined_at: dict[K, int] = field(default_factory=dict)
+    _recent: dict[K, deque[float]] = field(default_factory=dict)
 
-    def joined(self, rank: int, iteration: int) -> None:
+    @property
+    def keys(self) -> list[K]:
+        """Every rank (or pair) observed since it last joined."""
+        return list(self._recent)
+
+    @property
+    def slow(self) -> set[K]:
+        """The ranks that were slow in the last iteration they were counted in."""
+        return {r for r, n in self._streak.items() if n > 0}
+
+    def joined(self, rank: K, iteration: int) -> None:
         """``rank`` is served by a new process from ``iteration`` on: its streak restarts, and its next
         ``settle`` iterations are not counted."""
         self._joined_at[rank] = iteration
@@ -85,17 +102,17 @@ class StragglerDetector:
         self._recent.pop(rank, None)
         self._flagged.discard(rank)
 
-    def observe(self, iteration: int, samples: Mapping[int, Sample], *, excluded: bool = False) -> list[Straggler]:
-        """Count ``iteration``; returns the ranks flagged in it (each flag once)."""
+    def observe(self, iteration: int, samples: Mapping[K, Sample], *, excluded: bool = False) -> list[Straggler[K]]:
+        """Count ``iteration``; returns the ranks flagged in it (each flag once), in the order of ``samples``."""
         if excluded:
             return []
         counted = {r: s for r, s in samples.items() if not self._settling(r, iteration)}
-        groups: dict[Hashable, dict[int, float]] = {}
+        groups: dict[Hashable, dict[K, float]] = {}
         for r, s in counted.items():
             recent = self._recent.setdefault(r, deque(maxlen=self.config.smooth))
             recent.append(s.compute_s)
             groups.setdefault(s.peer_key, {})[r] = statistics.median(recent)
-        flagged = []
+        flagged: list[Straggler[K]] = []
         for members in groups.values():
             if len(members) < 2:
                 continue
@@ -109,8 +126,8 @@ class StragglerDetector:
                 if self._streak[r] >= self.config.window and r not in self._flagged:
                     self._flagged.add(r)
                     flagged.append(Straggler(rank=r, iteration=iteration, ratio=t / median, peers_median_s=median))
-        return sorted(flagged, key=lambda s: s.rank)
+        return flagged
 
-    def _settling(self, rank: int, iteration: int) -> bool:
+    def _settling(self, rank: K, iteration: int) -> bool:
         joined = self._joined_at.get(rank)
         return joined is not None and iteration < joined + self.config.settle

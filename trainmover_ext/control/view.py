@@ -33,6 +33,7 @@ from trainmover_ext.control.records import (
     Quarantine,
     RankRecord,
     RebalancePolicy,
+    SlowLinkRecord,
     StragglerPolicy,
     StragglerRecord,
     migration_key_suffix,
@@ -88,6 +89,8 @@ class View:
     leader: str | None = None
     stragglers: dict[int, StragglerRecord] = field(default_factory=dict)
     """The last straggler flagged in each rank (``stragglers/<r>``)."""
+    slow_links: list[SlowLinkRecord] = field(default_factory=list)
+    """The slow links flagged (``slow_links/<a>-<b>``), the last of each pair."""
     straggler_policy: StragglerPolicy | None = None
     """The job's straggler policy (``policy/stragglers``); None until the first agent recorded it."""
     rebalance_policy: RebalancePolicy | None = None
@@ -188,6 +191,8 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
                 st = StragglerRecord.from_bytes(entry.value, key=key, strict=True)
                 _own_key(rest, str(st.rank), key)
                 view.stragglers[st.rank] = st
+            elif head == "slow_links" and rest:
+                view.slow_links.append(SlowLinkRecord.from_bytes(entry.value, key=key, strict=True))
             elif rel == "policy/stragglers":
                 view.straggler_policy = StragglerPolicy.from_bytes(entry.value, key=key, strict=True)
             elif rel == "policy/rebalance":

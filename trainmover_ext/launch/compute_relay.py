@@ -7,7 +7,8 @@ Contract:
 - :meth:`ComputeRelay.publish` writes them as one :class:`~trainmover_ext.control.records.ComputeReport`
   per node (``compute/<host>``), at most once every ``publish_s`` and only when something new came:
   one etcd write per node per second, never one per rank per iteration. The report holds each rank's
-  last ``keep`` samples (a sliding window, so a reader that missed one write loses nothing younger).
+  last ``keep`` samples, each with the rank's point-to-point waits by peer (the slow-link watch's input),
+  a sliding window, so a reader that missed one write loses nothing younger.
 - A rank served by a new process (its heartbeat file changed) starts a new window.
 - etcd trouble never stops supervision: the write is retried at the next round, and said once.
 """
@@ -32,7 +33,7 @@ class ComputeRelay:
     def __init__(self, space: JobSpace, host: str, *, publish_s: float = 1.0, keep: int = 64) -> None:
         self.space, self.host = space, host
         self.publish_s, self.keep = publish_s, keep
-        self._windows: dict[int, deque[tuple[int, float]]] = {}
+        self._windows: dict[int, deque[progress.ComputeSample]] = {}
         self._files: dict[int, str] = {}
         self._fresh = False
         self._published_at = 0.0
@@ -45,7 +46,7 @@ class ComputeRelay:
                 self._files[rank] = path
                 self._windows[rank] = deque(maxlen=self.keep)
             window = self._windows[rank]
-            last = window[-1][0] if window else 0
+            last = window[-1].iteration if window else 0
             new = progress.read_compute(path, after=last)
             if new:
                 window.extend(new)
@@ -60,7 +61,7 @@ class ComputeRelay:
             return False
         report = ComputeReport(
             host=self.host,
-            samples={str(r): [[i, s] for i, s in w] for r, w in sorted(self._windows.items()) if w},
+            samples={str(r): [_entry(s) for s in w] for r, w in sorted(self._windows.items()) if w},
             published_at=time.time(),
         )
         try:
@@ -72,3 +73,8 @@ class ComputeRelay:
             return False
         self._failing, self._fresh, self._published_at = False, False, now
         return True
+
+
+def _entry(sample: progress.ComputeSample) -> list[float]:
+    """A sample as the report holds it: ``[iteration, compute_s, peer, wait_s, ...]``."""
+    return [sample.iteration, sample.compute_s, *(x for peer, waited in sample.links for x in (peer, waited))]

@@ -26,6 +26,10 @@ Contract
   ``pwrite`` per iteration, read by the agent with :func:`read_compute`. On a GPU a collective's wait
   returns once the wait is queued on the stream, so there the sample is the CPU's view (the iteration's
   final loss read waits for the device): communication a rank does not block on counts as compute.
+- **Link waits** (what the slow-link watch compares): the same sample carries the seconds the main
+  thread waited in point-to-point ops with each of its (at most :data:`LINKS`) peers in that iteration,
+  by the peer's logical rank (a pipeline stage's neighbours; a rank with more peers publishes the
+  :data:`LINKS` it waited on longest).
 - Everything here is a no-op in a process that has no heartbeat file (not started by the agent).
 """
 
@@ -48,8 +52,11 @@ OFFSET = 8
 """Where the record starts in the heartbeat file (the beat's 8 bytes come first)."""
 _GROUP_BYTES = 40
 _RECORD = struct.Struct(f"<QdqBBxxI{_GROUP_BYTES}sQ")
-_SAMPLE = struct.Struct("<qdq")
-"""A compute sample: its iteration, the compute seconds, its iteration again (a torn slot reads unequal)."""
+LINKS = 2
+"""Peers whose point-to-point waits a sample carries."""
+_SAMPLE = struct.Struct("<qd" + "qd" * LINKS + "q")
+"""A compute sample: its iteration, the compute seconds, ``LINKS`` pairs (peer or -1, seconds waited on
+it), its iteration again (a torn slot reads unequal)."""
 RING = 64
 """Compute samples kept: the agent reads them every ``monitor_interval_s``, far more often than 64 iterations."""
 COMPUTE_OFFSET = OFFSET + _RECORD.size
@@ -71,6 +78,16 @@ class Progress:
     """That collective's number in the group (the ops it issued before it, +1)."""
 
 
+@dataclass(frozen=True)
+class ComputeSample:
+    """One completed iteration's times (see the module docstring)."""
+
+    iteration: int
+    compute_s: float
+    links: tuple[tuple[int, float], ...] = ()
+    """(peer's logical rank, seconds waited in point-to-point ops with it), for each peer waited on."""
+
+
 class _Writer:
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -82,6 +99,8 @@ class _Writer:
         """``time.monotonic()`` of this iteration's ``iteration`` mark (None: no iteration in progress)."""
         self.waited = 0.0
         """Seconds of this iteration spent in :func:`waiting`."""
+        self.on_peer: dict[int, float] = {}
+        """Of those, the seconds spent in point-to-point ops, by peer."""
 
     def write(self, group: str | None = None, op: int = 0) -> None:
         self.generation += 1
@@ -125,7 +144,7 @@ def mark(phase: str, iteration: int | None = None) -> None:
     if iteration is not None:
         w.iteration = iteration
     if phase == "iteration":
-        w.began, w.waited = w.at, 0.0
+        w.began, w.waited, w.on_peer = w.at, 0.0, {}
     elif phase in RESETS:
         w.began = None  # a save, evaluation or recovery in between: this iteration is not a sample
     w.write()
@@ -146,16 +165,19 @@ def iteration_done(iteration: int) -> None:
         return
     compute_s = max(0.0, time.monotonic() - w.began - w.waited)
     w.began = None
+    links = sorted(w.on_peer.items(), key=lambda kv: -kv[1])[:LINKS]
+    links += [(-1, 0.0)] * (LINKS - len(links))
     try:
         slot = COMPUTE_OFFSET + (iteration % RING) * _SAMPLE.size
-        os.pwrite(w.fd, _SAMPLE.pack(iteration, compute_s, iteration), slot)
+        os.pwrite(w.fd, _SAMPLE.pack(iteration, compute_s, *(x for link in links for x in link), iteration), slot)
     except OSError:
         pass
 
 
 @contextlib.contextmanager
-def waiting(group: str, op: int) -> Iterator[None]:
-    """The main thread blocks in ``group``'s collective number ``op`` for the duration."""
+def waiting(group: str, op: int, peer: int | None = None) -> Iterator[None]:
+    """The main thread blocks in ``group``'s op number ``op`` for the duration (a point-to-point op with the
+    logical rank ``peer``, or a collective when None)."""
     w = _writer
     if w is None or threading.get_ident() != _MAIN:
         yield
@@ -168,6 +190,8 @@ def waiting(group: str, op: int) -> Iterator[None]:
     finally:
         w.at = time.monotonic()
         w.waited += w.at - started
+        if peer is not None:
+            w.on_peer[peer] = w.on_peer.get(peer, 0.0) + w.at - started
         w.write()
 
 
@@ -188,8 +212,8 @@ def read(path: str) -> Progress | None:
     return Progress(at=at, iteration=iteration, phase=PHASES[phase], group=group, op=op)
 
 
-def read_compute(path: str, after: int = 0) -> list[tuple[int, float]]:
-    """The compute samples in ``path`` of iterations after ``after``, oldest first (torn slots left out)."""
+def read_compute(path: str, after: int = 0) -> list[ComputeSample]:
+    """The samples in ``path`` of iterations after ``after``, oldest first (torn slots left out)."""
     try:
         with open(path, "rb") as f:
             f.seek(COMPUTE_OFFSET)
@@ -198,7 +222,8 @@ def read_compute(path: str, after: int = 0) -> list[tuple[int, float]]:
         return []
     samples = []
     for i in range(len(raw) // _SAMPLE.size):
-        iteration, compute_s, again = _SAMPLE.unpack_from(raw, i * _SAMPLE.size)
+        iteration, compute_s, *links, again = _SAMPLE.unpack_from(raw, i * _SAMPLE.size)
         if iteration == again and iteration > after:
-            samples.append((iteration, compute_s))
-    return sorted(samples)
+            pairs = tuple((int(links[k]), links[k + 1]) for k in range(0, len(links), 2) if links[k] >= 0)
+            samples.append(ComputeSample(iteration, compute_s, pairs))
+    return sorted(samples, key=lambda s: s.iteration)

@@ -55,7 +55,7 @@ from trainmover_ext.migration.planned import PendingHandover, hand_over, prepare
 from trainmover_ext.migration.recovery import converge
 from trainmover_ext.migration.timeline import mark_step
 from trainmover_ext.runtime import faults, stall_dump
-from trainmover_ext.runtime.slowdown import SlowdownClock
+from trainmover_ext.runtime.slowdown import LinkDelay, SlowdownClock
 from trainmover_training.training import Runtime, Session
 
 if TYPE_CHECKING:
@@ -140,6 +140,8 @@ class WorkerRuntime(Runtime):
         """The distributed optimizer's host-memory mirror (:meth:`start_mirror`), when on."""
         self.slowdown: SlowdownClock | None = None
         """An injected slowdown of this rank (``--tm-inject-slowdown``, the original worker only)."""
+        self.link_delay: LinkDelay | None = None
+        """An injected slow link of this rank (``--tm-inject-link-delay``, the original worker only)."""
         grid = grid_of(self.layout)
         if grid.shard_of(self.layout.rank) != (self.layout.tp_rank, self.layout.pp_rank):
             raise MigrationAborted("megatron's rank order is not tp-dp-pp; the convergence logic does not apply")
@@ -264,7 +266,10 @@ class WorkerRuntime(Runtime):
         # The output layer's gradient comes first in a backward pass.
         last = [p for chunk in session.model for p in chunk.parameters() if p.requires_grad][-1]
         last.register_hook(_mark_backward)
-        native_group.observe_waits(progress.waiting)
+        observer: native_group.WaitObserver = progress.waiting
+        if self.link_delay is not None:
+            observer = self.link_delay.wrap(observer, self.layout.rank, lambda: int(session.args.iteration) + 1)
+        native_group.observe_waits(observer)
 
     def after_iteration(self, session: Session, loss: float | None) -> None:
         if self.slowdown is not None:

@@ -10,11 +10,17 @@ Nothing the model computes changes.
 
 Only the original worker slows down: a standby that later serves the rank (on a healthy slot) does
 not, which is what a straggler's migration is for.
+
+``--tm-inject-link-delay A:B:SECONDS[:FROM]`` (:class:`LinkDelay`) slows the link between two ranks
+instead: their point-to-point waits on each other end later; their compute does not change.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from trainmover_ext.errors import ConfigError
@@ -72,3 +78,59 @@ class SlowdownClock:
         if pause > 0:
             time.sleep(pause)
         return pause
+
+
+@dataclass(frozen=True)
+class LinkDelay:
+    """A slow link between two ranks (``--tm-inject-link-delay A:B:SECONDS[:FROM]``): from iteration FROM on,
+    every wait of either original worker in a point-to-point op with the other ends SECONDS later, as if
+    the data crossed a slow network path. The wait is inside the op, so it counts as time waited on that
+    peer, not as compute; the numerics do not change. A standby that takes either rank over is not
+    delayed (the path it uses is another)."""
+
+    ranks: tuple[int, int]
+    seconds: float
+    start: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> LinkDelay:
+        parts = text.split(":")
+        try:
+            if len(parts) not in (3, 4):
+                raise ValueError
+            spec = cls((int(parts[0]), int(parts[1])), float(parts[2]), int(parts[3]) if len(parts) == 4 else 1)
+        except ValueError:
+            raise ConfigError(
+                f"--tm-inject-link-delay {text!r}: expected A:B:SECONDS[:FROM], e.g. 0:2:0.005:20 (from iteration "
+                "20, each wait of rank 0 or 2 on the other ends 5 ms later)"
+            ) from None
+        a, b = spec.ranks
+        if min(a, b) < 0 or a == b or not 0 < spec.seconds <= 10 or spec.start < 1:
+            raise ConfigError(
+                f"--tm-inject-link-delay {text!r}: A and B must be two ranks >= 0, SECONDS in (0, 10] and FROM >= 1"
+            )
+        return spec
+
+    def peer_of(self, rank: int) -> int | None:
+        """The other end when ``rank`` is one end of the link, else None."""
+        a, b = self.ranks
+        return b if rank == a else a if rank == b else None
+
+    def wrap(
+        self,
+        observer: Callable[[str, int, int | None], AbstractContextManager[None]],
+        rank: int,
+        iteration: Callable[[], int],
+    ) -> Callable[[str, int, int | None], AbstractContextManager[None]]:
+        """``observer`` (a wait observer, ``nccl_delta.native_group.observe_waits``) with this delay added to
+        ``rank``'s waits on the other end (``iteration()``: the iteration in progress)."""
+        peer = self.peer_of(rank)
+
+        @contextlib.contextmanager
+        def delayed(group: str, op: int, on: int | None = None) -> Iterator[None]:
+            with observer(group, op, on):
+                yield
+                if on is not None and on == peer and iteration() >= self.start:
+                    time.sleep(self.seconds)
+
+        return delayed
