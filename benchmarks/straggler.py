@@ -44,11 +44,13 @@ SLOWED_RANK = 1
 WAYS = ("ideal", "no_action", "trainmover")
 
 
-def job_args(data_prefix: str, iters: int) -> list[str]:
+def job_args(data_prefix: str, iters: int, standby_nice: int = 0) -> list[str]:
+    """The 4-rank job; its standby at CPU niceness ``standby_nice`` (0: warm at once, so the move can come
+    within the run; the launcher's default, 19, keeps a warming standby off the training's cores)."""
     args = model_args(layers=4, hidden=32, heads=4, seq=32, mbs=1, gbs=8, iters=iters, lr=1e-3, dropout=0.1)
     args += ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--bf16"]
     args += ["--data-path", data_prefix + "_text_document"]
-    return args + ["--trainmover", "--tm-standbys", "1", "--tm-standby-nice", "0", "--tm-no-sandbox"]
+    return args + ["--trainmover", "--tm-standbys", "1", "--tm-standby-nice", str(standby_nice), "--tm-no-sandbox"]
 
 
 def run(workdir: str, name: str, args: list[str], timeout_s: float) -> dict:
@@ -76,7 +78,8 @@ def run(workdir: str, name: str, args: list[str], timeout_s: float) -> dict:
         events = [json.loads(line) for line in open(path) if line.strip()]
     named = sorted((e["detail"] for e in events if e.get("what") == "straggler"), key=lambda d: d["iteration"])
     moves = [e["detail"] for e in events if e.get("what") == "migration_planned"]
-    return {"iterations": its, "named": named, "moves": moves}
+    switches = sorted(e["detail"]["switch_at"] for e in events if e.get("what") == "switch_point")
+    return {"iterations": its, "named": named, "moves": moves, "switches": switches}
 
 
 def span_s(result: dict, start: int) -> float:

@@ -86,3 +86,14 @@ def test_ranks_inherit_the_node_name(monkeypatch):
 def test_a_recordings_port_out_of_range_is_refused(port):
     with pytest.raises(ConfigError, match="--recordings-port must be a TCP port"):
         LaunchConfig(script=PRETRAIN, rendezvous=RendezvousPlan(backend="tcp"), recordings_port=port)
+
+
+def test_a_process_rotating_through_the_pool_keeps_an_id_of_one_length():
+    from trainmover_ext.launch.identity import leaver_standby_id
+
+    assert leaver_standby_id("worker-n0-1-49050e", 2) == "standby-worker-n0-1-49050e-e2"
+    assert leaver_standby_id("standby-n0-0-4530dd", 1) == "standby-n0-0-4530dd-e1"
+    ids = ["worker-n0-1-49050e"]
+    for epoch in (2, 7, 12, 1000):
+        ids.append(leaver_standby_id(ids[-1], epoch))
+    assert ids[1:] == [f"standby-worker-n0-1-49050e-e{e}" for e in (2, 7, 12, 1000)]

@@ -9,6 +9,7 @@ so no process depends on another having registered the job first.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -57,8 +58,12 @@ class Identity:
 
 def leaver_standby_id(leaver: str, epoch: int) -> str:
     """The member id a planned leaver of ``epoch`` takes when it rejoins the pool
-    (``--tm-leaver-becomes-standby``); its agent derives the same id to adopt it as a standby."""
-    return f"standby-{leaver}-e{epoch}"
+    (``--tm-leaver-becomes-standby``); its agent derives the same id to adopt it as a standby.
+
+    ``standby-<its first id>-e<epoch>``: a process that rotates through the pool again and again (scheduled
+    rebalancing) keeps an id of one length, the epoch (one per job) keeping it unique."""
+    first = re.sub(r"^standby-(.+)-e\d+$", r"\1", leaver)
+    return f"standby-{first.removeprefix('standby-')}-e{epoch}"
 
 
 def identity_from_env() -> Identity:
