@@ -88,13 +88,6 @@ def main(argv=None) -> int:
     add_job_args(parser, "two")
     parser.add_argument("--iters", type=int, default=1500, help="Iterations of every run.")
     parser.add_argument("--interval-s", type=float, default=20.0, help="Seconds between scheduled moves.")
-    parser.add_argument(
-        "--standby-nice",
-        type=int,
-        default=19,
-        help="The standbys' CPU niceness (--tm-standby-nice; the launcher's default, 19): each leaver warms up "
-        "again as a standby, and on a shared CPU a standby at 0 takes the training's cores while it does.",
-    )
     parser.add_argument("--from", dest="start", type=int, default=10, help="The first iteration compared.")
     opts = parser.parse_args(argv)
     workdir, trials, failed = run_trials(opts, "rebalance", trial)

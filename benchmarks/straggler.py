@@ -2,8 +2,8 @@
 """Throughput lost to a straggler: no action, TrainMover moving it, and the ideal, side by side.
 
 The job: 4 ranks (PP2 x DP2) of the tests' tiny GPT in bf16 at dropout 0.1, one standby (basic warm-up,
-normal CPU priority), ``--iters`` iterations, under ``trainmover launch``. Each trial runs it three
-ways, one after the other:
+at CPU niceness ``--standby-nice``), ``--iters`` iterations, under ``trainmover launch``. Each trial runs
+it three ways, one after the other:
 
 - ``ideal``: no rank is slow (``--tm-straggler-action report``: any rank it names is a false positive);
 - ``no_action``: rank 1 computes ``--factor`` times slower from iteration ``--from`` on
@@ -44,9 +44,8 @@ SLOWED_RANK = 1
 WAYS = ("ideal", "no_action", "trainmover")
 
 
-def job_args(data_prefix: str, iters: int, standby_nice: int = 0) -> list[str]:
-    """The 4-rank job; its standby at CPU niceness ``standby_nice`` (0: warm at once, so the move can come
-    within the run; the launcher's default, 19, keeps a warming standby off the training's cores)."""
+def job_args(data_prefix: str, iters: int, standby_nice: int) -> list[str]:
+    """The 4-rank job; its standbys at CPU niceness ``standby_nice``."""
     args = model_args(layers=4, hidden=32, heads=4, seq=32, mbs=1, gbs=8, iters=iters, lr=1e-3, dropout=0.1)
     args += ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--bf16"]
     args += ["--data-path", data_prefix + "_text_document"]
@@ -88,7 +87,7 @@ def span_s(result: dict, start: int) -> float:
 
 
 def trial(workdir: str, n: int, opts) -> dict:
-    base = job_args(opts.data_prefix, opts.iters)
+    base = job_args(opts.data_prefix, opts.iters, opts.standby_nice)
     slow = ["--tm-inject-slowdown", f"{SLOWED_RANK}:{opts.factor}:{opts.start}"]
     runs = {}
     for way, extra in (
@@ -116,8 +115,16 @@ def trial(workdir: str, n: int, opts) -> dict:
     return out
 
 
-def add_job_args(parser: argparse.ArgumentParser, runs_per_trial: str) -> None:
+def add_job_args(parser: argparse.ArgumentParser, runs_per_trial: str, standby_nice: int = 19) -> None:
     """The flags every benchmark of this 4-rank job takes (``straggler.py``, ``rebalance.py``)."""
+    parser.add_argument(
+        "--standby-nice",
+        type=int,
+        default=standby_nice,
+        help=f"The standbys' CPU niceness (--tm-standby-nice; default {standby_nice}, the launcher's 19): on a "
+        "shared CPU a standby at 0 takes the training's cores while it warms up (after each move, the pool's "
+        "new standby does).",
+    )
     parser.add_argument("--json", default=None, help="Write the result as JSON to this path.")
     parser.add_argument("--trials", type=int, default=3, help=f"Trials ({runs_per_trial} runs each).")
     parser.add_argument("--timeout", type=float, default=900, help="Seconds one run may take.")
@@ -151,7 +158,8 @@ def main(argv=None) -> int:
         "command": shlex.join(["python", "benchmarks/straggler.py", *(sys.argv[1:] if argv is None else argv)]),
         "measured_at": measured_at(),
         "job": "4 ranks PP2 x DP2, tiny GPT (4 layers, hidden 32), bf16, dropout 0.1, one standby (basic warm-up, "
-        f"niceness 0), {opts.iters} iterations; rank {SLOWED_RANK} {opts.factor}x slower from iteration {opts.start} "
+        f"niceness {opts.standby_nice}), {opts.iters} iterations; rank {SLOWED_RANK} {opts.factor}x slower from "
+        f"iteration {opts.start} "
         "(CPU gloo, 2 cores)",
         "config": vars(opts) | {"json": None},
         "no_action": {"loss_pct": spread(t["no_action"]["loss_pct"] for t in trials)},

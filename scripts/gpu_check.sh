@@ -4,8 +4,9 @@
 #   1. the GPU-marked tests that need one device: training on CUDA with NCCL, the CUDA RNG snapshot and
 #      rewind, a CUDA state staged through host memory by the hand-over pair, backend and spec selection,
 #      a planned move of a one-rank bf16 job onto a standby warmed in its sandbox on the same GPU,
-#      bit-identical to the run without it, and the agent's GPU health read through NVML (needs
-#      nvidia-ml-py, which the container image has);
+#      bit-identical to the run without it, the agent's GPU health read through NVML (needs
+#      nvidia-ml-py, which the container image has), and the straggler watch's compute time taken on
+#      the device's timeline (CUDA events split an iteration into compute and stalls);
 #   2. a single-rank training job on CUDA, plain and on TrainMover's communicator (nccl_delta's backend
 #      registered on CUDA, its groups of one), whose losses must be bit-identical;
 #   3. the unit tests of nccl_delta with CUDA present (the NCCL transport imports, `auto` picks NCCL).
@@ -24,7 +25,8 @@ status=0
 $PY -m pytest -q -rs --timeout 600 tests/training/test_gpu.py tests/migration/test_handover_transport.py \
   tests/nccl_delta/test_units.py tests/nccl_delta/test_gpu.py::test_auto_transport_is_nccl_with_cuda \
   tests/migration/test_gpu_moves.py::test_a_planned_move_on_one_gpu_is_bit_identical \
-  tests/launch/test_gpu_health.py::test_nvml_reads_every_local_gpu 2>&1 \
+  tests/launch/test_gpu_health.py::test_nvml_reads_every_local_gpu \
+  tests/launch/test_device_time.py::test_cuda_events_split_a_gpu_iteration_into_compute_and_stalls 2>&1 \
   | tee "$OUT/gpu_tests.log"
 if [ "${PIPESTATUS[0]}" -ne 0 ] || grep -q "SKIPPED" "$OUT/gpu_tests.log"; then status=1; fi
 for comm in native nccl_delta; do

@@ -21,6 +21,7 @@ from helpers import (
     JobProbe,
     control_flags,
     fell_back,
+    finish_job,
     replaced,
     run_job,
     start_job,
@@ -93,3 +94,16 @@ def test_a_planned_move_on_one_gpu_is_bit_identical(tmp_path, corpus):
     assert not fell_back(job), job.stderr()[-3000:]
     assert "planned hand-over of epoch 1 on gloo" in job.stdout() + job.stderr()
     assert trajectory(job.metrics_path) == ref, "the trajectory differs from the run without the move"
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 4, reason="needs 4 CUDA devices (one per rank)"
+)
+def test_a_slowed_rank_is_named_from_the_devices_timelines(tmp_path, corpus):
+    """4 GPUs, PP2 x DP2 on NCCL: rank 1 is 1.5x slower from iteration 10 of 150. Every rank's wall time per
+    iteration is then rank 1's (the others' streams stall in the collectives), so only the devices'
+    timelines (trainmover_ext.launch.device_time) can name it: the watch names rank 1 alone."""
+    extra = ["--bf16", "--tm-straggler-action", "report", "--tm-inject-slowdown", "1:1.5:10"]
+    job = start_job(tmp_path, 4, tm_args(corpus, tp=1, pp=2, gbs=8, iters=150, extra=extra), name="gpu_straggler")
+    err = finish_job(job, 600)
+    assert [f["detail"]["rank"] for f in job.events("straggler")] == [1], err[-3000:]

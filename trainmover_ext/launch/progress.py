@@ -30,6 +30,11 @@ Contract
   thread waited in point-to-point ops with each of its (at most :data:`LINKS`) peers in that iteration,
   by the peer's logical rank (a pipeline stage's neighbours; a rank with more peers publishes the
   :data:`LINKS` it waited on longest).
+- **On a GPU** (:func:`use_device_timeline`, set by the worker when its model is on CUDA) the sample is
+  taken on the device's timeline instead (:mod:`trainmover_ext.launch.device_time`): the iteration's
+  time on the stream less the stream's stalls in communication, by peer for point-to-point ops. A sample
+  is published once the device has passed its iteration's end (usually at the next iteration's end),
+  never by waiting for it.
 - Everything here is a no-op in a process that has no heartbeat file (not started by the agent).
 """
 
@@ -42,6 +47,8 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+from trainmover_ext.launch.device_time import IterationTimes, Timeline
 
 PHASES = ("start", "control", "iteration", "forward", "backward", "step", "eval", "save", "recovery", "done")
 JUDGED = frozenset({"iteration", "forward", "backward", "step"})
@@ -101,6 +108,8 @@ class _Writer:
         """Seconds of this iteration spent in :func:`waiting`."""
         self.on_peer: dict[int, float] = {}
         """Of those, the seconds spent in point-to-point ops, by peer."""
+        self.device: IterationTimes | None = None
+        """The device's timeline, when the samples are taken there (:func:`use_device_timeline`)."""
 
     def write(self, group: str | None = None, op: int = 0) -> None:
         self.generation += 1
@@ -145,9 +154,21 @@ def mark(phase: str, iteration: int | None = None) -> None:
         w.iteration = iteration
     if phase == "iteration":
         w.began, w.waited, w.on_peer = w.at, 0.0, {}
+        if w.device is not None:
+            w.device.begin()
     elif phase in RESETS:
         w.began = None  # a save, evaluation or recovery in between: this iteration is not a sample
+        if w.device is not None:
+            w.device.cancel()
     w.write()
+
+
+def use_device_timeline(timeline: Timeline) -> None:
+    """Take the compute samples on ``timeline`` (the device's; see the module docstring) from the next
+    iteration on; a no-op without a heartbeat file."""
+    w = _writer
+    if w is not None:
+        w.device = IterationTimes(timeline)
 
 
 def compute_so_far() -> float | None:
@@ -165,11 +186,20 @@ def iteration_done(iteration: int) -> None:
         return
     compute_s = max(0.0, time.monotonic() - w.began - w.waited)
     w.began = None
-    links = sorted(w.on_peer.items(), key=lambda kv: -kv[1])[:LINKS]
+    if w.device is None:
+        _publish(w.fd, iteration, compute_s, w.on_peer)
+        return
+    w.device.end(iteration)
+    for number, device_s, on_peer in w.device.ready():
+        _publish(w.fd, number, device_s, on_peer)
+
+
+def _publish(fd: int, iteration: int, compute_s: float, on_peer: dict[int, float]) -> None:
+    links = sorted(on_peer.items(), key=lambda kv: -kv[1])[:LINKS]
     links += [(-1, 0.0)] * (LINKS - len(links))
     try:
         slot = COMPUTE_OFFSET + (iteration % RING) * _SAMPLE.size
-        os.pwrite(w.fd, _SAMPLE.pack(iteration, compute_s, *(x for link in links for x in link), iteration), slot)
+        os.pwrite(fd, _SAMPLE.pack(iteration, compute_s, *(x for link in links for x in link), iteration), slot)
     except OSError:
         pass
 
@@ -185,9 +215,13 @@ def waiting(group: str, op: int, peer: int | None = None) -> Iterator[None]:
     w.at = time.monotonic()
     w.write(group, op)
     started = w.at
+    if w.device is not None:
+        w.device.stall_begin(peer)
     try:
         yield
     finally:
+        if w.device is not None:
+            w.device.stall_end()
         w.at = time.monotonic()
         w.waited += w.at - started
         if peer is not None:

@@ -253,7 +253,8 @@ class WorkerRuntime(Runtime):
 
     def track_progress(self, session: Session) -> None:
         """Publish the main thread's progress to the agent (:mod:`trainmover_ext.launch.progress`): each
-        micro-batch's forward and backward, and the collective a wait blocks in."""
+        micro-batch's forward and backward, and the collective a wait blocks in; on a GPU the compute
+        samples come from the device's timeline."""
         from nccl_delta import native_group
 
         inner = session.forward_step_func
@@ -266,6 +267,10 @@ class WorkerRuntime(Runtime):
         # The output layer's gradient comes first in a backward pass.
         last = [p for chunk in session.model for p in chunk.parameters() if p.requires_grad][-1]
         last.register_hook(_mark_backward)
+        if last.device.type == "cuda":  # the wall clock names no straggler there (launch.device_time)
+            from trainmover_ext.launch.device_time import CudaTimeline
+
+            progress.use_device_timeline(CudaTimeline())
         observer: native_group.WaitObserver = progress.waiting
         if self.link_delay is not None:
             observer = self.link_delay.wrap(observer, self.layout.rank, lambda: int(session.args.iteration) + 1)
