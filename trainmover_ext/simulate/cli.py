@@ -111,6 +111,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--plot", default=None, metavar="FILE", help="sweep 1K-128K GPUs and plot to FILE (PNG/PDF/SVG)"
     )
     run_group.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="NAME=LO:HI",
+        help="sensitivity: also project with input NAME (as the report's input list names it, e.g. "
+        "restart_ref_s=80:300) at LO and at HI, the others unchanged, and report TrainMover's saving against "
+        "each strategy as a range over them (repeatable, one input at a time); JSON key sweep",
+    )
+    run_group.add_argument(
         "--paper",
         action="store_true",
         help="also print the paper's figures beside ours (8K/64K/128K, 10-min rebalance)",
@@ -241,18 +250,24 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, InputOrigins]
 
 def run(args: argparse.Namespace) -> int:
     """Simulate, print the table, and write the requested JSON and plot."""
-    from trainmover_ext.simulate import paper, report
+    from trainmover_ext.simulate import paper, report, sensitivity
     from trainmover_ext.simulate.engine import project
     from trainmover_ext.simulate.sources import format_inputs, inputs_of
 
     if args.check and not args.paper:
         raise ConfigError("--check compares with the paper's figures: give --paper too")
+    ranges = [sensitivity.parse_sweep(text) for text in args.sweep]
     cfg, origins = config_from_args(args)
     inputs = inputs_of(cfg, measured=origins.measured, given=origins.given)
     projection = project(cfg)
     print(report.format_projection(projection))
     print(format_inputs(inputs))
     doc = report.projection_to_json(projection, downtime_sources=origins.summary(), inputs=inputs)
+    if ranges:
+        swept = sensitivity.sweep(cfg, ranges, base=projection)
+        print()
+        print(sensitivity.format_sweep(swept, report.LABELS))
+        doc["sweep"] = swept.to_json()
     status = 0
     if args.paper:
         comparison = paper.compare_with_paper(cfg)

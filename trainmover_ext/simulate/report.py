@@ -19,7 +19,7 @@ from trainmover_ext.simulate.strategies import STRATEGY_NAMES
 
 SWEEP_GPUS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
-_LABELS = {
+LABELS = {
     "stop_restart": "stop-restart (checkpoint)",
     "parcae": "shrink/rebuild (Parcae/Oobleck-like)",
     "nvrx": "NVRx in-process restart",
@@ -86,7 +86,7 @@ def format_projection(projection: Projection) -> str:
             continue
         res = projection.results[name]
         red = f"{reductions[name]:.2f}%" if name in reductions else "-"
-        lines.append(f"{_LABELS[name]:<38} {res.ettr:>7.4f} {res.wasted_gpu_hours_per_week:>18,.0f} {red:>13}")
+        lines.append(f"{LABELS[name]:<38} {res.ettr:>7.4f} {res.wasted_gpu_hours_per_week:>18,.0f} {red:>13}")
     return "\n".join(lines)
 
 
@@ -146,8 +146,8 @@ def plot_sweep(projections: dict[int, Projection], path: str | Path) -> None:
             continue
         ettr = [projections[g].results[name].ettr for g in scales]
         waste = [max(projections[g].results[name].wasted_gpu_hours_per_week, 1e-9) for g in scales]
-        ax_ettr.plot(scales, ettr, marker="o", label=_LABELS[name])
-        ax_waste.plot(scales, waste, marker="o", label=_LABELS[name])
+        ax_ettr.plot(scales, ettr, marker="o", label=LABELS[name])
+        ax_waste.plot(scales, waste, marker="o", label=LABELS[name])
     for ax in (ax_ettr, ax_waste):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("GPUs")

@@ -1,0 +1,61 @@
+"""Sensitivity instead of a fit: ``--sweep NAME=LO:HI`` projects at both ends of an input's range, one input at a
+time, and gives TrainMover's saving against each strategy as a band; bad ranges are refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainmover_ext.cli import main
+from trainmover_ext.errors import ConfigError
+from trainmover_ext.simulate.config import SimConfig
+from trainmover_ext.simulate.sensitivity import Sweep, parse_sweep, sweep, with_value
+
+SMALL = SimConfig(gpus=1024, weeks=1.0, replicas=1)
+
+
+def test_ranges_parse_and_bad_ones_are_refused_by_name():
+    assert parse_sweep("restart_ref_s=80:300") == Sweep("restart_ref_s", 80.0, 300.0)
+    assert parse_sweep("--tm-cold-join-s=60:600").name == "tm_cold_join_s"
+    for bad, said in (
+        ("nope=1:2", "no input 'nope'"),
+        ("restart_ref_s=300:80", "LO < HI"),
+        ("restart_ref_s=80", "NAME=LO:HI"),
+        ("restart_ref_s=a:b", "NAME=LO:HI"),
+        ("gpus=1:inf", "finite"),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            parse_sweep(bad)
+
+
+def test_a_value_lands_in_the_config_or_its_downtime_model():
+    assert with_value(SMALL, "restart_ref_s", 80).downtimes.restart_ref_s == 80
+    assert with_value(SMALL, "gpus", 2048.4).gpus == 2048
+    assert with_value(SMALL, "iteration_s", 3).iteration_s == 3
+
+
+def test_a_slower_restart_widens_the_saving_against_stop_restart_only():
+    result = sweep(SMALL, [Sweep("restart_ref_s", 80, 900)])
+    ((_, lo, hi),) = result.ends
+    assert hi["stop_restart"] > lo["stop_restart"] + 1.0
+    assert hi["trainmover_no_standby"] == pytest.approx(lo["trainmover_no_standby"])  # TrainMover's own: unmoved
+    band = result.band
+    for name, value in result.base.items():
+        assert band[name][0] <= value <= band[name][1]
+    assert band["stop_restart"] == (
+        pytest.approx(min(lo["stop_restart"], hi["stop_restart"], result.base["stop_restart"])),
+        pytest.approx(max(lo["stop_restart"], hi["stop_restart"], result.base["stop_restart"])),
+    )
+
+
+def test_the_cli_prints_and_writes_the_band(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    argv = ["simulate", "--gpus", "1024", "--weeks", "1", "--replicas", "1", "--sweep", "restart_ref_s=80:300"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert "band (base and every end)" in capsys.readouterr().out
+    doc = json.loads(out.read_text())["sweep"]
+    (param,) = doc["params"]
+    assert (param["name"], param["lo"], param["hi"]) == ("restart_ref_s", 80.0, 300.0)
+    assert doc["band"]["stop_restart"]["min"] <= doc["band"]["stop_restart"]["max"]
+    assert main(["simulate", "--sweep", "nope=1:2"]) == 2

@@ -1,0 +1,113 @@
+"""Sensitivity instead of a fit: how TrainMover's saving moves when one uncertain input moves over its range.
+
+Contract (pure apart from the projections it runs; the CLI prints and writes what it returns):
+- :func:`parse_sweep` reads ``NAME=LO:HI``: NAME is an input of the projection as the report lists it (a
+  field of :class:`~.config.SimConfig` or of its downtime model, ``-`` or ``_`` alike), LO < HI, both
+  finite numbers; anything else is a :class:`~trainmover_ext.errors.ConfigError` that names the inputs.
+- :func:`sweep` projects the configuration once per end of each range, every other input at its value
+  (one input at a time), and returns each strategy's waste reduction at both ends, and the **band**: per
+  strategy, the lowest and highest reduction over the base projection and every end. A projection
+  resting on inputs that are uncertain is a range, not a number.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+
+from trainmover_ext.errors import ConfigError
+from trainmover_ext.simulate.config import SimConfig
+from trainmover_ext.simulate.engine import Projection, project
+
+_INTEGER = {"gpus", "gpus_per_node", "standbys", "max_standbys", "seed", "replicas", "restart_ref_gpus"}
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """One input's range."""
+
+    name: str
+    lo: float
+    hi: float
+
+
+@dataclass
+class SweepResult:
+    """Each strategy's waste reduction (percent) at each end of each range, and the band over them."""
+
+    base: dict[str, float]
+    ends: list[tuple[Sweep, dict[str, float], dict[str, float]]] = field(default_factory=list)
+    """(the range, the reductions at LO, at HI)."""
+
+    @property
+    def band(self) -> dict[str, tuple[float, float]]:
+        out = {}
+        for name, value in self.base.items():
+            seen = [value] + [at[name] for _, lo, hi in self.ends for at in (lo, hi) if name in at]
+            out[name] = (min(seen), max(seen))
+        return out
+
+    def to_json(self) -> dict:
+        return {
+            "params": [
+                {"name": s.name, "lo": s.lo, "hi": s.hi, "waste_reduction_pct": {"lo": lo, "hi": hi}}
+                for s, lo, hi in self.ends
+            ],
+            "band": {name: {"min": lo, "max": hi} for name, (lo, hi) in self.band.items()},
+        }
+
+
+def sweepable() -> list[str]:
+    """The inputs a range may be given for."""
+    names = [f.name for f in fields(SimConfig) if f.name != "downtimes"]
+    return names + [f.name for f in fields(SimConfig().downtimes)]
+
+
+def parse_sweep(text: str) -> Sweep:
+    """``NAME=LO:HI`` (see the module docstring)."""
+    name, _, span = text.partition("=")
+    name = name.strip().lstrip("-").replace("-", "_")
+    lo_text, _, hi_text = span.partition(":")
+    try:
+        lo, hi = float(lo_text), float(hi_text)
+    except ValueError:
+        raise ConfigError(f"--sweep {text!r}: expected NAME=LO:HI, e.g. restart_ref_s=80:300") from None
+    if name not in sweepable():
+        raise ConfigError(f"--sweep {text!r}: no input {name!r}; the inputs are {', '.join(sweepable())}")
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ConfigError(f"--sweep {text!r}: LO and HI must be finite numbers with LO < HI")
+    return Sweep(name, lo, hi)
+
+
+def with_value(cfg: SimConfig, name: str, value: float) -> SimConfig:
+    """``cfg`` with input ``name`` set to ``value``."""
+    typed = int(round(value)) if name in _INTEGER else value
+    if name in {f.name for f in fields(cfg.downtimes)}:
+        return replace(cfg, downtimes=replace(cfg.downtimes, **{name: typed}))
+    return replace(cfg, **{name: typed})
+
+
+def sweep(cfg: SimConfig, ranges: list[Sweep], base: Projection | None = None) -> SweepResult:
+    """Project ``cfg`` at both ends of each range (see the module docstring)."""
+    result = SweepResult(base=(base or project(cfg)).waste_reduction_pct())
+    for s in ranges:
+        at_lo = project(with_value(cfg, s.name, s.lo)).waste_reduction_pct()
+        at_hi = project(with_value(cfg, s.name, s.hi)).waste_reduction_pct()
+        result.ends.append((s, at_lo, at_hi))
+    return result
+
+
+def format_sweep(result: SweepResult, labels: dict[str, str]) -> str:
+    """The report's sensitivity table: per range, each strategy's reduction at LO and at HI; then the band."""
+    names = list(result.base)
+    lines = ["sensitivity: TrainMover's waste reduction against each strategy, one input at a time"]
+    for s, lo, hi in result.ends:
+        lines.append(f"  {s.name} = {s.lo:g} .. {s.hi:g}")
+        for name in names:
+            lines.append(
+                f"    {labels.get(name, name):38} {lo.get(name, math.nan):7.2f}% .. {hi.get(name, math.nan):.2f}%"
+            )
+    lines.append("  band (base and every end):")
+    for name, (lo_pct, hi_pct) in result.band.items():
+        lines.append(f"    {labels.get(name, name):38} {lo_pct:7.2f}% .. {hi_pct:.2f}%")
+    return "\n".join(lines)
