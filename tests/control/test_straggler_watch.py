@@ -11,10 +11,12 @@ from trainmover_ext.control.placement import available_standbys
 from trainmover_ext.control.records import (
     ComputeReport,
     MemberRecord,
+    MigrationPlan,
     Quarantine,
     RankRecord,
     StragglerPolicy,
     StragglerRecord,
+    migration_key_suffix,
 )
 from trainmover_ext.control.straggler_watch import POLICY_KEY, StragglerWatch
 from trainmover_ext.control.view import View, read_view
@@ -171,6 +173,37 @@ def test_a_slow_rank_makes_its_partner_wait_but_is_no_slow_link():
     _report_links(space, range(1, 21), {(0, 2): 0.14}, slow=2)
     (found,) = watch.tick(read_view(space))
     assert found.rank == 2 and watch.slow_links == []
+
+
+def test_iterations_a_move_disturbs_are_not_counted():
+    """A request in flight holds out what the ranks run until the next round (twice the last advance); after
+    the move, SETTLE_AFTER iterations past its switch point. A slow pair is named only from then on."""
+    from trainmover_ext.control.membership import migration_request_puts
+    from trainmover_ext.control.straggler_watch import SETTLE_AFTER
+
+    space = _space()
+    _job(space)
+    watch = _watch(space, "report")
+    _report_links(space, range(1, 11), {(0, 2): 0.1})
+    request, puts = migration_request_puts(space, rank=3)
+    assert space.commit([], puts)
+    watch.tick(read_view(space))
+    assert watch.slow_links == [] and watch._hold == 10 + 2 * 10  # the 10 reported, and 20 more
+    space.kv.delete(space.key("requests", request))
+    plan = MigrationPlan(
+        epoch=1,
+        reason="planned",
+        replacements=[{"rank": 3, "leaver": "w3", "joiner": "s1", "role": "last", "state_source": {"kind": "leaver"}}],
+        resume_iteration=None,
+        switch_at=25,
+        steps={"transferred": 1.0},
+    )
+    space.put(space.key("migrations", migration_key_suffix(1)), plan.to_bytes())
+    space.put(space.key("epoch"), encode("epoch", {"epoch": 1}))
+    _report_links(space, range(1, 46), {(0, 2): 0.1})
+    watch.tick(read_view(space))
+    (link,) = watch.slow_links
+    assert (link.ranks, link.iteration) == ([0, 2], max(30, 25 + SETTLE_AFTER) + 5)  # the window of 5 after
 
 
 def test_pairs_at_their_peers_pace_are_no_slow_links():

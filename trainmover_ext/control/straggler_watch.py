@@ -20,6 +20,11 @@ Contract:
   same roles. A pair flagged while neither end was slow in compute in that iteration (a slow rank makes
   its partner wait too: that is a straggler, not a link) is logged, recorded under
   ``slow_links/<a>-<b>`` and on the timeline (``slow_link``), naming both ends. Nothing is moved for it.
+- **Moves and recoveries disturb everyone's timing** (a joiner's preparation shares the hosts, the ranks
+  pause at the switch): an iteration reported while one is in flight (the view not quiet), or up to
+  :data:`SETTLE_AFTER` iterations after a planned move's switch point, is not counted by either
+  detector; while in flight, the iterations the ranks run until the next round (twice the last round's
+  advance, at least :data:`LAG`) are held out too.
 - Every write is guarded by the leader key: a controller that lost the lead writes nothing. The watch's
   streaks live in memory: a new leader starts them afresh (at most one window later).
 """
@@ -56,6 +61,8 @@ logger = logging.getLogger(__name__)
 LAG = 8
 """Iterations a rank may report behind the others before its peers are judged without it."""
 POLICY_KEY = ("policy", "stragglers")
+SETTLE_AFTER = 10
+"""Iterations after a planned move's switch point that neither detector counts."""
 
 
 def is_quarantined(space: JobSpace, host: str, pid: int) -> bool:
@@ -108,6 +115,10 @@ class StragglerWatch:
     _pending: dict[int, dict[int, tuple[float, dict[int, float]]]] = field(default_factory=dict)
     """Iteration -> rank -> (compute seconds, seconds waited on each peer)."""
     _fed: int = 0
+    _hold: int = 0
+    """Iterations up to this one are not counted (a move or recovery disturbed them)."""
+    _seen: int = 0
+    """The newest iteration reported at the previous round."""
     _newest: dict[int, int] = field(default_factory=dict)
     _serving: dict[int, str] = field(default_factory=dict)
     _unacted: list[Straggler[int]] = field(default_factory=list)
@@ -146,13 +157,16 @@ class StragglerWatch:
                 self._unacted = [s for s in self._unacted if s.rank != rank]
             self._serving[rank] = rec.member_id
         self._gather()
+        self._hold_out_moves(view)
         training = set(view.ranks) - view.finished
         for iteration in self._due(training):
             row = {r: times for r, times in self._pending.pop(iteration).items() if r in view.ranks}
             samples = {r: Sample(peer_key=view.ranks[r].role, compute_s=compute) for r, (compute, _) in row.items()}
-            self._unacted += sorted(detector.observe(iteration, samples), key=lambda s: s.rank)
-            for found in links.observe(iteration, self._link_samples(view, row, detector.slow)):
-                self._report_link(view, found)
+            held = iteration <= self._hold
+            self._unacted += sorted(detector.observe(iteration, samples, excluded=held), key=lambda s: s.rank)
+            found = links.observe(iteration, self._link_samples(view, row, detector.slow), excluded=held)
+            for link in found:
+                self._report_link(view, link)
             self._fed = iteration
         self._unacted += self._unfit_gpus(view)
         recorded = []
@@ -162,6 +176,16 @@ class StragglerWatch:
             self._unacted.pop(0)
             recorded.append(record)
         return recorded
+
+    def _hold_out_moves(self, view: View) -> None:
+        """Extend :attr:`_hold` over what a move or recovery in flight disturbs (see the module docstring)."""
+        newest = max(self._newest.values(), default=0)
+        advance, self._seen = max(0, newest - self._seen), newest
+        if not _quiet(view):
+            self._hold = max(self._hold, newest + max(LAG, 2 * advance))
+        plan = view.last_plan
+        if plan is not None and plan.switch_at is not None:
+            self._hold = max(self._hold, plan.switch_at + SETTLE_AFTER)
 
     @staticmethod
     def _link_samples(
