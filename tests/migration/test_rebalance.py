@@ -19,6 +19,10 @@ def test_scheduled_moves_rotate_ranks_through_the_pool_bit_identically(tmp_path,
     err = finish_job(job, 400)
     asked = [e["detail"]["rank"] for e in job.events("rebalance")]
     moves = replaced(job)
+    rejected = [e["detail"] for e in job.events("request_rejected")]
+    if len(asked) == len(moves) + 1:  # asked as the job finished: no boundary was left for it
+        assert [r["reason"][:22] for r in rejected] == ["the job is finishing: "], (rejected, asked)
+        asked = asked[:-1]
     assert len(asked) >= 2, err[-3000:]
     assert [m["rank"] for m in moves] == asked and {m["reason"] for m in moves} == {"planned"}, (moves, asked)
     assert len(set(asked[:4])) == len(asked[:4]), f"a rank moved again before every rank had moved: {asked}"
