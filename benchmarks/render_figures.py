@@ -350,7 +350,15 @@ def rebalance_lines(data: dict | None) -> list[str]:
         f"{spread_cell(data['loss_pct'], ' %')} of throughput (goal < 3 %) for "
         f"{spread_cell(data['rebalances'], '')} moves a run, {spread_cell(data.get('lost_per_move_s'))} lost per "
         f"move; losses bit-identical: {yes(data['bit_identical'])}. "
-        f"{stamp(data)}",
+        + (
+            f"Inside the rebalanced run alone (each move's pause and the 20 iterations after it against the run's "
+            f"median iteration; no drift between two runs): {spread_cell(in_run['loss_pct'], ' %')}, "
+            f"{spread_cell(in_run['lost_per_move_s'])} per move, of which the pause "
+            f"{spread_cell(in_run['pause_s'])}. "
+            if (in_run := data.get("in_run"))
+            else ""
+        )
+        + stamp(data),
     ]
 
 

@@ -172,3 +172,15 @@ def test_trainmover_flat_baselines_grow_with_scale():
         tm.recover(EventKind.UNEXPECTED, big_cfg, True).downtime_s
         == tm.recover(EventKind.UNEXPECTED, small_cfg, True).downtime_s
     )
+
+
+def test_the_jobs_own_ettr_leaves_idle_standbys_uncharged():
+    """Both ETTRs of the same run: with standbys the job's own (progress over wall time, what a chaos run
+    measures) is above the one that charges their idle GPU-time; with none they agree."""
+    cfg = small(gpus=8192, weeks=1.0)
+    with_pool = simulate(cfg, STRATEGIES["trainmover"], standbys=16)
+    assert with_pool.standby_idle_gpu_s > 0
+    assert with_pool.ettr_job == pytest.approx(with_pool.work_s / with_pool.wall_s)
+    assert with_pool.ettr_job > with_pool.ettr
+    alone = simulate(cfg, STRATEGIES["stop_restart"], standbys=0)
+    assert alone.ettr_job == pytest.approx(alone.ettr)

@@ -89,9 +89,16 @@ class RunResult:
 
     @property
     def ettr(self) -> float:
-        """Effective training time ratio: useful GPU-time over all GPU-time spent."""
+        """Effective training time ratio, idle standbys charged: useful GPU-time over all GPU-time spent,
+        the standbys' idle GPU-time and a shrunk job's idle GPUs included."""
         useful = self.gpus * self.work_s
         return useful / (useful + self.wasted_gpu_s) if useful > 0 else 1.0
+
+    @property
+    def ettr_job(self) -> float:
+        """The job's own ETTR: its progress time over its wall time, what a run's log measures (a chaos run's
+        ETTR); standbys waiting beside it are not charged."""
+        return self.work_s / self.wall_s if self.wall_s > 0 else 1.0
 
     @property
     def wasted_gpu_hours_per_week(self) -> float:

@@ -31,7 +31,8 @@ LABELS = {
 def projection_to_json(
     projection: Projection, *, downtime_sources: list[str] | None = None, inputs: list[Input] | None = None
 ) -> dict:
-    """The ``--json`` document: ``gpus``, ``ettr``, ``waste_reduction_pct``, ``best_standbys`` and details;
+    """The ``--json`` document: ``gpus``, ``ettr`` (idle standbys charged), ``ettr_job`` (the job's progress over
+    its wall time alone), ``waste_reduction_pct``, ``best_standbys`` and details;
     ``inputs[]`` lists every input with its source (``{name, value, source, reference, fitted}``), and
     ``config`` is the configuration as simulated."""
     cfg = projection.cfg
@@ -39,6 +40,7 @@ def projection_to_json(
     return {
         "gpus": cfg.gpus,
         "ettr": {name: res.ettr for name, res in results.items()},
+        "ettr_job": {name: res.ettr_job for name, res in results.items()},
         "waste_reduction_pct": projection.waste_reduction_pct(),
         "best_standbys": projection.best_standbys,
         "wasted_gpu_hours_per_week": {name: res.wasted_gpu_hours_per_week for name, res in results.items()},
@@ -79,14 +81,21 @@ def format_projection(projection: Projection) -> str:
     lines = [
         f"{cfg.gpus:,} GPUs ({cfg.nodes:,} nodes), job MTTF {cfg.job_mttf_s / HOUR_S:.2f} h, "
         f"{cfg.weeks:.2f} weeks x {cfg.replicas} runs, best standbys {projection.best_standbys}",
-        f"{'strategy':<38} {'ETTR':>7} {'wasted GPU-h/week':>18} {'TM reduction':>13}",
+        f"{'strategy':<38} {'ETTR':>7} {'job ETTR':>9} {'wasted GPU-h/week':>18} {'TM reduction':>13}",
     ]
     for name in STRATEGY_NAMES:
         if name not in projection.results:
             continue
         res = projection.results[name]
         red = f"{reductions[name]:.2f}%" if name in reductions else "-"
-        lines.append(f"{LABELS[name]:<38} {res.ettr:>7.4f} {res.wasted_gpu_hours_per_week:>18,.0f} {red:>13}")
+        lines.append(
+            f"{LABELS[name]:<38} {res.ettr:>7.4f} {res.ettr_job:>9.4f} {res.wasted_gpu_hours_per_week:>18,.0f} "
+            f"{red:>13}"
+        )
+    lines.append(
+        "ETTR: useful GPU-time over all GPU-time, idle standbys and a shrunk job's idle GPUs charged; job ETTR: "
+        "the job's progress over its wall time alone (what a run's log measures)"
+    )
     return "\n".join(lines)
 
 
