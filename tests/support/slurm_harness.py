@@ -31,6 +31,8 @@ from trainmover_ext.netutil import free_ports
 
 PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel", "munged", "mungekey"]
+CRED_SETTLE_S = 2.0
+"""How long after a requeue a job's next run may be started (see :meth:`SlurmCluster.start_requeued_now`)."""
 
 
 class SlurmError(RuntimeError):
@@ -265,7 +267,11 @@ class SlurmCluster:
         Slurm holds a requeued batch job back (its begin time about two minutes ahead), and refuses a
         new begin time while the job's first run is still completing. Retries ``scontrol update
         StartTime=now`` until the job runs, ends, or pends for another reason than its begin time;
-        raises SlurmError with the job's state otherwise."""
+        raises SlurmError with the job's state otherwise. It waits :data:`CRED_SETTLE_S` after the call
+        first: slurmd refuses a job credential no newer, in whole seconds, than the revocation of the
+        job's first run ("Killing non-startable batch JobId=8: Job credential revoked" when the second
+        run was allocated 0.6 s after the requeue, in the same second)."""
+        time.sleep(CRED_SETTLE_S)
         deadline = time.monotonic() + timeout
         info: dict[str, str] = {}
         while time.monotonic() < deadline:
