@@ -18,7 +18,7 @@ from trainmover_ext.control.records import (
     StragglerRecord,
     migration_key_suffix,
 )
-from trainmover_ext.control.straggler_watch import POLICY_KEY, StragglerWatch
+from trainmover_ext.control.straggler_watch import POLICY_KEY, SETTLE_AFTER, StragglerWatch
 from trainmover_ext.control.view import View, read_view
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.kv import Guard, MemoryKV
@@ -222,6 +222,16 @@ def test_iterations_while_a_standby_warms_beside_the_ranks_are_not_counted():
     assert (found.rank, found.iteration) == (1, 30 + 5)  # held to 10 + 2 x 10, then the window of 5
 
 
+def test_the_jobs_first_iterations_are_not_counted():
+    space = _space()
+    _job(space)
+    _watch(space, "report")  # the policy
+    watch = StragglerWatch(space, "ctl", lambda: Guard.absent(space.key("no-such-key")))
+    _report(space, range(1, 21), {1: 0.2})
+    (found,) = watch.tick(read_view(space))
+    assert (found.rank, found.iteration) == (1, SETTLE_AFTER + 5)  # the window of 5 after the first 10
+
+
 @pytest.mark.parametrize("ratio", [1.1, 1.3])
 def test_pairs_below_the_links_threshold_are_no_slow_links(ratio):
     """1.3x is above the straggler threshold (1.15) but below LINK_THRESHOLD (1.5): waits are noisier."""
@@ -234,7 +244,7 @@ def test_pairs_below_the_links_threshold_are_no_slow_links(ratio):
 
 def _watch(space: JobSpace, action: str) -> StragglerWatch:
     space.put(space.key(*POLICY_KEY), StragglerPolicy(action=action, threshold=1.15, window=5).to_bytes())
-    return StragglerWatch(space, "ctl", lambda: Guard.absent(space.key("no-such-key")))
+    return StragglerWatch(space, "ctl", lambda: Guard.absent(space.key("no-such-key")), first_counted=1)
 
 
 @pytest.mark.parametrize("slow", [1.2, 1.5, 2.0])

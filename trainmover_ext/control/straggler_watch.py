@@ -24,8 +24,8 @@ Contract:
 - **Moves, recoveries and warming standbys disturb everyone's timing** (a joiner's preparation shares the
   hosts, the ranks pause at the switch, a standby warming up on a host of ranks shares their CPU): an
   iteration reported while one is in flight (the view not quiet) or such a standby warms, or up to
-  :data:`SETTLE_AFTER` iterations after a planned move's switch point, is not counted by either
-  detector; while in flight, the iterations the ranks run until the next round (twice the last round's
+  :data:`SETTLE_AFTER` iterations after a planned move's switch point (and the job's first as many), is not
+  counted by either detector; while in flight, the iterations the ranks run until the next round (twice the last round's
   advance, at least :data:`LAG`) are held out too.
 - Every write is guarded by the leader key: a controller that lost the lead writes nothing. The watch's
   streaks live in memory: a new leader starts them afresh (at most one window later).
@@ -121,6 +121,8 @@ class StragglerWatch:
     _pending: dict[int, dict[int, tuple[float, dict[int, float]]]] = field(default_factory=dict)
     """Iteration -> rank -> (compute seconds, seconds waited on each peer)."""
     _fed: int = 0
+    first_counted: int = SETTLE_AFTER + 1
+    """The job's first iteration counted (before it, its ranks start unevenly)."""
     _hold: int = 0
     """Iterations up to this one are not counted (a move or recovery disturbed them)."""
     _seen: int = 0
@@ -164,6 +166,7 @@ class StragglerWatch:
                 self._unacted = [s for s in self._unacted if s.rank != rank]
             self._serving[rank] = rec.member_id
         self._gather()
+        self._hold = max(self._hold, self.first_counted - 1)
         self._hold_out_moves(view)
         training = set(view.ranks) - view.finished
         for iteration in self._due(training):
