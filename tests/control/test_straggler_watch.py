@@ -206,22 +206,6 @@ def test_iterations_a_move_disturbs_are_not_counted():
     assert (link.ranks, link.iteration) == ([0, 2], max(30, 25 + SETTLE_AFTER) + 5)  # the window of 5 after
 
 
-def test_iterations_while_a_standby_warms_beside_the_ranks_are_not_counted():
-    """A standby warming up on h0 (no warm role yet) shares the CPU of ranks 0 and 1: rank 1's slow iterations
-    meanwhile are held out; once it is warm, rank 1 is named a window later."""
-    space = _space()
-    _job(space)
-    cold = MemberRecord(member_id="s2", kind="standby", host="h0", pid=300, warm_roles=[])
-    space.put(space.key("members", "s2"), cold.to_bytes())
-    watch = _watch(space, "report")
-    _report(space, range(1, 11), {1: 0.2})
-    assert watch.tick(read_view(space)) == []
-    space.put(space.key("members", "s2"), MemberRecord(**{**cold.__dict__, "warm_roles": ["first"]}).to_bytes())
-    _report(space, range(1, 36), {1: 0.2})
-    (found,) = watch.tick(read_view(space))
-    assert (found.rank, found.iteration) == (1, 30 + 5)  # held to 10 + 2 x 10, then the window of 5
-
-
 def test_the_jobs_first_iterations_are_not_counted():
     space = _space()
     _job(space)

@@ -21,9 +21,8 @@ Contract:
   compute in that iteration (a slow rank makes its partner wait too: that is a straggler, not a link) is
   logged, recorded under ``slow_links/<a>-<b>`` and on the timeline (``slow_link``), naming both ends.
   Nothing is moved for it.
-- **Moves, recoveries and warming standbys disturb everyone's timing** (a joiner's preparation shares the
-  hosts, the ranks pause at the switch, a standby warming up on a host of ranks shares their CPU): an
-  iteration reported while one is in flight (the view not quiet) or such a standby warms, or up to
+- **Moves and recoveries disturb everyone's timing** (a joiner's preparation shares the hosts, the ranks
+  pause at the switch): an iteration reported while one is in flight (the view not quiet), or up to
   :data:`SETTLE_AFTER` iterations after a planned move's switch point (and the job's first as many), is not
   counted by either detector; while in flight, the iterations the ranks run until the next round (twice the last round's
   advance, at least :data:`LAG`) are held out too.
@@ -191,7 +190,7 @@ class StragglerWatch:
         """Extend :attr:`_hold` over what a move or recovery in flight disturbs (see the module docstring)."""
         newest = max(self._newest.values(), default=0)
         advance, self._seen = max(0, newest - self._seen), newest
-        if not _quiet(view) or _warming_beside_ranks(view):
+        if not _quiet(view):
             self._hold = max(self._hold, newest + max(LAG, 2 * advance))
         plan = view.last_plan
         if plan is not None and plan.switch_at is not None:
@@ -358,14 +357,6 @@ class StragglerWatch:
         )
         self.flagged.append(record)
         return record
-
-
-def _warming_beside_ranks(view: View) -> bool:
-    """Whether a standby on a host that runs ranks is still warming up (it shares their CPU meanwhile)."""
-    hosts = {rec.host for rec in view.ranks.values()}
-    return any(
-        m.kind == "standby" and (m.warming or not m.warm_roles) and m.host in hosts for m in view.members.values()
-    )
 
 
 def _sample(entry: list[float]) -> tuple[int, float, dict[int, float]]:
