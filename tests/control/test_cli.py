@@ -163,9 +163,8 @@ def test_straggler_policy_and_quarantine_at_run_time(etcd, kv, capsys):
         SlowLinkRecord,
         StragglerRecord,
         quarantine_key,
-        slow_link_key,
     )
-    from trainmover_ext.control.straggler_watch import read_policy
+    from trainmover_ext.control.straggler_watch import read_policy, slow_link_key
 
     space = JobSpace.create(kv, "strag")
     f = flags(etcd, space.token, job="strag")

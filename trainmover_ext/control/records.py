@@ -551,11 +551,6 @@ class SlowLinkRecord(Record):
     flagged_at: float = 0.0
 
 
-def slow_link_key(space: JobSpace, a: int, b: int) -> str:
-    """``slow_links/<a>-<b>`` of the job (``a < b``)."""
-    return space.key("slow_links", f"{min(a, b)}-{max(a, b)}")
-
-
 @dataclass(kw_only=True)
 class Quarantine(Record):
     """A slot no standby is promoted into until an operator clears it (``quarantine/<host>/<slot>``)."""

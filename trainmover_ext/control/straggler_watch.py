@@ -49,7 +49,6 @@ from trainmover_ext.control.records import (
     StragglerPolicy,
     StragglerRecord,
     quarantine_key,
-    slow_link_key,
 )
 from trainmover_ext.control.stragglers import Sample, Straggler, StragglerConfig, StragglerDetector
 from trainmover_ext.control.view import View
@@ -357,6 +356,11 @@ class StragglerWatch:
         )
         self.flagged.append(record)
         return record
+
+
+def slow_link_key(space: JobSpace, a: int, b: int) -> str:
+    """``slow_links/<a>-<b>`` of the job (``a < b``)."""
+    return space.key("slow_links", f"{min(a, b)}-{max(a, b)}")
 
 
 def _sample(entry: list[float]) -> tuple[int, float, dict[int, float]]:
