@@ -13,13 +13,12 @@ Contract (pure apart from the projections it runs; the CLI prints and writes wha
 from __future__ import annotations
 
 import math
+import typing
 from dataclasses import dataclass, field, fields, replace
 
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.simulate.config import SimConfig
 from trainmover_ext.simulate.engine import Projection, project
-
-_INTEGER = {"gpus", "gpus_per_node", "standbys", "max_standbys", "seed", "replicas", "restart_ref_gpus"}
 
 
 @dataclass(frozen=True)
@@ -81,10 +80,12 @@ def parse_sweep(text: str) -> Sweep:
 
 def with_value(cfg: SimConfig, name: str, value: float) -> SimConfig:
     """``cfg`` with input ``name`` set to ``value``."""
-    typed = int(round(value)) if name in _INTEGER else value
-    if name in {f.name for f in fields(cfg.downtimes)}:
-        return replace(cfg, downtimes=replace(cfg.downtimes, **{name: typed}))
-    return replace(cfg, **{name: typed})
+    owner = cfg.downtimes if name in {f.name for f in fields(cfg.downtimes)} else cfg
+    hint = typing.get_type_hints(type(owner))[name]
+    typed = int(round(value)) if int in (hint, *typing.get_args(hint)) else value
+    if owner is cfg:
+        return replace(cfg, **{name: typed})
+    return replace(cfg, downtimes=replace(cfg.downtimes, **{name: typed}))
 
 
 def sweep(cfg: SimConfig, ranges: list[Sweep], base: Projection | None = None) -> SweepResult:
