@@ -19,9 +19,14 @@ Contract
   ``step`` (the loss reduction and the
   optimizer step), ``eval``, ``save``, ``recovery``, ``done``. The agent judges only
   :data:`JUDGED` phases; the others wait on something else's timeouts.
-- **Compute time** (what the straggler detector compares, ``control.stragglers``): the main thread's
-  wall time from the ``iteration`` mark to :func:`iteration_done`, less the time it spent in
-  :func:`waiting`. Each completed iteration writes one sample ``(iteration, compute_s)`` into a ring
+- **Compute time** (what the straggler detector compares, ``control.stragglers``): the process's CPU
+  time (:data:`cpu_clock`, every thread: torch's intra-op threads compute too) from the ``iteration``
+  mark to :func:`iteration_done`, less the CPU time spent while the main thread was in :func:`waiting`.
+  CPU time, not wall time: a rank descheduled because other processes share its cores is not slower
+  hardware, and on a shared host (the 2-core test machine runs 4 ranks, a standby and an agent) such
+  stretches made healthy ranks' wall times 1.2x their peers' for ten iterations and more. A slower or
+  throttled processor, which needs more CPU time for the same work, still shows.
+  Each completed iteration writes one sample ``(iteration, compute_s)`` into a ring
   of :data:`RING` slots after the record (at :data:`COMPUTE_OFFSET`, slot ``iteration % RING``): one
   ``pwrite`` per iteration, read by the agent with :func:`read_compute`. On a GPU a collective's wait
   returns once the wait is queued on the stream, so there the sample is the CPU's view (the iteration's
@@ -67,6 +72,8 @@ it), its iteration again (a torn slot reads unequal)."""
 RING = 64
 """Compute samples kept: the agent reads them every ``monitor_interval_s``, far more often than 64 iterations."""
 COMPUTE_OFFSET = OFFSET + _RECORD.size
+cpu_clock = time.process_time
+"""The clock of compute time off the device: the process's CPU seconds."""
 _MAIN = threading.main_thread().ident
 
 
@@ -103,11 +110,11 @@ class _Writer:
         self.phase = "start"
         self.at = time.monotonic()
         self.began: float | None = None
-        """``time.monotonic()`` of this iteration's ``iteration`` mark (None: no iteration in progress)."""
+        """:data:`cpu_clock` at this iteration's ``iteration`` mark (None: no iteration in progress)."""
         self.waited = 0.0
-        """Seconds of this iteration spent in :func:`waiting`."""
+        """CPU seconds of this iteration spent while the main thread was in :func:`waiting`."""
         self.on_peer: dict[int, float] = {}
-        """Of those, the seconds spent in point-to-point ops, by peer."""
+        """Wall seconds of this iteration the main thread waited in point-to-point ops, by peer."""
         self.device: IterationTimes | None = None
         """The device's timeline, when the samples are taken there (:func:`use_device_timeline`)."""
 
@@ -153,7 +160,7 @@ def mark(phase: str, iteration: int | None = None) -> None:
     if iteration is not None:
         w.iteration = iteration
     if phase == "iteration":
-        w.began, w.waited, w.on_peer = w.at, 0.0, {}
+        w.began, w.waited, w.on_peer = cpu_clock(), 0.0, {}
         if w.device is not None:
             w.device.begin()
     elif phase in RESETS:
@@ -172,11 +179,12 @@ def use_device_timeline(timeline: Timeline) -> None:
 
 
 def compute_so_far() -> float | None:
-    """The compute seconds of the iteration in progress until now (None when none is in progress)."""
+    """The compute seconds (:data:`cpu_clock`) of the iteration in progress until now (None when none is in
+    progress)."""
     w = _writer
     if w is None or w.began is None:
         return None
-    return max(0.0, time.monotonic() - w.began - w.waited)
+    return max(0.0, cpu_clock() - w.began - w.waited)
 
 
 def iteration_done(iteration: int) -> None:
@@ -184,7 +192,7 @@ def iteration_done(iteration: int) -> None:
     w = _writer
     if w is None or threading.get_ident() != _MAIN or w.began is None:
         return
-    compute_s = max(0.0, time.monotonic() - w.began - w.waited)
+    compute_s = max(0.0, cpu_clock() - w.began - w.waited)
     w.began = None
     if w.device is None:
         _publish(w.fd, iteration, compute_s, w.on_peer)
@@ -214,7 +222,7 @@ def waiting(group: str, op: int, peer: int | None = None) -> Iterator[None]:
         return
     w.at = time.monotonic()
     w.write(group, op)
-    started = w.at
+    started, cpu_started = w.at, cpu_clock()
     if w.device is not None:
         w.device.stall_begin(peer)
     try:
@@ -223,7 +231,7 @@ def waiting(group: str, op: int, peer: int | None = None) -> Iterator[None]:
         if w.device is not None:
             w.device.stall_end()
         w.at = time.monotonic()
-        w.waited += w.at - started
+        w.waited += cpu_clock() - cpu_started
         if peer is not None:
             w.on_peer[peer] = w.on_peer.get(peer, 0.0) + w.at - started
         w.write()

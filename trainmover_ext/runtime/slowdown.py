@@ -1,12 +1,14 @@
 """Slowdown injection for straggler drills: one rank computes ``FACTOR`` times slower, with the same numerics.
 
 ``--tm-inject-slowdown RANK:FACTOR[:FROM]`` makes the worker serving logical rank RANK, from
-iteration FROM (1-based, default 1) on, sleep at the end of every iteration for ``FACTOR - 1`` times
-the compute time that iteration took so far (:func:`trainmover_ext.launch.progress.compute_so_far`:
-the main thread's time less its waits in collectives; the iteration's wall time where the process
-has no progress record). The sleep is on the main thread outside any collective, so it counts as
-compute and its peers wait for it at the next collective, as for a slow GPU or a throttled host.
-Nothing the model computes changes.
+iteration FROM (1-based, default 1) on, compute for ``FACTOR - 1`` times the compute time that
+iteration took so far, at the end of every iteration (:func:`trainmover_ext.launch.progress.compute_so_far`:
+the process's CPU time less its waits in collectives; the iteration's wall time where the process has
+no progress record). The extra work spins the main thread until the process's CPU clock
+(``progress.cpu_clock``) has advanced that far, outside any collective: it counts as compute as the
+same work on a processor ``FACTOR`` times slower would (a sleep would not: compute time is CPU time
+off the device), and its peers wait for it at the next collective, as for a slow GPU or a throttled
+host. Nothing the model computes changes.
 
 Only the original worker slows down: a standby that later serves the rank (on a healthy slot) does
 not, which is what a straggler's migration is for.
@@ -67,17 +69,24 @@ class SlowdownClock:
         self._began = time.monotonic()
 
     def ended(self, iteration: int) -> float:
-        """Sleep for this iteration's share; returns the seconds slept."""
+        """Compute this iteration's share of extra work; returns its CPU seconds."""
         began, self._began = self._began, None
         if iteration < self.spec.start or began is None:
             return 0.0
         so_far = progress.compute_so_far()
         if so_far is None:
             so_far = time.monotonic() - began
-        pause = (self.spec.factor - 1.0) * so_far
-        if pause > 0:
-            time.sleep(pause)
-        return pause
+        extra = (self.spec.factor - 1.0) * so_far
+        if extra > 0:
+            spin(extra)
+        return extra
+
+
+def spin(cpu_s: float) -> None:
+    """Keep the calling thread busy until the process's CPU clock has advanced ``cpu_s`` seconds."""
+    until = progress.cpu_clock() + cpu_s
+    while progress.cpu_clock() < until:
+        pass
 
 
 @dataclass(frozen=True)
