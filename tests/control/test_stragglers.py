@@ -78,6 +78,28 @@ def test_no_false_positive_on_compute_times_recorded_on_a_busy_machine():
     assert run(StragglerConfig(window=5, smooth=1)) != []
 
 
+def test_cpu_compute_times_recorded_on_a_busy_machine_name_the_slowed_rank_alone():
+    """Compute times as ranks now publish them off the device (CPU time less waits; tests/control/data/
+    compute_cpu_2cores.json), from the straggler benchmark's job on 2 shared cores: the defaults name nobody in
+    the run without a slowdown, and only rank 1, within 25 iterations, in the run where it computes 1.2x
+    slower from iteration 20 (the first 10 iterations are not counted, as by the watch)."""
+    path = os.path.join(os.path.dirname(__file__), "data", "compute_cpu_2cores.json")
+    runs = json.load(open(path))["runs"]
+
+    def named(run):
+        times = {int(r): {int(i): s for i, s in v.items()} for r, v in runs[run].items()}
+        det, found = StragglerDetector(), []
+        for it in sorted(set.intersection(*(set(v) for v in times.values()))):
+            if it > 10:
+                samples = {r: Sample(peer_key=r // 2, compute_s=v[it]) for r, v in times.items()}
+                found += [(f.rank, it) for f in det.observe(it, samples)]
+        return found
+
+    assert named("ideal") == []
+    found = named("slow")
+    assert {rank for rank, _ in found} == {1} and found[0][1] <= 20 + 25, found
+
+
 def test_no_false_positive_in_300_noisy_iterations_with_saves_evaluations_and_spikes():
     rng, det = random.Random(3), StragglerDetector()
     flags = []
