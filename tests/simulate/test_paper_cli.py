@@ -8,7 +8,7 @@ import pytest
 
 from trainmover_ext.cli import main
 from trainmover_ext.errors import ConfigError
-from trainmover_ext.simulate.config import DowntimeModel
+from trainmover_ext.simulate.config import DowntimeModel, SimConfig, calibrated_to_paper
 from trainmover_ext.simulate.paper import TOLERANCE_PP, compare_with_paper, rebalance_check
 from trainmover_ext.simulate.scale_check import run_scale_check
 from trainmover_ext.simulate.strategies import fit_scale_exponent, load_measured_downtimes
@@ -16,13 +16,25 @@ from trainmover_ext.simulate.strategies import fit_scale_exponent, load_measured
 
 @pytest.fixture(scope="module")
 def comparison():
-    return compare_with_paper(min_events=600)
+    return compare_with_paper(calibrated_to_paper(SimConfig()), min_events=600)
 
 
-def test_paper_projection_reproduced_within_5pp(comparison):
+def test_paper_projection_reproduced_within_5pp_with_the_fitted_values(comparison):
+    """--calibrate-to-paper reproduces the paper's savings, as the values were fitted to them."""
     assert len(comparison["rows"]) == 4
     for row in comparison["rows"]:
         assert abs(row["ours_pct"] - row["paper_pct"]) <= TOLERANCE_PP, row
+
+
+def test_check_on_sourced_inputs_says_which_figures_are_off_and_what_drives_them(capsys):
+    """With the sourced defaults the projection is not made to agree: --check reports each figure outside
+    the tolerance with the inputs that drive it and exits 1; with --calibrate-to-paper it passes and says
+    that it confirms the fit."""
+    assert main(["simulate", "--paper", "--check", "--replicas", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "check: FAILED" in out and "vs parcae" in out and "driven by parcae_reconfig_ref_s" in out
+    assert main(["simulate", "--paper", "--check", "--replicas", "1", "--calibrate-to-paper"]) == 0
+    assert "confirms the fit" in capsys.readouterr().out
 
 
 def test_64k_statement_matches_trainmover_without_standby(comparison):
@@ -34,7 +46,7 @@ def test_64k_statement_matches_trainmover_without_standby(comparison):
 
 
 def test_rebalance_every_10_minutes():
-    rows = {r["gpus"]: r for r in rebalance_check()}
+    rows = {r["gpus"]: r for r in rebalance_check(calibrated_to_paper(SimConfig()))}
     for gpus in (128, 256, 512, 1024):
         assert rows[gpus]["trainmover_loss_pct"] < 3.0
     assert abs(rows[128]["stop_restart_ettr"] - 0.50) <= 0.05

@@ -3,9 +3,10 @@
 Contract: :func:`inputs_of` lists every input of a :class:`~.config.SimConfig` (its downtime model's
 too) as an :class:`Input` with its value and source. A default's source is :data:`DEFAULT_SOURCES`'s;
 a value read from ``--downtimes-json`` is ``measured`` (the file and key); a value given by a flag is
-``assumed`` (the user's). Values fitted to the reference paper's own outputs are ``assumed`` with
-``fitted`` set: a projection resting on them cannot confirm that paper, and the report says so. Pure
-functions; the report prints the list and ``--json`` carries it as ``inputs[]``.
+``assumed`` (the user's). No default is fitted to the reference paper's outputs; the values that were
+(:data:`~.config.PAPER_CALIBRATION`, used with ``--calibrate-to-paper``) are ``assumed`` with ``fitted``
+set (:data:`CALIBRATED_SOURCES`): a projection resting on them cannot confirm that paper, and the report
+says so. Pure functions; the report prints the list and ``--json`` carries it as ``inputs[]``.
 """
 
 from __future__ import annotations
@@ -62,20 +63,30 @@ DEFAULT_SOURCES: dict[str, Source] = {
     "infra_cost_s": Source("published", f"{PAPER}: +2 min of infrastructure cost per interruption"),
     "checkpoint_interval_min": Source("assumed", "30 min"),
     "checkpoint_save_s": Source("assumed", "0 s: asynchronous saves overlap training"),
-    "checkpoint_load_s": Source("assumed", "60 s"),
+    "checkpoint_load_s": Source(
+        "published", f"{PAPER}, Table 1: checkpoint loading is 35.1% of a restart; of its ~300 s at 1,024 GPUs"
+    ),
     "iteration_s": Source("assumed", "6 s"),
     "standbys": Source("assumed", "unset: the count that maximises ETTR is searched"),
     "max_standbys": Source("assumed", "bound of the standby search"),
-    "standby_replace_hours": _fitted("48 h, together with tm_cold_join_s, to the 35.91% (8K) and 55% (128K) savings"),
+    "standby_replace_hours": Source("assumed", "24 h to repair or re-provision a machine: the paper gives none"),
     "weeks": Source("assumed", "4 weeks of fault-free progress"),
     "seed": Source("assumed", "seed of the interruption streams"),
     "replicas": Source("assumed", "seeded runs averaged per point"),
     # the downtime models
-    "restart_ref_s": _fitted("540 s at 128 GPUs, to the stop-restart ETTR 0.50 under 10-minute rebalancing"),
-    "restart_ref_gpus": Source("assumed", "128 GPUs, the scale of the paper's rebalancing figure"),
-    "restart_scale_exp": _fitted("0.17, to the stop-restart ETTR 0.42 at 1,024 GPUs"),
-    "parcae_reconfig_ref_s": _fitted("880 s, to the 82.77% (8K) and 88% (128K) savings against Parcae"),
-    "parcae_scale_exp": _fitted("0.06, with parcae_reconfig_ref_s"),
+    "restart_ref_s": Source(
+        "published", f"{PAPER}: Megatron restarts in 'nearly 300 seconds' at 1,024 GPUs, less the 35.1% of loading"
+    ),
+    "restart_ref_gpus": Source("published", f"{PAPER}: the scale of its 300 s restart"),
+    "restart_scale_exp": Source(
+        "assumed",
+        f"0.1, between the {PAPER}'s ~100 s at 32 GPUs to ~300 s at 1,024 (0.32) and its 4.45 min production "
+        "restart at 8,192 GPUs (no growth)",
+    ),
+    "parcae_reconfig_ref_s": Source(
+        "published", f"{PAPER}, Fig. 1: Parcae removes a machine in 21 s and adds one in more than 200 s (32 GPUs)"
+    ),
+    "parcae_scale_exp": Source("published", f"{PAPER}: its projection holds the 32-GPU measurements fixed"),
     "parcae_shrink_gpus": Source("assumed", "one TP8 x PP8 model replica"),
     "parcae_regrow_hours": Source("assumed", "1 h before elastic capacity lets a shrunk job grow back"),
     "nvrx_inprocess_s": Source("assumed", "90 s: NVRx documents no latency figure"),
@@ -83,15 +94,37 @@ DEFAULT_SOURCES: dict[str, Source] = {
     "tm_unexpected_s": Source("published", f"{PAPER}, abstract: 'around 20 seconds' at 1,024 GPUs"),
     "tm_unexpected_scale_exp": Source("assumed", "0: only the leaver's groups change"),
     "tm_planned_s": Source("published", f"{PAPER}: 99% efficiency under 10-minute rebalancing (at most ~6-10 s)"),
-    "tm_cold_join_s": _fitted("190 s, together with standby_replace_hours, to the 35.91% and 55% savings"),
+    "tm_cold_join_s": Source(
+        "published", f"{PAPER}: a warm-up of about 150 s (GPT-10B) and about 50 s of NCCL setup (64 GPUs)"
+    ),
 }
 """The source of every default, by field name of :class:`SimConfig` and :class:`DowntimeModel`."""
 
+CALIBRATED_SOURCES: dict[str, Source] = {
+    "restart_ref_s": _fitted("540 s at 128 GPUs, to the stop-restart ETTR 0.50 under 10-minute rebalancing"),
+    "restart_ref_gpus": _fitted("128 GPUs, the scale of the paper's rebalancing figure"),
+    "restart_scale_exp": _fitted("0.17, to the stop-restart ETTR 0.42 at 1,024 GPUs"),
+    "checkpoint_load_s": _fitted("60 s, with restart_ref_s"),
+    "parcae_reconfig_ref_s": _fitted("880 s, to the 82.77% (8K) and 88% (128K) savings against Parcae"),
+    "parcae_scale_exp": _fitted("0.06, with parcae_reconfig_ref_s"),
+    "tm_cold_join_s": _fitted("190 s, together with standby_replace_hours, to the 35.91% and 55% savings"),
+    "standby_replace_hours": _fitted("48 h, together with tm_cold_join_s, to the 35.91% (8K) and 55% (128K) savings"),
+}
+"""The sources of :data:`~.config.PAPER_CALIBRATION`'s values (``--calibrate-to-paper``)."""
 
-def inputs_of(cfg: SimConfig, *, measured: dict[str, str] | None = None, given: set[str] | None = None) -> list[Input]:
+
+def inputs_of(
+    cfg: SimConfig,
+    *,
+    measured: dict[str, str] | None = None,
+    given: set[str] | None = None,
+    calibrated: bool = False,
+) -> list[Input]:
     """Every input of ``cfg`` with its source. ``measured`` maps field -> where the value was read
-    (``--downtimes-json`` file and key); ``given`` names the fields set by a flag."""
+    (``--downtimes-json`` file and key); ``given`` names the fields set by a flag; ``calibrated``: the
+    fields neither measured nor given hold :data:`~.config.PAPER_CALIBRATION`'s values."""
     measured, given = measured or {}, given or set()
+    defaults = DEFAULT_SOURCES | (CALIBRATED_SOURCES if calibrated else {})
     out = []
     for owner in (cfg, cfg.downtimes):
         for f in fields(owner):
@@ -103,7 +136,7 @@ def inputs_of(cfg: SimConfig, *, measured: dict[str, str] | None = None, given: 
             elif f.name in given:
                 out.append(Input(f.name, value, "assumed", "given on the command line"))
             else:
-                src = DEFAULT_SOURCES[f.name]
+                src = defaults[f.name]
                 out.append(Input(f.name, value, src.kind, src.reference, src.fitted))
     return out
 
