@@ -2,8 +2,8 @@
 """Throughput lost to a straggler: no action, TrainMover moving it, and the ideal, side by side.
 
 The job: 4 ranks (PP2 x DP2) of the tests' tiny GPT in bf16 at dropout 0.1, one standby (basic warm-up,
-at CPU niceness ``--standby-nice``), ``--iters`` iterations, under ``trainmover launch``. Each trial runs
-it three ways, one after the other:
+at CPU niceness ``--standby-nice``; the pool's refill after the move at 19), ``--iters`` iterations, under
+``trainmover launch``. Each trial runs it three ways, one after the other:
 
 - ``ideal``: no rank is slow (``--tm-straggler-action report``: any rank it names is a false positive);
 - ``no_action``: rank 1 computes ``--factor`` times slower from iteration ``--from`` on
@@ -44,12 +44,13 @@ SLOWED_RANK = 1
 WAYS = ("ideal", "no_action", "trainmover")
 
 
-def job_args(data_prefix: str, iters: int, standby_nice: int) -> list[str]:
-    """The 4-rank job; its standbys at CPU niceness ``standby_nice``."""
+def job_args(data_prefix: str, iters: int, standby_nice: int, refill_nice: int = 19) -> list[str]:
+    """The 4-rank job; its first standby at CPU niceness ``standby_nice``, refills at ``refill_nice``."""
     args = model_args(layers=4, hidden=32, heads=4, seq=32, mbs=1, gbs=8, iters=iters, lr=1e-3, dropout=0.1)
     args += ["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2", "--bf16"]
     args += ["--data-path", data_prefix + "_text_document"]
-    return args + ["--trainmover", "--tm-standbys", "1", "--tm-standby-nice", str(standby_nice), "--tm-no-sandbox"]
+    args += ["--trainmover", "--tm-standbys", "1", "--tm-standby-nice", str(standby_nice), "--tm-no-sandbox"]
+    return args + ["--tm-refill-nice", str(refill_nice)]
 
 
 def run(workdir: str, name: str, args: list[str], timeout_s: float) -> dict:
@@ -160,8 +161,8 @@ def main(argv=None) -> int:
         "command": shlex.join(["python", "benchmarks/straggler.py", *(sys.argv[1:] if argv is None else argv)]),
         "measured_at": measured_at(),
         "job": "4 ranks PP2 x DP2, tiny GPT (4 layers, hidden 32), bf16, dropout 0.1, one standby (basic warm-up, "
-        f"niceness {opts.standby_nice}), {opts.iters} iterations; rank {SLOWED_RANK} {opts.factor}x slower from "
-        f"iteration {opts.start} "
+        f"niceness {opts.standby_nice}, refills 19), {opts.iters} iterations; rank {SLOWED_RANK} {opts.factor}x "
+        f"slower from iteration {opts.start} "
         "(CPU gloo, 2 cores)",
         "config": vars(opts) | {"json": None},
         "no_action": {"loss_pct": spread(t["no_action"]["loss_pct"] for t in trials)},

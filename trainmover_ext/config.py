@@ -87,6 +87,9 @@ class TrainMoverConfig:
     """``--tm-standby-reserves``: children the launcher forks at the start to refill the standby pool later."""
     standby_nice: int = 19
     """``--tm-standby-nice``: how much lower a standby's CPU priority is until its promotion (0: not lowered)."""
+    refill_nice: int | None = None
+    """``--tm-refill-nice``: the same for a standby started while the job trains (a refill of the pool, or a
+    leaver rejoining it); None: ``standby_nice``."""
     leaver_becomes_standby: bool = False
     """``--tm-leaver-becomes-standby``: a planned leaver rejoins the pool instead of exiting."""
     metrics_file: str | None = None
@@ -168,6 +171,8 @@ class TrainMoverConfig:
             )
         if not 0 <= self.standby_nice <= 19:
             raise ConfigError(f"--tm-standby-nice {self.standby_nice} must be in 0..19 (a niceness)")
+        if self.refill_nice is not None and not 0 <= self.refill_nice <= 19:
+            raise ConfigError(f"--tm-refill-nice {self.refill_nice} must be in 0..19 (a niceness)")
         if not 0 < self.standby_duty <= 1:
             raise ConfigError(
                 f"--tm-standby-duty {self.standby_duty} must be in (0, 1]: the share of one core a "
@@ -205,6 +210,7 @@ _FLAG_TO_FIELD = {
     "tm_keep_role": "keep_role",
     "tm_standby_duty": "standby_duty",
     "tm_standby_nice": "standby_nice",
+    "tm_refill_nice": "refill_nice",
     "tm_standby_reserves": "standby_reserves",
     "tm_leaver_becomes_standby": "leaver_becomes_standby",
     "tm_metrics_file": "metrics_file",
@@ -403,6 +409,17 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "Linux's idle scheduling policy (SCHED_IDLE), so a rank that wakes preempts it at once. "
         "Applied only where a promoted standby can raise its priority back (root, CAP_SYS_NICE or "
         "RLIMIT_NICE >= 20); the launcher says when it cannot. 0 turns it off.",
+    )
+    g.add_argument(
+        "--tm-refill-nice",
+        type=int,
+        default=None,
+        metavar="N",
+        help="The niceness (0..19; default: --tm-standby-nice's) of a standby started while the job trains: "
+        "a refill of the pool after a promotion, or a leaver that rejoins it. The first standbys warm up "
+        "while the job starts; a refill warms up beside ranks that train, on their cores where the "
+        "node has few. E.g. --tm-standby-nice 0 --tm-refill-nice 19: the first standby is warm soon, "
+        "later ones never slow the ranks.",
     )
     g.add_argument(
         "--tm-standby-reserves",

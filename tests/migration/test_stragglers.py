@@ -7,9 +7,12 @@ pair, not as a straggler, and nothing moves."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from helpers import fell_back, finish_job, replaced, start_job, tm_args, trajectory
+from trainmover_ext.launch import priority
 
 ITERS = 150
 
@@ -41,11 +44,13 @@ def test_a_slowed_rank_is_found_and_moved_bit_identically(tmp_path, corpus, refe
 
 def test_a_moved_straggler_is_never_promoted_again(tmp_path, corpus, reference):
     """--tm-leaver-becomes-standby: rank 1, 2x slower from iteration 10, is moved to the standby; its process,
-    quarantined, leaves instead of rejoining the pool, and the agent refills the pool with a fresh standby.
-    When rank 0 is SIGKILLed in iteration 120, that fresh standby takes it. Bit-identical throughout."""
+    quarantined, leaves instead of rejoining the pool, and the agent refills the pool with a fresh standby, at
+    --tm-refill-nice's niceness (the first standby at --tm-standby-nice's, 0). When rank 0 is SIGKILLed in
+    iteration 120, that fresh standby takes it. Bit-identical throughout."""
     args = tm_args(corpus, tp=1, pp=2, gbs=8, iters=ITERS, extra=["--bf16"])
     ref = reference("tp1pp2dp2-bf16-i150", 4, args)
     extra = ["--tm-straggler-action", "migrate", "--tm-inject-slowdown", "1:2:10", "--tm-leaver-becomes-standby"]
+    extra += ["--tm-refill-nice", "7"]
     job = start_job(tmp_path, 4, args + extra + ["--tm-inject-fault", "0:120:forward"], name="quarantine")
     err = finish_job(job, 400)
     moves = replaced(job)
@@ -54,6 +59,10 @@ def test_a_moved_straggler_is_never_promoted_again(tmp_path, corpus, reference):
     assert "is quarantined: not rejoining the standby pool" in job.stdout(), job.stdout()[-3000:]
     refills = [e["detail"]["member"] for e in job.events("standby_started") if e["detail"]["how"] != "fork"]
     assert moves[1]["joiner"] in refills, (moves, refills)
+    if priority.can_restore():  # as root, or with CAP_SYS_NICE: the launcher lowers its standbys' priority
+        promotions = re.findall(r"promoted to rank (\d) \(.*?\); CPU niceness (\d+) -> (\d+)", job.stdout())
+        # the first standby, at niceness 0, has no niceness to restore (its promotion line names none)
+        assert promotions == [("0", "7", "0")], job.stdout()[-3000:]
     assert trajectory(job.metrics_path) == ref
 
 

@@ -263,6 +263,7 @@ def peek_trainmover_flags(script_args: list[str]) -> dict:
     peek.add_argument("--tm-straggler-window", type=int, default=10)
     peek.add_argument("--tm-rebalance-interval", type=float, default=0.0)
     peek.add_argument("--tm-standby-nice", type=int, default=19)
+    peek.add_argument("--tm-refill-nice", type=int, default=None)
     peek.add_argument("--tm-standby-reserves", type=int, default=4)
     peek.add_argument("--tm-job", default=None)
     peek.add_argument("--tm-metrics-file", default=None)
@@ -456,6 +457,7 @@ def build(args: argparse.Namespace) -> tuple[LaunchConfig, MetricsEndpoint]:
         ).check(),
         rebalance=RebalancePolicy(interval_s=tm["tm_rebalance_interval"] * 60).check(),
         standby_nice=tm["tm_standby_nice"],
+        refill_nice=tm["tm_standby_nice"] if tm["tm_refill_nice"] is None else tm["tm_refill_nice"],
         standby_reserves=tm["tm_standby_reserves"],
         sandbox=not tm["tm_no_sandbox"],
         record_dir=tm["tm_record_dir"],

@@ -69,6 +69,9 @@ class LaunchConfig:
     """``--tm-standby-reserves`` of the script: children forked at the start that later refill the pool."""
     standby_nice: int = 19
     """``--tm-standby-nice`` of the script: niceness of standbys until promotion (see ``launch.priority``)."""
+    refill_nice: int = 19
+    """``--tm-refill-nice`` of the script (``--tm-standby-nice``'s when not given): niceness of the standbys
+    started while the job trains (refills, and the reserves that start them)."""
     sandbox: bool = True
     """Not ``--tm-no-sandbox`` in the script: it records, and standbys warm in the sandbox."""
     record_dir: str | None = None

@@ -113,7 +113,9 @@ class TrainMoverSupervisor:
         self.reserves: list[Reserve] = []
         """Pre-forked children that start refills without a new interpreter (``--tm-standby-reserves``)."""
         self.standby_nice = 0
-        """Niceness of this agent's standbys until promotion (``--tm-standby-nice``, where restorable)."""
+        """Niceness of this agent's first standbys until promotion (``--tm-standby-nice``, where restorable)."""
+        self.refill_nice = 0
+        """Niceness of the standbys it starts while the job trains (``--tm-refill-nice``, where restorable)."""
         self.standby_failures = 0
         """Standbys that exited non-zero in a row; replenishing stops at ``MAX_STANDBY_FAILURES``."""
         self.slots: dict[str, int] = {}
@@ -155,7 +157,8 @@ class TrainMoverSupervisor:
             method = "pre-forked" if proc is not None else method
         if proc is None:
             start = fork_rank if method == "fork" else spawn_rank
-            proc = start(-1, env, cfg.script, args, output, niceness=self.standby_nice)
+            refill = self.space is not None  # the first standbys start before etcd is opened
+            proc = start(-1, env, cfg.script, args, output, niceness=self.refill_nice if refill else self.standby_nice)
         self._watch_hangs(proc, member)
         self.standbys[member] = proc
         self.agent.log(f"started standby {member} (pid {proc.pid}, {method})")
@@ -186,8 +189,10 @@ class TrainMoverSupervisor:
         from trainmover_ext.netutil import free_port
 
         cfg = self.cfg
-        self.standby_nice = cfg.standby_nice if cfg.standby_nice > 0 and priority.can_restore() else 0
-        if cfg.standby_nice > 0 and not self.standby_nice:
+        restorable = priority.can_restore()
+        self.standby_nice = cfg.standby_nice if restorable else 0
+        self.refill_nice = cfg.refill_nice if restorable else 0
+        if max(cfg.standby_nice, cfg.refill_nice) > 0 and not restorable:
             self.agent.log(
                 "standbys keep normal CPU priority: a promoted one could not raise it back here (needs "
                 "root, CAP_SYS_NICE or RLIMIT_NICE >= 20); see --tm-standby-nice"
@@ -217,7 +222,7 @@ class TrainMoverSupervisor:
             self._start_standby("fork")
         # Last, so that no rank or standby holds a reserve's wake-up line.
         self.reserves = [
-            fork_reserve(niceness=self.standby_nice) for _ in range(cfg.standby_reserves if cfg.standbys else 0)
+            fork_reserve(niceness=self.refill_nice) for _ in range(cfg.standby_reserves if cfg.standbys else 0)
         ]
         self.agent.procs = [p for p, _ in self.serving.values()] + list(self.standbys.values())
         self.agent.log(

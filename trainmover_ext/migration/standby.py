@@ -313,7 +313,7 @@ def _become_standby_again(config: TrainMoverConfig, leaver: str, epoch: int) -> 
     from trainmover_ext.launch import priority
 
     if priority.can_restore():
-        priority.lower(config.standby_nice)  # as the launcher starts any standby
+        priority.lower(config.refill_nice if config.refill_nice is not None else config.standby_nice)  # as a refill
     print(
         f"[trainmover] {leaver} left its rank at epoch {epoch}; rejoining the pool as standby "
         f"{os.environ[ENV_MEMBER_ID]} (pid {os.getpid()}, CPU niceness {os.getpriority(os.PRIO_PROCESS, 0)})",
