@@ -523,7 +523,7 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         type=int,
         default=None,
         help="Consecutive slow iterations that make a straggler (default 10). A rank's pace in an iteration is the "
-        "median of its last 5 compute times, so one spike (a garbage collection) makes no slow iteration. A rank's "
+        "median of its last 9 compute times, so one spike (a garbage collection) makes no slow iteration. A rank's "
         "first 3 iterations after "
         "it joins are not counted, nor are saves and evaluations (they are outside the measured compute)."
         + _FOR_THE_AGENT,

@@ -19,9 +19,13 @@ Contract
   ``step`` (the loss reduction and the
   optimizer step), ``eval``, ``save``, ``recovery``, ``done``. The agent judges only
   :data:`JUDGED` phases; the others wait on something else's timeouts.
-- **Compute time** (what the straggler detector compares, ``control.stragglers``): the process's CPU
-  time (:data:`cpu_clock`, every thread: torch's intra-op threads compute too) from the ``iteration``
-  mark to :func:`iteration_done`, less the CPU time spent while the main thread was in :func:`waiting`.
+- **Compute time** (what the straggler detector compares, ``control.stragglers``): CPU time
+  (:data:`cpu_clock`) from the ``iteration`` mark to :func:`iteration_done`, less the CPU time spent while
+  the main thread was in :func:`waiting`. The clock is the process's (every thread: torch's intra-op
+  threads compute too), or the main thread's alone where it does all of the computing
+  (:func:`use_cpu_clock`; the worker chooses it for one intra-op thread): then the threads that serve
+  others (rank 0's TCP store server, heartbeats) do not count, which made rank 0's samples 3% higher
+  than its peer's.
   CPU time, not wall time: a rank descheduled because other processes share its cores is not slower
   hardware, and on a shared host (the 2-core test machine runs 4 ranks, a standby and an agent) such
   stretches made healthy ranks' wall times 1.2x their peers' for ten iterations and more. A slower or
@@ -50,7 +54,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from trainmover_ext.launch.device_time import IterationTimes, Timeline
@@ -72,8 +76,8 @@ it), its iteration again (a torn slot reads unequal)."""
 RING = 64
 """Compute samples kept: the agent reads them every ``monitor_interval_s``, far more often than 64 iterations."""
 COMPUTE_OFFSET = OFFSET + _RECORD.size
-cpu_clock = time.process_time
-"""The clock of compute time off the device: the process's CPU seconds."""
+cpu_clock: Callable[[], float] = time.process_time
+"""The clock of compute time off the device: the process's CPU seconds (see :func:`use_cpu_clock`)."""
 _MAIN = threading.main_thread().ident
 
 
@@ -176,6 +180,13 @@ def use_device_timeline(timeline: Timeline) -> None:
     w = _writer
     if w is not None:
         w.device = IterationTimes(timeline)
+
+
+def use_cpu_clock(clock: Callable[[], float]) -> None:
+    """Measure compute time off the device on ``clock`` (``time.process_time`` or, where the main thread
+    does all the computing, ``time.thread_time``) from the next iteration on."""
+    global cpu_clock
+    cpu_clock = clock
 
 
 def compute_so_far() -> float | None:

@@ -255,6 +255,8 @@ class WorkerRuntime(Runtime):
         """Publish the main thread's progress to the agent (:mod:`trainmover_ext.launch.progress`): each
         micro-batch's forward and backward, and the collective a wait blocks in; on a GPU the compute
         samples come from the device's timeline."""
+        import torch
+
         from nccl_delta import native_group
 
         inner = session.forward_step_func
@@ -271,6 +273,8 @@ class WorkerRuntime(Runtime):
             from trainmover_ext.launch.device_time import CudaTimeline
 
             progress.use_device_timeline(CudaTimeline())
+        elif torch.get_num_threads() == 1:  # the main thread computes alone: its clock leaves other threads out
+            progress.use_cpu_clock(time.thread_time)
         observer: native_group.WaitObserver = progress.waiting
         if self.link_delay is not None:
             observer = self.link_delay.wrap(observer, self.layout.rank, lambda: int(session.args.iteration) + 1)

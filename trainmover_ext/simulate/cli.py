@@ -136,6 +136,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "each strategy as a range over them (repeatable, one input at a time); JSON key sweep",
     )
     run_group.add_argument(
+        "--band",
+        action="store_true",
+        help="sensitivity over the default ranges of every assumed or doubly read input (restart growth, "
+        "Parcae's reconfiguration and regrow time, refill time, NVRx, cold join, checkpoint interval, iteration "
+        "time; docs/simulate.md lists them and why), as --sweep does for one; with --paper, the paper's figures "
+        "against that band, and --check passes when each lies inside it (a minute or two: 17 projections "
+        "per scale)",
+    )
+    run_group.add_argument(
         "--paper",
         action="store_true",
         help="also print the paper's figures beside ours (8K/64K/128K, 10-min rebalance)",
@@ -143,7 +152,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     run_group.add_argument(
         "--check",
         action="store_true",
-        help="with --paper (required): exit 1 if a figure is off by > 5 pp, naming the inputs that drive each",
+        help="with --paper (required): exit 1 if a figure is off by > 5 pp, naming the inputs that drive each; "
+        "with --band or --sweep, exit 1 if a figure lies outside the band, naming the input that comes closest",
     )
     run_group.add_argument(
         "--scale-check",
@@ -277,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
     if args.check and not args.paper:
         raise ConfigError("--check compares with the paper's figures: give --paper too")
     ranges = [sensitivity.parse_sweep(text) for text in args.sweep]
+    if args.band:
+        ranges += [r for r, _ in sensitivity.DEFAULT_BAND if r.name not in {s.name for s in ranges}]
     cfg, origins = config_from_args(args)
     inputs = inputs_of(cfg, measured=origins.measured, given=origins.given, calibrated=args.calibrate_to_paper)
     projection = project(cfg)
@@ -295,7 +307,22 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(report.format_paper(comparison, rebalance))
         doc["paper"] = report.paper_to_json(comparison, rebalance)
-        if args.check and not paper.all_within_tolerance(comparison, rebalance):
+        if ranges:
+            print()
+            band = paper.paper_band(
+                cfg, ranges, progress=lambda n, total: print(f"band: {n}/{total} projections", flush=True)
+            )
+            print(paper.format_band(band))
+            doc["paper"]["band"] = band
+            outside = [row["figure"] for row in band if not row["inside"]]
+            if args.check:
+                print(
+                    f"check: FAILED, {len(outside)} figure(s) outside the band"
+                    if outside
+                    else "check: every figure of the paper's lies inside the band"
+                )
+                status = 1 if outside else 0
+        elif args.check and not paper.all_within_tolerance(comparison, rebalance):
             print(f"check: FAILED, figures outside the {paper.TOLERANCE_PP:g} pp tolerance of the paper's:")
             for line in paper.off_figures(comparison, rebalance):
                 print(f"  {line}")

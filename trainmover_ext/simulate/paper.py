@@ -166,3 +166,69 @@ def all_within_tolerance(comparison: dict, rebalance: list[dict]) -> bool:
     ok = all(row["within_tolerance"] for row in comparison["rows"])
     ok &= all(r["trainmover_under_3pct"] and r["stop_restart_within_tolerance"] is not False for r in rebalance)
     return ok and not math.isnan(sum(r["ours_pct"] for r in comparison["rows"]))
+
+
+def paper_band(cfg: SimConfig, ranges: list, min_events: int = _MIN_UNEXPECTED_EVENTS, progress=None) -> list[dict]:
+    """Each of the paper's figures against the band of ours: the projection at ``cfg`` and at both ends of
+    each range (``sensitivity.Sweep``, one input at a time). A row: ``figure``, ``paper``, ``base``,
+    ``lo``/``hi`` (the band), ``inside``, and ``nearest`` (the input and value whose end came closest to the
+    paper's figure). ``progress(done, total)`` is called after each projection."""
+    from trainmover_ext.simulate.sensitivity import with_value
+
+    configs = [("base", None, cfg)]
+    for r in ranges:
+        configs += [(r.name, r.lo, with_value(cfg, r.name, r.lo)), (r.name, r.hi, with_value(cfg, r.name, r.hi))]
+    seen: dict[str, tuple[float, list[tuple[float, str, float | None]]]] = {}
+    for n, (name, value, c) in enumerate(configs, 1):
+        figures = {
+            f"{row['gpus']:,} GPUs vs {row['baseline']}": (row["paper_pct"], row["ours_pct"])
+            for row in compare_with_paper(c, min_events)["rows"]
+        }
+        for r in rebalance_check(c):
+            if r["paper_stop_restart_ettr"] is not None:
+                key = f"{r['gpus']:,} GPUs, 10-min rebalance, stop-restart ETTR"
+                figures[key] = (r["paper_stop_restart_ettr"], r["stop_restart_ettr"])
+        for key, (paper, ours) in figures.items():
+            seen.setdefault(key, (paper, []))[1].append((ours, name, value))
+        if progress is not None:
+            progress(n, len(configs))
+    rows = []
+    for key, (paper, values) in seen.items():
+        lo, hi = min(v for v, _, _ in values), max(v for v, _, _ in values)
+        ours, name, value = min(values, key=lambda v: abs(v[0] - paper))
+        rows.append(
+            {
+                "figure": key,
+                "paper": paper,
+                "base": values[0][0],
+                "lo": lo,
+                "hi": hi,
+                "inside": lo <= paper <= hi,
+                "nearest": {"input": name, "value": value, "ours": ours},
+            }
+        )
+    return rows
+
+
+def _percent(value: float) -> str:
+    return f"{value:.2f}%"
+
+
+def _ettr(value: float) -> str:
+    return f"{value:.3f}"
+
+
+def format_band(rows: list[dict]) -> str:
+    """The paper's figures against our band, with what drives each figure outside it."""
+    lines = ["The paper's figures against the band of ours (base and both ends of every range)"]
+    for row in rows:
+        fmt = _percent if "ETTR" not in row["figure"] else _ettr
+        line = (
+            f"  {row['figure']}: paper {fmt(row['paper'])}, ours {fmt(row['base'])} in "
+            f"{fmt(row['lo'])} .. {fmt(row['hi'])}: {'inside' if row['inside'] else 'OUTSIDE'}"
+        )
+        near = row["nearest"]
+        if not row["inside"] and near["value"] is not None:
+            line += f"; closest at {near['input']} = {near['value']:g} ({fmt(near['ours'])})"
+        lines.append(line)
+    return "\n".join(lines)

@@ -8,6 +8,8 @@ Contract (pure apart from the projections it runs; the CLI prints and writes wha
   (one input at a time), and returns each strategy's waste reduction at both ends, and the **band**: per
   strategy, the lowest and highest reduction over the base projection and every end. A projection
   resting on inputs that are uncertain is a range, not a number.
+- :data:`DEFAULT_BAND` (``--band``) is the range of every input that is an assumption, or a published
+  figure read more than one way, each with why it spans what it spans.
 """
 
 from __future__ import annotations
@@ -54,6 +56,25 @@ class SweepResult:
             ],
             "band": {name: {"min": lo, "max": hi} for name, (lo, hi) in self.band.items()},
         }
+
+
+DEFAULT_BAND: tuple[tuple[Sweep, str], ...] = (
+    (
+        Sweep("restart_scale_exp", 0.0, 0.32),
+        "stop-restart's growth: the paper's 8,192-GPU restart (none) to its 32-1,024 GPUs (0.32)",
+    ),
+    (
+        Sweep("parcae_reconfig_ref_s", 21.0, 221.0),
+        "Parcae's shrink alone (its grow-back overlapped) to shrink and grow (Fig. 1)",
+    ),
+    (Sweep("parcae_regrow_hours", 0.25, 4.0), "assumed: hours a shrunk job runs short"),
+    (Sweep("standby_replace_hours", 4.0, 72.0), "assumed: hours to repair or re-provision a standby"),
+    (Sweep("nvrx_inprocess_s", 30.0, 180.0), "assumed: NVRx publishes no latency figure"),
+    (Sweep("tm_cold_join_s", 150.0, 390.0), "the paper's warm-up alone to its 6.47 min production restart delay"),
+    (Sweep("checkpoint_interval_min", 10.0, 60.0), "assumed: minutes between checkpoints"),
+    (Sweep("iteration_s", 2.0, 10.0), "assumed: seconds per iteration"),
+)
+"""The default ranges (``--band``): (the range, why it spans that)."""
 
 
 def sweepable() -> list[str]:
