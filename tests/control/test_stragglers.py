@@ -88,9 +88,9 @@ def test_cpu_compute_times_recorded_on_a_busy_machine_name_the_slowed_rank_alone
     path = os.path.join(os.path.dirname(__file__), "data", "compute_cpu_2cores.json")
     runs = json.load(open(path))["runs"]
 
-    def named(run, config=StragglerConfig()):
+    def named(run, config=None):
         times = {int(r): {int(i): s for i, s in v.items()} for r, v in runs[run].items()}
-        det, found = StragglerDetector(config), []
+        det, found = StragglerDetector(config or StragglerConfig()), []
         for it in sorted(set.intersection(*(set(v) for v in times.values()))):
             if it > 10:
                 samples = {r: Sample(peer_key=r // 2, compute_s=v[it]) for r, v in times.items()}
