@@ -230,5 +230,7 @@ def format_band(rows: list[dict]) -> str:
         near = row["nearest"]
         if not row["inside"] and near["value"] is not None:
             line += f"; closest at {near['input']} = {near['value']:g} ({fmt(near['ours'])})"
+        elif not row["inside"]:
+            line += "; no range moves it closer"
         lines.append(line)
     return "\n".join(lines)
