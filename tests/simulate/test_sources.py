@@ -79,3 +79,20 @@ def test_the_json_carries_each_input_with_its_source(tmp_path, capsys):
 def test_check_without_paper_is_refused(capsys):
     assert main(["simulate", "--gpus", "1024", "--days", "1", "--check"]) == 2
     assert "--paper" in capsys.readouterr().err
+
+
+def test_the_operators_question_node_mttf_and_the_standby_count_to_keep(tmp_path, capsys):
+    """--mttf-node-hours H sets the per-GPU MTTF to H x GPUs per node; with --standbys S the report sets S
+    beside the count that maximises goodput per GPU (idle standbys charged), which is never worse; giving
+    two MTTFs is refused by name."""
+    out = tmp_path / "sim.json"
+    argv = ["simulate", "--gpus", "4096", "--days", "7", "--replicas", "1", "--mttf-node-hours", "2000"]
+    assert main([*argv, "--standbys", "0", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {i["name"]: i for i in doc["inputs"]}["gpu_mttf_hours"]["value"] == 2000 * 8
+    assert abs(doc["job_mttf_hours"] - 2000 / 512) < 1e-9
+    given, best = doc["standby_choice"]["given"], doc["standby_choice"]["best"]
+    assert given["standbys"] == 0 and best["standbys"] > 0 and best["ettr"] > given["ettr"], doc["standby_choice"]
+    assert "standbys 0 (given)" in capsys.readouterr().out
+    assert main([*argv, "--mttf-hours", "3"]) == 2
+    assert "--mttf-node-hours" in capsys.readouterr().err

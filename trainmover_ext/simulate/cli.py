@@ -60,6 +60,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--mttf-hours", type=float, default=None, help="job-level MTTF in hours; overrides --gpu-mttf-hours"
     )
     job.add_argument(
+        "--mttf-node-hours",
+        type=float,
+        default=None,
+        metavar="H",
+        help="mean hours between failures of one machine (what an operator's fleet records show); sets "
+        "--gpu-mttf-hours to H x --gpus-per-node",
+    )
+    job.add_argument(
         "--unexpected-per-planned",
         type=float,
         default=SimConfig.unexpected_per_planned,
@@ -250,13 +258,21 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, InputOrigins]
         origins.given.add("infra_cost_s")
     if args.weeks is not None or args.days is not None:
         origins.given.add("weeks")
+    gpu_mttf_hours = args.gpu_mttf_hours
+    if args.mttf_node_hours is not None:
+        if args.mttf_hours is not None or args.gpu_mttf_hours != SimConfig.gpu_mttf_hours:
+            raise ConfigError("--mttf-node-hours: give one of --mttf-node-hours, --gpu-mttf-hours and --mttf-hours")
+        if not (math.isfinite(args.mttf_node_hours) and args.mttf_node_hours > 0):
+            raise ConfigError(f"--mttf-node-hours {args.mttf_node_hours}: must be > 0")
+        gpu_mttf_hours = args.mttf_node_hours * args.gpus_per_node
+        origins.given.add("gpu_mttf_hours")
     if args.days is not None and not (math.isfinite(args.days) and args.days > 0):
         raise ConfigError(f"--days {args.days}: must be > 0 (or use --weeks)")
     weeks = args.weeks if args.weeks is not None else (args.days / 7.0 if args.days is not None else 4.0)
     cfg = SimConfig(
         gpus=args.gpus,
         gpus_per_node=args.gpus_per_node,
-        gpu_mttf_hours=args.gpu_mttf_hours,
+        gpu_mttf_hours=gpu_mttf_hours,
         mttf_hours=args.mttf_hours,
         unexpected_per_planned=args.unexpected_per_planned,
         rebalance_minutes=args.rebalance_minutes,
@@ -293,8 +309,13 @@ def run(args: argparse.Namespace) -> int:
     inputs = inputs_of(cfg, measured=origins.measured, given=origins.given, calibrated=args.calibrate_to_paper)
     projection = project(cfg)
     print(report.format_projection(projection))
+    if cfg.standbys is not None:  # the operator's question: is that the count to keep?
+        best = project(replace(cfg, standbys=None), strategies=())
+        print(report.format_standby_choice(projection, best))
     print(format_inputs(inputs))
     doc = report.projection_to_json(projection, downtime_sources=origins.summary(), inputs=inputs)
+    if cfg.standbys is not None:
+        doc["standby_choice"] = report.standby_choice(projection, best)
     if ranges:
         swept = sensitivity.sweep(cfg, ranges, base=projection)
         print()

@@ -56,6 +56,38 @@ def projection_to_json(
     }
 
 
+def standby_choice(given: Projection, searched: Projection) -> dict:
+    """The ``standby_choice`` JSON: TrainMover with the standby count given (``given``) and with the count that
+    maximises goodput per GPU, idle standbys charged (``searched``: the same inputs, the count searched)."""
+    ours, best = given.results["trainmover"], searched.results["trainmover"]
+    return {
+        "given": {
+            "standbys": given.best_standbys,
+            "ettr": ours.ettr,
+            "ettr_job": ours.ettr_job,
+            "wasted_gpu_hours_per_week": ours.wasted_gpu_hours_per_week,
+        },
+        "best": {
+            "standbys": searched.best_standbys,
+            "ettr": best.ettr,
+            "ettr_job": best.ettr_job,
+            "wasted_gpu_hours_per_week": best.wasted_gpu_hours_per_week,
+        },
+    }
+
+
+def format_standby_choice(given: Projection, searched: Projection) -> str:
+    """Two lines: TrainMover with the standbys given, and with the count that maximises goodput per GPU."""
+    choice = standby_choice(given, searched)
+    lines = ["standbys (idle standbys cost GPUs: goodput per GPU is the ETTR with them charged)"]
+    for label, row in (("given", choice["given"]), ("best", choice["best"])):
+        lines.append(
+            f"  {label:5} {row['standbys']:>5} standby machine(s): ETTR {row['ettr']:.4f}, job ETTR "
+            f"{row['ettr_job']:.4f}, {row['wasted_gpu_hours_per_week']:,.0f} GPU-h wasted per week"
+        )
+    return "\n".join(lines)
+
+
 def paper_to_json(comparison: dict, rebalance: list[dict]) -> dict:
     """The paper comparison as JSON (projections themselves are summarised, not dumped)."""
     return {
@@ -80,7 +112,12 @@ def format_projection(projection: Projection) -> str:
     reductions = projection.waste_reduction_pct()
     lines = [
         f"{cfg.gpus:,} GPUs ({cfg.nodes:,} nodes), job MTTF {cfg.job_mttf_s / HOUR_S:.2f} h, "
-        f"{cfg.weeks:.2f} weeks x {cfg.replicas} runs, best standbys {projection.best_standbys}",
+        f"{cfg.weeks:.2f} weeks x {cfg.replicas} runs, "
+        + (
+            f"standbys {cfg.standbys} (given)"
+            if cfg.standbys is not None
+            else f"best standbys {projection.best_standbys}"
+        ),
         f"{'strategy':<38} {'ETTR':>7} {'job ETTR':>9} {'wasted GPU-h/week':>18} {'TM reduction':>13}",
     ]
     for name in STRATEGY_NAMES:
