@@ -104,3 +104,18 @@ def test_check_with_a_range_judges_the_band_and_writes_it(tmp_path, capsys):
     assert (
         band["8,192 GPUs vs parcae"]["inside"] and not band["128 GPUs, 10-min rebalance, stop-restart ETTR"]["inside"]
     )
+
+
+def test_the_plot_shades_each_strategys_ettr_band(tmp_path):
+    """The band a plot shades: per scale and strategy, the ETTR range over both ends of each input's range;
+    a wider restart range moves stop-restart's band and not TrainMover's."""
+    from trainmover_ext.simulate.report import ettr_bands, plot_sweep, sweep
+
+    bands = ettr_bands(SMALL, [Sweep("restart_ref_s", 80.0, 800.0)], scales=(1024, 4096))
+    for gpus in (1024, 4096):
+        lo, hi = bands[gpus]["stop_restart"]
+        assert lo < hi, bands
+        assert bands[gpus]["trainmover"][0] == bands[gpus]["trainmover"][1], bands
+    png = tmp_path / "band.png"
+    plot_sweep(sweep(SMALL, scales=(1024, 4096)), png, bands)
+    assert png.stat().st_size > 1000

@@ -132,7 +132,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     run_group.add_argument("--replicas", type=int, default=2, help="seeded runs averaged per point (default 2)")
     run_group.add_argument("--json", default=None, metavar="OUT", help="write the projection as JSON to OUT")
     run_group.add_argument(
-        "--plot", default=None, metavar="FILE", help="sweep 1K-128K GPUs and plot to FILE (PNG/PDF/SVG)"
+        "--plot",
+        default=None,
+        metavar="FILE",
+        help="sweep 1K-128K GPUs and plot to FILE (PNG/PDF/SVG); with --band or --sweep each strategy's ETTR "
+        "band over those ranges is shaded (a minute or more)",
     )
     run_group.add_argument(
         "--sweep",
@@ -374,6 +378,11 @@ def run(args: argparse.Namespace) -> int:
         report.write_json(doc, args.json)
         print(f"wrote {args.json}")
     if args.plot:
-        report.plot_sweep(report.sweep(cfg), args.plot)
+        bands = None
+        if ranges:
+            bands = report.ettr_bands(
+                cfg, ranges, progress=lambda n, total: print(f"plot band: {n}/{total} projections", flush=True)
+            )
+        report.plot_sweep(report.sweep(cfg), args.plot, bands)
         print(f"wrote {args.plot}")
     return status

@@ -178,8 +178,38 @@ def sweep(cfg: SimConfig, scales=SWEEP_GPUS) -> dict[int, Projection]:
     return out
 
 
-def plot_sweep(projections: dict[int, Projection], path: str | Path) -> None:
-    """ETTR and wasted GPU-hours/week against GPU count, one line per strategy."""
+def ettr_bands(
+    cfg: SimConfig, ranges: list, scales=SWEEP_GPUS, progress=None
+) -> dict[int, dict[str, tuple[float, float]]]:
+    """Per GPU count and strategy, the lowest and highest ETTR over the projections at both ends of each
+    range (``sensitivity.Sweep``, one input at a time; ``mttf_hours`` cleared as in :func:`sweep`).
+    ``progress(done, total)`` is called after each projection."""
+    from trainmover_ext.simulate.sensitivity import with_value
+
+    ends = [(r.name, v) for r in ranges for v in (r.lo, r.hi)]
+    usable = [g for g in scales if g % cfg.gpus_per_node == 0]
+    bands: dict[int, dict[str, tuple[float, float]]] = {}
+    done = 0
+    for gpus in usable:
+        at = bands.setdefault(gpus, {})
+        for name, value in ends:
+            p = project(with_value(replace(cfg, gpus=gpus, mttf_hours=None), name, value))
+            for strategy, res in p.results.items():
+                lo, hi = at.get(strategy, (res.ettr, res.ettr))
+                at[strategy] = (min(lo, res.ettr), max(hi, res.ettr))
+            done += 1
+            if progress is not None:
+                progress(done, len(usable) * len(ends))
+    return bands
+
+
+def plot_sweep(
+    projections: dict[int, Projection],
+    path: str | Path,
+    bands: dict[int, dict[str, tuple[float, float]]] | None = None,
+) -> None:
+    """ETTR and wasted GPU-hours/week against GPU count, one line per strategy; ``bands`` (from
+    :func:`ettr_bands`) shades each strategy's ETTR range around its line."""
     import matplotlib
 
     matplotlib.use("Agg")  # headless: never needs a display
@@ -192,7 +222,11 @@ def plot_sweep(projections: dict[int, Projection], path: str | Path) -> None:
             continue
         ettr = [projections[g].results[name].ettr for g in scales]
         waste = [max(projections[g].results[name].wasted_gpu_hours_per_week, 1e-9) for g in scales]
-        ax_ettr.plot(scales, ettr, marker="o", label=LABELS[name])
+        (line,) = ax_ettr.plot(scales, ettr, marker="o", label=LABELS[name])
+        if bands:
+            lo = [min(bands[g][name][0], e) for g, e in zip(scales, ettr, strict=True)]
+            hi = [max(bands[g][name][1], e) for g, e in zip(scales, ettr, strict=True)]
+            ax_ettr.fill_between(scales, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
         ax_waste.plot(scales, waste, marker="o", label=LABELS[name])
     for ax in (ax_ettr, ax_waste):
         ax.set_xscale("log", base=2)
@@ -204,7 +238,8 @@ def plot_sweep(projections: dict[int, Projection], path: str | Path) -> None:
     ax_waste.set_ylabel("wasted GPU-hours per week of progress")
     ax_ettr.legend(fontsize=8)
     best = ", ".join(f"{g // 1024}K:{projections[g].best_standbys}" for g in scales)
-    fig.suptitle(f"trainmover simulate (best standbys {best})", fontsize=9)
+    shaded = "; shaded: the ETTR band over the swept inputs" if bands else ""
+    fig.suptitle(f"trainmover simulate (best standbys {best}{shaded})", fontsize=9)
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)
