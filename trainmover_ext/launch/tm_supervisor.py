@@ -101,28 +101,25 @@ class TrainMoverSupervisor:
         """When a report etcd could not take may be tried again, by rank."""
         self.space = self.controller = self.member = self.inbox = self.archive = self.probes = None
         self.hangs = HangWatch(0)
+        """Sees a serving process freeze (``launch.heartbeat``); made in :meth:`start`, before any fork."""
         self.stalls = StallWatch(0)
+        """Sees a serving rank's main thread stall (``launch.stalls``; its progress is in the heartbeat file)."""
         self.reports: NodeReports | None = None
         """Compute times and GPU health for the straggler watch (``launch.node_reports``; once etcd is open)."""
-        """Sees a serving rank's main thread stall (``launch.stalls``; its progress is in the heartbeat file)."""
-        """Sees a serving process freeze (``launch.heartbeat``); made in :meth:`start`, before any fork."""
         self.recordings: RecordingServer | None = None
         """Serves this node's recordings to standbys on other nodes (an active node with the sandbox)."""
-        self.epoch = 0
-        self.standbys_started = 0
+        self.epoch = self.standbys_started = 0
         self.reserves: list[Reserve] = []
         """Pre-forked children that start refills without a new interpreter (``--tm-standby-reserves``)."""
-        self.standby_nice = 0
-        """Niceness of this agent's first standbys until promotion (``--tm-standby-nice``, where restorable)."""
-        self.refill_nice = 0
-        """Niceness of the standbys it starts while the job trains (``--tm-refill-nice``, where restorable)."""
+        self.standby_nice = self.refill_nice = 0
+        """Niceness until promotion of this agent's first standbys (``--tm-standby-nice``) and of those it starts
+        while the job trains (``--tm-refill-nice``), where a promoted one can restore its priority."""
         self.standby_failures = 0
         """Standbys that exited non-zero in a row; replenishing stops at ``MAX_STANDBY_FAILURES``."""
         self.slots: dict[str, int] = {}
         """The slot of each standby of a standby machine, by member id."""
         self.replenish: list[tuple[int, float]] = []
         """One ``(epoch, latest time)`` per consumed standby still to be replaced."""
-        """Epochs whose migration finished (the joiner's first iteration is done)."""
 
     # -- processes -------------------------------------------------------------
     @property
@@ -157,8 +154,8 @@ class TrainMoverSupervisor:
             method = "pre-forked" if proc is not None else method
         if proc is None:
             start = fork_rank if method == "fork" else spawn_rank
-            refill = self.space is not None  # the first standbys start before etcd is opened
-            proc = start(-1, env, cfg.script, args, output, niceness=self.refill_nice if refill else self.standby_nice)
+            nice = self.refill_nice if self.space is not None else self.standby_nice  # the first: before etcd
+            proc = start(-1, env, cfg.script, args, output, niceness=nice)
         self._watch_hangs(proc, member)
         self.standbys[member] = proc
         self.agent.log(f"started standby {member} (pid {proc.pid}, {method})")
@@ -190,8 +187,7 @@ class TrainMoverSupervisor:
 
         cfg = self.cfg
         restorable = priority.can_restore()
-        self.standby_nice = cfg.standby_nice if restorable else 0
-        self.refill_nice = cfg.refill_nice if restorable else 0
+        self.standby_nice, self.refill_nice = (cfg.standby_nice, cfg.refill_nice) if restorable else (0, 0)
         if max(cfg.standby_nice, cfg.refill_nice) > 0 and not restorable:
             self.agent.log(
                 "standbys keep normal CPU priority: a promoted one could not raise it back here (needs "
