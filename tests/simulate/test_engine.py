@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import replace
 
@@ -192,3 +193,34 @@ def test_the_jobs_own_ettr_leaves_idle_standbys_uncharged():
     assert with_pool.ettr_job > with_pool.ettr
     alone = simulate(cfg, STRATEGIES["stop_restart"], standbys=0)
     assert alone.ettr_job == pytest.approx(alone.ettr)
+
+
+def test_a_hang_costs_its_detection_first_and_the_share_moves_no_other_draw():
+    """A hang (an unexpected interruption with ``hang``) adds the strategy's detection time: TrainMover's
+    measured progress watch, NVRx's monitor, the collective watchdog for the others. The hang share draws
+    from a stream of its own: with it at 0 and at 1 the interruptions fall at the same times, and at 1 every
+    unexpected one is a hang."""
+    cfg = small()
+    model = cfg.downtimes
+    for name, detect in (
+        ("stop_restart", model.watchdog_timeout_s),
+        ("parcae", model.watchdog_timeout_s),
+        ("nvrx", model.nvrx_hang_detect_s),
+        ("trainmover", model.tm_hang_detect_s),
+        ("trainmover_no_standby", model.tm_hang_detect_s),
+    ):
+        strategy = STRATEGIES[name]
+        exits = strategy.recover(EventKind.UNEXPECTED, cfg, True).downtime_s
+        assert strategy.recover(EventKind.UNEXPECTED, cfg, True, hang=True).downtime_s == exits + detect, name
+        assert (
+            strategy.recover(EventKind.PLANNED, cfg, True, hang=True).downtime_s
+            == strategy.recover(EventKind.PLANNED, cfg, True).downtime_s
+        )
+    none, every = (
+        list(itertools.islice(interruption_stream(replace(cfg, hang_fraction=f), seed=3), 200)) for f in (0.0, 1.0)
+    )
+    assert [(e.run_s, e.kind) for e in none] == [(e.run_s, e.kind) for e in every]
+    assert not any(e.hang for e in none)
+    assert all(e.hang == (e.kind is EventKind.UNEXPECTED) for e in every)
+    hung = simulate(replace(cfg, hang_fraction=1.0, weeks=4.0), STRATEGIES["stop_restart"])
+    assert hung.events["hang"] == hung.events["unexpected"] > 0

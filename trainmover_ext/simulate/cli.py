@@ -34,6 +34,9 @@ _DOWNTIME_FLAGS = {
     "tm_unexpected_s": ("tm_unexpected_s", float, "TrainMover unexpected downtime with a standby"),
     "tm_planned_s": ("tm_planned_s", float, "TrainMover planned/rebalance downtime"),
     "tm_cold_join_s": ("tm_cold_join_s", float, "extra seconds when no warm standby is free"),
+    "tm_hang_detect_s": ("tm_hang_detect_s", float, "seconds before TrainMover names a hung rank"),
+    "watchdog_timeout_s": ("watchdog_timeout_s", float, "seconds before a hang is noticed by the collective watchdog"),
+    "nvrx_hang_detect_s": ("nvrx_hang_detect_s", float, "seconds before NVRx notices a hang"),
 }
 
 
@@ -72,6 +75,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         type=float,
         default=SimConfig.unexpected_per_planned,
         help="unexpected interruptions per planned one (default 8.9, Llama 3's 419:47; 0 = none planned)",
+    )
+    job.add_argument(
+        "--hang-fraction",
+        type=float,
+        default=SimConfig.hang_fraction,
+        help=f"share of the failures that are hangs, detected first (default {SimConfig.hang_fraction:g})",
     )
     job.add_argument(
         "--rebalance-minutes",
@@ -153,7 +162,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="sensitivity over the default ranges of every assumed or doubly read input (restart growth, "
         "Parcae's reconfiguration and regrow time, refill time, NVRx, cold join, checkpoint interval, iteration "
         "time; docs/simulate.md lists them and why), as --sweep does for one; with --paper, the paper's figures "
-        "against that band, and --check passes when each lies inside it (a minute or two: 17 projections "
+        "against that band, and --check passes when each lies inside it (a minute or two: 21 projections "
         "per scale)",
     )
     run_group.add_argument(
@@ -204,6 +213,7 @@ _JOB_FLAGS = {
     "mttf_hours": "mttf_hours",
     "unexpected_per_planned": "unexpected_per_planned",
     "rebalance_minutes": "rebalance_minutes",
+    "hang_fraction": "hang_fraction",
     "checkpoint_interval_min": "checkpoint_interval_min",
     "checkpoint_save_s": "checkpoint_save_s",
     "checkpoint_load_s": "checkpoint_load_s",
@@ -280,6 +290,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, InputOrigins]
         mttf_hours=args.mttf_hours,
         unexpected_per_planned=args.unexpected_per_planned,
         rebalance_minutes=args.rebalance_minutes,
+        hang_fraction=args.hang_fraction,
         infra_cost_s=args.infra_cost_min * 60.0,
         checkpoint_interval_min=args.checkpoint_interval_min,
         checkpoint_save_s=args.checkpoint_save_s,

@@ -48,13 +48,14 @@ PAPER_CALIBRATION: dict[str, float] = {
     "parcae_scale_exp": 0.06,
     "tm_cold_join_s": 190.0,
     "standby_replace_hours": 48.0,
+    "hang_fraction": 0.0,
 }
 """Values fitted to the paper's own outputs (``--calibrate-to-paper``), by field of :class:`SimConfig` or
 :class:`DowntimeModel`: stop-restart 540 s at 128 GPUs growing with exponent 0.17 (with a 60 s load: its
 ETTR of 0.50 at 128 GPUs and 0.42 at 1,024 under 10-minute rebalancing); shrink/rebuild 880 s with exponent
 0.06 (the 82.77% and 88% savings against Parcae); a 190 s cold join with a 48 h standby refill (the 35.91%
-and 55% savings against TrainMover without standbys). A projection on them agrees with the paper by
-construction: it confirms the fit, not the paper."""
+and 55% savings against TrainMover without standbys); and no hangs, as the paper's projection has none. A
+projection on them agrees with the paper by construction: it confirms the fit, not the paper."""
 
 
 def calibrated_to_paper(cfg: SimConfig, keep: set[str] = frozenset()) -> SimConfig:
@@ -136,6 +137,20 @@ class DowntimeModel:
     paper reports 99% efficiency under 10-minute rebalancing, i.e. <= ~6-10 s
     (flag --tm-planned-s)."""
 
+    tm_hang_detect_s: float = 2.5
+    """Seconds before TrainMover names a hung rank: ``benchmarks/detection.py``'s median for a main thread
+    stalled in compute or in a collective (2.53 s at the default ``--tm-progress-timeout``)
+    (flag --tm-hang-detect-s)."""
+
+    watchdog_timeout_s: float = 600.0
+    """Seconds before a hang is noticed without TrainMover (stop-restart, shrink/rebuild): the collective
+    timeout after which torch's NCCL watchdog aborts, Megatron-LM's ``--distributed-timeout-minutes``
+    default of 10 (flag --watchdog-timeout-s)."""
+
+    nvrx_hang_detect_s: float = 60.0
+    """Seconds before NVRx's in-process restart notices a hang: an assumption (its monitors' timeouts are
+    the user's to set) (flag --nvrx-hang-detect-s)."""
+
     tm_cold_join_s: float = 200.0
     """Extra downtime of an unexpected failure when no warm standby is free: start a machine
     and warm it up on the critical path. The paper's figures: a warm-up of about 150 s
@@ -154,6 +169,9 @@ class DowntimeModel:
             ("tm_unexpected_s", "--tm-unexpected-s"),
             ("tm_planned_s", "--tm-planned-s"),
             ("tm_cold_join_s", "--tm-cold-join-s"),
+            ("tm_hang_detect_s", "--tm-hang-detect-s"),
+            ("watchdog_timeout_s", "--watchdog-timeout-s"),
+            ("nvrx_hang_detect_s", "--nvrx-hang-detect-s"),
         ):
             _finite_nonneg(float(getattr(self, name)), flag)
         _require(self.restart_ref_gpus >= 1, "--restart-ref-gpus", "must be >= 1")
@@ -184,6 +202,10 @@ class SimConfig:
     unexpected_per_planned: float = LLAMA3_UNEXPECTED_PER_PLANNED
     """Unexpected interruptions per planned one: Llama 3's 419 : 47 = 8.9 : 1. 0 disables
     planned interruptions (flag --unexpected-per-planned)."""
+
+    hang_fraction: float = 0.1
+    """Share of the unexpected interruptions that are hangs (a process alive but stuck) rather than exits:
+    a hang costs its detection time first. An assumption (flag --hang-fraction)."""
 
     rebalance_minutes: float = 0.0
     """Planned rebalance every M minutes of running time after each resume; 0 = never
@@ -255,6 +277,7 @@ class SimConfig:
             )
         _finite_nonneg(self.unexpected_per_planned, "--unexpected-per-planned")
         _finite_nonneg(self.rebalance_minutes, "--rebalance-minutes")
+        _require(0.0 <= self.hang_fraction <= 1.0, "--hang-fraction", f"must be in [0, 1], got {self.hang_fraction!r}")
         _finite_nonneg(self.infra_cost_s, "--infra-cost-min")
         _require(
             math.isfinite(self.checkpoint_interval_min) and self.checkpoint_interval_min > 0,

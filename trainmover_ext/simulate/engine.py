@@ -151,12 +151,12 @@ def simulate(
         if to_done <= min(to_event, to_rebalance):
             break
         if to_rebalance <= to_event:
-            kind, inflight = EventKind.REBALANCE, 0.0
+            kind, inflight, hang = EventKind.REBALANCE, 0.0, False
         else:
-            kind, inflight = pending.kind, pending.inflight_fraction
+            kind, inflight, hang = pending.kind, pending.inflight_fraction, pending.hang
             pending = next(stream, None)
         pool.advance(wall)
-        recovery = strategy.recover(kind, cfg, standby_free=pool.idle > 0)
+        recovery = strategy.recover(kind, cfg, standby_free=pool.idle > 0, hang=hang)
         if recovery.used_standby:
             pool.take(wall)
         elif strategy.standby_capable and kind is EventKind.UNEXPECTED and pool.size > 0:
@@ -173,6 +173,8 @@ def simulate(
         result.downtime_s += recovery.downtime_s
         result.shrunk_gpu_s += recovery.shrunk_gpu_s
         result.events[kind.value] += 1
+        if hang:
+            result.events["hang"] += 1
     pool.advance(wall)
     result.wall_s = wall
     result.standby_idle_gpu_s = pool.idle_gpu_s

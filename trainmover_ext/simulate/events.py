@@ -3,7 +3,8 @@
 Contract: :func:`interruption_stream` yields :class:`Interruption` objects in
 increasing *running time* (the seconds the job has spent computing, useful or
 redone). Failures are a Poisson process in running time with rate
-``gpus / gpu_mttf``; a recovery that is itself interrupted is folded into that
+``gpus / gpu_mttf``, a share ``hang_fraction`` of them hangs (drawn from a stream of their own, so
+the share moves no other draw); a recovery that is itself interrupted is folded into that
 recovery, which is why downtime does not advance the failure clock. Planned
 interruptions are a second Poisson process at ``1 / unexpected_per_planned`` of
 the failure rate. The same ``(config, seed)`` always yields the same stream, so
@@ -51,6 +52,8 @@ class Interruption:
     inflight_fraction: float = 0.0
     """Fraction of the in-flight iteration already computed, uniform in [0, 1); that work is
     abandoned by strategies that do not roll back to a checkpoint."""
+    hang: bool = False
+    """An unexpected interruption that is a hang: its detection time comes first."""
 
 
 def rates_per_s(cfg: SimConfig) -> tuple[float, float]:
@@ -66,15 +69,18 @@ def interruption_stream(cfg: SimConfig, seed: int) -> Iterator[Interruption]:
     total_rate = unexpected_rate + planned_rate
     planned_share = planned_rate / total_rate
     rng = np.random.default_rng(seed)
+    hangs = np.random.default_rng([seed, 1])  # a stream of its own: the others do not move with the share
     clock = 0.0
     while True:
         gaps = rng.exponential(1.0 / total_rate, _BLOCK)
         kinds = rng.random(_BLOCK)
         fractions = rng.random(_BLOCK)
-        for gap, kind_draw, fraction in zip(gaps, kinds, fractions, strict=False):
+        hang_draws = hangs.random(_BLOCK)
+        for gap, kind_draw, fraction, hang in zip(gaps, kinds, fractions, hang_draws, strict=False):
             clock += float(gap)
             kind = EventKind.PLANNED if kind_draw < planned_share else EventKind.UNEXPECTED
-            yield Interruption(run_s=clock, kind=kind, inflight_fraction=float(fraction))
+            hung = kind is EventKind.UNEXPECTED and hang < cfg.hang_fraction
+            yield Interruption(run_s=clock, kind=kind, inflight_fraction=float(fraction), hang=hung)
 
 
 def next_rebalance_in(cfg: SimConfig, running_since_resume_s: float) -> float:

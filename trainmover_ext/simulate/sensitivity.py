@@ -72,6 +72,8 @@ DEFAULT_BAND: tuple[tuple[Sweep, str], ...] = (
     (Sweep("nvrx_inprocess_s", 30.0, 180.0), "assumed: NVRx publishes no latency figure"),
     (Sweep("tm_cold_join_s", 150.0, 390.0), "the paper's warm-up alone to its 6.47 min production restart delay"),
     (Sweep("checkpoint_interval_min", 10.0, 60.0), "assumed: minutes between checkpoints"),
+    (Sweep("hang_fraction", 0.0, 0.3), "assumed: share of the failures that are hangs"),
+    (Sweep("nvrx_hang_detect_s", 10.0, 600.0), "assumed: NVRx's monitor, from tight to the watchdog's"),
     (Sweep("iteration_s", 2.0, 10.0), "assumed: seconds per iteration"),
 )
 """The default ranges (``--band``): (the range, why it spans that)."""

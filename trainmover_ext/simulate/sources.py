@@ -59,6 +59,7 @@ DEFAULT_SOURCES: dict[str, Source] = {
     ),
     "mttf_hours": Source("assumed", "unset: the job MTTF follows from --gpu-mttf-hours"),
     "unexpected_per_planned": Source("published", f"{LLAMA3}: 419 / 47 = 8.9"),
+    "hang_fraction": Source("assumed", "a tenth of the failures are hangs (a process alive but stuck)"),
     "rebalance_minutes": Source("assumed", "no rebalancing unless asked"),
     "infra_cost_s": Source("published", f"{PAPER}: +2 min of infrastructure cost per interruption"),
     "checkpoint_interval_min": Source("assumed", "30 min"),
@@ -94,6 +95,13 @@ DEFAULT_SOURCES: dict[str, Source] = {
     "tm_unexpected_s": Source("published", f"{PAPER}, abstract: 'around 20 seconds' at 1,024 GPUs"),
     "tm_unexpected_scale_exp": Source("assumed", "0: only the leaver's groups change"),
     "tm_planned_s": Source("published", f"{PAPER}: 99% efficiency under 10-minute rebalancing (at most ~6-10 s)"),
+    "tm_hang_detect_s": Source(
+        "measured", "benchmarks/results/detection.json: a stalled main thread named in 2.53 s (median of 3, 2 cores)"
+    ),
+    "watchdog_timeout_s": Source(
+        "published", "Megatron-LM's --distributed-timeout-minutes default (10): the NCCL watchdog aborts after it"
+    ),
+    "nvrx_hang_detect_s": Source("assumed", "60 s: NVRx's monitor timeouts are the user's to set"),
     "tm_cold_join_s": Source(
         "published", f"{PAPER}: a warm-up of about 150 s (GPT-10B) and about 50 s of NCCL setup (64 GPUs)"
     ),
@@ -109,6 +117,7 @@ CALIBRATED_SOURCES: dict[str, Source] = {
     "parcae_scale_exp": _fitted("0.06, with parcae_reconfig_ref_s"),
     "tm_cold_join_s": _fitted("190 s, together with standby_replace_hours, to the 35.91% and 55% savings"),
     "standby_replace_hours": _fitted("48 h, together with tm_cold_join_s, to the 35.91% (8K) and 55% (128K) savings"),
+    "hang_fraction": Source("published", f"{PAPER}: its projection models no hangs"),
 }
 """The sources of :data:`~.config.PAPER_CALIBRATION`'s values (``--calibrate-to-paper``)."""
 

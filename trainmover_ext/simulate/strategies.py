@@ -66,13 +66,23 @@ class Strategy:
     standby_capable: bool
     """Can use warm standby machines."""
 
-    def recover(self, kind: EventKind, cfg: SimConfig, standby_free: bool) -> Recovery:
-        """Cost of one interruption of ``kind`` for a job of ``cfg.gpus`` GPUs."""
+    def hang_detect_s(self, model: DowntimeModel) -> float:
+        """Seconds before this strategy notices a hang: TrainMover's progress watch, NVRx's monitor, or else
+        the collective watchdog's timeout."""
+        if self.name.startswith("trainmover"):
+            return model.tm_hang_detect_s
+        return model.nvrx_hang_detect_s if self.name == "nvrx" else model.watchdog_timeout_s
+
+    def recover(self, kind: EventKind, cfg: SimConfig, standby_free: bool, hang: bool = False) -> Recovery:
+        """Cost of one interruption of ``kind`` for a job of ``cfg.gpus`` GPUs (``hang``: an unexpected one
+        that is a hang, whose detection comes first)."""
         model = cfg.downtimes
         gpus = cfg.gpus
         # rebalances are started by the scheduler at a boundary it picked: no detection,
         # diagnosis or node hunt, hence no infrastructure cost
         infra = 0.0 if kind is EventKind.REBALANCE else cfg.infra_cost_s
+        if hang and kind is EventKind.UNEXPECTED:
+            infra += self.hang_detect_s(model)
         unexpected = kind is EventKind.UNEXPECTED
         if self.name == "stop_restart":
             restart = scaled(model.restart_ref_s, gpus, model.restart_ref_gpus, model.restart_scale_exp)
