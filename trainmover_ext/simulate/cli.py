@@ -346,7 +346,10 @@ def run(args: argparse.Namespace) -> int:
         if ranges:
             print()
             band = paper.paper_band(
-                cfg, ranges, progress=lambda n, total: print(f"band: {n}/{total} projections", flush=True)
+                cfg,
+                ranges,
+                progress=lambda n, total: print(f"band: {n}/{total} projections", flush=True),
+                base=(comparison, rebalance),
             )
             print(paper.format_band(band))
             doc["paper"]["band"] = band

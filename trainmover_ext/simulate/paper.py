@@ -168,11 +168,18 @@ def all_within_tolerance(comparison: dict, rebalance: list[dict]) -> bool:
     return ok and not math.isnan(sum(r["ours_pct"] for r in comparison["rows"]))
 
 
-def paper_band(cfg: SimConfig, ranges: list, min_events: int = _MIN_UNEXPECTED_EVENTS, progress=None) -> list[dict]:
+def paper_band(
+    cfg: SimConfig,
+    ranges: list,
+    min_events: int = _MIN_UNEXPECTED_EVENTS,
+    progress=None,
+    base: tuple[dict, list[dict]] | None = None,
+) -> list[dict]:
     """Each of the paper's figures against the band of ours: the projection at ``cfg`` and at both ends of
     each range (``sensitivity.Sweep``, one input at a time). A row: ``figure``, ``paper``, ``base``,
     ``lo``/``hi`` (the band), ``inside``, and ``nearest`` (the input and value whose end came closest to the
-    paper's figure). ``progress(done, total)`` is called after each projection."""
+    paper's figure). ``progress(done, total)`` is called after each projection; ``base``: ``cfg``'s
+    :func:`compare_with_paper` and :func:`rebalance_check` when the caller has them already."""
     from trainmover_ext.simulate.sensitivity import with_value
 
     configs = [("base", None, cfg)]
@@ -180,11 +187,13 @@ def paper_band(cfg: SimConfig, ranges: list, min_events: int = _MIN_UNEXPECTED_E
         configs += [(r.name, r.lo, with_value(cfg, r.name, r.lo)), (r.name, r.hi, with_value(cfg, r.name, r.hi))]
     seen: dict[str, tuple[float, list[tuple[float, str, float | None]]]] = {}
     for n, (name, value, c) in enumerate(configs, 1):
+        comparison, rebalance = base if base is not None and n == 1 else (None, None)
+        comparison = comparison or compare_with_paper(c, min_events)
         figures = {
             f"{row['gpus']:,} GPUs vs {row['baseline']}": (row["paper_pct"], row["ours_pct"])
-            for row in compare_with_paper(c, min_events)["rows"]
+            for row in comparison["rows"]
         }
-        for r in rebalance_check(c):
+        for r in rebalance or rebalance_check(c):
             if r["paper_stop_restart_ettr"] is not None:
                 key = f"{r['gpus']:,} GPUs, 10-min rebalance, stop-restart ETTR"
                 figures[key] = (r["paper_stop_restart_ettr"], r["stop_restart_ettr"])

@@ -59,21 +59,17 @@ def projection_to_json(
 def standby_choice(given: Projection, searched: Projection) -> dict:
     """The ``standby_choice`` JSON: TrainMover with the standby count given (``given``) and with the count that
     maximises goodput per GPU, idle standbys charged (``searched``: the same inputs, the count searched)."""
-    ours, best = given.results["trainmover"], searched.results["trainmover"]
-    return {
-        "given": {
-            "standbys": given.best_standbys,
-            "ettr": ours.ettr,
-            "ettr_job": ours.ettr_job,
-            "wasted_gpu_hours_per_week": ours.wasted_gpu_hours_per_week,
-        },
-        "best": {
-            "standbys": searched.best_standbys,
-            "ettr": best.ettr,
-            "ettr_job": best.ettr_job,
-            "wasted_gpu_hours_per_week": best.wasted_gpu_hours_per_week,
-        },
-    }
+
+    def row(p: Projection) -> dict:
+        res = p.results["trainmover"]
+        return {
+            "standbys": p.best_standbys,
+            "ettr": res.ettr,
+            "ettr_job": res.ettr_job,
+            "wasted_gpu_hours_per_week": res.wasted_gpu_hours_per_week,
+        }
+
+    return {"given": row(given), "best": row(searched)}
 
 
 def format_standby_choice(given: Projection, searched: Projection) -> str:
