@@ -34,6 +34,7 @@ setup(
         + ["trainmover_ext.patches", "trainmover_training"]
     ),
     package_dir={"trainmover_ext.patches": "patches"},
+    package_data={"trainmover_training": ["data/*.json"]},
     py_modules=["pretrain_gpt"],
     # What a site's environment keeps: its own torch build (never pinned here, so `pip install .` leaves
     # it alone), and a megatron-core the CPU patches target: 0.16.x (Python 3.11) or 0.19.x (3.12+).

@@ -85,8 +85,11 @@ def render_parser(parser: argparse.ArgumentParser, title: str, level: int = 2) -
 
 def render_megatron_lm(parser: argparse.ArgumentParser) -> list[str]:
     """The table of Megatron-LM's example-script flags and what ``pretrain_gpt.py`` does with each."""
-    from trainmover_training.megatron_lm_flags import NO_EFFECT_FLAGS, support_table
+    from trainmover_training.megatron_lm_flags import listing, refused_flags, support_table, surface_counts
 
+    head = listing()
+    counts = surface_counts(parser)
+    known = {s for a in parser._actions for s in a.option_strings}
     out = [
         "### Megatron-LM's example flags",
         "",
@@ -97,7 +100,22 @@ def render_megatron_lm(parser: argparse.ArgumentParser) -> list[str]:
         "| Megatron-LM flag | here |",
         "|---|---|",
     ]
-    out += [f"| `{flag}` | {_cell(status)} |" for flag, status in support_table(parser, NO_EFFECT_FLAGS)]
+    out += [f"| `{flag}` | {_cell(status)} |" for flag, status in support_table(parser)]
+    out += [
+        "",
+        "### Every Megatron-LM flag",
+        "",
+        f"Against the {sum(counts.values())} options of Megatron-LM {head['ref']} "
+        f"(`{head['file']}`, commit `{head['commit'][:12]}`; the list is "
+        "`trainmover_training/data/megatron_lm_flags.json`, made by `scripts/gen_megatron_lm_flags.py`): "
+        f"{counts['implemented']} implemented, {counts['no effect']} accepted without effect (the `pretrain_gpt.py` "
+        "group above that says so, each with its reason), {counts['refused']} refused by name with the reason, never with argparse's "
+        "generic error. `tests/training/test_megatron_lm_surface.py` fails when the parser and the list part.",
+        "",
+        "| refused flag | why |",
+        "|---|---|",
+    ]
+    out += [f"| `{flag}` | {_cell(why)} |" for flag, why in refused_flags() if flag not in known]
     return out + [""]
 
 

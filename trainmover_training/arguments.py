@@ -211,6 +211,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1.")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2.")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
+    g.add_argument(
+        "--optimizer",
+        choices=["adam"],
+        default="adam",
+        help="Optimizer: megatron-core's Adam (AdamW-style weight decay), the only one supported "
+        "(Megatron-LM's sgd and muon are not).",
+    )
     g.add_argument("--seed", type=int, default=1234, help="Random seed (initialisation, data order, dropout).")
     g.add_argument(
         "--bf16",

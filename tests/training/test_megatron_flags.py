@@ -154,7 +154,7 @@ def test_sample_counted_schedule():
 def test_flags_without_effect_are_named():
     args = _args("--attention-backend", "fused", "--manual-gc", "--num-workers", "2")
     named = no_effect_given(args)
-    assert [n.split(" ")[0] for n in named] == ["--attention-backend", "--num-workers", "--manual-gc"]
+    assert [n.split(" ")[0] for n in named] == ["--attention-backend", "--manual-gc", "--num-workers"]
     assert no_effect_given(_args()) == []
 
 
