@@ -110,7 +110,8 @@ def render_megatron_lm(parser: argparse.ArgumentParser) -> list[str]:
         "`trainmover_training/data/megatron_lm_flags.json`, made by `scripts/gen_megatron_lm_flags.py`): "
         f"{counts['implemented']} implemented, {counts['no effect']} accepted without effect (the "
         "`pretrain_gpt.py` group above that says so, each with its reason), "
-        f"{counts['refused']} refused by name with the reason, never with argparse's generic error. `tests/training/test_megatron_lm_surface.py` fails when the parser and the list part.",
+        f"{counts['refused']} refused by name with the reason, never with argparse's generic error. "
+        "`tests/training/test_megatron_lm_surface.py` fails when the parser and the list part.",
         "",
         "| refused flag | why |",
         "|---|---|",
