@@ -70,9 +70,10 @@ def install(force_cpu: bool | None = None) -> list[str]:
         import megatron.core.pipeline_parallel.schedules  # noqa: F401
         import megatron.core.transformer.transformer_block  # noqa: F401
 
-        from . import cpu_compat, rng
+        from . import cpu_compat, moe_cpu, rng
 
         patched += cpu_compat.install(version)
+        patched += moe_cpu.install()
         patched += rng.install()
     from . import grad_norm_groups
 

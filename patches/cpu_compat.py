@@ -78,6 +78,14 @@ CPU_TARGETS: dict[str, list[str]] = {
     "megatron.core.tensor_parallel.layers": [
         "LinearWithGradAccumulationAndAsyncCommunication.backward",
     ],
+    # The MoE token dispatchers' gathers, scatters and all-to-all allocate their outputs on the GPU
+    # (--num-experts; the TP/sequence-parallel paths use the global buffer, patched above).
+    "megatron.core.tensor_parallel.mappings": [
+        "_gather_along_last_dim",
+        "_gather_along_first_dim",
+        "_reduce_scatter_along_first_dim",
+        "_AllToAll.forward",
+    ],
     # --position-embedding-type rope: the frequencies move "to the GPU" at the first forward.
     "megatron.core.models.common.embeddings.rotary_pos_embedding": [
         "RotaryEmbedding.get_emb",

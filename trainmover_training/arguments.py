@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from trainmover_training.arguments_logging import add_eval_logging_args, validate_eval_logging
 from trainmover_training.errors import ConfigError
 from trainmover_training.megatron_lm_flags import add_no_effect_args, refusal
+from trainmover_training.moe import add_moe_args, validate_moe
 from trainmover_training.tokenizer import add_tokenizer_args, validate_tokenizer_args
 
 
@@ -360,6 +361,7 @@ def build_parser(extra_args_provider: Callable | None = None, prog: str = "pretr
     _add_data_args(parser)
     _add_checkpoint_args(parser)
     add_eval_logging_args(parser)
+    add_moe_args(parser)
     add_no_effect_args(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser) or parser
@@ -399,6 +401,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     args.data_parallel_size = world_size // (tp * pp)
     _validate_recompute(args)
     dp = args.data_parallel_size
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False
+    validate_moe(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
     if args.global_batch_size % (args.micro_batch_size * dp) != 0:
@@ -453,8 +458,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("need 0 < --min-loss-scale <= --initial-loss-scale")
     if args.loss_scale_window < 1 or args.hysteresis < 1:
         raise ConfigError("--loss-scale-window and --hysteresis must be >= 1")
-    if args.sequence_parallel and tp == 1:
-        args.sequence_parallel = False
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:

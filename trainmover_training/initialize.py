@@ -46,6 +46,8 @@ class ParallelLayout:
     communicator), else the device backend."""
     pp_before_dp: bool = False
     """Rank order tp, pp, dp (``--use-tp-pp-dp-mapping``) instead of tp, dp, pp."""
+    ep_size: int = 1
+    """Expert parallelism (``--expert-model-parallel-size``): the EP rank is ``dp_rank % ep_size``."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -92,6 +94,8 @@ def initialize_model_parallel(args) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
         create_gloo_process_groups=False,
     )
@@ -172,6 +176,7 @@ def layout_from_groups(
         backend=backend,
         comm=comm,
         pp_before_dp=getattr(args, "use_tp_pp_dp_mapping", False),
+        ep_size=getattr(args, "expert_model_parallel_size", 1) if getattr(args, "moe_layer", False) else 1,
     )
 
 

@@ -13,7 +13,11 @@ NO_EFFECT = "no effect"
 REFUSED = "refused"
 
 # Reasons shared by many flags.
-MOE = "mixture-of-experts is not supported yet (README, 'What is supported'): drop the MoE and expert-parallel flags"
+MOE = (
+    "a mixture-of-experts option this layer does not implement yet (it does: --num-experts, "
+    "--expert-model-parallel-size, --moe-router-topk, --moe-router-load-balancing-type, --moe-aux-loss-coeff, "
+    "--moe-token-dispatcher-type, --moe-grouped-gemm, --moe-ffn-hidden-size)"
+)
 CP = "context parallelism is not supported: drop it (--context-parallel-size must be 1)"
 FP8 = "fp8/fp4 training needs TransformerEngine's low-precision recipes, which this layer does not pass on: use --bf16"
 GPU_PERF = "a GPU performance setting; the result is the same"
@@ -50,10 +54,14 @@ IMPLEMENTED = frozenset(
     --tokenizer-type --train-iters --train-samples --transformer-impl --untie-embeddings-and-output-weights
     --use-distributed-optimizer --use-tp-pp-dp-mapping --vocab-file --vocab-size --wandb-exp-name --wandb-project
     --wandb-save-dir --weight-decay
+    --num-experts --expert-model-parallel-size --expert-tensor-parallel-size --moe-router-topk
+    --moe-router-load-balancing-type --moe-aux-loss-coeff --moe-token-dispatcher-type --moe-grouped-gemm
+    --moe-ffn-hidden-size
     """.split()
 )
 """The Megatron-LM flags ``pretrain_gpt.py`` implements (some with a narrower range of values, each
-checked with its reason: ``--context-parallel-size 1``, ``--optimizer adam``). The parser must have each,
+checked with its reason: ``--context-parallel-size 1``, ``--optimizer adam``,
+``--expert-tensor-parallel-size`` equal to TP). The parser must have each,
 and nothing else of the list outside the rules below."""
 
 FLAG_RULES: tuple[tuple[str, str, str], ...] = (
@@ -256,7 +264,11 @@ FLAG_RULES: tuple[tuple[str, str, str], ...] = (
     ("--decode-only-cuda-graphs", NO_EFFECT, INFERENCE),
     ("--use-legacy-static-engine", NO_EFFECT, INFERENCE),
     ("--no-rope-freq", REFUSED, ARCH),
-    ("--no-position-embedding", REFUSED, "use --position-embedding-type none"),
+    (
+        "--no-position-embedding",
+        NO_EFFECT,
+        "Megatron-LM 0.16.1 ignores it too: the position embedding follows --position-embedding-type",
+    ),
     ("--use-rotary-position-embeddings", REFUSED, "use --position-embedding-type rope"),
     ("--async-tensor-model-parallel-allreduce", NO_EFFECT, GPU_PERF),
     ("--enable-experimental", NO_EFFECT, "Megatron-LM's experimental features are not used"),

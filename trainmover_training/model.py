@@ -9,8 +9,9 @@ generator seeded by ``(seed, its global name)`` and sliced to this rank's TP
 shard (with ``--swiglu`` a shard of ``linear_fc1`` is its slice of the gate
 rows followed by its slice of the up rows, as megatron-core lays it out;
 grouped-query attention's ``linear_qkv`` is group-major, so a plain slice).
-The global name numbers layers globally, so TP1-PP1 and TP2-PP2 start from
-identical weights and their losses can be compared.
+The global name numbers layers globally (and experts by their global index under
+expert parallelism), so TP1-PP1 and TP2-PP2, or EP1 and EP2, start from identical
+weights and their losses can be compared.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from trainmover_training.moe import global_expert_name, grouped_gemm, moe_config_kwargs
 
 
 def transformer_config_from_args(args, layout):
@@ -74,6 +77,7 @@ def transformer_config_from_args(args, layout):
         persist_layer_norm=False,
         deallocate_pipeline_outputs=True,
         cuda_graph_scope=[],
+        **moe_config_kwargs(args),
     )
 
 
@@ -98,9 +102,14 @@ def gpt_layer_spec(args: argparse.Namespace) -> Any:
     """The TransformerEngine spec on GPU with TE, megatron-core's local spec otherwise."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    moe = (
+        {"num_experts": args.num_experts, "moe_grouped_gemm": grouped_gemm(args)}
+        if getattr(args, "moe_layer", False)
+        else {}
+    )
     if use_transformer_engine(args):
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=args.normalization)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**moe)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization=args.normalization, **moe)
 
 
 _LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.")
@@ -119,13 +128,23 @@ def _global_name(name: str, chunk) -> str:
     return name
 
 
-def layout_independent_init_(chunk, seed: int, init_std: float, num_layers: int, tp_rank: int, tp_size: int) -> None:
-    """Overwrite every parameter of ``chunk`` from a name-seeded full tensor (see module doc)."""
+def layout_independent_init_(
+    chunk,
+    seed: int,
+    init_std: float,
+    num_layers: int,
+    tp_rank: int,
+    tp_size: int,
+    ep_rank: int = 0,
+    num_local_experts: int = 0,
+) -> None:
+    """Overwrite every parameter of ``chunk`` from a name-seeded full tensor (see module doc); an expert's
+    parameters are named by its global expert index (``ep_rank`` x ``num_local_experts`` + local index)."""
     scaled_std = init_std / math.sqrt(2.0 * num_layers)
     gated = bool(getattr(getattr(getattr(chunk, "module", chunk), "config", None), "gated_linear_unit", False))
     with torch.no_grad():
         for name, param in chunk.named_parameters():
-            key = _global_name(name, chunk)
+            key = global_expert_name(_global_name(name, chunk), num_local_experts, ep_rank)
             full_shape = list(param.shape)
             dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel", False) else -1
             if dim >= 0:
@@ -161,7 +180,16 @@ def get_model(
         post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage if vpp else None)
         chunk = model_provider(pre_process=pre, post_process=post, vp_stage=vp_stage if vpp else None)
         layout_independent_init_(
-            chunk, args.seed, args.init_method_std, args.num_layers, layout.tp_rank, layout.tp_size
+            chunk,
+            args.seed,
+            args.init_method_std,
+            args.num_layers,
+            layout.tp_rank,
+            layout.tp_size,
+            ep_rank=mpu.get_expert_model_parallel_rank() if getattr(args, "moe_layer", False) else 0,
+            num_local_experts=(args.num_experts // args.expert_model_parallel_size)
+            if getattr(args, "moe_layer", False)
+            else 0,
         )
         chunk.to(layout.device)
         if prepare_chunk is not None:

@@ -37,6 +37,7 @@ from trainmover_training.initialize import (
 from trainmover_training.loggers import ScalarLoggers
 from trainmover_training.megatron_lm_flags import no_effect_given
 from trainmover_training.model import get_model, transformer_config_from_args
+from trainmover_training.moe import moe_no_effect
 from trainmover_training.tokenizer import build_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -435,7 +436,7 @@ def pretrain(
             resumed_iteration=iteration,
         )
         if layout.is_logging_rank:
-            ignored = no_effect_given(args)
+            ignored = no_effect_given(args) + moe_no_effect(args)
             if ignored:
                 print(f"[trainmover] accepted without effect here: {'; '.join(ignored)}", flush=True)
             print(

@@ -6,8 +6,8 @@ GRID = GridShape(tp=2, pp=2, dp=2)  # ranks: tp fastest, then dp, then pp
 
 
 def test_grid_matches_megatron_order():
-    assert GRID.shard_of(0) == (0, 0) and GRID.shard_of(1) == (1, 0)
-    assert GRID.shard_of(2) == (0, 0) and GRID.shard_of(4) == (0, 1)
+    assert GRID.shard_of(0) == (0, 0, 0) and GRID.shard_of(1) == (1, 0, 0)
+    assert GRID.shard_of(2) == (0, 0, 0) and GRID.shard_of(4) == (0, 1, 0)
     assert GRID.replicas_of(5) == [5, 7]
 
 
@@ -75,6 +75,25 @@ def test_grid_matches_megatron_core_in_both_rank_orders():
                 assert [grid.shard_of(r)[1] for r in stages] == list(range(pp)), (order, stages)
     # the two orders differ: with tp-pp-dp, rank 2 of TP2 x PP2 x DP2 is stage 1 of replica 0
     assert GridShape(tp=2, pp=2, dp=2, pp_before_dp=True).replicas_of(5) == [1, 5]
+
+
+def test_expert_parallel_replicas_are_megatron_cores_expert_data_parallel_groups():
+    """Under EP a rank's state lives only on the data-parallel ranks with its EP rank: megatron-core's
+    expert-data-parallel group (expert TP = TP), a subset of its dense data-parallel group."""
+    from megatron.core.parallel_state import RankGenerator
+
+    for tp, pp, dp, ep in ((1, 2, 4, 2), (2, 2, 4, 2), (1, 1, 8, 4), (2, 3, 4, 4), (1, 2, 4, 1)):
+        grid = GridShape(tp=tp, pp=pp, dp=dp, ep=ep)
+        expert = RankGenerator(tp=tp, ep=ep, dp=dp // ep, pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        groups = expert.get_ranks("dp")
+        assert len(groups) == grid.world_size // (dp // ep)
+        for group in groups:
+            assert all(grid.replicas_of(r) == sorted(group) for r in group), ((tp, pp, dp, ep), group)
+        dense = GridShape(tp=tp, pp=pp, dp=dp)
+        assert all(set(grid.replicas_of(r)) <= set(dense.replicas_of(r)) for r in range(grid.world_size))
+    # the companion: without its EP size the grid names a replica that holds other experts
+    assert GridShape(tp=1, pp=2, dp=4).replicas_of(0) == [0, 1, 2, 3]
+    assert GridShape(tp=1, pp=2, dp=4, ep=2).replicas_of(0) == [0, 2]
 
 
 # --- the distributed optimizer's host-memory mirror -----------------------------------------------

@@ -36,16 +36,21 @@ class GridShape:
     pp: int
     dp: int
     pp_before_dp: bool = False
+    ep: int = 1
+    """Expert parallelism (MoE): the experts are split over ``ep`` consecutive data-parallel ranks, so
+    a rank's replicas are the data-parallel ranks with its EP rank (megatron's expert-data-parallel
+    group; expert tensor parallelism equals TP). Only with the default rank order."""
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
-    def shard_of(self, rank: int) -> tuple[int, int]:
-        """(tp_rank, pp_rank): ranks with the same shard hold the same parameters."""
+    def shard_of(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, pp_rank, ep_rank): ranks with the same shard hold the same parameters."""
         tp_rank = rank % self.tp
         pp_rank = (rank // self.tp) % self.pp if self.pp_before_dp else rank // (self.tp * self.dp)
-        return tp_rank, pp_rank
+        dp_rank = rank // (self.tp * self.pp) if self.pp_before_dp else (rank // self.tp) % self.dp
+        return tp_rank, pp_rank, dp_rank % self.ep
 
     def replicas_of(self, rank: int) -> list[int]:
         """Every rank of ``rank``'s shard, itself included, ascending."""

@@ -74,6 +74,15 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
     "virtual_pipeline_model_parallel_size",
     "sequence_parallel",
     "use_tp_pp_dp_mapping",
+    # mixture of experts (all None for a dense model)
+    "num_experts",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "moe_router_topk",
+    "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff",
+    "moe_token_dispatcher_type",
+    "moe_ffn_hidden_size",
     # optimizer, batch geometry, seed
     "optimizer",
     "use_distributed_optimizer",
@@ -128,9 +137,24 @@ def model_fingerprint(args: Any) -> dict[str, Any]:
         "untie_embeddings_and_output_weights",
     ):
         fields[flag] = bool(fields[flag])
+    _moe_fields(fields, args)
     fields["params_dtype"] = _params_dtype(args)
     fields["megatron_core_version"] = _version("megatron-core")
     return fields
+
+
+def _moe_fields(fields: dict[str, Any], args: Any) -> None:
+    """The MoE fields as the model is built with them; all None for a dense model, so that processes
+    without the MoE flags compare equal."""
+    moe = ("num_experts",) + tuple(name for name in FINGERPRINT_FIELDS if name.startswith(("moe_", "expert_")))
+    if not getattr(args, "num_experts", None):
+        fields.update(dict.fromkeys(moe))
+        return
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = fields[name]
+        fields[name] = value[0] if isinstance(value, list) and len(value) == 1 else value
+    fields["expert_tensor_parallel_size"] = fields["expert_tensor_parallel_size"] or args.tensor_model_parallel_size
+    fields["moe_ffn_hidden_size"] = fields["moe_ffn_hidden_size"] or fields["ffn_hidden_size"]
 
 
 def fingerprint_digest(fields: dict[str, Any]) -> str:

@@ -92,7 +92,13 @@ def mirror_holder(session: Session, config: TrainMoverConfig) -> int | None:
 
 
 def grid_of(layout: ParallelLayout) -> GridShape:
-    return GridShape(tp=layout.tp_size, pp=layout.pp_size, dp=layout.dp_size, pp_before_dp=layout.pp_before_dp)
+    return GridShape(
+        tp=layout.tp_size,
+        pp=layout.pp_size,
+        dp=layout.dp_size,
+        pp_before_dp=layout.pp_before_dp,
+        ep=getattr(layout, "ep_size", 1),
+    )
 
 
 class WorkerRuntime(Runtime):
@@ -143,7 +149,8 @@ class WorkerRuntime(Runtime):
         self.link_delay: LinkDelay | None = None
         """An injected slow link of this rank (``--tm-inject-link-delay``, the original worker only)."""
         grid = grid_of(self.layout)
-        if grid.shard_of(self.layout.rank) != (self.layout.tp_rank, self.layout.pp_rank):
+        ep_rank = self.layout.dp_rank % getattr(self.layout, "ep_size", 1)
+        if grid.shard_of(self.layout.rank) != (self.layout.tp_rank, self.layout.pp_rank, ep_rank):
             raise MigrationAborted("megatron's rank order is not tp-dp-pp; the convergence logic does not apply")
         # ``catch_up``: also the plans committed before the inbox opened (a joiner's promotion and its
         # runtime's inbox are not one instant).

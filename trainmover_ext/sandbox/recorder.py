@@ -185,6 +185,11 @@ class Recorder:
 
     def _patch(self, cls: type, method: str) -> None:
         own = cls.__dict__.get(method)
+        if own is None and cls is not dist.ProcessGroup and issubclass(cls, dist.ProcessGroup):
+            # Inherited from torch's C++ class: its trampoline looks the method up on the Python class
+            # again, so a hook here would call itself. Unhooked, the C++ method calls one the class
+            # defines (all_to_all_single -> alltoall_base), which is hooked.
+            return
         original = getattr(cls, method)
 
         def hooked(pg, *args, **kwargs):
