@@ -81,11 +81,15 @@ def test_launcher_rejects_missing_script(tmp_path):
 def test_a_megatron_lm_flag_that_is_not_supported_is_refused_by_name_with_the_reason():
     """Never argparse's generic error for a flag of Megatron-LM's surface that cannot be honoured; an unknown
     flag beside it is still named as unknown (the companion: a refusal is not a blanket message)."""
-    res = _run(tiny_args(None) + ["--rampup-batch-size", "4", "4", "100", "--num-experts=4", "--moe-router-topk", "2"])
+    res = _run(
+        tiny_args(None) + ["--rampup-batch-size", "4", "4", "100", "--fp8-format=hybrid", "--moe-z-loss-coeff", "2"]
+    )
     assert res.returncode == 2
     assert "--rampup-batch-size is not supported: batch-size ramp-up; give a fixed --global-batch-size" in res.stderr
-    assert "--num-experts is not supported: mixture-of-experts" in res.stderr
-    assert "--moe-router-topk is not supported: mixture-of-experts" in res.stderr
+    assert "--fp8-format is not supported: fp8/fp4 training" in res.stderr
+    assert "--moe-z-loss-coeff is not supported: a mixture-of-experts option" in res.stderr
     assert "unrecognized" not in res.stderr
-    res = _run(tiny_args(None) + ["--no-such-flag", "--num-experts", "4"])
-    assert "unrecognized arguments: --no-such-flag" in res.stderr and "--num-experts is not supported" in res.stderr
+    res = _run(tiny_args(None) + ["--no-such-flag", "--moe-z-loss-coeff", "4"])
+    assert (
+        "unrecognized arguments: --no-such-flag" in res.stderr and "--moe-z-loss-coeff is not supported" in res.stderr
+    )
