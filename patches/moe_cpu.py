@@ -4,6 +4,8 @@ Applied only when CUDA is absent (see :func:`patches.install`). The dispatcher c
 the host on a side CUDA stream and waits for that copy with a CUDA event; on CPU the tensors are on the
 host already, so the stream, the event and the wait go. The router's CUDA device becomes the CPU, and the
 TransformerEngine GEMM megatron-core 0.16 leaves undefined without TransformerEngine is None, as in 0.19.
+An expert's bias is added out of place (megatron-core's in-place add fails autograd's view check with
+EP = expert TP = 1 on the local layers).
 Checked against
 megatron-core 0.16.1 and 0.19.2; a source that no longer matches fails at install time.
 """
@@ -43,6 +45,18 @@ def install() -> list[str]:
     importlib.import_module(MODULE)
     rewrite(MODULE, "MoEAlltoAllTokenDispatcher.__init__", INIT)
     rewrite(MODULE, "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize", DTOH)
+    # an expert's bias is added in place to its output, which with EP = expert TP = 1 is the tensor-parallel
+    # reduce's input returned as-is: autograd forbids that in-place add (an out-of-place add, same sums)
+    rewrite(
+        "megatron.core.transformer.mlp",
+        "MLP.forward",
+        [
+            (
+                "output += output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)",
+                "output = output + output_bias.unsqueeze(0) * per_token_scale.unsqueeze(-1)",
+            )
+        ],
+    )
     # the split sizes reach the all-to-all as plain sizes, as the host copy's numpy arrays do on a GPU
     rewrite(
         UTILS,
@@ -54,5 +68,9 @@ def install() -> list[str]:
     for name in defined:
         setattr(utils, name, None)
     dispatcher = [f"{MODULE}.MoEAlltoAllTokenDispatcher.{name}" for name in ("__init__", "_maybe_dtoh_and_synchronize")]
-    patched = dispatcher + [f"{UTILS}.maybe_move_tensor_to_cpu"] + rewrite_all(ROUTER_TARGETS, CPU_REPLACEMENTS)
+    patched = (
+        dispatcher
+        + ["megatron.core.transformer.mlp.MLP.forward", f"{UTILS}.maybe_move_tensor_to_cpu"]
+        + rewrite_all(ROUTER_TARGETS, CPU_REPLACEMENTS)
+    )
     return patched + [f"{UTILS}.{name}" for name in defined]

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from trainmover_training.arguments_logging import add_eval_logging_args, validate_eval_logging
 from trainmover_training.errors import ConfigError
 from trainmover_training.megatron_lm_flags import add_no_effect_args, refusal
+from trainmover_training.model import use_transformer_engine
 from trainmover_training.moe import add_moe_args, validate_moe
 from trainmover_training.tokenizer import add_tokenizer_args, validate_tokenizer_args
 
@@ -403,6 +404,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     dp = args.data_parallel_size
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False
+    if args.sequence_parallel and not use_transformer_engine(args):
+        raise ConfigError(
+            "--sequence-parallel needs TransformerEngine's layers (with CUDA): megatron-core's local layers "
+            "use torch's norms, which do not support it; leave the flag out"
+        )
     validate_moe(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp

@@ -128,10 +128,15 @@ def validate_moe(args: argparse.Namespace) -> None:
             f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size {tp}: experts with "
             "their own tensor parallelism are not supported yet; leave the flag out"
         )
+    if tp > 1 and not args.sequence_parallel:
+        raise ConfigError("megatron-core's MoE layer with TP > 1 needs --sequence-parallel (with TransformerEngine)")
+    if etp > 1 and not args.disable_bias_linear:
+        raise ConfigError(
+            f"experts with biases need expert tensor parallelism 1 (megatron-core), and it is {etp} (= TP): "
+            "add --disable-bias-linear, as Megatron-LM's MoE examples do"
+        )
     if not 1 <= args.moe_router_topk <= args.num_experts:
         raise ConfigError(f"--moe-router-topk must be in [1, --num-experts {args.num_experts}]")
-    if ep > 1 and args.moe_token_dispatcher_type == "allgather" and tp > 1 and not args.sequence_parallel:
-        raise ConfigError("the allgather dispatcher with TP > 1 and EP > 1 needs --sequence-parallel")
     if getattr(args, "use_tp_pp_dp_mapping", False):
         raise ConfigError("--use-tp-pp-dp-mapping with --num-experts is not supported: leave out the mapping flag")
     if args.use_distributed_optimizer:
