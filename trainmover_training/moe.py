@@ -139,8 +139,6 @@ def validate_moe(args: argparse.Namespace) -> None:
         raise ConfigError(f"--moe-router-topk must be in [1, --num-experts {args.num_experts}]")
     if getattr(args, "use_tp_pp_dp_mapping", False):
         raise ConfigError("--use-tp-pp-dp-mapping with --num-experts is not supported: leave out the mapping flag")
-    if args.use_distributed_optimizer:
-        raise ConfigError("--use-distributed-optimizer with --num-experts is not supported yet: leave out one of them")
 
 
 def _given(args: argparse.Namespace, flag: str) -> bool:

@@ -21,6 +21,7 @@ from helpers import (
     replaced,
     run_job,
     start_job,
+    state_sources,
     tm_args,
     trainmover_cli,
     trajectory,
@@ -58,6 +59,22 @@ def test_a_killed_expert_rank_takes_its_experts_from_its_expert_data_parallel_re
     )
     assert_recovered(job, ref, victim=5)
     assert transfer_pairs(job) == {(7, 5)}, transfer_pairs(job)
+
+
+def test_with_the_distributed_optimizer_a_killed_expert_rank_takes_its_shards_from_the_mirror(
+    tmp_path, corpus, reference
+):
+    """With --use-distributed-optimizer a rank's optimizer state is a shard of the dense parameters'
+    (over DP) and one of its experts' (over the expert-DP group), both mirrored into its holder's host
+    memory (rank 6, its data-parallel ring neighbour); the joiner takes both from there and every rank
+    rebuilds its parameters from the main ones: bit-identical, no checkpoint."""
+    extra = [*MOE, "--use-distributed-optimizer"]
+    ref = reference(f"{REF}-distopt", 8, tm_args(corpus, tp=1, extra=extra))
+    job = run_job(
+        tmp_path, 8, tm_args(corpus, tp=1, extra=[*extra, "--tm-inject-fault", "5:6:backward"]), name="moe_distopt"
+    )
+    assert_recovered(job, ref, victim=5)
+    assert state_sources(job, 5) == ["mirror"] and transfer_pairs(job) == {(6, 5)}, transfer_pairs(job)
 
 
 def test_a_planned_move_of_an_expert_rank_is_bit_identical(tmp_path, corpus, reference):

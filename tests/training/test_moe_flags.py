@@ -41,7 +41,6 @@ def test_moe_flags_reach_megatron_cores_config_with_megatron_lms_defaults():
         (["--num-experts", "8", "--expert-model-parallel-size", "8"], "EP x ETP = 8 x 1 must divide DP x TP = 4 x 1"),
         ([*MOE, "--expert-tensor-parallel-size", "2"], "experts with their own tensor parallelism"),
         ([*MOE, "--moe-router-topk", "5"], "--moe-router-topk must be in \\[1, --num-experts 4\\]"),
-        ([*MOE, "--use-distributed-optimizer"], "--use-distributed-optimizer with --num-experts is not supported"),
         ([*MOE, "--use-tp-pp-dp-mapping"], "--use-tp-pp-dp-mapping with --num-experts"),
         (["--num-experts", "0"], "--num-experts must be >= 1"),
     ],
