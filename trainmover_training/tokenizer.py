@@ -13,6 +13,9 @@
   cache); loaded through ``megatron.core.tokenizers``.
 - ``SentencePieceTokenizer``: ``--tokenizer-model`` is a SentencePiece
   ``.model`` file; loaded through ``megatron.core.tokenizers``.
+- ``Llama2Tokenizer``: a SentencePiece ``.model`` file read as Megatron-LM's
+  Llama 2 tokenizer does (its Mixtral example's): each text starts with the
+  model's BOS id, and its EOS id ends a document.
 
 Every tokenizer has ``vocab_size``, ``eod``, ``tokenize(text)`` and
 ``detokenize(ids)``. :func:`build_tokenizer` also pads the vocabulary
@@ -35,6 +38,7 @@ TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "HuggingFaceTokenizer",
     "SentencePieceTokenizer",
+    "Llama2Tokenizer",
 )
 GPT2_EOD = "<|endoftext|>"
 
@@ -165,6 +169,36 @@ class CoreTokenizer:
         return str(self._tok.detokenize([int(i) for i in ids]))
 
 
+class Llama2Tokenizer:
+    """A SentencePiece model as Megatron-LM's ``Llama2Tokenizer``: every text starts with BOS (text
+    completion), EOS ends a document."""
+
+    def __init__(self, path: str):
+        import sentencepiece
+
+        try:
+            self._sp = sentencepiece.SentencePieceProcessor(model_file=path)
+        except Exception as exc:  # sentencepiece raises OSError or RuntimeError for a bad file
+            raise ConfigError(f"cannot load the SentencePiece model --tokenizer-model {path}: {exc}") from exc
+        self._bos, self._eos = int(self._sp.bos_id()), int(self._sp.eos_id())
+        if self._bos < 0 or self._eos < 0:
+            raise ConfigError(f"the SentencePiece model {path} lacks a BOS or EOS piece, which Llama2Tokenizer uses")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._sp.vocab_size())
+
+    @property
+    def eod(self) -> int:
+        return self._eos
+
+    def tokenize(self, text: str) -> list[int]:
+        return [self._bos, *(int(i) for i in self._sp.encode(text))]
+
+    def detokenize(self, ids) -> str:
+        return str(self._sp.decode([int(i) for i in ids]))
+
+
 def add_tokenizer_args(g: argparse._ArgumentGroup) -> None:
     """The tokenizer flags (shared by ``pretrain_gpt.py`` and ``scripts/prepare_data.py``)."""
     g.add_argument(
@@ -174,8 +208,9 @@ def add_tokenizer_args(g: argparse._ArgumentGroup) -> None:
         help="Tokenizer (default: GPT2BPETokenizer when --vocab-file and --merge-file are given, as in Megatron-LM's "
         "GPT examples, else ByteLevelTokenizer). ByteLevelTokenizer works offline with no files (257 tokens); "
         "NullTokenizer needs "
-        "--vocab-size; GPT2BPETokenizer needs --vocab-file and --merge-file; HuggingFaceTokenizer and "
-        "SentencePieceTokenizer need --tokenizer-model.",
+        "--vocab-size; GPT2BPETokenizer needs --vocab-file and --merge-file; HuggingFaceTokenizer, "
+        "SentencePieceTokenizer and Llama2Tokenizer (a SentencePiece model, BOS before each text) need "
+        "--tokenizer-model.",
     )
     g.add_argument("--vocab-size", type=int, default=None, help="Vocabulary size for NullTokenizer and --mock-data.")
     g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: the GPT-2 vocabulary (vocab.json).")
@@ -184,7 +219,7 @@ def add_tokenizer_args(g: argparse._ArgumentGroup) -> None:
         "--tokenizer-model",
         default=None,
         help="HuggingFaceTokenizer: a directory written by save_pretrained (or a model name in the local Hugging "
-        "Face cache); SentencePieceTokenizer: the .model file.",
+        "Face cache); SentencePieceTokenizer and Llama2Tokenizer: the .model file.",
     )
 
 
@@ -202,10 +237,10 @@ def validate_tokenizer_args(args: argparse.Namespace) -> None:
                 raise ConfigError(f"--tokenizer-type GPT2BPETokenizer needs {flag}")
             if not os.path.isfile(path):
                 raise ConfigError(f"{flag} {path} does not exist")
-    if kind in ("HuggingFaceTokenizer", "SentencePieceTokenizer"):
+    if kind in ("HuggingFaceTokenizer", "SentencePieceTokenizer", "Llama2Tokenizer"):
         if not args.tokenizer_model:
             raise ConfigError(f"--tokenizer-type {kind} needs --tokenizer-model")
-        if kind == "SentencePieceTokenizer" and not os.path.isfile(args.tokenizer_model):
+        if kind != "HuggingFaceTokenizer" and not os.path.isfile(args.tokenizer_model):
             raise ConfigError(f"--tokenizer-model {args.tokenizer_model} does not exist (a SentencePiece .model file)")
 
 
@@ -221,6 +256,8 @@ def make_tokenizer(args: argparse.Namespace) -> Tokenizer:
         return GPT2BPETokenizer(args.vocab_file, args.merge_file)
     if kind == "HuggingFaceTokenizer":
         return CoreTokenizer("huggingface", args.tokenizer_model)
+    if kind == "Llama2Tokenizer":
+        return Llama2Tokenizer(args.tokenizer_model)
     return CoreTokenizer("sentencepiece", args.tokenizer_model)
 
 

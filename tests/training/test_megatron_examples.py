@@ -4,7 +4,10 @@ The GPT example (``examples/gpt3/train_gpt3_175b_distributed.sh``: GPT-2 BPE fro
 a merges file, ``--split 949,50,1``, evaluation, TensorBoard, fp16, cosine decay with a warm-up
 fraction) and the Llama 3 example (``examples/llama/train_llama3_8b_h200_bf16.sh``: a Hugging Face
 tokenizer, RMSNorm, SwiGLU, RoPE, GQA, untied output, no biases, bf16, sample-counted schedule,
-the distributed optimizer and the flags without effect on CPU). The tokenizer files are written by
+the distributed optimizer and the flags without effect on CPU), and the Mixtral example
+(``examples/mixtral/train_mixtral_8x7b_distributed.sh``: Megatron-LM's Llama 2 SentencePiece tokenizer,
+mixture-of-experts with top-2 routing, the all-to-all dispatcher, expert parallelism and the distributed
+optimizer). The tokenizer files are written by
 the test from the corpus text. Each run with a SIGKILLed rank completes without restart and is
 bit-identical to the same flags without a fault: every training iteration and every evaluation.
 """
@@ -45,16 +48,25 @@ def tokenizer_files(tmp_path_factory):
     for name, part in halves.items():
         with open(root / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps({"text": d}) + "\n" for d in part)
+    import sentencepiece as spm
+
+    with open(root / "sp.txt", "w") as f:
+        f.writelines(d.replace("\n", " ")[:4000] + "\n" for d in docs)
+    spm.SentencePieceTrainer.train(
+        input=str(root / "sp.txt"), model_prefix=str(root / "sp"), vocab_size=300, minloglevel=2
+    )
     files = {
         "vocab": str(root / "gpt2" / "vocab.json"),
         "merges": str(root / "gpt2" / "merges.txt"),
         "hf": str(root / "hf"),
+        "sp": str(root / "sp.model"),
     }
     gpt2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", files["vocab"], "--merge-file", files["merges"]]
     for name in halves:
         for tok, flags in (
             ("gpt2", gpt2),
             ("hf", ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", files["hf"]]),
+            ("llama2", ["--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", files["sp"]]),
         ):
             prep = [sys.executable, "scripts/prepare_data.py", "--input", str(root / f"{name}.jsonl")]
             out = subprocess.run(
@@ -70,11 +82,8 @@ def tokenizer_files(tmp_path_factory):
 
 
 def _example(base: list[str], example: list[str], fault: str | None) -> list[str]:
-    """``tiny_args``' model and batch with the example's flags, under --trainmover with one standby.
-
-    The lease TTL is 5 s, not 2: these jobs load checkpoints and refill their standby on 2 cores, and a
-    rank starved of CPU past a 2 s TTL is (rightly) replaced as hung. The injected failure is a process
-    exit, which the agent detects at once whatever the TTL."""
+    """``tiny_args``' model and batch with the example's flags, under --trainmover with one standby (at
+    the default lease TTL and timeouts)."""
     drop = {"--data-path", "--train-iters"}
     kept, skip = [], False
     for arg in base:
@@ -194,3 +203,54 @@ def test_llama_example_with_a_failure(tmp_path, tokenizer_files):
     assert resumed == [6], f"the job did not resume where it failed: {resumed}"
     said = [line for line in clean.stdout().splitlines() if "accepted without effect here" in line]
     assert len(said) == 1 and "--attention-backend" in said[0] and "--manual-gc" in said[0], said
+
+
+def test_mixtral_example_with_a_failure(tmp_path, tokenizer_files):
+    """Megatron-LM's Mixtral 8x7B script with its sizes scaled down (4 experts for 8, PP 2 for 4, EP 2 for
+    8, 4 layers, hidden 32) and every other flag as it is: Llama2Tokenizer, RMSNorm, SwiGLU, RoPE, GQA,
+    top-2 routing with the auxiliary loss, the all-to-all dispatcher, --moe-grouped-gemm (the experts in
+    turn without TransformerEngine), the distributed optimizer, --sequence-parallel at TP 1 (dropped, as
+    Megatron-LM does), checkpoints every 4 iterations, evaluation, TensorBoard. Rank 5 (EP rank 1) dies
+    in iteration 5's backward pass; its dense and expert optimizer shards come from its holder's mirror
+    and the run is bit-identical to the one without a fault."""
+    f = tokenizer_files
+    mixtral = [
+        # MODEL_ARGS
+        "--use-mcore-models", "--disable-bias-linear", "--seq-length", "32", "--max-position-embeddings", "64",
+        "--num-layers", "4", "--hidden-size", "32", "--ffn-hidden-size", "64", "--num-attention-heads", "4",
+        "--init-method-std", "0.01", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
+        "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+        "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2",
+        "--no-masked-softmax-fusion", "--no-position-embedding", "--rotary-base", "1000000",
+        # MOE_ARGS
+        "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss",
+        "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall",
+        "--overlap-param-gather", "--overlap-grad-reduce",
+        # DATA_ARGS
+        "--tokenizer-type", "Llama2Tokenizer", "--tokenizer-model", f["sp"], "--data-path", f["llama2_a"],
+        "--split", "90,8,2",  # 99990,8,2 scaled to a corpus of 750 documents
+        # TRAINING_ARGS
+        "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-4", "--train-iters", "12",
+        "--lr-decay-iters", "10", "--lr-decay-style", "cosine", "--min-lr", "1.0e-5", "--weight-decay", "0.1",
+        "--lr-warmup-iters", "2", "--clip-grad", "1.0", "--bf16",
+        # MODEL_PARALLEL_ARGS
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+        "--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--sequence-parallel",
+        # LOGGING_ARGS
+        "--log-interval", "1", "--save-interval", "4", "--eval-interval", "6", "--eval-iters", "1",
+        "--no-load-optim", "--no-load-rng",
+    ]  # fmt: skip
+    base = tiny_args("unused", tp=1, pp=2)
+    runs = {}
+    for name, fault in (("clean", None), ("faulty", "5:5:backward")):
+        ckpt = ["--save", str(tmp_path / f"ckpt_{name}"), "--load", str(tmp_path / f"ckpt_{name}")]
+        tb = ["--tensorboard-dir", str(tmp_path / f"tb_{name}")]
+        runs[name] = run_job(
+            tmp_path, 8, _example(base, mixtral + ckpt + tb, fault), name=f"mixtral_{name}", timeout=400
+        )
+    clean, faulty = runs["clean"], runs["faulty"]
+    _assert_same_run(faulty, clean, 12)
+    assert sorted(_evaluations(clean)) == [("test", 12), ("valid", 6), ("valid", 12)], _evaluations(clean)
+    said = [line for line in clean.stdout().splitlines() if "accepted without effect here" in line]
+    assert len(said) == 1 and "--moe-grouped-gemm" in said[0] and "--no-position-embedding" in said[0], said
+    assert "world 8 = TP1 x PP2 x DP4" in clean.stdout()

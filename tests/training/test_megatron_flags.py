@@ -91,6 +91,14 @@ def test_sentencepiece_tokenizer_through_megatron_core(tmp_path):
     assert tok.eod == spm.SentencePieceProcessor(model_file=model).eos_id()
     with pytest.raises(ConfigError, match="does not exist"):
         make_tokenizer(_tok_args(tokenizer_type="SentencePieceTokenizer", tokenizer_model=model + ".gone"))
+    # Megatron-LM's Llama2Tokenizer (its Mixtral example's): the same model, BOS before each text
+    sp = spm.SentencePieceProcessor(model_file=model)
+    llama = make_tokenizer(_tok_args(tokenizer_type="Llama2Tokenizer", tokenizer_model=model))
+    assert llama.tokenize("the lazy dog") == [sp.bos_id(), *sp.encode("the lazy dog")] != ids
+    assert llama.eod == sp.eos_id() and llama.vocab_size == 40
+    assert llama.detokenize(llama.tokenize("the lazy dog")) == "the lazy dog"
+    with pytest.raises(ConfigError, match="cannot load the SentencePiece model"):
+        make_tokenizer(_tok_args(tokenizer_type="Llama2Tokenizer", tokenizer_model=str(tmp_path / "text.txt")))
 
 
 def test_split_gives_disjoint_parts_of_the_stream(corpus):
