@@ -11,7 +11,8 @@ Sections (each a function registered in ``SECTIONS``; add one to extend the repo
   times, and on a GPU the device memory the pending communicators held
   (``replacement[].{ranks, groups_rebuilt, members_rebuilt, world_rebuilt}``).
 - ``training``: the steady iteration of a TP2.PP2.DPk job with ``--trainmover`` over the same job
-  without it (plain torch gloo groups), ``--overlap-grad-reduce``, for the demo and the tiny model at
+  without it (plain torch gloo groups), ``--overlap-grad-reduce``, for the demo and the tiny model (and
+  the demo model as a mixture of experts, TP1.PP2 with EP 2: ``moe``) at
   4, 8 and 16 ranks. The two jobs alternate ``--training-rounds`` times (default 5); the ratio is the
   median of the rounds' ratios, with the range (``training[].{ranks, model, ratio}``).
 
@@ -335,17 +336,43 @@ def _simulated_replacement(ranks: int) -> dict:
 
 
 # --- training ---------------------------------------------------------------------------------
+MOE_FLAGS = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--expert-model-parallel-size",
+    "2",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+]
+"""The moe model: the demo model's sizes with 4 experts per layer, top-2, the all-to-all dispatcher, EP 2."""
+
+
+def _tp(model: str) -> int:
+    return 1 if model == "moe" else 2  # megatron-core's MoE layer needs sequence parallelism with TP > 1
+
+
+def _layout(model: str, ranks: int) -> str:
+    tp = _tp(model)
+    layout = f"TP{tp}.PP2.DP{ranks // (2 * tp)}"
+    return layout + (", EP2 (4 experts, top-2, all-to-all)" if model == "moe" else "") + ", --overlap-grad-reduce"
+
+
 def _job_args(model: str, ranks: int, corpus: str, iters: int) -> list[str]:
-    """TP2.PP2.DP(ranks/4) of the demo model or of the tiny one (4 layers of 32)."""
+    """TP2.PP2.DP(ranks/4) of the demo model or of the tiny one (4 layers of 32), or TP1.PP2.DP(ranks/2) of
+    the demo model made a mixture of experts (``moe``: :data:`MOE_FLAGS`)."""
     from harness.jobs import model_args
 
-    if model == "demo":
-        flags = model_args(iters=iters)
+    if model in ("demo", "moe"):
+        flags = model_args(iters=iters) + (MOE_FLAGS if model == "moe" else [])
     else:
         flags = model_args(layers=4, hidden=32, heads=4, seq=32, mbs=1, gbs=8, iters=iters)
     return flags + [
         "--tensor-model-parallel-size",
-        "2",
+        str(_tp(model)),
         "--pipeline-model-parallel-size",
         "2",
         "--data-path",
@@ -424,7 +451,7 @@ def section_training(args) -> list[dict]:
                     plain_it_s=round(statistics.median(r["plain_it_s"] for r in rounds), 4),
                     runs=len(rounds),
                     rounds=rounds,
-                    layout=f"TP2.PP2.DP{ranks // 4}, --overlap-grad-reduce",
+                    layout=_layout(model, ranks),
                 )
             )
     return rows
@@ -461,7 +488,8 @@ def parse_args(argv=None):
     p.add_argument(
         "--training-models",
         default=None,
-        help="comma list of demo (the demo job's model) and tiny (4 layers of 32); default both",
+        help="comma list of demo (the demo job's model), tiny (4 layers of 32) and moe (the demo model with "
+        "4 experts, EP 2, the all-to-all dispatcher); default all three",
     )
     args = p.parse_args(argv)
     args.sizes_mb = args.sizes_mb or ([1, 16] if args.quick else [1, 16, 64, 256])
@@ -472,9 +500,9 @@ def parse_args(argv=None):
     args.training_iters = args.training_iters or (10 if args.quick else 30)
     args.training_rounds = args.training_rounds or (1 if args.quick else 5)
     args.training_ranks = args.training_ranks or ([4] if args.quick else [4, 8, 16])
-    args.training_models = (args.training_models or ("tiny" if args.quick else "demo,tiny")).split(",")
-    if set(args.training_models) - {"demo", "tiny"}:
-        p.error(f"--training-models: {args.training_models}: each is demo or tiny")
+    args.training_models = (args.training_models or ("tiny" if args.quick else "demo,tiny,moe")).split(",")
+    if set(args.training_models) - {"demo", "tiny", "moe"}:
+        p.error(f"--training-models: {args.training_models}: each is demo, tiny or moe")
     if args.training_iters <= args.training_warmup:
         p.error("--training-iters must exceed --training-warmup")
     args.sections = [s for s in args.sections.split(",") if s]
