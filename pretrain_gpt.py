@@ -72,11 +72,23 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean token loss; the logged value is a copy (the schedule scales the loss in place)."""
+    """Mean token loss; the logged value is a copy (the schedule scales the loss in place).
+
+    With context parallelism this rank holds two chunks of each sequence: its loss is its chunks' sum
+    over the whole sequence's token count, so that the context-parallel group's losses add up to the
+    sequence's mean (megatron's schedule multiplies it by the CP size, which the gradient average over
+    DP x CP divides out again); the logged value is the whole sequence's mean."""
+    from megatron.core import parallel_state as mpu
+
     losses = output_tensor.float()
     loss_mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses.view(-1) * loss_mask) / loss_mask.sum()
-    return loss, {"lm loss": loss.detach().clone()}
+    local = torch.sum(losses.view(-1) * loss_mask)
+    if mpu.get_context_parallel_world_size() == 1:
+        loss = local / loss_mask.sum()
+        return loss, {"lm loss": loss.detach().clone()}
+    total = torch.stack([local.detach(), loss_mask.sum()])
+    torch.distributed.all_reduce(total, group=mpu.get_context_parallel_group())
+    return local / total[1], {"lm loss": total[0] / total[1]}
 
 
 def forward_step(data_iterator, model: GPTModel):
@@ -87,6 +99,10 @@ def forward_step(data_iterator, model: GPTModel):
     first = mpu.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     last = mpu.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
     batch = next(data_iterator) if (first or last) else None
+    if batch is not None and mpu.get_context_parallel_world_size() > 1:
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        batch = get_batch_on_this_cp_rank(batch)  # two chunks of each sequence, balanced for the causal mask
     device = next(model.parameters()).device
     tokens = batch["tokens"].to(device) if first else None
     position_ids = batch["position_ids"].to(device) if first else None

@@ -336,19 +336,6 @@ def _simulated_replacement(ranks: int) -> dict:
 
 
 # --- training ---------------------------------------------------------------------------------
-MOE_FLAGS = [
-    "--num-experts",
-    "4",
-    "--moe-router-topk",
-    "2",
-    "--expert-model-parallel-size",
-    "2",
-    "--moe-token-dispatcher-type",
-    "alltoall",
-    "--moe-aux-loss-coeff",
-    "1e-2",
-]
-"""The moe model: the demo model's sizes with 4 experts per layer, top-2, the all-to-all dispatcher, EP 2."""
 
 
 def _tp(model: str) -> int:
@@ -363,11 +350,11 @@ def _layout(model: str, ranks: int) -> str:
 
 def _job_args(model: str, ranks: int, corpus: str, iters: int) -> list[str]:
     """TP2.PP2.DP(ranks/4) of the demo model or of the tiny one (4 layers of 32), or TP1.PP2.DP(ranks/2) of
-    the demo model made a mixture of experts (``moe``: :data:`MOE_FLAGS`)."""
-    from harness.jobs import model_args
+    the demo model made a mixture of experts (``moe``: ``harness.jobs.MOE_ARGS``)."""
+    from harness.jobs import MOE_ARGS, model_args
 
     if model in ("demo", "moe"):
-        flags = model_args(iters=iters) + (MOE_FLAGS if model == "moe" else [])
+        flags = model_args(iters=iters) + (MOE_ARGS if model == "moe" else [])
     else:
         flags = model_args(layers=4, hidden=32, heads=4, seq=32, mbs=1, gbs=8, iters=iters)
     return flags + [

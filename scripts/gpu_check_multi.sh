@@ -5,7 +5,10 @@
 #   3. a planned move and a failover of a 2-rank job onto a standby machine of 2 slots
 #      (tests/migration/test_gpu_moves.py; with 4+ GPUs the hand-over runs on an NCCL pair), and with 4+
 #      GPUs a slowed rank of a PP2 x DP2 job named from the devices' timelines;
-#   4. the communicator benchmark on NCCL: all-reduce against torch's own groups with bus bandwidth,
+#   4. context parallelism (TransformerEngine's attention): CP2 trains one rank's losses, and with 4+
+#      GPUs a rank of a CP2 x DP2 job is killed and recovered bit-identically
+#      (tests/training/test_context_parallel.py);
+#   5. the communicator benchmark on NCCL: all-reduce against torch's own groups with bus bandwidth,
 #      a planned replacement (groups rebuilt, and the device memory the pending communicators hold),
 #      at as many ranks as there are GPUs (multiples of 4 for the replacement).
 # A skip is a failure here; with fewer than 2 GPUs the script says NOT RUN and exits 2.
@@ -27,6 +30,11 @@ run() {  # name, then the pytest arguments
   if [ "${PIPESTATUS[0]}" -ne 0 ] || grep -q "SKIPPED" "$OUT/$name.log"; then status=1; fi
 }
 run nccl_groups tests/nccl_delta/test_gpu.py
+if [ "$NGPU" -ge 4 ]; then  # context parallelism: CP2 against one rank, and a failure under CP2 x DP2
+  run context_parallel -m gpu tests/training/test_context_parallel.py
+else
+  run context_parallel -m gpu tests/training/test_context_parallel.py -k "not failure"
+fi
 run nccl_framing -m gpu tests/nccl_delta/test_framing.py
 if [ "$NGPU" -ge 4 ]; then
   run gpu_moves tests/migration/test_gpu_moves.py

@@ -290,7 +290,10 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         "--context-parallel-size",
         type=int,
         default=1,
-        help="Context parallelism: only 1 (none) is supported; the flag is accepted for Megatron-LM's scripts.",
+        help="Context parallelism: each sequence is split over this many ranks (two chunks each, balanced for "
+        "the causal mask), through megatron-core's context-parallel attention, which is TransformerEngine's: "
+        "more than 1 needs TransformerEngine with CUDA (refused on CPU; run only by scripts/gpu_check_multi.sh). "
+        "Not with --num-experts or --use-distributed-optimizer yet.",
     )
     g.add_argument(
         "--distributed-backend",
@@ -382,24 +385,46 @@ def parse_args(
     return args
 
 
+def _validate_context_parallel(args: argparse.Namespace) -> None:
+    """Context parallelism: megatron-core's context-parallel attention is TransformerEngine's."""
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    if not use_transformer_engine(args):
+        raise ConfigError(
+            f"--context-parallel-size {cp} needs TransformerEngine's attention (with CUDA): megatron-core's local "
+            "attention has no context parallelism. On CPU leave it at 1 (docs/flags.md)."
+        )
+    if args.use_distributed_optimizer:
+        raise ConfigError(
+            f"--context-parallel-size {cp} with --use-distributed-optimizer is not supported yet: leave out one of them"
+        )
+    if args.seq_length % (2 * cp) != 0:
+        raise ConfigError(
+            f"--seq-length {args.seq_length} must be divisible by 2 x --context-parallel-size = {2 * cp} "
+            "(each context-parallel rank takes two chunks of every sequence)"
+        )
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Check flag combinations and fill derived values (``data_parallel_size`` ...).
 
     Raises :class:`ConfigError` naming the flag to change.
     """
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if args.context_parallel_size != 1:
-        raise ConfigError("--context-parallel-size must be 1: context parallelism is not supported")
-    if tp < 1 or pp < 1:
-        raise ConfigError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
-    if world_size % (tp * pp) != 0:
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if tp < 1 or pp < 1 or cp < 1:
         raise ConfigError(
-            f"world size {world_size} is not divisible by TP x PP = {tp} x {pp} = {tp * pp}: change "
-            "--tensor-model-parallel-size / --pipeline-model-parallel-size or the number of processes "
-            "(--nproc-per-node x --nnodes)."
+            "--tensor-model-parallel-size, --pipeline-model-parallel-size and --context-parallel-size must be >= 1"
+        )
+    _validate_context_parallel(args)
+    if world_size % (tp * pp * cp) != 0:
+        raise ConfigError(
+            f"world size {world_size} is not divisible by TP x PP x CP = {tp} x {pp} x {cp} = {tp * pp * cp}: "
+            "change --tensor-model-parallel-size / --pipeline-model-parallel-size / --context-parallel-size or "
+            "the number of processes (--nproc-per-node x --nnodes)."
         )
     args.world_size = world_size
-    args.data_parallel_size = world_size // (tp * pp)
+    args.data_parallel_size = world_size // (tp * pp * cp)
     _validate_recompute(args)
     dp = args.data_parallel_size
     if args.sequence_parallel and tp == 1:

@@ -48,6 +48,10 @@ class ParallelLayout:
     """Rank order tp, pp, dp (``--use-tp-pp-dp-mapping``) instead of tp, dp, pp."""
     ep_size: int = 1
     """Expert parallelism (``--expert-model-parallel-size``): the EP rank is ``dp_rank % ep_size``."""
+    cp_size: int = 1
+    """Context parallelism (``--context-parallel-size``): the ranks of one context-parallel group split
+    each sequence and hold the same parameters."""
+    cp_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -94,6 +98,7 @@ def initialize_model_parallel(args) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
         distributed_timeout_minutes=int(max(1, args.distributed_timeout_minutes)),
@@ -177,6 +182,8 @@ def layout_from_groups(
         comm=comm,
         pp_before_dp=getattr(args, "use_tp_pp_dp_mapping", False),
         ep_size=getattr(args, "expert_model_parallel_size", 1) if getattr(args, "moe_layer", False) else 1,
+        cp_size=getattr(args, "context_parallel_size", 1),
+        cp_rank=mpu.get_context_parallel_rank(),
     )
 
 

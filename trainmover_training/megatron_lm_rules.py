@@ -18,7 +18,10 @@ MOE = (
     "--expert-model-parallel-size, --moe-router-topk, --moe-router-load-balancing-type, --moe-aux-loss-coeff, "
     "--moe-token-dispatcher-type, --moe-grouped-gemm, --moe-ffn-hidden-size)"
 )
-CP = "context parallelism is not supported: drop it (--context-parallel-size must be 1)"
+CP = (
+    "a context-parallel option this layer does not implement: --context-parallel-size is megatron-core's "
+    "plain context parallelism (TransformerEngine's ring attention)"
+)
 FP8 = "fp8/fp4 training needs TransformerEngine's low-precision recipes, which this layer does not pass on: use --bf16"
 GPU_PERF = "a GPU performance setting; the result is the same"
 TE_COMM = "TransformerEngine's tensor-parallel communication overlap, a GPU performance setting; the result is the same"

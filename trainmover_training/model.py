@@ -52,6 +52,7 @@ def transformer_config_from_args(args, layout):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
         sequence_parallel=args.sequence_parallel,
         recompute_granularity=getattr(args, "recompute_granularity", None),
         recompute_method=getattr(args, "recompute_method", None),

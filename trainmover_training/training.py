@@ -441,7 +441,8 @@ def pretrain(
                 print(f"[trainmover] accepted without effect here: {'; '.join(ignored)}", flush=True)
             print(
                 f"[trainmover] world {layout.world_size} = TP{layout.tp_size} x PP{layout.pp_size} x "
-                f"DP{layout.dp_size} | comm {layout.comm} | start iteration {iteration} | "
+                f"DP{layout.dp_size}{f' x CP{layout.cp_size}' if layout.cp_size > 1 else ''} | comm {layout.comm} | "
+                f"start iteration {iteration} | "
                 f"consumed samples {consumed}",
                 flush=True,
             )

@@ -15,6 +15,20 @@ PRETRAIN = os.path.join(REPO_ROOT, "pretrain_gpt.py")
 RECORDED_PRETRAIN = os.path.join(REPO_ROOT, "benchmarks", "harness", "recorded_pretrain.py")
 """``pretrain_gpt.py`` with the benchmarks' per-process records (``harness.recorder``)."""
 DEFAULT_CORPUS_PREFIX = os.path.join(REPO_ROOT, "data", "corpus")
+MOE_ARGS = [
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--expert-model-parallel-size",
+    "2",
+    "--moe-token-dispatcher-type",
+    "alltoall",
+    "--moe-aux-loss-coeff",
+    "1e-2",
+]
+"""A mixture of experts for the tests and benchmarks: 4 experts per layer, top-2, the all-to-all
+dispatcher, expert parallelism 2."""
 
 
 def model_args(

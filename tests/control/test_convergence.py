@@ -96,6 +96,25 @@ def test_expert_parallel_replicas_are_megatron_cores_expert_data_parallel_groups
     assert GridShape(tp=1, pp=2, dp=4, ep=2).replicas_of(0) == [0, 2]
 
 
+def test_context_parallel_replicas_are_megatron_cores_data_and_context_parallel_groups():
+    """Under CP (right after TP in megatron's order) every rank of a context-parallel group holds the same
+    parameters: a rank's replicas are its dp-cp group, in both rank orders; its stage is unchanged."""
+    from megatron.core.parallel_state import RankGenerator
+
+    for tp, cp, pp, dp in ((1, 2, 2, 2), (2, 2, 2, 1), (2, 4, 1, 2), (1, 2, 3, 2)):
+        for pp_before_dp, order in ((False, "tp-cp-ep-dp-pp"), (True, "tp-cp-ep-pp-dp")):
+            grid = GridShape(tp=tp, pp=pp, dp=dp, cp=cp, pp_before_dp=pp_before_dp)
+            gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=order)
+            assert grid.world_size == tp * cp * pp * dp
+            for group in gen.get_ranks("dp-cp"):
+                assert all(grid.replicas_of(r) == sorted(group) for r in group), (order, group)
+            for stages in gen.get_ranks("pp"):
+                assert [grid.shard_of(r)[1] for r in stages] == list(range(pp)), (order, stages)
+    # the companion: in the tp-pp-dp order, a grid that folds CP into DP names ranks of the other stage
+    assert GridShape(tp=1, pp=2, dp=2, cp=2, pp_before_dp=True).replicas_of(0) == [0, 1, 4, 5]
+    assert GridShape(tp=1, pp=2, dp=4, pp_before_dp=True).replicas_of(0) == [0, 2, 4, 6]
+
+
 # --- the distributed optimizer's host-memory mirror -----------------------------------------------
 # TP2 x PP2 x DP2: rank r's shard is held by its data-parallel peer (0<->2, 1<->3, 4<->6, 5<->7).
 HOLDERS = {0: 2, 2: 0, 1: 3, 3: 1, 4: 6, 6: 4, 5: 7, 7: 5}

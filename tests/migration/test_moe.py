@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import signal
 
+from harness.jobs import MOE_ARGS
 from helpers import (
     ITERS,
     assert_recovered,
@@ -32,19 +33,7 @@ from helpers import (
     wait_warm,
 )
 
-MOE = [
-    "--num-experts",
-    "4",
-    "--moe-router-topk",
-    "2",
-    "--expert-model-parallel-size",
-    "2",
-    "--moe-token-dispatcher-type",
-    "alltoall",
-    "--moe-aux-loss-coeff",
-    "1e-2",
-    "--bf16",
-]
+MOE = [*MOE_ARGS, "--bf16"]
 REF = "tp1pp2dp4-moe-ep2-bf16"
 # TP1 x PP2 x DP4: rank = dp + 4 * pp, EP rank = dp % 2; rank 5's experts live on rank 7 alone
 

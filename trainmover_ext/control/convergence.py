@@ -40,16 +40,21 @@ class GridShape:
     """Expert parallelism (MoE): the experts are split over ``ep`` consecutive data-parallel ranks, so
     a rank's replicas are the data-parallel ranks with its EP rank (megatron's expert-data-parallel
     group; expert tensor parallelism equals TP). Only with the default rank order."""
+    cp: int = 1
+    """Context parallelism: megatron puts it right after TP (``tp-cp-ep-dp-pp``); the ranks of one
+    context-parallel group hold the same parameters, so a rank's replicas span data and context
+    parallelism (megatron's ``dp-cp`` group)."""
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     def shard_of(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, pp_rank, ep_rank): ranks with the same shard hold the same parameters."""
         tp_rank = rank % self.tp
-        pp_rank = (rank // self.tp) % self.pp if self.pp_before_dp else rank // (self.tp * self.dp)
-        dp_rank = rank // (self.tp * self.pp) if self.pp_before_dp else (rank // self.tp) % self.dp
+        rest = rank // (self.tp * self.cp)  # the context-parallel rank is in between
+        pp_rank = rest % self.pp if self.pp_before_dp else rest // self.dp
+        dp_rank = rest // self.pp if self.pp_before_dp else rest % self.dp
         return tp_rank, pp_rank, dp_rank % self.ep
 
     def replicas_of(self, rank: int) -> list[int]:

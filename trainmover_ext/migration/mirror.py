@@ -75,9 +75,9 @@ def holder_offset(dp: int, stride: int, ranks_per_node: int) -> int:
 
 
 def dp_stride(layout: ParallelLayout) -> int:
-    """Rank distance of data-parallel neighbours: TP (megatron's tp-dp-pp order) or TP x PP
+    """Rank distance of data-parallel neighbours: TP x CP (megatron's tp-cp-dp-pp order) or TP x CP x PP
     (``--use-tp-pp-dp-mapping``)."""
-    return layout.tp_size * (layout.pp_size if layout.pp_before_dp else 1)
+    return layout.tp_size * getattr(layout, "cp_size", 1) * (layout.pp_size if layout.pp_before_dp else 1)
 
 
 def holder_and_ward(layout: ParallelLayout, ranks_per_node: int) -> tuple[int, int]:

@@ -98,6 +98,7 @@ def grid_of(layout: ParallelLayout) -> GridShape:
         dp=layout.dp_size,
         pp_before_dp=layout.pp_before_dp,
         ep=getattr(layout, "ep_size", 1),
+        cp=getattr(layout, "cp_size", 1),
     )
 
 
