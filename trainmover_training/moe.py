@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import re
 
-import torch
-
 from trainmover_training.errors import ConfigError
 
 MOE_FLAGS = (
@@ -186,18 +184,21 @@ def moe_no_effect(args: argparse.Namespace) -> list[str]:
 
 
 _EXPERT_RE = re.compile(r"\.experts\.local_experts\.(\d+)\.")
+"""An expert of megatron-core's SequentialMLP (the local layers): ``...experts.local_experts.<i>.linear_fc1...``."""
+_GROUPED_RE = re.compile(r"\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+"""An expert of TransformerEngine's grouped GEMM (TEGroupedMLP): ``...experts.linear_fc1.weight<i>``."""
 
 
 def global_expert_name(name: str, num_local_experts: int, ep_rank: int) -> str:
     """``name`` with a local expert's index replaced by its global one, so that every EP layout starts
-    from the same expert weights (``...local_experts.1.`` on EP rank 2 of 2 local experts is expert 5)."""
+    from the same expert weights and no two experts start alike (``...local_experts.1.`` on EP rank 2 of
+    2 local experts is expert 5). Both megatron-core's layouts of experts are named the same way."""
     match = _EXPERT_RE.search(name)
-    if match is None:
-        return name
-    index = ep_rank * num_local_experts + int(match.group(1))
-    return name.replace(match.group(0), f".experts.local_experts.{index}.", 1)
-
-
-def is_expert_param(param: torch.nn.Parameter) -> bool:
-    """megatron-core marks expert parameters with ``allreduce = False`` (reduced over expert-DP only)."""
-    return not getattr(param, "allreduce", True)
+    if match is not None:
+        index = ep_rank * num_local_experts + int(match.group(1))
+        return name.replace(match.group(0), f".experts.local_experts.{index}.", 1)
+    match = _GROUPED_RE.search(name)
+    if match is not None:
+        index = ep_rank * num_local_experts + int(match.group(3))
+        return name[: match.start()] + f".experts.local_experts.{index}.{match.group(1)}.{match.group(2)}"
+    return name

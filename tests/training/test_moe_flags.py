@@ -84,5 +84,11 @@ def test_an_expert_is_named_by_its_global_index():
         "decoder.layers.3.mlp.experts.local_experts.3.linear_fc1.weight"
     )
     assert global_expert_name(name, num_local_experts=4, ep_rank=0) == name
+    # TransformerEngine's grouped GEMM names its experts weight<i>: the same global names
+    grouped = "decoder.layers.3.mlp.experts.linear_fc2.weight1"
+    assert global_expert_name(grouped, num_local_experts=2, ep_rank=1) == (
+        "decoder.layers.3.mlp.experts.local_experts.3.linear_fc2.weight"
+    )
+    assert global_expert_name(grouped, 2, 0) != global_expert_name(grouped, 2, 1)  # no two experts start alike
     dense = "decoder.layers.3.mlp.linear_fc1.weight"
     assert global_expert_name(dense, num_local_experts=2, ep_rank=1) == dense
