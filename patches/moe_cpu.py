@@ -1,13 +1,16 @@
-"""Let megatron-core's all-to-all token dispatcher (``--moe-token-dispatcher-type alltoall``) run on CPU.
+"""Let megatron-core's MoE layer train on CPU (``--num-experts``): its router, its experts and both token
+dispatchers.
 
-Applied only when CUDA is absent (see :func:`patches.install`). The dispatcher copies its split sizes to
-the host on a side CUDA stream and waits for that copy with a CUDA event; on CPU the tensors are on the
-host already, so the stream, the event and the wait go. The router's CUDA device becomes the CPU, and the
-TransformerEngine GEMM megatron-core 0.16 leaves undefined without TransformerEngine is None, as in 0.19.
-An expert's bias is added out of place (megatron-core's in-place add fails autograd's view check with
-EP = expert TP = 1 on the local layers).
-Checked against
-megatron-core 0.16.1 and 0.19.2; a source that no longer matches fails at install time.
+Applied only when CUDA is absent (see :func:`patches.install`):
+- the all-to-all dispatcher copies its split sizes to the host on a side CUDA stream and waits for the
+  copy with a CUDA event; on CPU the sizes are on the host already (as plain sizes, what the copy's numpy
+  arrays are on a GPU), so the stream, the event and the wait go;
+- the router's CUDA device becomes the CPU;
+- the TransformerEngine GEMM that megatron-core 0.16 leaves undefined without TransformerEngine is None,
+  as 0.19 makes it itself;
+- an expert's bias is added out of place (megatron-core's in-place add fails autograd's view check
+  with EP = expert TP = 1 on the local layers; the sums are the same).
+Checked against megatron-core 0.16.1 and 0.19.2; a source that no longer matches fails at install time.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ DTOH = [
 
 
 def install() -> list[str]:
-    """Rewrite the dispatcher's CUDA-only snippets; returns what was patched."""
+    """Rewrite the MoE layer's CUDA-only snippets (see the module docstring); returns what was patched."""
     import importlib
 
     importlib.import_module(MODULE)
