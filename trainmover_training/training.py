@@ -267,6 +267,19 @@ class Runtime:
         """Release the runtime's resources; safe to call twice."""
 
 
+def forget_pending_grad_sync(model: list) -> None:
+    """After an abandoned iteration: drop what megatron's DDP kept of it. With ``--overlap-grad-reduce``
+    a bucket group holds the handle of the asynchronous reduction it issued during the backward pass
+    (on a communicator the recovery abandons) until the end of the step, and counts the parameters whose
+    gradients were ready; the re-run would find a reduction "still outstanding" (megatron asserts) or
+    record a partial backward's counts as the expected ones. The gradient buffers are zeroed when the
+    re-run starts."""
+    for chunk in model:
+        for group in [*getattr(chunk, "bucket_groups", []), *getattr(chunk, "expert_parallel_bucket_groups", [])]:
+            group.grad_reduce_handle = None
+            group.per_param_grad_ready_counts = {}
+
+
 def train_step(session: Session, finishing: contextlib.AbstractContextManager | None = None) -> float | None:
     """One iteration. Increments ``args.iteration`` right after the optimizer step, so after an
     abandoned iteration ``args.iteration`` is exactly the number of completed steps. After the step
@@ -544,6 +557,7 @@ def train_loop(session: Session, runtime: Runtime) -> dict:
             loss = train_step(session, runtime.finishing(session))
             runtime.after_step(session)
         except runtime.recoverable as exc:
+            forget_pending_grad_sync(session.model)
             runtime.recover(session, exc)
             session.saved_iteration = _checkpointed_iteration(args)
             session.evaluated_iteration = None  # every rank evaluates again at the resume boundary
