@@ -176,6 +176,31 @@ def test_cpu_time_sums_every_thread_and_stops_when_stopped():
     assert cpu_time_ns(proc.pid) is None  # reaped: /proc cannot tell
 
 
+def test_a_process_starved_of_cpu_counts_its_wait_for_one():
+    """Two spinners on one core: each waits on the run queue about as long as it runs. The wait counts
+    (``waited``), so a runnable process that gets no CPU for a while is not taken for a frozen one; a
+    stopped one neither runs nor waits (the companion: its sum stands still)."""
+    spin = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass"
+    core = min(os.sched_getaffinity(0))
+    procs = [subprocess.Popen([sys.executable, "-c", spin, str(core)]) for _ in range(2)]
+    try:
+        time.sleep(0.5)
+        ran, both = cpu_time_ns(procs[0].pid), cpu_time_ns(procs[0].pid, waited=True)
+        time.sleep(0.5)
+        ran_more = cpu_time_ns(procs[0].pid) - ran
+        waited_more = cpu_time_ns(procs[0].pid, waited=True) - both - ran_more
+        assert waited_more > 0.1e9, (ran_more, waited_more)  # it waited for the core it shares
+        os.kill(procs[0].pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        stopped = cpu_time_ns(procs[0].pid, waited=True)
+        time.sleep(0.3)
+        assert cpu_time_ns(procs[0].pid, waited=True) == stopped
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_killed_agents_heartbeat_directory_is_removed_by_the_next_watch(tmp_path):
     """An agent killed with SIGKILL never closes its watch; the next agent's watch on the machine removes
     that directory once its files are stale, and leaves a live agent's alone."""

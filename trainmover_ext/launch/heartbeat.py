@@ -14,12 +14,13 @@ Contract:
   that serve ranks. A process is **hung** when both hold:
 
   1. its last beat is older than ``timeout_s``, and
-  2. it used no CPU time at all, summed over its threads (``/proc/<pid>/task/*/schedstat``), over
-     the last ``timeout_s / 2`` or more.
+  2. it neither used CPU time nor waited runnable for a CPU, summed over its threads
+     (``/proc/<pid>/task/*/schedstat``: time on a CPU and time on a run queue), over the last
+     ``timeout_s / 2`` or more.
 
   The second keeps a slow process from being taken for a dead one: a process that computes while
-  its heartbeat thread waits for the GIL, or one starved of cores for a moment, still uses CPU.
-  A stopped or frozen process uses none.
+  its heartbeat thread waits for the GIL still uses CPU, and one starved of cores on a busy machine
+  (it may get none for a while) waits on a run queue. A stopped or frozen process does neither.
 - A process that is exiting is not judged either: at interpreter exit (``atexit``) the heartbeat
   stops and writes +inf. Interpreter teardown stops every Python thread and may then wait, on no CPU,
   in a C++ destructor; its exit is the exit path's to report.
@@ -112,8 +113,10 @@ def start_from_env(environ: dict[str, str] | None = None) -> bool:
     return True
 
 
-def cpu_time_ns(pid: int) -> int | None:
-    """CPU time used by every thread of ``pid`` so far, in ns (None when ``/proc`` cannot tell)."""
+def cpu_time_ns(pid: int, waited: bool = False) -> int | None:
+    """CPU time used by every thread of ``pid`` so far, in ns (None when ``/proc`` cannot tell); with
+    ``waited``, plus the time its threads spent runnable, waiting for a CPU (``schedstat``'s second
+    field), so that a process starved of CPU on a busy machine is told from a frozen one."""
     total = 0
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -122,7 +125,8 @@ def cpu_time_ns(pid: int) -> int | None:
     for tid in tasks:
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                total += int(f.read().split()[0])
+                fields = f.read().split()
+                total += int(fields[0]) + (int(fields[1]) if waited else 0)
         except (OSError, ValueError, IndexError):
             continue  # a thread that ended meanwhile used what it used
     return total
@@ -237,7 +241,7 @@ class HangWatch:
             sample = self._samples.get(member)
             if sample is not None and now - sample.checked_at < self.timeout_s / 4:
                 continue  # read /proc at most 4 times a timeout: a starved machine has many stale beats
-            cpu = cpu_time_ns(pid)
+            cpu = cpu_time_ns(pid, waited=True)  # a starved process waits for a CPU: it is not frozen
             if cpu is None:
                 continue
             if sample is None or sample.cpu_ns != cpu:
@@ -248,7 +252,8 @@ class HangWatch:
                 found.append(
                     (
                         member,
-                        f"no heartbeat for {now - beat:.2f}s and no CPU time used for {now - sample.at:.2f}s",
+                        f"no heartbeat for {now - beat:.2f}s and no CPU time used (or waited for) for "
+                        f"{now - sample.at:.2f}s",
                     )
                 )
         return found
