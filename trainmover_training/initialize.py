@@ -51,7 +51,6 @@ class ParallelLayout:
     cp_size: int = 1
     """Context parallelism (``--context-parallel-size``): the ranks of one context-parallel group split
     each sequence and hold the same parameters."""
-    cp_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -183,7 +182,6 @@ def layout_from_groups(
         pp_before_dp=getattr(args, "use_tp_pp_dp_mapping", False),
         ep_size=getattr(args, "expert_model_parallel_size", 1) if getattr(args, "moe_layer", False) else 1,
         cp_size=getattr(args, "context_parallel_size", 1),
-        cp_rank=mpu.get_context_parallel_rank(),
     )
 
 

@@ -56,6 +56,10 @@ def decide(flag: str, group: str) -> tuple[str, str] | None:
     return rules.GROUP_RULES.get(group)
 
 
+def _no_effect_dest(mflag: MegatronFlag) -> str:
+    return _NO_EFFECT_DEST + mflag.flags[0].removeprefix("--").replace("-", "_")
+
+
 def _known(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     return {s: a for a in parser._actions for s in a.option_strings}  # argparse has no public accessor
 
@@ -71,8 +75,7 @@ def add_no_effect_args(parser: argparse.ArgumentParser) -> None:
         decision = decide(mflag.flags[0], mflag.group)
         if decision is None or decision[0] != rules.NO_EFFECT:
             continue
-        dest = _NO_EFFECT_DEST + mflag.flags[0].removeprefix("--").replace("-", "_")
-        kwargs: dict = {"dest": dest, "default": argparse.SUPPRESS, "help": decision[1] + "."}
+        kwargs: dict = {"dest": _no_effect_dest(mflag), "default": argparse.SUPPRESS, "help": decision[1] + "."}
         if mflag.nargs == 0:
             kwargs["action"] = "store_true"
         else:
@@ -86,8 +89,7 @@ def no_effect_given(args: argparse.Namespace) -> list[str]:
     """The flags without effect this run was given, as ``--flag (why)``, in the list's order."""
     given = []
     for mflag in megatron_flags():
-        dest = _NO_EFFECT_DEST + mflag.flags[0].removeprefix("--").replace("-", "_")
-        if hasattr(args, dest):
+        if hasattr(args, _no_effect_dest(mflag)):
             given.append(f"{mflag.flags[0]} ({decide(mflag.flags[0], mflag.group)[1]})")
     return given
 
