@@ -338,7 +338,8 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         default=None,
         help=f"Seconds (default {DEFAULT_HANG_TIMEOUT_S:g}) after which the launcher's agent kills and reports a "
         "rank whose process is frozen: its heartbeat thread has not beaten for this long and the process "
-        "used no CPU time meanwhile (e.g. SIGSTOP). Faster than the lease TTL, which still covers every "
+        "used no CPU time meanwhile, nor waited for a CPU or a disk (e.g. SIGSTOP). Faster than the lease "
+        "TTL, which still covers every "
         "other hang. 0 turns it off (e.g. while a debugger holds a rank stopped).",
     )
     g.add_argument(

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from trainmover_ext.launch.heartbeat import ORPHAN_AFTER_S, HangWatch, cpu_time_ns
+from trainmover_ext.launch.heartbeat import ORPHAN_AFTER_S, HangWatch, busy_threads, cpu_time_ns
 
 TIMEOUT_S = 0.5
 
@@ -224,3 +224,72 @@ def test_a_killed_agents_heartbeat_directory_is_removed_by_the_next_watch(tmp_pa
         assert len(os.listdir(tmp_path)) == 2 and os.path.isdir(live.directory)
     finally:
         live.close()
+
+
+STARVED = textwrap.dedent("""
+    import os, sys
+    os.sched_setaffinity(0, {int(sys.argv[1])})  # before the heartbeat thread starts: it inherits the core
+    from trainmover_ext.launch import heartbeat
+    assert heartbeat.start_from_env()
+    print("beating", flush=True)
+    while True:
+        pass
+""")
+HOG = textwrap.dedent("""
+    import os, sys, time
+    os.sched_setaffinity(0, {int(sys.argv[1])})
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    print("hogging", flush=True)
+    deadline = time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < deadline:
+        pass
+""")
+
+
+def _can_run_fifo() -> bool:
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except (OSError, AttributeError):
+        return False
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    return True
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or not _can_run_fifo(), reason="two cores and SCHED_FIFO")
+def test_a_process_starved_for_a_second_is_not_hung(watch):
+    """A real-time spinner on the one core a process may use leaves it Linux's 5 % reserve for ordinary
+    tasks: the process gets no CPU for most of each second, so its beats stop and schedstat's sums stand
+    still (a wait is added only once it ends). It is runnable throughout (``R``), and is not hung.
+
+    The companion is inside: the sums are seen standing still for longer than the hang rule's window while
+    the beat is stale (without the state, it would have been killed); and once stopped, it is hung."""
+    core = max(os.sched_getaffinity(0))
+    env = dict(os.environ) | watch.env_for("w6")
+    proc = subprocess.Popen([sys.executable, "-c", STARVED, str(core)], env=env, stdout=subprocess.PIPE, text=True)
+    hog = None
+    try:
+        assert proc.stdout.readline().strip() == "beating"
+        hog = subprocess.Popen([sys.executable, "-c", HOG, str(core), "4"], stdout=subprocess.PIPE, text=True)
+        assert hog.stdout.readline().strip() == "hogging"
+        still_for, seen, found = 0.0, None, None
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0 and found is None:
+            found = dict(watch.hung({"w6": proc.pid})).get("w6")
+            now, cpu = time.monotonic(), cpu_time_ns(proc.pid, waited=True)
+            if seen is None or seen[1] != cpu:
+                seen = (now, cpu)
+            elif now - watch.last_beat("w6") > TIMEOUT_S:
+                still_for = max(still_for, now - seen[0])
+                assert busy_threads(proc.pid) >= 1  # it is runnable meanwhile
+            time.sleep(0.05)
+        assert found is None, f"a starved process was taken for a hung one: {found}"
+        assert still_for >= TIMEOUT_S / 2 + 0.1, f"never starved long enough to prove anything ({still_for:.2f}s)"
+        hog.wait(10)
+        os.kill(proc.pid, signal.SIGSTOP)
+        assert busy_threads(proc.pid) == 0
+        assert _judge(watch, "w6", proc.pid, 5.0)[0] is not None
+    finally:
+        for p in (proc, hog):
+            if p is not None:
+                p.kill()
+                p.wait()

@@ -1,8 +1,8 @@
 """The fast hang path: a frozen rank is fenced and reported by its own agent within ``--tm-hang-timeout``.
 
 A rank that exits is seen by its agent at once (``wait_any_exit``). A rank that *hangs* without
-exiting (SIGSTOP, a frozen cgroup, a deadlock that holds the GIL) was seen only when its etcd lease
-lapsed, a whole TTL later. This module lets the agent see it sooner, on the node itself.
+exiting (SIGSTOP, a frozen cgroup) was seen only when its etcd lease lapsed, a whole TTL later. This
+module lets the agent see it sooner, on the node itself.
 
 Contract:
 - **The rank** (:func:`start_from_env`, called by the process's hooks at start-up): when
@@ -14,13 +14,20 @@ Contract:
   that serve ranks. A process is **hung** when both hold:
 
   1. its last beat is older than ``timeout_s``, and
-  2. it neither used CPU time nor waited runnable for a CPU, summed over its threads
-     (``/proc/<pid>/task/*/schedstat``: time on a CPU and time on a run queue), over the last
-     ``timeout_s / 2`` or more.
+  2. over the last ``timeout_s / 2`` or more, it neither used CPU time nor waited runnable for a
+     CPU, summed over its threads (``/proc/<pid>/task/*/schedstat``: time on a CPU and time on a run
+     queue), and whenever the agent looked, none of its threads was runnable or in an
+     uninterruptible wait (``/proc/<pid>/task/*/stat``'s state ``R`` or ``D``).
 
   The second keeps a slow process from being taken for a dead one: a process that computes while
-  its heartbeat thread waits for the GIL still uses CPU, and one starved of cores on a busy machine
-  (it may get none for a while) waits on a run queue. A stopped or frozen process does neither.
+  its heartbeat thread waits for the GIL still uses CPU; one starved of cores on a busy machine (it
+  may get none for a second: a virtual CPU taken by the host, a real-time task) is runnable, and
+  schedstat adds a wait to its sum only once the wait ends, so the state is what shows it; one
+  paging in or writing through a slow disk is in ``D``. A stopped or frozen process is none of these.
+  A process stuck in ``D`` for good (a dead network file system) is left to the lease TTL.
+- A deadlock that holds the GIL is not seen here either: the threads waiting for the GIL wake every
+  5 ms (CPython's switch interval) and use a little CPU each time. The lease's keep-alive needs the
+  GIL too, so the TTL finds it.
 - A process that is exiting is not judged either: at interpreter exit (``atexit``) the heartbeat
   stops and writes +inf. Interpreter teardown stops every Python thread and may then wait, on no CPU,
   in a C++ destructor; its exit is the exit path's to report.
@@ -130,6 +137,24 @@ def cpu_time_ns(pid: int, waited: bool = False) -> int | None:
         except (OSError, ValueError, IndexError):
             continue  # a thread that ended meanwhile used what it used
     return total
+
+
+def busy_threads(pid: int) -> int:
+    """How many threads of ``pid`` are runnable (running or waiting for a CPU) or in an uninterruptible
+    wait (disk, page-in) now: ``R`` or ``D`` in ``/proc/<pid>/task/*/stat`` (0 when ``/proc`` cannot tell)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    busy = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split(None, 1)[0]  # the name may hold ')' or spaces
+        except (OSError, IndexError):
+            continue
+        busy += state in (b"R", b"D")
+    return busy
 
 
 def _idle_policy(pid: int) -> bool:
@@ -244,7 +269,7 @@ class HangWatch:
             cpu = cpu_time_ns(pid, waited=True)  # a starved process waits for a CPU: it is not frozen
             if cpu is None:
                 continue
-            if sample is None or sample.cpu_ns != cpu:
+            if sample is None or sample.cpu_ns != cpu or busy_threads(pid):
                 self._samples[member] = _Judged(cpu, now, now)  # it ran since: judge again from here
                 continue
             sample.checked_at = now
@@ -252,8 +277,8 @@ class HangWatch:
                 found.append(
                     (
                         member,
-                        f"no heartbeat for {now - beat:.2f}s and no CPU time used (or waited for) for "
-                        f"{now - sample.at:.2f}s",
+                        f"no heartbeat for {now - beat:.2f}s and no CPU time used (or waited for), no thread "
+                        f"runnable or in I/O, for {now - sample.at:.2f}s",
                     )
                 )
         return found
