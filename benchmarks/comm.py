@@ -14,7 +14,9 @@ Sections (each a function registered in ``SECTIONS``; add one to extend the repo
   without it (plain torch gloo groups), ``--overlap-grad-reduce``, for the demo and the tiny model (and
   the demo model as a mixture of experts, TP1.PP2 with EP 2: ``moe``) at
   4, 8 and 16 ranks. The two jobs alternate ``--training-rounds`` times (default 5); the ratio is the
-  median of the rounds' ratios, with the range (``training[].{ranks, model, ratio}``).
+  median of the rounds' ratios, with the range (``training[].{ranks, model, ratio}``). A third job in
+  each round runs ``--trainmover --tm-comm native``: everything of TrainMover but its communicator
+  (torch's own groups), so ``ratio_native_comm`` is the share of the cost that is not the communicator.
 
 Ranks are forked from this process (torch already imported), one thread each, on loopback.
 
@@ -370,9 +372,11 @@ def _job_args(model: str, ranks: int, corpus: str, iters: int) -> list[str]:
     ]
 
 
-def _train_once(trainmover: bool, model: str, ranks: int, args, workdir: str, tag: str) -> list[float]:
-    """Run the job once, with ``--trainmover`` (its communicator) or without (plain torch gloo groups);
-    returns the steady iterations' ``iteration_s``."""
+def _train_once(
+    trainmover: bool, model: str, ranks: int, args, workdir: str, tag: str, extra: tuple[str, ...] = ()
+) -> list[float]:
+    """Run the job once, with ``--trainmover`` (its communicator, unless ``extra`` says otherwise) or
+    without (plain torch gloo groups); returns the steady iterations' ``iteration_s``."""
     from harness.jobs import ensure_corpus
 
     corpus = ensure_corpus(os.path.join(workdir, "corpus"))
@@ -388,7 +392,7 @@ def _train_once(trainmover: bool, model: str, ranks: int, args, workdir: str, ta
         os.path.join(workdir, tag + ".run"),
         os.path.join(ROOT, "pretrain_gpt.py"),
         *_job_args(model, ranks, corpus, args.training_iters),
-        *(["--trainmover", "--tm-standbys", "0"] if trainmover else []),
+        *(["--trainmover", "--tm-standbys", "0", *extra] if trainmover else []),
         "--tm-metrics-file",
         metrics,
     ]
@@ -423,19 +427,34 @@ def section_training(args) -> list[dict]:
                 plain = statistics.median(
                     _train_once(False, model, ranks, args, workdir, f"plain_{model}_{ranks}_{rnd}")
                 )
+                native = statistics.median(
+                    _train_once(
+                        True, model, ranks, args, workdir, f"native_{model}_{ranks}_{rnd}", ("--tm-comm", "native")
+                    )
+                )
                 rounds.append(
-                    dict(trainmover_it_s=round(tm, 4), plain_it_s=round(plain, 4), ratio=round(tm / plain, 4))
+                    dict(
+                        trainmover_it_s=round(tm, 4),
+                        plain_it_s=round(plain, 4),
+                        native_comm_it_s=round(native, 4),
+                        ratio=round(tm / plain, 4),
+                        ratio_native_comm=round(native / plain, 4),
+                    )
                 )
                 print(f"  training {model} ranks={ranks} round {rnd}: {rounds[-1]}", flush=True)
             ratios = [r["ratio"] for r in rounds]
+            natives = [r["ratio_native_comm"] for r in rounds]
             rows.append(
                 dict(
                     ranks=ranks,
                     model=model,
                     ratio=round(statistics.median(ratios), 4),
                     ratio_range=[min(ratios), max(ratios)],
+                    ratio_native_comm=round(statistics.median(natives), 4),
+                    ratio_native_comm_range=[min(natives), max(natives)],
                     trainmover_it_s=round(statistics.median(r["trainmover_it_s"] for r in rounds), 4),
                     plain_it_s=round(statistics.median(r["plain_it_s"] for r in rounds), 4),
+                    native_comm_it_s=round(statistics.median(r["native_comm_it_s"] for r in rounds), 4),
                     runs=len(rounds),
                     rounds=rounds,
                     layout=_layout(model, ranks),
@@ -566,10 +585,19 @@ def main(argv=None) -> dict:
         print_table(
             "training: steady s/iteration with --trainmover over the same job without it",
             [
-                (r["ranks"], r["model"], r["trainmover_it_s"], r["plain_it_s"], r["ratio"], r["ratio_range"], r["runs"])
+                (
+                    r["ranks"],
+                    r["model"],
+                    r["trainmover_it_s"],
+                    r["plain_it_s"],
+                    r["ratio"],
+                    r["ratio_range"],
+                    r.get("ratio_native_comm"),
+                    r["runs"],
+                )
                 for r in payload["training"]
             ],
-            ("ranks", "model", "trainmover_it_s", "plain_it_s", "ratio", "range", "runs"),
+            ("ranks", "model", "trainmover_it_s", "plain_it_s", "ratio", "range", "ratio_tm_comm_native", "runs"),
         )
     write_json(args.json, payload)
     return payload
