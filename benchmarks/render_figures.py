@@ -242,19 +242,25 @@ def chaos_table(data: dict | None) -> list[str]:
 def comm_table(data: dict | None, *, full: bool = True) -> list[str]:
     """Steady-state speed with --trainmover over the same job without it, and what a replacement rebuilds."""
     head = [
-        "| job | s/iteration with / without TrainMover | ratio: median (range, runs) |",
-        "|---|---|---|",
+        "| job | s/iteration with / without TrainMover | ratio: median (range, runs) | ratio with TrainMover on "
+        "torch's own groups (`--tm-comm native`) |",
+        "|---|---|---|---|",
     ]
     training = (data or {}).get("training") or []
     if not training:
-        return head + [f"| - | {NOT_YET} | - |", "", f"Regenerate with `{COMMANDS['comm']}`."]
+        return head + [f"| - | {NOT_YET} | - | - |", "", f"Regenerate with `{COMMANDS['comm']}`."]
     rows = []
     for r in training:
         lo, hi = r["ratio_range"]
         note = "" if r["runs"] >= MIN_RUNS else f"; a figure needs {MIN_RUNS}"
+        native = "-"
+        if r.get("ratio_native_comm") is not None:
+            nlo, nhi = r["ratio_native_comm_range"]
+            native = f"{num(r['ratio_native_comm'])} ({num(nlo)}-{num(nhi)})"
         rows.append(
             f"| {r['ranks']} ranks, {r['model']} model, {r['layout']} | {num(r['trainmover_it_s'])} / "
-            f"{num(r['plain_it_s'])} | **{num(r['ratio'])}** ({num(lo)}-{num(hi)}, {r['runs']} runs{note}) |"
+            f"{num(r['plain_it_s'])} | **{num(r['ratio'])}** ({num(lo)}-{num(hi)}, {r['runs']} runs{note}) | "
+            f"{native} |"
         )
     out = head + rows
     replacement = data.get("replacement") or []

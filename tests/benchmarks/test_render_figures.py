@@ -155,7 +155,19 @@ def test_the_steady_state_table_is_the_training_ratio_with_its_range_and_what_a_
                 "runs": 5,
                 "trainmover_it_s": 0.41,
                 "plain_it_s": 0.39,
-            }
+                "ratio_native_comm": 1.01,
+                "ratio_native_comm_range": [0.98, 1.05],
+            },
+            {  # an older run, before the --tm-comm native job was part of each round
+                "ranks": 8,
+                "model": "tiny",
+                "layout": "TP2.PP2.DP2, --overlap-grad-reduce",
+                "ratio": 1.3,
+                "ratio_range": [1.2, 1.4],
+                "runs": 3,
+                "trainmover_it_s": 0.3,
+                "plain_it_s": 0.23,
+            },
         ],
         "replacement": [
             {"ranks": 8, "groups_rebuilt": 10, "members_rebuilt": 22, "world_rebuilt": False},
@@ -165,9 +177,10 @@ def test_the_steady_state_table_is_the_training_ratio_with_its_range_and_what_a_
     (tmp_path / "comm.json").write_text(json.dumps(data))
     text = "\n".join(rf.readme_block(str(tmp_path)))
     assert (
-        "| 8 ranks, demo model, TP2.PP2.DP2, --overlap-grad-reduce | 0.410 / 0.390 | **1.04** (0.970-1.12, 5 runs) |"
-        in text
+        "| 8 ranks, demo model, TP2.PP2.DP2, --overlap-grad-reduce | 0.410 / 0.390 | **1.04** (0.970-1.12, 5 runs) | "
+        "1.01 (0.980-1.05) |" in text
     )
+    assert "| 0.300 / 0.230 | **1.30** (1.20-1.40, 3 runs) | - |" in text
     rebuilt = "| 4000 (simulated (megatron's groups, the real rule)) | 12 | 2261 | no |"
     assert rebuilt not in text, "the README keeps the ratio; what a replacement rebuilds is in docs/benchmarks.md"
     assert rebuilt in "\n".join(rf.docs_block(str(tmp_path)))
