@@ -21,10 +21,11 @@ records say of each fault (detection, every rank's resume). Nothing here reads a
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from trainmover_ext.simulate.checkpointing import young_daly_interval_s
 
 PENALTY_WINDOW = 20
 """Iterations after a resume whose time is compared with as many before the failure."""
@@ -227,18 +228,6 @@ def spread(values: Iterable[float | None]) -> dict:
         "n": len(vals),
         "values": [round(v, 4) for v in vals],
     }
-
-
-def young_daly_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
-    """The checkpoint interval that minimises expected lost time (Daly 2006, the higher-order form of
-    Young's sqrt(2 delta M)): ``checkpoint_s`` the time one save takes, ``mtbf_s`` the job's mean time
-    between failures."""
-    if checkpoint_s <= 0 or mtbf_s <= 0:
-        raise ValueError(f"checkpoint cost {checkpoint_s} and MTBF {mtbf_s} must be positive")
-    if checkpoint_s >= 2 * mtbf_s:
-        return mtbf_s
-    x = checkpoint_s / (2 * mtbf_s)
-    return math.sqrt(2 * checkpoint_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - checkpoint_s
 
 
 def young_daly_interval_iters(checkpoint_s: float, steady_s: float, mean_gap_iters: float) -> int:

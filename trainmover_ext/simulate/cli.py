@@ -97,6 +97,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     job.add_argument("--iteration-s", type=float, default=None, help="steady iteration seconds (default 6)")
     ckpt = p.add_argument_group("checkpointing")
     ckpt.add_argument("--checkpoint-interval-min", type=float, default=30.0, help="checkpoint interval (default 30)")
+    ckpt.add_argument(
+        "--checkpoint-young-daly",
+        action="store_true",
+        help="checkpoint at Daly's optimum interval (the higher-order form of Young's sqrt(2 x save x MTTF)) "
+        "for --checkpoint-save-s and the job MTTF, instead of --checkpoint-interval-min; needs "
+        "--checkpoint-save-s > 0",
+    )
     ckpt.add_argument("--checkpoint-save-s", type=float, default=0.0, help="stall per save (default 0: async)")
     ckpt.add_argument(
         "--checkpoint-load-s",
@@ -215,6 +222,7 @@ _JOB_FLAGS = {
     "rebalance_minutes": "rebalance_minutes",
     "hang_fraction": "hang_fraction",
     "checkpoint_interval_min": "checkpoint_interval_min",
+    "checkpoint_young_daly": "checkpoint_young_daly",
     "checkpoint_save_s": "checkpoint_save_s",
     "checkpoint_load_s": "checkpoint_load_s",
     "standbys": "standbys",
@@ -293,6 +301,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, InputOrigins]
         hang_fraction=args.hang_fraction,
         infra_cost_s=args.infra_cost_min * 60.0,
         checkpoint_interval_min=args.checkpoint_interval_min,
+        checkpoint_young_daly=args.checkpoint_young_daly,
         checkpoint_save_s=args.checkpoint_save_s,
         checkpoint_load_s=args.checkpoint_load_s,
         iteration_s=iteration_s if iteration_s is not None else SimConfig.iteration_s,
@@ -318,8 +327,18 @@ def run(args: argparse.Namespace) -> int:
     if args.check and not args.paper:
         raise ConfigError("--check compares with the paper's figures: give --paper too")
     ranges = [sensitivity.parse_sweep(text) for text in args.sweep]
+    if args.checkpoint_young_daly and any(r.name == "checkpoint_interval_min" for r in ranges):
+        raise ConfigError(
+            "--sweep checkpoint_interval_min: with --checkpoint-young-daly the interval follows from "
+            "--checkpoint-save-s and the job MTTF; sweep checkpoint_save_s instead"
+        )
     if args.band:
-        ranges += [r for r, _ in sensitivity.DEFAULT_BAND if r.name not in {s.name for s in ranges}]
+        ranges += [
+            r
+            for r, _ in sensitivity.DEFAULT_BAND
+            if r.name not in {s.name for s in ranges}
+            and not (args.checkpoint_young_daly and r.name == "checkpoint_interval_min")  # Daly's, not a range
+        ]
     cfg, origins = config_from_args(args)
     inputs = inputs_of(cfg, measured=origins.measured, given=origins.given, calibrated=args.calibrate_to_paper)
     projection = project(cfg)

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from trainmover_ext.errors import ConfigError
+from trainmover_ext.simulate.checkpointing import young_daly_interval_s
 
 HOUR_S = 3600.0
 WEEK_S = 7 * 24 * HOUR_S
@@ -218,7 +219,11 @@ class SimConfig:
 
     checkpoint_interval_min: float = 30.0
     """Checkpoint every this many minutes of progress; checkpoint-based strategies redo the
-    progress since the last one (flag --checkpoint-interval-min)."""
+    progress since the last one (flag --checkpoint-interval-min). Unused with ``checkpoint_young_daly``."""
+
+    checkpoint_young_daly: bool = False
+    """Checkpoint at Daly's optimum for ``checkpoint_save_s`` and the job MTTF instead
+    (:attr:`checkpoint_interval_s`; flag --checkpoint-young-daly)."""
 
     checkpoint_save_s: float = 0.0
     """Training stall per checkpoint save of checkpoint-based strategies. 0: async saves
@@ -285,6 +290,11 @@ class SimConfig:
             "must be > 0",
         )
         _finite_nonneg(self.checkpoint_save_s, "--checkpoint-save-s")
+        _require(
+            not self.checkpoint_young_daly or self.checkpoint_save_s > 0,
+            "--checkpoint-young-daly",
+            "needs what one save costs the job: give --checkpoint-save-s S (> 0), e.g. the stall of a synchronous save",
+        )
         _finite_nonneg(self.checkpoint_load_s, "--checkpoint-load-s")
         _finite_nonneg(self.iteration_s, "--iteration-s")
         if self.standbys is not None:
@@ -299,6 +309,14 @@ class SimConfig:
         """Mean running time between unexpected interruptions of the whole job, in seconds."""
         hours = self.mttf_hours if self.mttf_hours is not None else self.gpu_mttf_hours / self.gpus
         return hours * HOUR_S
+
+    @property
+    def checkpoint_interval_s(self) -> float:
+        """Seconds of progress between checkpoints: ``checkpoint_interval_min``, or with
+        ``checkpoint_young_daly`` Daly's optimum for ``checkpoint_save_s`` and :attr:`job_mttf_s`."""
+        if self.checkpoint_young_daly:
+            return young_daly_interval_s(self.checkpoint_save_s, self.job_mttf_s)
+        return self.checkpoint_interval_min * 60.0
 
     @property
     def nodes(self) -> int:

@@ -131,7 +131,7 @@ def simulate(
     )
     stream = iter(events) if events is not None else interruption_stream(cfg, seed)
     pending = next(stream, None)
-    interval = cfg.checkpoint_interval_min * 60.0
+    interval = cfg.checkpoint_interval_s
     result = RunResult(strategy=strategy.name, gpus=cfg.gpus, standbys=pool.size, work_s=cfg.work_s)
     progress = run = wall = since_resume = 0.0
     while True:

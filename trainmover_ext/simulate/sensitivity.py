@@ -81,7 +81,7 @@ DEFAULT_BAND: tuple[tuple[Sweep, str], ...] = (
 
 def sweepable() -> list[str]:
     """The inputs a range may be given for."""
-    names = [f.name for f in fields(SimConfig) if f.name != "downtimes"]
+    names = [f.name for f in fields(SimConfig) if f.name != "downtimes" and f.type not in ("bool", bool)]
     return names + [f.name for f in fields(SimConfig().downtimes)]
 
 

@@ -63,6 +63,7 @@ DEFAULT_SOURCES: dict[str, Source] = {
     "rebalance_minutes": Source("assumed", "no rebalancing unless asked"),
     "infra_cost_s": Source("published", f"{PAPER}: +2 min of infrastructure cost per interruption"),
     "checkpoint_interval_min": Source("assumed", "30 min"),
+    "checkpoint_young_daly": Source("assumed", "off: a fixed --checkpoint-interval-min"),
     "checkpoint_save_s": Source("assumed", "0 s: asynchronous saves overlap training"),
     "checkpoint_load_s": Source(
         "published", f"{PAPER}, Table 1: checkpoint loading is 35.1% of a restart; of its ~300 s at 1,024 GPUs"
@@ -140,7 +141,17 @@ def inputs_of(
             if f.name == "downtimes":
                 continue
             value = getattr(owner, f.name)
-            if f.name in measured:
+            if f.name == "checkpoint_interval_min" and cfg.checkpoint_young_daly:
+                out.append(
+                    Input(
+                        f.name,
+                        round(cfg.checkpoint_interval_s / 60.0, 3),
+                        "assumed",
+                        f"Daly's optimum (FGCS 2006) for checkpoint_save_s {cfg.checkpoint_save_s:g} s and the job "
+                        f"MTTF {cfg.job_mttf_s / 3600.0:.3g} h (--checkpoint-young-daly)",
+                    )
+                )
+            elif f.name in measured:
                 out.append(Input(f.name, value, "measured", measured[f.name]))
             elif f.name in given:
                 out.append(Input(f.name, value, "assumed", "given on the command line"))
