@@ -95,6 +95,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="infrastructure minutes added to each unexpected/planned interruption (default 2)",
     )
     job.add_argument("--iteration-s", type=float, default=None, help="steady iteration seconds (default 6)")
+    job.add_argument(
+        "--downtime-cv",
+        type=float,
+        default=0.0,
+        help="spread of each interruption's downtime: its strategy's figure times a lognormal factor of mean 1 "
+        "and this coefficient of variation, drawn per event (default 0: fixed); the report gives each "
+        "strategy's downtime per event as a distribution either way",
+    )
     ckpt = p.add_argument_group("checkpointing")
     ckpt.add_argument("--checkpoint-interval-min", type=float, default=30.0, help="checkpoint interval (default 30)")
     ckpt.add_argument(
@@ -223,6 +231,7 @@ _JOB_FLAGS = {
     "hang_fraction": "hang_fraction",
     "checkpoint_interval_min": "checkpoint_interval_min",
     "checkpoint_young_daly": "checkpoint_young_daly",
+    "downtime_cv": "downtime_cv",
     "checkpoint_save_s": "checkpoint_save_s",
     "checkpoint_load_s": "checkpoint_load_s",
     "standbys": "standbys",
@@ -302,6 +311,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, InputOrigins]
         infra_cost_s=args.infra_cost_min * 60.0,
         checkpoint_interval_min=args.checkpoint_interval_min,
         checkpoint_young_daly=args.checkpoint_young_daly,
+        downtime_cv=args.downtime_cv,
         checkpoint_save_s=args.checkpoint_save_s,
         checkpoint_load_s=args.checkpoint_load_s,
         iteration_s=iteration_s if iteration_s is not None else SimConfig.iteration_s,

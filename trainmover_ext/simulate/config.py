@@ -225,6 +225,11 @@ class SimConfig:
     """Checkpoint at Daly's optimum for ``checkpoint_save_s`` and the job MTTF instead
     (:attr:`checkpoint_interval_s`; flag --checkpoint-young-daly)."""
 
+    downtime_cv: float = 0.0
+    """Spread of each interruption's downtime: every downtime is its strategy's figure times a lognormal
+    factor of mean 1 and this coefficient of variation, drawn per event (flag --downtime-cv). 0: every
+    interruption of a kind costs the same."""
+
     checkpoint_save_s: float = 0.0
     """Training stall per checkpoint save of checkpoint-based strategies. 0: async saves
     (Megatron-core --async-save) overlap training (flag --checkpoint-save-s)."""
@@ -290,6 +295,11 @@ class SimConfig:
             "must be > 0",
         )
         _finite_nonneg(self.checkpoint_save_s, "--checkpoint-save-s")
+        _require(
+            math.isfinite(self.downtime_cv) and 0.0 <= self.downtime_cv <= 3.0,
+            "--downtime-cv",
+            f"must be in [0, 3], got {self.downtime_cv!r}",
+        )
         _require(
             not self.checkpoint_young_daly or self.checkpoint_save_s > 0,
             "--checkpoint-young-daly",

@@ -81,6 +81,21 @@ class RunResult:
     standby_idle_gpu_s: float = 0.0
     events: Counter = field(default_factory=Counter)
     standby_misses: int = 0
+    downtimes: list[float] = field(default_factory=list)
+    """Each interruption's downtime, in order (rebalances included)."""
+
+    def downtime_distribution(self) -> dict[str, float | int]:
+        """Per-event downtime: ``n``, ``mean``, ``p50``, ``p95`` and ``max`` seconds (zeros without events)."""
+        if not self.downtimes:
+            return {"n": 0, "mean": 0.0, "p50": 0.0, "p95": 0.0, "max": 0.0}
+        d = np.asarray(self.downtimes)
+        return {
+            "n": int(d.size),
+            "mean": float(d.mean()),
+            "p50": float(np.percentile(d, 50)),
+            "p95": float(np.percentile(d, 95)),
+            "max": float(d.max()),
+        }
 
     @property
     def wasted_gpu_s(self) -> float:
@@ -111,6 +126,7 @@ class RunResult:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.events.update(other.events)
         self.standby_misses += other.standby_misses
+        self.downtimes.extend(other.downtimes)
 
 
 def simulate(
@@ -132,6 +148,9 @@ def simulate(
     stream = iter(events) if events is not None else interruption_stream(cfg, seed)
     pending = next(stream, None)
     interval = cfg.checkpoint_interval_s
+    # A stream of its own, so that a spread leaves the interruptions where they were.
+    spread = np.random.default_rng([seed, 1]) if cfg.downtime_cv > 0 else None
+    sigma = math.sqrt(math.log1p(cfg.downtime_cv**2))
     result = RunResult(strategy=strategy.name, gpus=cfg.gpus, standbys=pool.size, work_s=cfg.work_s)
     progress = run = wall = since_resume = 0.0
     while True:
@@ -167,10 +186,14 @@ def simulate(
         elif recovery.abandon_inflight:
             lost = min(progress, inflight * cfg.iteration_s)
         progress -= lost
-        wall += recovery.downtime_s
+        downtime = recovery.downtime_s
+        if spread is not None:  # lognormal of mean 1: exp(N(-sigma^2/2, sigma^2))
+            downtime *= float(spread.lognormal(-(sigma**2) / 2, sigma))
+        wall += downtime
         since_resume = 0.0
         result.redone_s += lost
-        result.downtime_s += recovery.downtime_s
+        result.downtime_s += downtime
+        result.downtimes.append(downtime)
         result.shrunk_gpu_s += recovery.shrunk_gpu_s
         result.events[kind.value] += 1
         if hang:

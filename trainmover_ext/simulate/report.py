@@ -32,7 +32,8 @@ def projection_to_json(
     projection: Projection, *, downtime_sources: list[str] | None = None, inputs: list[Input] | None = None
 ) -> dict:
     """The ``--json`` document: ``gpus``, ``ettr`` (idle standbys charged), ``ettr_job`` (the job's progress over
-    its wall time alone), ``waste_reduction_pct``, ``best_standbys`` and details;
+    its wall time alone), ``waste_reduction_pct``, ``best_standbys``, ``downtime_per_event_s`` (each strategy's
+    ``{n, mean, p50, p95, max}``) and details;
     ``inputs[]`` lists every input with its source (``{name, value, source, reference, fitted}``), and
     ``config`` is the configuration as simulated."""
     cfg = projection.cfg
@@ -48,6 +49,7 @@ def projection_to_json(
         "standby_ettr_curve": {str(k): v for k, v in projection.standby_curve.items()},
         "job_mttf_hours": cfg.job_mttf_s / HOUR_S,
         "events": {name: dict(res.events) for name, res in results.items()},
+        "downtime_per_event_s": {name: res.downtime_distribution() for name, res in results.items()},
         "standby_misses": results["trainmover"].standby_misses,
         "downtime_sources": downtime_sources or [],
         "inputs": [asdict(i) for i in inputs or []],
@@ -114,20 +116,24 @@ def format_projection(projection: Projection) -> str:
             if cfg.standbys is not None
             else f"best standbys {projection.best_standbys}"
         ),
-        f"{'strategy':<38} {'ETTR':>7} {'job ETTR':>9} {'wasted GPU-h/week':>18} {'TM reduction':>13}",
+        f"{'strategy':<38} {'ETTR':>7} {'job ETTR':>9} {'wasted GPU-h/week':>18} {'TM reduction':>13} "
+        f"{'downtime/event p50 | p95':>25}",
     ]
     for name in STRATEGY_NAMES:
         if name not in projection.results:
             continue
         res = projection.results[name]
         red = f"{reductions[name]:.2f}%" if name in reductions else "-"
+        dist = res.downtime_distribution()
+        spread = f"{dist['p50']:.0f} | {dist['p95']:.0f} s"
         lines.append(
             f"{LABELS[name]:<38} {res.ettr:>7.4f} {res.ettr_job:>9.4f} {res.wasted_gpu_hours_per_week:>18,.0f} "
-            f"{red:>13}"
+            f"{red:>13} {spread:>25}"
         )
     lines.append(
         "ETTR: useful GPU-time over all GPU-time, idle standbys and a shrunk job's idle GPUs charged; job ETTR: "
-        "the job's progress over its wall time alone (what a run's log measures)"
+        "the job's progress over its wall time alone (what a run's log measures); downtime/event: each "
+        "interruption's critical-path downtime (rebalances included; --downtime-cv spreads it)"
     )
     return "\n".join(lines)
 

@@ -65,6 +65,7 @@ DEFAULT_SOURCES: dict[str, Source] = {
     "checkpoint_interval_min": Source("assumed", "30 min"),
     "checkpoint_young_daly": Source("assumed", "off: a fixed --checkpoint-interval-min"),
     "checkpoint_save_s": Source("assumed", "0 s: asynchronous saves overlap training"),
+    "downtime_cv": Source("assumed", "0: every interruption of a kind costs the same (--downtime-cv draws a spread)"),
     "checkpoint_load_s": Source(
         "published", f"{PAPER}, Table 1: checkpoint loading is 35.1% of a restart; of its ~300 s at 1,024 GPUs"
     ),
