@@ -413,6 +413,14 @@ def _train_once(
     return [times[it] for it in sorted(times) if it > args.training_warmup]
 
 
+TRAINING_JOBS = {
+    "trainmover": (True, ()),
+    "plain": (False, ()),
+    "native_comm": (True, ("--tm-comm", "native")),  # everything of TrainMover but its communicator
+}
+"""The jobs of each training round, in order: (--trainmover, extra flags)."""
+
+
 def section_training(args) -> list[dict]:
     """Per (ranks, model): the steady iteration with --trainmover over the same job without it, the two
     alternating ``--training-rounds`` times so that machine noise hits both; the ratio is the median of
@@ -423,45 +431,28 @@ def section_training(args) -> list[dict]:
         for model in args.training_models:
             rounds = []
             for rnd in range(args.training_rounds):
-                tm = statistics.median(_train_once(True, model, ranks, args, workdir, f"tm_{model}_{ranks}_{rnd}"))
-                plain = statistics.median(
-                    _train_once(False, model, ranks, args, workdir, f"plain_{model}_{ranks}_{rnd}")
-                )
-                native = statistics.median(
-                    _train_once(
-                        True, model, ranks, args, workdir, f"native_{model}_{ranks}_{rnd}", ("--tm-comm", "native")
+                its = {
+                    name: statistics.median(
+                        _train_once(tm, model, ranks, args, workdir, f"{name}_{model}_{ranks}_{rnd}", extra)
                     )
-                )
-                rounds.append(
-                    dict(
-                        trainmover_it_s=round(tm, 4),
-                        plain_it_s=round(plain, 4),
-                        native_comm_it_s=round(native, 4),
-                        ratio=round(tm / plain, 4),
-                        ratio_native_comm=round(native / plain, 4),
-                    )
-                )
+                    for name, (tm, extra) in TRAINING_JOBS.items()
+                }
+                rounds.append({f"{name}_it_s": round(v, 4) for name, v in its.items()})
+                for ratio, name in (("ratio", "trainmover"), ("ratio_native_comm", "native_comm")):
+                    rounds[-1][ratio] = round(its[name] / its["plain"], 4)
                 print(f"  training {model} ranks={ranks} round {rnd}: {rounds[-1]}", flush=True)
-            ratios = [r["ratio"] for r in rounds]
-            natives = [r["ratio_native_comm"] for r in rounds]
-            rows.append(
-                dict(
-                    ranks=ranks,
-                    model=model,
-                    ratio=round(statistics.median(ratios), 4),
-                    ratio_range=[min(ratios), max(ratios)],
-                    ratio_native_comm=round(statistics.median(natives), 4),
-                    ratio_native_comm_range=[min(natives), max(natives)],
-                    trainmover_it_s=round(statistics.median(r["trainmover_it_s"] for r in rounds), 4),
-                    plain_it_s=round(statistics.median(r["plain_it_s"] for r in rounds), 4),
-                    native_comm_it_s=round(statistics.median(r["native_comm_it_s"] for r in rounds), 4),
-                    runs=len(rounds),
-                    rounds=rounds,
-                    layout=_layout(model, ranks),
-                )
-            )
+            row = dict(ranks=ranks, model=model, runs=len(rounds), rounds=rounds, layout=_layout(model, ranks))
+            for key in ("ratio", "ratio_native_comm"):
+                values = [r[key] for r in rounds]
+                row[key], row[f"{key}_range"] = round(statistics.median(values), 4), [min(values), max(values)]
+            for name in TRAINING_JOBS:
+                row[f"{name}_it_s"] = round(statistics.median(r[f"{name}_it_s"] for r in rounds), 4)
+            rows.append(row)
     return rows
 
+
+TRAINING_COLUMNS = tuple("ranks model trainmover_it_s plain_it_s ratio ratio_range ratio_native_comm runs".split())
+"""The columns of the training table ``main`` prints."""
 
 SECTIONS = {"allreduce": section_allreduce, "replacement": section_replacement, "training": section_training}
 
@@ -584,20 +575,8 @@ def main(argv=None) -> dict:
     if "training" in payload:
         print_table(
             "training: steady s/iteration with --trainmover over the same job without it",
-            [
-                (
-                    r["ranks"],
-                    r["model"],
-                    r["trainmover_it_s"],
-                    r["plain_it_s"],
-                    r["ratio"],
-                    r["ratio_range"],
-                    r.get("ratio_native_comm"),
-                    r["runs"],
-                )
-                for r in payload["training"]
-            ],
-            ("ranks", "model", "trainmover_it_s", "plain_it_s", "ratio", "range", "ratio_tm_comm_native", "runs"),
+            [tuple(r.get(key) for key in TRAINING_COLUMNS) for r in payload["training"]],
+            TRAINING_COLUMNS,
         )
     write_json(args.json, payload)
     return payload
