@@ -35,15 +35,15 @@ def test_daly_interval_against_youngs_first_order_and_its_bound():
 
 def test_the_config_derives_the_interval_from_the_save_and_the_job_mttf():
     cfg = SimConfig(gpus=8192, checkpoint_save_s=60.0, checkpoint_young_daly=True)
-    assert cfg.checkpoint_interval_s == young_daly_interval_s(60.0, cfg.job_mttf_s)
-    assert replace(cfg, checkpoint_young_daly=False).checkpoint_interval_s == 30 * 60.0
+    assert cfg.checkpoint_interval_s() == young_daly_interval_s(60.0, cfg.job_mttf_s)
+    assert replace(cfg, checkpoint_young_daly=False).checkpoint_interval_s() == 30 * 60.0
     with pytest.raises(ConfigError, match="--checkpoint-save-s"):
         SimConfig(checkpoint_young_daly=True)  # an asynchronous save (0 s) has no optimum
 
 
 def test_a_failure_rolls_back_to_the_last_daly_checkpoint():
     cfg = SimConfig(gpus=1024, weeks=1 / 7, replicas=1, checkpoint_save_s=30.0, checkpoint_young_daly=True)
-    interval = cfg.checkpoint_interval_s
+    interval = cfg.checkpoint_interval_s()
     at = 2.5 * interval
     res = simulate(cfg, STRATEGIES["stop_restart"], events=[Interruption(run_s=at, kind=EventKind.UNEXPECTED)])
     assert res.redone_s == pytest.approx(at - 2 * interval)
@@ -63,7 +63,7 @@ def test_dalys_interval_beats_half_and_twice_it():
     best = simulate_replicas(cfg, STRATEGIES["stop_restart"]).ettr
     for factor in (0.5, 2.0):
         other = replace(
-            cfg, checkpoint_young_daly=False, checkpoint_interval_min=cfg.checkpoint_interval_s * factor / 60
+            cfg, checkpoint_young_daly=False, checkpoint_interval_min=cfg.checkpoint_interval_s() * factor / 60
         )
         assert simulate_replicas(other, STRATEGIES["stop_restart"]).ettr < best - 0.01, factor
 
@@ -73,7 +73,7 @@ def test_the_flag_names_its_interval_among_the_inputs_and_refuses_a_sweep_of_it(
     cfg, origins = config_from_args(args)
     assert cfg.checkpoint_young_daly
     by_name = {i.name: i for i in inputs_of(cfg, measured=origins.measured, given=origins.given)}
-    assert by_name["checkpoint_interval_min"].value == pytest.approx(cfg.checkpoint_interval_s / 60, abs=1e-3)
+    assert by_name["checkpoint_interval_min"].value == pytest.approx(cfg.checkpoint_interval_s() / 60, abs=1e-3)
     assert "Daly" in by_name["checkpoint_interval_min"].reference
     swept = build_parser().parse_args(
         ["--checkpoint-young-daly", "--checkpoint-save-s", "60", "--sweep", "checkpoint_interval_min=10:60"]

@@ -33,7 +33,8 @@ def test_no_default_is_fitted_to_the_paper_and_the_calibration_is_named_as_fitte
     """The defaults are published figures or stated assumptions; the values fitted to the paper's own
     projection come only with --calibrate-to-paper, and are then marked fitted, never measured."""
     assert [i.name for i in inputs_of(SimConfig()) if i.fitted] == []
-    assert set(PAPER_CALIBRATION) == set(CALIBRATED_SOURCES) == FITTED | {"hang_fraction"}  # no hangs: the paper's
+    # no hangs and no cascades: the paper's projection has none
+    assert set(PAPER_CALIBRATION) == set(CALIBRATED_SOURCES) == FITTED | {"hang_fraction", "cascades"}
     cfg = calibrated_to_paper(SimConfig())
     assert cfg.downtimes.restart_ref_s == 540.0 and cfg.standby_replace_hours == 48.0
     inputs = {i.name: i for i in inputs_of(cfg, calibrated=True)}

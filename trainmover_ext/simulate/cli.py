@@ -83,6 +83,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help=f"share of the failures that are hangs, detected first (default {SimConfig.hang_fraction:g})",
     )
     job.add_argument(
+        "--job-loss-mttf-hours",
+        type=float,
+        default=0.0,
+        metavar="H",
+        help="mean running hours between losses of the whole job (scheduler kill, power or fabric event), "
+        "which every strategy survives only from its last checkpoint, so TrainMover and shrink/rebuild save "
+        "checkpoints too (default 0: none)",
+    )
+    job.add_argument(
+        "--no-cascades",
+        dest="cascades",
+        action="store_false",
+        help="let every recovery complete untouched (default: failures go on at the job's rate while it "
+        "recovers; one that strikes a recovery costs its time so far and a recovery of its own)",
+    )
+    job.add_argument(
         "--rebalance-minutes",
         type=float,
         default=0.0,
@@ -232,6 +248,8 @@ _JOB_FLAGS = {
     "checkpoint_interval_min": "checkpoint_interval_min",
     "checkpoint_young_daly": "checkpoint_young_daly",
     "downtime_cv": "downtime_cv",
+    "cascades": "cascades",
+    "job_loss_mttf_hours": "job_loss_mttf_hours",
     "checkpoint_save_s": "checkpoint_save_s",
     "checkpoint_load_s": "checkpoint_load_s",
     "standbys": "standbys",
@@ -312,6 +330,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, InputOrigins]
         checkpoint_interval_min=args.checkpoint_interval_min,
         checkpoint_young_daly=args.checkpoint_young_daly,
         downtime_cv=args.downtime_cv,
+        cascades=args.cascades,
+        job_loss_mttf_hours=args.job_loss_mttf_hours,
         checkpoint_save_s=args.checkpoint_save_s,
         checkpoint_load_s=args.checkpoint_load_s,
         iteration_s=iteration_s if iteration_s is not None else SimConfig.iteration_s,

@@ -40,7 +40,7 @@ PAPER_GPU_MTTF_HOURS = 8192 * 3.0
 LLAMA3_UNEXPECTED_PER_PLANNED = LLAMA3_UNEXPECTED / LLAMA3_PLANNED
 
 
-PAPER_CALIBRATION: dict[str, float] = {
+PAPER_CALIBRATION: dict[str, float | bool] = {
     "restart_ref_s": 540.0,
     "restart_ref_gpus": 128,
     "restart_scale_exp": 0.17,
@@ -50,12 +50,14 @@ PAPER_CALIBRATION: dict[str, float] = {
     "tm_cold_join_s": 190.0,
     "standby_replace_hours": 48.0,
     "hang_fraction": 0.0,
+    "cascades": False,
 }
 """Values fitted to the paper's own outputs (``--calibrate-to-paper``), by field of :class:`SimConfig` or
 :class:`DowntimeModel`: stop-restart 540 s at 128 GPUs growing with exponent 0.17 (with a 60 s load: its
 ETTR of 0.50 at 128 GPUs and 0.42 at 1,024 under 10-minute rebalancing); shrink/rebuild 880 s with exponent
 0.06 (the 82.77% and 88% savings against Parcae); a 190 s cold join with a 48 h standby refill (the 35.91%
-and 55% savings against TrainMover without standbys); and no hangs, as the paper's projection has none. A
+and 55% savings against TrainMover without standbys); and no hangs or cascades, as the paper's projection
+has none. A
 projection on them agrees with the paper by construction: it confirms the fit, not the paper."""
 
 
@@ -225,6 +227,18 @@ class SimConfig:
     """Checkpoint at Daly's optimum for ``checkpoint_save_s`` and the job MTTF instead
     (:attr:`checkpoint_interval_s`; flag --checkpoint-young-daly)."""
 
+    job_loss_mttf_hours: float = 0.0
+    """Mean running hours between job losses: interruptions no strategy survives in place (the whole job
+    killed by the scheduler, a power or fabric event, a bug that crashes every rank). Every strategy then
+    restarts from its last checkpoint, so the strategies that recover without one (TrainMover,
+    shrink/rebuild) save checkpoints too, at the same interval or, with ``checkpoint_young_daly``, at Daly's
+    optimum for this MTTF. 0: none (flag --job-loss-mttf-hours)."""
+
+    cascades: bool = True
+    """Failures go on during a recovery: the machines fail at the job's rate while it is down, and a failure
+    that strikes a recovery costs the time spent in it so far and a recovery of its own, which may be struck
+    in turn (flag --no-cascades). Off, every recovery completes untouched, as in the paper's projection."""
+
     downtime_cv: float = 0.0
     """Spread of each interruption's downtime: every downtime is its strategy's figure times a lognormal
     factor of mean 1 and this coefficient of variation, drawn per event (flag --downtime-cv). 0: every
@@ -295,6 +309,7 @@ class SimConfig:
             "must be > 0",
         )
         _finite_nonneg(self.checkpoint_save_s, "--checkpoint-save-s")
+        _finite_nonneg(self.job_loss_mttf_hours, "--job-loss-mttf-hours")
         _require(
             math.isfinite(self.downtime_cv) and 0.0 <= self.downtime_cv <= 3.0,
             "--downtime-cv",
@@ -321,11 +336,21 @@ class SimConfig:
         return hours * HOUR_S
 
     @property
-    def checkpoint_interval_s(self) -> float:
-        """Seconds of progress between checkpoints: ``checkpoint_interval_min``, or with
-        ``checkpoint_young_daly`` Daly's optimum for ``checkpoint_save_s`` and :attr:`job_mttf_s`."""
+    def job_loss_mttf_s(self) -> float:
+        """Mean running seconds between job losses (``inf``: none)."""
+        return self.job_loss_mttf_hours * HOUR_S if self.job_loss_mttf_hours > 0 else math.inf
+
+    def checkpoint_interval_s(self, *, rolls_back_on_failure: bool = True) -> float:
+        """Seconds of progress between checkpoints of a strategy that rolls back on every failure (the
+        default) or only on a job loss: ``checkpoint_interval_min``, or with ``checkpoint_young_daly`` Daly's
+        optimum for ``checkpoint_save_s`` and the mean time between the interruptions that roll it back
+        (``inf`` for one that never rolls back)."""
+        losses = 1.0 / self.job_loss_mttf_s
+        rate = 1.0 / self.job_mttf_s + losses if rolls_back_on_failure else losses
+        if rate == 0:
+            return math.inf
         if self.checkpoint_young_daly:
-            return young_daly_interval_s(self.checkpoint_save_s, self.job_mttf_s)
+            return young_daly_interval_s(self.checkpoint_save_s, 1.0 / rate)
         return self.checkpoint_interval_min * 60.0
 
     @property

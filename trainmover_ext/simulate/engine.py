@@ -82,7 +82,7 @@ class RunResult:
     events: Counter = field(default_factory=Counter)
     standby_misses: int = 0
     downtimes: list[float] = field(default_factory=list)
-    """Each interruption's downtime, in order (rebalances included)."""
+    """Each interruption's downtime, in order (rebalances included; a cascade's recoveries are its event's)."""
 
     def downtime_distribution(self) -> dict[str, float | int]:
         """Per-event downtime: ``n``, ``mean``, ``p50``, ``p95`` and ``max`` seconds (zeros without events)."""
@@ -147,10 +147,12 @@ def simulate(
     )
     stream = iter(events) if events is not None else interruption_stream(cfg, seed)
     pending = next(stream, None)
-    interval = cfg.checkpoint_interval_s
-    # A stream of its own, so that a spread leaves the interruptions where they were.
-    spread = np.random.default_rng([seed, 1]) if cfg.downtime_cv > 0 else None
+    interval = cfg.checkpoint_interval_s(rolls_back_on_failure=strategy.uses_checkpoint)
+    # Streams of their own (the hangs' is [seed, 1]), so that neither moves the interruptions.
+    spread = np.random.default_rng([seed, 2]) if cfg.downtime_cv > 0 else None
     sigma = math.sqrt(math.log1p(cfg.downtime_cv**2))
+    strikes = np.random.default_rng([seed, 3]) if cfg.cascades else None
+    failure_rate, _ = rates_per_s(cfg)
     result = RunResult(strategy=strategy.name, gpus=cfg.gpus, standbys=pool.size, work_s=cfg.work_s)
     progress = run = wall = since_resume = 0.0
     while True:
@@ -158,7 +160,7 @@ def simulate(
         to_rebalance = next_rebalance_in(cfg, since_resume)
         to_done = cfg.work_s - progress
         step = max(0.0, min(to_event, to_rebalance, to_done))
-        if strategy.uses_checkpoint and cfg.checkpoint_save_s > 0:
+        if cfg.checkpoint_save_s > 0 and math.isfinite(interval):
             # saves happen at progress multiples of the interval, again after a rollback
             saves = math.floor((progress + step) / interval) - math.floor(progress / interval)
             wall += saves * cfg.checkpoint_save_s
@@ -174,27 +176,39 @@ def simulate(
         else:
             kind, inflight, hang = pending.kind, pending.inflight_fraction, pending.hang
             pending = next(stream, None)
-        pool.advance(wall)
-        recovery = strategy.recover(kind, cfg, standby_free=pool.idle > 0, hang=hang)
-        if recovery.used_standby:
-            pool.take(wall)
-        elif strategy.standby_capable and kind is EventKind.UNEXPECTED and pool.size > 0:
-            result.standby_misses += 1
-        lost = 0.0
-        if recovery.rollback_to_checkpoint:
-            lost = progress - math.floor(progress / interval) * interval
-        elif recovery.abandon_inflight:
-            lost = min(progress, inflight * cfg.iteration_s)
+        lost = downtime = 0.0
+        struck, struck_hang, first = kind, hang, True
+        while True:  # the recovery, and each one a failure during it starts (a cascade)
+            pool.advance(wall + downtime)
+            recovery = strategy.recover(struck, cfg, standby_free=pool.idle > 0, hang=struck_hang)
+            if recovery.used_standby:
+                pool.take(wall + downtime)
+            elif strategy.standby_capable and struck is EventKind.UNEXPECTED and pool.size > 0:
+                result.standby_misses += 1
+            if first:  # a cascade strikes a job that is not computing: nothing more to redo
+                if recovery.rollback_to_checkpoint:
+                    lost = progress - math.floor(progress / interval) * interval
+                elif recovery.abandon_inflight:
+                    lost = min(progress, inflight * cfg.iteration_s)
+            this = recovery.downtime_s
+            if spread is not None:  # lognormal of mean 1: exp(N(-sigma^2/2, sigma^2))
+                this *= float(spread.lognormal(-(sigma**2) / 2, sigma))
+            result.shrunk_gpu_s += recovery.shrunk_gpu_s
+            strike = float(strikes.exponential(1.0 / failure_rate)) if strikes is not None else math.inf
+            if strike >= this:
+                downtime += this
+                break
+            # A machine fails before this recovery ends (an exit, not a hang: the recovery's own
+            # timeouts notice it): the time spent so far is lost and a recovery of the failure starts.
+            downtime += strike
+            struck, struck_hang, first = EventKind.UNEXPECTED, False, False
+            result.events["cascade"] += 1
         progress -= lost
-        downtime = recovery.downtime_s
-        if spread is not None:  # lognormal of mean 1: exp(N(-sigma^2/2, sigma^2))
-            downtime *= float(spread.lognormal(-(sigma**2) / 2, sigma))
         wall += downtime
         since_resume = 0.0
         result.redone_s += lost
         result.downtime_s += downtime
         result.downtimes.append(downtime)
-        result.shrunk_gpu_s += recovery.shrunk_gpu_s
         result.events[kind.value] += 1
         if hang:
             result.events["hang"] += 1

@@ -4,10 +4,11 @@ Contract: :func:`interruption_stream` yields :class:`Interruption` objects in
 increasing *running time* (the seconds the job has spent computing, useful or
 redone). Failures are a Poisson process in running time with rate
 ``gpus / gpu_mttf``, a share ``hang_fraction`` of them hangs (drawn from a stream of their own, so
-the share moves no other draw); a recovery that is itself interrupted is folded into that
-recovery, which is why downtime does not advance the failure clock. Planned
-interruptions are a second Poisson process at ``1 / unexpected_per_planned`` of
-the failure rate. The same ``(config, seed)`` always yields the same stream, so
+the share moves no other draw); failures during a recovery are the engine's (cascades), so
+downtime does not advance this clock. Planned interruptions are a second Poisson
+process at ``1 / unexpected_per_planned`` of the failure rate, job losses a third (every
+``job_loss_mttf_hours``, from a stream of their own: they move no other
+interruption). The same ``(config, seed)`` always yields the same stream, so
 every strategy is evaluated on the same interruptions (common random numbers:
 the differences between strategies are not sampling noise).
 
@@ -39,6 +40,8 @@ class EventKind(enum.Enum):
     """Maintenance takes a machine away; it is alive until the switch (infra cost applies)."""
     REBALANCE = "rebalance"
     """The scheduler moves a machine at a boundary it chose (no infra cost)."""
+    JOB_LOSS = "job_loss"
+    """The whole job is lost: every strategy restarts it from its last checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,22 @@ def rates_per_s(cfg: SimConfig) -> tuple[float, float]:
 
 
 def interruption_stream(cfg: SimConfig, seed: int) -> Iterator[Interruption]:
-    """Infinite, seeded stream of unexpected and planned interruptions in running time."""
+    """Infinite, seeded stream of unexpected and planned interruptions and job losses in running time."""
+    machines = _machine_stream(cfg, seed)
+    if cfg.job_loss_mttf_hours <= 0:
+        yield from machines
+        return
+    losses = np.random.default_rng([seed, 4])
+    loss_at = float(losses.exponential(cfg.job_loss_mttf_s))
+    for event in machines:
+        while loss_at < event.run_s:
+            yield Interruption(run_s=loss_at, kind=EventKind.JOB_LOSS)
+            loss_at += float(losses.exponential(cfg.job_loss_mttf_s))
+        yield event
+
+
+def _machine_stream(cfg: SimConfig, seed: int) -> Iterator[Interruption]:
+    """The unexpected and planned interruptions of single machines."""
     unexpected_rate, planned_rate = rates_per_s(cfg)
     total_rate = unexpected_rate + planned_rate
     planned_share = planned_rate / total_rate

@@ -65,6 +65,12 @@ DEFAULT_SOURCES: dict[str, Source] = {
     "checkpoint_interval_min": Source("assumed", "30 min"),
     "checkpoint_young_daly": Source("assumed", "off: a fixed --checkpoint-interval-min"),
     "checkpoint_save_s": Source("assumed", "0 s: asynchronous saves overlap training"),
+    "job_loss_mttf_hours": Source(
+        "assumed", "0: no job losses unless given (a whole-job loss rolls every strategy back)"
+    ),
+    "cascades": Source(
+        "assumed", "on: a failure during a recovery (at the job's failure rate) restarts it, its time so far lost"
+    ),
     "downtime_cv": Source("assumed", "0: every interruption of a kind costs the same (--downtime-cv draws a spread)"),
     "checkpoint_load_s": Source(
         "published", f"{PAPER}, Table 1: checkpoint loading is 35.1% of a restart; of its ~300 s at 1,024 GPUs"
@@ -120,6 +126,7 @@ CALIBRATED_SOURCES: dict[str, Source] = {
     "tm_cold_join_s": _fitted("190 s, together with standby_replace_hours, to the 35.91% and 55% savings"),
     "standby_replace_hours": _fitted("48 h, together with tm_cold_join_s, to the 35.91% (8K) and 55% (128K) savings"),
     "hang_fraction": Source("published", f"{PAPER}: its projection models no hangs"),
+    "cascades": Source("published", f"{PAPER}: its projection models no failure during a recovery"),
 }
 """The sources of :data:`~.config.PAPER_CALIBRATION`'s values (``--calibrate-to-paper``)."""
 
@@ -146,10 +153,10 @@ def inputs_of(
                 out.append(
                     Input(
                         f.name,
-                        round(cfg.checkpoint_interval_s / 60.0, 3),
+                        round(cfg.checkpoint_interval_s() / 60.0, 3),
                         "assumed",
                         f"Daly's optimum (FGCS 2006) for checkpoint_save_s {cfg.checkpoint_save_s:g} s and the job "
-                        f"MTTF {cfg.job_mttf_s / 3600.0:.3g} h (--checkpoint-young-daly)",
+                        f"MTTF {cfg.job_mttf_s / 3600.0:.3g} h (--checkpoint-young-daly)" + _resilient_interval(cfg),
                     )
                 )
             elif f.name in measured:
@@ -160,6 +167,17 @@ def inputs_of(
                 src = defaults[f.name]
                 out.append(Input(f.name, value, src.kind, src.reference, src.fitted))
     return out
+
+
+def _resilient_interval(cfg: SimConfig) -> str:
+    """How often the strategies that roll back only on a job loss save, when they do (Daly's optimum)."""
+    if cfg.job_loss_mttf_hours <= 0:
+        return ""
+    minutes = cfg.checkpoint_interval_s(rolls_back_on_failure=False) / 60.0
+    return (
+        f", job losses included; {minutes:.4g} min for the strategies a job loss alone rolls back (for its "
+        f"MTTF {cfg.job_loss_mttf_hours:g} h)"
+    )
 
 
 def fitted_names(inputs: list[Input]) -> list[str]:

@@ -62,7 +62,8 @@ class Strategy:
 
     name: str
     uses_checkpoint: bool
-    """Rolls back to the last checkpoint after an unexpected failure (and pays save stalls)."""
+    """Rolls back to the last checkpoint after an unexpected failure (and pays save stalls). The others save
+    only when job losses are modelled, which roll every strategy back."""
     standby_capable: bool
     """Can use warm standby machines."""
 
@@ -84,14 +85,13 @@ class Strategy:
         if hang and kind is EventKind.UNEXPECTED:
             infra += self.hang_detect_s(model)
         unexpected = kind is EventKind.UNEXPECTED
-        if self.name == "stop_restart":
+        if kind is EventKind.JOB_LOSS or self.name == "stop_restart":
+            # A job loss relaunches every strategy's job from its last checkpoint, as a stop-restart does.
             restart = scaled(model.restart_ref_s, gpus, model.restart_ref_gpus, model.restart_scale_exp)
             # a planned stop saves first so nothing is redone; an unexpected one rolls back
-            save = 0.0 if unexpected else cfg.checkpoint_save_s
-            return Recovery(
-                downtime_s=infra + save + restart + cfg.checkpoint_load_s,
-                rollback_to_checkpoint=unexpected,
-            )
+            rollback = unexpected or kind is EventKind.JOB_LOSS
+            save = 0.0 if rollback else cfg.checkpoint_save_s
+            return Recovery(downtime_s=infra + save + restart + cfg.checkpoint_load_s, rollback_to_checkpoint=rollback)
         if self.name == "nvrx":
             restart = scaled(model.nvrx_inprocess_s, gpus, REF_GPUS_1K, model.nvrx_scale_exp)
             save = 0.0 if unexpected else cfg.checkpoint_save_s
