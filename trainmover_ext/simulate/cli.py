@@ -35,6 +35,12 @@ _DOWNTIME_FLAGS = {
     "tm_planned_s": ("tm_planned_s", float, "TrainMover planned/rebalance downtime"),
     "tm_cold_join_s": ("tm_cold_join_s", float, "extra seconds when no warm standby is free"),
     "tm_hang_detect_s": ("tm_hang_detect_s", float, "seconds before TrainMover names a hung rank"),
+    "tm_promotion_penalty_iters": (
+        "tm_promotion_penalty_iters",
+        float,
+        "iterations of TrainMover's job lost to a promoted rank's slower first steps (a measured lost time "
+        "from --downtimes-json already holds it)",
+    ),
     "watchdog_timeout_s": ("watchdog_timeout_s", float, "seconds before a hang is noticed by the collective watchdog"),
     "nvrx_hang_detect_s": ("nvrx_hang_detect_s", float, "seconds before NVRx notices a hang"),
 }

@@ -145,6 +145,13 @@ class DowntimeModel:
     stalled in compute or in a collective (2.53 s at the default ``--tm-progress-timeout``)
     (flag --tm-hang-detect-s)."""
 
+    tm_promotion_penalty_iters: float = 0.0
+    """Iterations lost after a TrainMover recovery to the promoted rank's slower first steps (cold allocator
+    and caches), charged at ``iteration_s`` on top of its downtime. ``benchmarks/downtime.py`` measures it
+    (``penalty_iters``: the 20 iterations after the fault against the fault-free twin's): within noise of 0
+    on 2 CPU cores. A lost time read with ``--downtimes-json`` already holds it
+    (flag --tm-promotion-penalty-iters)."""
+
     watchdog_timeout_s: float = 600.0
     """Seconds before a hang is noticed without TrainMover (stop-restart, shrink/rebuild): the collective
     timeout after which torch's NCCL watchdog aborts, Megatron-LM's ``--distributed-timeout-minutes``
@@ -173,6 +180,7 @@ class DowntimeModel:
             ("tm_planned_s", "--tm-planned-s"),
             ("tm_cold_join_s", "--tm-cold-join-s"),
             ("tm_hang_detect_s", "--tm-hang-detect-s"),
+            ("tm_promotion_penalty_iters", "--tm-promotion-penalty-iters"),
             ("watchdog_timeout_s", "--watchdog-timeout-s"),
             ("nvrx_hang_detect_s", "--nvrx-hang-detect-s"),
         ):

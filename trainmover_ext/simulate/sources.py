@@ -106,6 +106,11 @@ DEFAULT_SOURCES: dict[str, Source] = {
     "tm_hang_detect_s": Source(
         "measured", "benchmarks/results/detection.json: a stalled main thread named in 2.53 s (median of 3, 2 cores)"
     ),
+    "tm_promotion_penalty_iters": Source(
+        "measured",
+        "benchmarks/results/downtime.json: penalty_iters of TrainMover's unexpected recoveries, median -0.28 "
+        "(-3.97 to 1.33, 3 runs, 2 cores): none measurable, so 0",
+    ),
     "watchdog_timeout_s": Source(
         "published", "Megatron-LM's --distributed-timeout-minutes default (10): the NCCL watchdog aborts after it"
     ),

@@ -107,13 +107,14 @@ class Strategy:
             shrunk = 0.0 if kind is EventKind.REBALANCE else shrink_gpus * model.parcae_regrow_hours * 3600.0
             return Recovery(downtime_s=infra + reconfig, abandon_inflight=unexpected, shrunk_gpu_s=shrunk)
         if self.name in ("trainmover", "trainmover_no_standby"):
+            penalty = model.tm_promotion_penalty_iters * cfg.iteration_s  # the promoted rank's first steps
             if not unexpected:
                 # planned and rebalance: the leaver is alive, the joiner warms in the background
-                return Recovery(downtime_s=infra + model.tm_planned_s)
+                return Recovery(downtime_s=infra + model.tm_planned_s + penalty)
             flat = scaled(model.tm_unexpected_s, gpus, REF_GPUS_1K, model.tm_unexpected_scale_exp)
             with_standby = self.standby_capable and standby_free
             cold = 0.0 if with_standby else model.tm_cold_join_s
-            return Recovery(downtime_s=infra + flat + cold, abandon_inflight=True, used_standby=with_standby)
+            return Recovery(downtime_s=infra + flat + cold + penalty, abandon_inflight=True, used_standby=with_standby)
         raise ConfigError(f"--strategies: unknown strategy {self.name!r}; choose from {', '.join(STRATEGY_NAMES)}")
 
 
