@@ -11,7 +11,7 @@ from trainmover_ext.errors import ConfigError
 from trainmover_ext.simulate.config import DowntimeModel, SimConfig, calibrated_to_paper
 from trainmover_ext.simulate.paper import TOLERANCE_PP, compare_with_paper, rebalance_check
 from trainmover_ext.simulate.scale_check import run_scale_check
-from trainmover_ext.simulate.strategies import fit_scale_exponent, load_measured_downtimes
+from trainmover_ext.simulate.strategies import load_measured_downtimes
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_measured_downtimes_json(tmp_path):
                 "restart_s": 300.0,
                 "unexpected_s": 4.0,
                 "iteration_s": 0.5,
-                "scale": [{"ranks": 4, "unexpected_s": 4.0}, {"ranks": 16, "unexpected_s": 4.0}],
+                "scale": [{"ranks": 4, "unexpected_s": 4.0}, {"ranks": 16, "unexpected_s": 8.0}],
                 "unknown_key": 1,
             }
         )
@@ -90,19 +90,14 @@ def test_measured_downtimes_json(tmp_path):
     model, iteration, applied = load_measured_downtimes(path, DowntimeModel())
     assert model.restart_ref_s == 300.0 and model.tm_unexpected_s == 4.0
     assert model.tm_planned_s == DowntimeModel().tm_planned_s  # missing key keeps the default
-    assert model.tm_unexpected_scale_exp == pytest.approx(0.0)
-    assert iteration == 0.5 and "scale" in applied
+    assert model.tm_unexpected_scale_exp == 0.0  # scale rows are not fitted (simulate/phases.py's stated model)
+    assert iteration == 0.5 and "scale" not in applied and "unexpected_s" in applied
     out = tmp_path / "o.json"
     assert main(["simulate", "--gpus", "2048", "--days", "3", "--downtimes-json", str(path), "--json", str(out)]) == 0
     assert any("unexpected_s" in s for s in json.loads(out.read_text())["downtime_sources"])
     path.write_text("[1, 2]")
     with pytest.raises(ConfigError, match="--downtimes-json"):
         load_measured_downtimes(path, DowntimeModel())
-
-
-def test_scale_fit_recovers_exponent():
-    assert fit_scale_exponent([(8, 2.0), (64, 16.0)]) == pytest.approx(1.0)
-    assert fit_scale_exponent([(8, 2.0)]) == 0.0
 
 
 def test_a_replacement_rebuilds_a_constant_number_of_groups_and_never_world():

@@ -35,6 +35,11 @@ _DOWNTIME_FLAGS = {
     "tm_planned_s": ("tm_planned_s", float, "TrainMover planned/rebalance downtime"),
     "tm_cold_join_s": ("tm_cold_join_s", float, "extra seconds when no warm standby is free"),
     "tm_hang_detect_s": ("tm_hang_detect_s", float, "seconds before TrainMover names a hung rank"),
+    "tm_control_s_per_gpu": (
+        "tm_control_s_per_gpu",
+        float,
+        "seconds TrainMover's recovery grows per GPU of the job (the controller's reads, etcd's plan notices)",
+    ),
     "tm_promotion_penalty_iters": (
         "tm_promotion_penalty_iters",
         float,
@@ -237,9 +242,10 @@ _MEASURED_FIELDS = {
     "restart_s": "restart_ref_s",
     "ranks": "restart_ref_gpus",
     "unexpected_s": "tm_unexpected_s",
+    "phases": "tm_unexpected_s",
+    "penalty_iters": "tm_promotion_penalty_iters",
     "planned_s": "tm_planned_s",
     "nvrx_inprocess_s": "nvrx_inprocess_s",
-    "scale": "tm_unexpected_scale_exp",
     "iteration_s": "iteration_s",
 }
 # SimConfig flags -> field, for the inputs' sources (a value that differs from the default was given)
@@ -291,8 +297,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[SimConfig, InputOrigins]
     iteration_s = None
     if args.downtimes_json:
         model, iteration_s, applied = load_measured_downtimes(args.downtimes_json, model)
-        for key in applied:
-            origins.measured[_MEASURED_FIELDS[key]] = f"{args.downtimes_json}:{key}"
+        for key, where in applied.items():
+            origins.measured[_MEASURED_FIELDS[key]] = where
     explicit = {
         field: getattr(args, flag) for flag, (field, _, _) in _DOWNTIME_FLAGS.items() if getattr(args, flag) is not None
     }

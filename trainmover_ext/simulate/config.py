@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.simulate.checkpointing import young_daly_interval_s
+from trainmover_ext.simulate.phases import CONTROL_S_PER_GPU
 
 HOUR_S = 3600.0
 WEEK_S = 7 * 24 * HOUR_S
@@ -132,8 +133,13 @@ class DowntimeModel:
     20 seconds ... at the 1024-GPU scale" (flag --tm-unexpected-s)."""
 
     tm_unexpected_scale_exp: float = 0.0
-    """Growth of TrainMover's downtime with scale; 0 = flat, as the delta communicator only
-    touches the leaver's neighbours. Fitted from ``scale`` in a downtimes JSON when given."""
+    """Power-law growth of TrainMover's downtime with scale: 0, as a replacement rebuilds only the groups
+    of the leaver (a constant number at any size); what does grow is ``tm_control_s_per_gpu``'s."""
+
+    tm_control_s_per_gpu: float = CONTROL_S_PER_GPU
+    """Seconds TrainMover's recovery grows per GPU of the job: the controller reads about two keys per rank
+    per decision and etcd notifies every rank of the plan (``--scale-check``'s counts), at an assumed 2 us
+    per key and 10 us per watch event (:mod:`.phases`; flag --tm-control-s-per-gpu)."""
 
     tm_planned_s: float = 10.0
     """TrainMover planned-migration downtime (joiner prepared while training continues). The
@@ -181,6 +187,7 @@ class DowntimeModel:
             ("tm_cold_join_s", "--tm-cold-join-s"),
             ("tm_hang_detect_s", "--tm-hang-detect-s"),
             ("tm_promotion_penalty_iters", "--tm-promotion-penalty-iters"),
+            ("tm_control_s_per_gpu", "--tm-control-s-per-gpu"),
             ("watchdog_timeout_s", "--watchdog-timeout-s"),
             ("nvrx_hang_detect_s", "--nvrx-hang-detect-s"),
         ):
@@ -188,7 +195,7 @@ class DowntimeModel:
         _require(self.restart_ref_gpus >= 1, "--restart-ref-gpus", "must be >= 1")
         _require(self.parcae_shrink_gpus >= 0, "--parcae-shrink-gpus", "must be >= 0")
         # a fitted exponent may be slightly negative (measurement noise); allow it
-        _require(math.isfinite(self.tm_unexpected_scale_exp), "--downtimes-json", "scale fit is not finite")
+        _require(math.isfinite(self.tm_unexpected_scale_exp), "tm_unexpected_scale_exp", "is not finite")
 
 
 @dataclass(kw_only=True)

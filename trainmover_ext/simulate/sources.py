@@ -102,6 +102,11 @@ DEFAULT_SOURCES: dict[str, Source] = {
     "nvrx_scale_exp": Source("assumed", "0.1: every rank rebuilds its communicators"),
     "tm_unexpected_s": Source("published", f"{PAPER}, abstract: 'around 20 seconds' at 1,024 GPUs"),
     "tm_unexpected_scale_exp": Source("assumed", "0: only the leaver's groups change"),
+    "tm_control_s_per_gpu": Source(
+        "assumed",
+        "about 2 keys read per rank by the controller and 1 watch event per rank per recovery (--scale-check's "
+        "counts) at an assumed 2 us per key and 10 us per event",
+    ),
     "tm_planned_s": Source("published", f"{PAPER}: 99% efficiency under 10-minute rebalancing (at most ~6-10 s)"),
     "tm_hang_detect_s": Source(
         "measured", "benchmarks/results/detection.json: a stalled main thread named in 2.53 s (median of 3, 2 cores)"
@@ -195,7 +200,8 @@ def format_inputs(inputs: list[Input]) -> str:
     lines = ["inputs (name = value: source, reference)"]
     for i in inputs:
         mark = " [FITTED]" if i.fitted else ""
-        lines.append(f"  {i.name} = {i.value}: {i.source}{mark}, {i.reference}")
+        value = float(f"{i.value:.6g}") if isinstance(i.value, float) else i.value
+        lines.append(f"  {i.name} = {value}: {i.source}{mark}, {i.reference}")
     fitted = fitted_names(inputs)
     if fitted:
         lines.append(

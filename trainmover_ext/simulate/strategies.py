@@ -17,7 +17,8 @@ Strategies (names are the keys of the JSON output):
                            planned leave still warms the joiner while training goes on)
 
 Measured downtimes: :func:`load_measured_downtimes` reads the JSON written by
-``benchmarks/downtime.py`` and overrides the matching paper defaults.
+``benchmarks/downtime.py`` and overrides the matching defaults (TrainMover's recovery composed from its
+measured phases, :mod:`.phases`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.simulate.config import DowntimeModel, SimConfig
 from trainmover_ext.simulate.events import EventKind
+from trainmover_ext.simulate.phases import measured_phases
 
 # Scale anchor of the models whose default was stated for a 1,024-GPU job.
 REF_GPUS_1K = 1024
@@ -112,6 +114,7 @@ class Strategy:
                 # planned and rebalance: the leaver is alive, the joiner warms in the background
                 return Recovery(downtime_s=infra + model.tm_planned_s + penalty)
             flat = scaled(model.tm_unexpected_s, gpus, REF_GPUS_1K, model.tm_unexpected_scale_exp)
+            flat += model.tm_control_s_per_gpu * gpus  # the stated scale model (simulate/phases.py)
             with_standby = self.standby_capable and standby_free
             cold = 0.0 if with_standby else model.tm_cold_join_s
             return Recovery(downtime_s=infra + flat + cold + penalty, abandon_inflight=True, used_standby=with_standby)
@@ -129,41 +132,34 @@ STRATEGY_NAMES = tuple(STRATEGIES)
 BASELINES = ("stop_restart", "parcae", "nvrx", "trainmover_no_standby")
 
 
-def fit_scale_exponent(points: list[tuple[int, float]]) -> float:
-    """Least-squares slope of log(downtime) against log(ranks); 0 for fewer than 2 scales."""
-    usable = [(r, s) for r, s in points if r > 0 and s > 0]
-    if len({r for r, _ in usable}) < 2:
-        return 0.0
-    xs = [math.log(r) for r, _ in usable]
-    ys = [math.log(s) for _, s in usable]
-    mean_x = sum(xs) / len(xs)
-    mean_y = sum(ys) / len(ys)
-    var = sum((x - mean_x) ** 2 for x in xs)
-    return sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=False)) / var
-
-
 def _positive(doc: dict, key: str, path: Path) -> float | None:
-    """``doc[key]`` as a positive float, None when absent; ConfigError when malformed."""
+    """``doc[key]`` as a float >= 0 (a negative one read as 0), None when absent; ConfigError when malformed."""
     if key not in doc or doc[key] is None:
         return None
     try:
         value = float(doc[key])
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"--downtimes-json: {path}: {key!r} is not a number: {doc[key]!r}") from exc
-    if not math.isfinite(value) or value < 0:
-        raise ConfigError(f"--downtimes-json: {path}: {key!r} must be a finite number >= 0, got {value}")
-    return value
+    if not math.isfinite(value):
+        raise ConfigError(f"--downtimes-json: {path}: {key!r} must be a finite number, got {value}")
+    # A lost time measured against a fault-free twin can come out below 0 (noise about nothing lost).
+    return max(0.0, value)
 
 
-def load_measured_downtimes(path: str | Path, base: DowntimeModel) -> tuple[DowntimeModel, float | None, list[str]]:
+def load_measured_downtimes(
+    path: str | Path, base: DowntimeModel
+) -> tuple[DowntimeModel, float | None, dict[str, str]]:
     """Override ``base`` with the measurements in a ``benchmarks/downtime.py`` JSON.
 
-    Keys used, each optional: ``restart_s`` (stop-restart, at ``ranks`` GPUs when given,
-    else at the model's reference scale), ``unexpected_s``, ``planned_s``,
-    ``nvrx_inprocess_s``, ``iteration_s`` and ``scale: [{ranks, unexpected_s}]`` (fits the
-    TrainMover scale exponent). Missing keys keep the paper defaults.
+    Keys used, each optional: ``restart_s`` (stop-restart, at ``ranks`` GPUs when given, else at the
+    model's reference scale), ``planned_s``, ``nvrx_inprocess_s``, ``iteration_s``, and TrainMover's
+    unexpected recovery: composed from the ``events``' phases where the file has them
+    (:mod:`.phases`: the recovery without the in-flight redo and the post-promotion penalty, which the
+    engine charges, the latter as ``penalty_iters``), else ``unexpected_s``. Its growth with scale is the
+    stated model's (``tm_control_s_per_gpu``), never fitted: ``scale`` rows are not read. Missing keys keep
+    the defaults.
 
-    Returns ``(model, iteration_s or None, names of the keys applied)``.
+    Returns ``(model, iteration_s or None, {key applied: where its value came from})``.
     """
     path = Path(path)
     try:
@@ -175,35 +171,29 @@ def load_measured_downtimes(path: str | Path, base: DowntimeModel) -> tuple[Down
     if not isinstance(doc, dict):
         raise ConfigError(f"--downtimes-json: {path} must hold a JSON object, got {type(doc).__name__}")
     changes: dict[str, float | int] = {}
-    applied: list[str] = []
-    for key, field_name in (
-        ("restart_s", "restart_ref_s"),
-        ("unexpected_s", "tm_unexpected_s"),
-        ("planned_s", "tm_planned_s"),
-        ("nvrx_inprocess_s", "nvrx_inprocess_s"),
-    ):
+    applied: dict[str, str] = {}
+    phases = measured_phases(doc)
+    keys = [("restart_s", "restart_ref_s"), ("planned_s", "tm_planned_s"), ("nvrx_inprocess_s", "nvrx_inprocess_s")]
+    if phases is None:
+        keys.append(("unexpected_s", "tm_unexpected_s"))
+    else:
+        # The phases at the measured size, less the control work the stated model adds back at any size.
+        changes["tm_unexpected_s"] = max(0.0, phases.recovery_s - base.tm_control_s_per_gpu * phases.ranks)
+        applied["phases"] = f"{path}: {phases.describe()}, less {phases.ranks} x tm_control_s_per_gpu"
+        changes["tm_promotion_penalty_iters"] = max(0.0, phases.penalty_iters)
+        applied["penalty_iters"] = (
+            f"{path}: median penalty_iters of the same recoveries, {phases.penalty_iters:.3g} (below 0 read as 0)"
+        )
+    for key, field_name in keys:
         value = _positive(doc, key, path)
         if value is not None:
             changes[field_name] = value
-            applied.append(key)
+            applied[key] = f"{path}:{key}"
     ranks = _positive(doc, "ranks", path)
     if "restart_s" in applied and ranks:
         changes["restart_ref_gpus"] = int(ranks)
-        applied.append("ranks")
-    points: list[tuple[int, float]] = []
-    for entry in doc.get("scale") or []:
-        if isinstance(entry, dict):
-            r, s = _positive(entry, "ranks", path), _positive(entry, "unexpected_s", path)
-            if r and s:
-                points.append((int(r), s))
-    if points:
-        changes["tm_unexpected_scale_exp"] = fit_scale_exponent(points)
-        applied.append("scale")
-        if "unexpected_s" not in applied:
-            # anchor the fitted curve on the measured point closest to the 1K reference
-            ref_ranks, ref_s = min(points, key=lambda p: abs(math.log(p[0] / REF_GPUS_1K)))
-            changes["tm_unexpected_s"] = ref_s * (REF_GPUS_1K / ref_ranks) ** changes["tm_unexpected_scale_exp"]
+        applied["ranks"] = f"{path}:ranks"
     iteration = _positive(doc, "iteration_s", path)
     if iteration is not None:
-        applied.append("iteration_s")
+        applied["iteration_s"] = f"{path}:iteration_s"
     return replace(base, **changes), iteration, applied
