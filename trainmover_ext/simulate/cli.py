@@ -43,8 +43,8 @@ _DOWNTIME_FLAGS = {
     "tm_promotion_penalty_iters": (
         "tm_promotion_penalty_iters",
         float,
-        "iterations of TrainMover's job lost to a promoted rank's slower first steps (a measured lost time "
-        "from --downtimes-json already holds it)",
+        "iterations of TrainMover's job lost to a promoted rank's slower first steps (--downtimes-json sets "
+        "it from its recoveries' penalty_iters)",
     ),
     "watchdog_timeout_s": ("watchdog_timeout_s", float, "seconds before a hang is noticed by the collective watchdog"),
     "nvrx_hang_detect_s": ("nvrx_hang_detect_s", float, "seconds before NVRx notices a hang"),

@@ -155,8 +155,8 @@ class DowntimeModel:
     """Iterations lost after a TrainMover recovery to the promoted rank's slower first steps (cold allocator
     and caches), charged at ``iteration_s`` on top of its downtime. ``benchmarks/downtime.py`` measures it
     (``penalty_iters``: the 20 iterations after the fault against the fault-free twin's): within noise of 0
-    on 2 CPU cores. A lost time read with ``--downtimes-json`` already holds it
-    (flag --tm-promotion-penalty-iters)."""
+    on 2 CPU cores. ``--downtimes-json`` sets it from its recoveries' median (flag
+    --tm-promotion-penalty-iters)."""
 
     watchdog_timeout_s: float = 600.0
     """Seconds before a hang is noticed without TrainMover (stop-restart, shrink/rebuild): the collective
