@@ -62,9 +62,11 @@ class NativeComm:
     Recorded once, not found again by address when cutting: a peer's listener port, closed with its
     old communicator, may be reused by a newer one, whose connections must not be cut."""
     aborted: bool = False
-    severable: bool = False
-    """Whether :meth:`abort` fails every pending op at once, so that a wait may block on the op itself:
-    always on NCCL; on gloo when every connection of the group was identified at build time."""
+
+    @property
+    def severable(self) -> bool:
+        """Whether :meth:`abort` can unblock a pending op (always on NCCL; on gloo once the listener is known)."""
+        return self.device_type != "cpu" or self.listener is not None
 
     def connections(self) -> sockets.Endpoints:
         """gloo: the group's connections that still carry what they carried when built (empty on NCCL)."""
@@ -164,8 +166,7 @@ def _build_gloo(store: PrefixStore, rank: int, size: int, generation: int, confi
         comm.own_sockets = {
             fd: ends for fd, ends in new.items() if ends[0] == listener or ends[1] in comm.peer_listeners
         }
-    comm.severable = listener is not None and min(len(comm.peer_listeners), len(comm.own_sockets)) >= size - 1
-    if not comm.severable:
+    if not comm.severable or len(comm.peer_listeners) < size - 1 or len(comm.own_sockets) < size - 1:
         logger.warning(
             "group communicator %s: its sockets could not all be identified; an abandon falls back to the "
             "op timeout (%.0fs) for ops pending on it",
@@ -186,4 +187,4 @@ def _build_nccl(store: PrefixStore, rank: int, size: int, generation: int, confi
     warm = torch.zeros(1, device=device)
     backend.allreduce([warm]).wait()
     torch.cuda.current_stream(device).synchronize()
-    return NativeComm(backend=backend, device_type="cuda", generation=generation, severable=True)
+    return NativeComm(backend=backend, device_type="cuda", generation=generation)

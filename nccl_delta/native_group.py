@@ -312,25 +312,15 @@ class NativeGroup:
             _cancel_later(pending, f"group {self.name!r} was cut: {reason}")
 
     def wait(self, work: Any, comm: NativeComm, timeout: datetime.timedelta | None) -> None:
-        """Wait for ``work``, an op of ``comm``. An abort of the group lets the op end by itself: its
-        outcome, success included, is what the wait returns, as without a cut (raising for an op that did
-        complete would break :mod:`nccl_delta.finishing`).
-
-        On a severable comm (NCCL; gloo whose every connection is known) the calling thread waits on the
-        op itself: the abort fails any op pending on the group within milliseconds (measured on gloo for a
-        receive, a 256 MB send and an all-reduce blocked on a peer; ``docs/nccl_delta.md``). On any other
-        gloo comm the wait runs on another thread, and is cancelled
-        (:class:`~nccl_delta.waiter.WaitCancelled`) if gloo leaves the op pending :data:`ABORT_SETTLE_S`
-        after the abort."""
+        """Wait for ``work``, an op of ``comm``. On gloo an abort of the group lets the op end by itself (its
+        outcome, success included, is what the wait returns, as without a cut: raising for an op that did
+        complete would break :mod:`nccl_delta.finishing`), and cancels the wait
+        (:class:`~nccl_delta.waiter.WaitCancelled`) only if gloo leaves the op pending past
+        :data:`ABORT_SETTLE_S`."""
         if comm.device_type != "cpu":
-            # No timeout: NCCL's wait then only orders the current stream after the op; with one it
-            # would block the host until the kernel ends. The watchdog enforces the op timeout.
             work.wait() if timeout is None else work.wait(timeout)
             return
         limit = timeout or datetime.timedelta(seconds=self.world.config.op_timeout_s)
-        if comm.severable:
-            work.wait(limit)
-            return
         pending = Pending(work, limit)
         with self._lock:
             self._waits.add(pending)
