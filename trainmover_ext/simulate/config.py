@@ -194,7 +194,7 @@ class DowntimeModel:
             _finite_nonneg(float(getattr(self, name)), flag)
         _require(self.restart_ref_gpus >= 1, "--restart-ref-gpus", "must be >= 1")
         _require(self.parcae_shrink_gpus >= 0, "--parcae-shrink-gpus", "must be >= 0")
-        # a fitted exponent may be slightly negative (measurement noise); allow it
+        # no flag sets it (only --sweep, which may go below 0): finite is all it must be
         _require(math.isfinite(self.tm_unexpected_scale_exp), "tm_unexpected_scale_exp", "is not finite")
 
 
