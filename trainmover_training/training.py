@@ -27,6 +27,7 @@ from trainmover_training import checkpointing, evaluation, global_vars, iteratio
 from trainmover_training.arguments import parse_args
 from trainmover_training.data import BatchPlan, GPTBatchIterator
 from trainmover_training.exits import ExitConditions
+from trainmover_training.grad_sync import forget_pending_grad_sync, wire_no_sync
 from trainmover_training.initialize import (
     DistributedSetup,
     ParallelLayout,
@@ -267,19 +268,6 @@ class Runtime:
         """Release the runtime's resources; safe to call twice."""
 
 
-def forget_pending_grad_sync(model: list) -> None:
-    """After an abandoned iteration: drop what megatron's DDP kept of it. With ``--overlap-grad-reduce``
-    a bucket group holds the handle of the asynchronous reduction it issued during the backward pass
-    (on a communicator the recovery abandons) until the end of the step, and counts the parameters whose
-    gradients were ready; the re-run would find a reduction "still outstanding" (megatron asserts) or
-    record a partial backward's counts as the expected ones. The gradient buffers are zeroed when the
-    re-run starts."""
-    for chunk in model:
-        for group in [*getattr(chunk, "bucket_groups", []), *getattr(chunk, "expert_parallel_bucket_groups", [])]:
-            group.grad_reduce_handle = None
-            group.per_param_grad_ready_counts = {}
-
-
 def train_step(session: Session, finishing: contextlib.AbstractContextManager | None = None) -> float | None:
     """One iteration. Increments ``args.iteration`` right after the optimizer step, so after an
     abandoned iteration ``args.iteration`` is exactly the number of completed steps. After the step
@@ -479,8 +467,7 @@ def _wire_config(config, model, optimizer) -> None:
 
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    no_sync = [chunk.no_sync for chunk in model]
-    config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
+    wire_no_sync(config, model)
 
 
 def _checkpointed_iteration(args) -> int:

@@ -107,11 +107,23 @@ def _evaluations(job) -> dict[tuple[str, int], float]:
     return out
 
 
+def _what_happened(job) -> str:
+    """The job's timeline (its routine joins left out), recoveries and checkpoints: what a failed
+    comparison is read against."""
+    lines = [f"  {e['what']}: {json.dumps(e['detail'])[:400]}" for e in job.events() if e["what"] not in _ROUTINE]
+    lines += [f"  metrics: {json.dumps(r)[:300]}" for r in read_metrics(job.metrics_path, "recovered")]
+    lines += [f"  metrics: {json.dumps(r)[:300]}" for r in read_metrics(job.metrics_path, "checkpoint")]
+    return "what the faulty run did:\n" + "\n".join(lines)
+
+
+_ROUTINE = {"member_joined", "leader_elected", "standby_started"}
+
+
 def _assert_same_run(faulty, clean, iters: int) -> None:
     got, ref = trajectory(faulty.metrics_path), trajectory(clean.metrics_path)
     assert sorted(ref) == list(range(1, iters + 1)) and sorted(got) == sorted(ref)
     diffs = {it: (got[it], ref[it]) for it in ref if got[it] != ref[it]}
-    assert not diffs, f"not bit-identical to the fault-free run: {diffs}"
+    assert not diffs, f"not bit-identical to the fault-free run: {diffs}\n{_what_happened(faulty)}"
     assert _evaluations(faulty) == _evaluations(clean)
     assert not fell_back(faulty), faulty.stderr()[-3000:]
     assert len(read_metrics(faulty.metrics_path, "startup")) == 1, "a rank restarted"
