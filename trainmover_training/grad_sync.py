@@ -19,7 +19,7 @@ the re-run or a later iteration:
 
 Contract
 - :func:`wire_no_sync` gives the schedules (``config.no_sync_func``) each model chunk's ``no_sync``
-  through a :class:`NoSyncContexts`, which remembers every context entered and not yet left.
+  through a :class:`NoSyncContexts`, which remembers (weakly) every context entered and not yet left.
 - :func:`forget_pending_grad_sync` runs after an abandoned iteration, before the recovery: it drops
   the reduction handles and counts and leaves every remembered ``no_sync`` context now (its
   ``finally`` runs here, once; a context the collector frees later does nothing). The gradient
@@ -28,6 +28,7 @@ Contract
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 NO_SYNC_ATTR = "trainmover_no_sync"
@@ -36,19 +37,28 @@ NO_SYNC_ATTR = "trainmover_no_sync"
 
 class NoSyncContexts:
     """A model chunk's ``DDP.no_sync`` as ``config.no_sync_func``: each call returns a context manager
-    that enters the chunk's own and is remembered until it is left (module docstring)."""
+    that enters the chunk's own and is remembered, weakly, until it is left (module docstring).
+
+    Weakly: a schedule that ends normally may leave its context entered too (megatron's forward-only
+    pipeline schedule never leaves it); freed with the schedule's frame, it runs megatron's ``finally``
+    then, as it would without this wrapper, and is forgotten."""
 
     def __init__(self, chunk: Any) -> None:
         self.chunk = chunk
-        self.entered: list[_NoSync] = []
-        """Contexts entered and not yet left, oldest first."""
+        self._entered: list[weakref.ref[_NoSync]] = []
 
     def __call__(self) -> _NoSync:
         return _NoSync(self)
 
+    def entered(self) -> list[_NoSync]:
+        """Contexts entered, not yet left and still referenced (an abandoned schedule's), oldest first."""
+        live = [context for context in (ref() for ref in self._entered) if context is not None]
+        self._entered = [weakref.ref(context) for context in live]
+        return live
+
     def leave_abandoned(self) -> int:
         """Leave every context still entered (an abandoned schedule's); returns how many."""
-        abandoned = list(self.entered)
+        abandoned = self.entered()
         for context in reversed(abandoned):
             context.__exit__(None, None, None)
         return len(abandoned)
@@ -64,18 +74,19 @@ class _NoSync:
     def __enter__(self) -> _NoSync:
         self._inner = self._owner.chunk.no_sync()
         self._inner.__enter__()
-        self._owner.entered.append(self)
+        self._owner.entered()  # drops the contexts freed meanwhile
+        self._owner._entered.append(weakref.ref(self))
         return self
 
     def __exit__(self, *exc_info: Any) -> bool:
         inner, self._inner = self._inner, None
         if inner is None:  # left already (by leave_abandoned)
             return False
-        self._owner.entered.remove(self)
+        self._owner._entered = [ref for ref in self._owner._entered if ref() not in (None, self)]
         return bool(inner.__exit__(*exc_info))
 
 
-def wire_no_sync(config: Any, model: list) -> None:
+def wire_no_sync(config: Any, model: list[Any]) -> None:
     """Set ``config.no_sync_func``: one :class:`NoSyncContexts` per model chunk (a list for several
     chunks, as megatron's interleaved schedule takes), each also kept on its chunk."""
     contexts = []
@@ -85,7 +96,7 @@ def wire_no_sync(config: Any, model: list) -> None:
     config.no_sync_func = contexts if len(contexts) > 1 else contexts[0]
 
 
-def forget_pending_grad_sync(model: list) -> int:
+def forget_pending_grad_sync(model: list[Any]) -> int:
     """After an abandoned iteration or evaluation: drop the reduction handles and ready counts of every
     bucket group and leave every ``no_sync`` context the schedule left entered (module docstring);
     returns how many contexts were left."""

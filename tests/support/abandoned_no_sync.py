@@ -10,10 +10,12 @@ distributed optimizer's buffers), wires ``config.no_sync_func`` as the training 
 (``plain``: ``ddp.no_sync``), and then does what a failure mid-schedule does: a schedule enters
 ``no_sync`` by hand and raises, its frame kept in a reference cycle with its exception; the recovery
 calls :func:`~trainmover_training.grad_sync.forget_pending_grad_sync`; the re-run zeroes the buffers and
-enters ``no_sync`` for its first micro-batch; then the garbage collector runs. It prints one JSON line:
-``flipped`` says whether a bucket group's ``is_last_microbatch`` turned true during that micro-batch (the
-backward hooks would then start the data-parallel reduction before the gradients are all there), and
-``left`` how many contexts the recovery left.
+enters ``no_sync`` for its first micro-batch; then the garbage collector runs. Before all that, a
+forward-only schedule that ends normally with its context entered (as megatron's does). It prints one
+JSON line: ``after_forward_only``, each bucket group's ``is_last_microbatch`` once that schedule
+returned; ``flipped``, whether one turned true during the re-run's micro-batch (the backward hooks
+would then start the data-parallel reduction before the gradients are all there); ``left``, how many
+contexts the recovery left.
 """
 
 from __future__ import annotations
@@ -69,7 +71,13 @@ def main(mode: str) -> None:
             failure = exc  # the frame holds its own exception: a cycle through the traceback
             raise failure from None
 
+    def forward_only_schedule() -> None:
+        no_sync_context = wired.no_sync_func()
+        no_sync_context.__enter__()  # megatron's forward-only pipeline schedule never leaves it
+
     gc.disable()  # the collector runs when the test says, not at an allocation threshold
+    forward_only_schedule()
+    after_forward_only = [g.is_last_microbatch for g in ddp.bucket_groups]  # its frame freed on return
     try:
         abandoned_schedule()
     except RuntimeError:
@@ -83,7 +91,17 @@ def main(mode: str) -> None:
     gc.collect()
     after = [g.is_last_microbatch for g in groups]
     rerun.__exit__(None, None, None)
-    print(json.dumps({"groups": len(groups), "before": before, "flipped": any(after), "left": left}))
+    print(
+        json.dumps(
+            {
+                "groups": len(groups),
+                "after_forward_only": after_forward_only,
+                "before": before,
+                "flipped": any(after),
+                "left": left,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

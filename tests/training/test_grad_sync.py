@@ -33,13 +33,17 @@ def _run(mode: str) -> dict:
 def test_an_abandoned_no_sync_is_left_at_the_recovery_not_by_the_collector():
     """With megatron's own ``no_sync`` wired (as before the fix), collecting the abandoned schedule's
     frames during the re-run's first micro-batch marks it the last (the hazard is real in this setup);
-    with the training layer's wiring the recovery leaves the abandoned context itself and the
-    collector changes nothing."""
+    with the training layer's wiring the recovery leaves the abandoned context itself (and only it: a
+    forward-only schedule that returned with its context entered is not kept) and the collector
+    changes nothing."""
     plain = _run("plain")
     assert plain["groups"] >= 2 and plain["before"] == [False] * plain["groups"]
+    assert plain["after_forward_only"] == [True] * plain["groups"]
     assert plain["flipped"], f"the collector did not reach the abandoned context here: {plain}"
 
     tracked = _run("tracked")
+    # a schedule that ends normally: megatron's own finally, when its frame is freed, as without the wrapper
+    assert tracked["after_forward_only"] == [True] * tracked["groups"], tracked
     assert tracked["before"] == [False] * tracked["groups"]
     assert not tracked["flipped"], f"the abandoned context fired during the re-run: {tracked}"
     assert tracked["left"] == 1, tracked
