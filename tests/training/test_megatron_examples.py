@@ -107,6 +107,10 @@ def _evaluations(job) -> dict[tuple[str, int], float]:
     return out
 
 
+_ROUTINE = {"member_joined", "leader_elected", "standby_started"}
+"""Timeline events a failed comparison's message leaves out."""
+
+
 def _what_happened(job) -> str:
     """The job's timeline (its routine joins left out), recoveries and checkpoints: what a failed
     comparison is read against."""
@@ -114,9 +118,6 @@ def _what_happened(job) -> str:
     lines += [f"  metrics: {json.dumps(r)[:300]}" for r in read_metrics(job.metrics_path, "recovered")]
     lines += [f"  metrics: {json.dumps(r)[:300]}" for r in read_metrics(job.metrics_path, "checkpoint")]
     return "what the faulty run did:\n" + "\n".join(lines)
-
-
-_ROUTINE = {"member_joined", "leader_elected", "standby_started"}
 
 
 def _assert_same_run(faulty, clean, iters: int) -> None:
