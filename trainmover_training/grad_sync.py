@@ -45,21 +45,16 @@ class NoSyncContexts:
 
     def __init__(self, chunk: Any) -> None:
         self.chunk = chunk
-        self._entered: list[weakref.ref[_NoSync]] = []
+        self.entered: weakref.WeakSet[_NoSync] = weakref.WeakSet()
+        """Contexts entered, not yet left and still referenced (an abandoned schedule's)."""
 
     def __call__(self) -> _NoSync:
         return _NoSync(self)
 
-    def entered(self) -> list[_NoSync]:
-        """Contexts entered, not yet left and still referenced (an abandoned schedule's), oldest first."""
-        live = [context for context in (ref() for ref in self._entered) if context is not None]
-        self._entered = [weakref.ref(context) for context in live]
-        return live
-
     def leave_abandoned(self) -> int:
         """Leave every context still entered (an abandoned schedule's); returns how many."""
-        abandoned = self.entered()
-        for context in reversed(abandoned):
+        abandoned = list(self.entered)
+        for context in abandoned:
             context.__exit__(None, None, None)
         return len(abandoned)
 
@@ -74,25 +69,23 @@ class _NoSync:
     def __enter__(self) -> _NoSync:
         self._inner = self._owner.chunk.no_sync()
         self._inner.__enter__()
-        self._owner.entered()  # drops the contexts freed meanwhile
-        self._owner._entered.append(weakref.ref(self))
+        self._owner.entered.add(self)
         return self
 
     def __exit__(self, *exc_info: Any) -> bool:
         inner, self._inner = self._inner, None
         if inner is None:  # left already (by leave_abandoned)
             return False
-        self._owner._entered = [ref for ref in self._owner._entered if ref() not in (None, self)]
+        self._owner.entered.discard(self)
         return bool(inner.__exit__(*exc_info))
 
 
 def wire_no_sync(config: Any, model: list[Any]) -> None:
     """Set ``config.no_sync_func``: one :class:`NoSyncContexts` per model chunk (a list for several
     chunks, as megatron's interleaved schedule takes), each also kept on its chunk."""
-    contexts = []
-    for chunk in model:
-        setattr(chunk, NO_SYNC_ATTR, NoSyncContexts(chunk))
-        contexts.append(getattr(chunk, NO_SYNC_ATTR))
+    contexts = [NoSyncContexts(chunk) for chunk in model]
+    for chunk, chunk_contexts in zip(model, contexts, strict=True):
+        setattr(chunk, NO_SYNC_ATTR, chunk_contexts)
     config.no_sync_func = contexts if len(contexts) > 1 else contexts[0]
 
 
