@@ -5,7 +5,7 @@ replaces anything; a whole node lost while etcd serves is still replaced at once
 from __future__ import annotations
 
 from trainmover_ext.control.decide import PlanMigration, decide
-from trainmover_ext.control.lapses import etcd_stalled
+from trainmover_ext.control.lapses import etcd_stalled, note_unseen_lapses
 from trainmover_ext.control.records import FailureReport
 
 from .test_decide_nodes import NOW, _lose_node, _view
@@ -86,3 +86,41 @@ def test_the_lapses_of_one_node_are_planned_together():
     plan = _plans(decide(v, NOW))
     assert [r.rank for r in plan[0].plan.replacement_list()] == [4, 5, 7]
     assert all(why == "lease expired" for _, why in plan[0].why)
+
+
+def _read_before_seen():
+    """Node n1 cut off from etcd, its agent's lease still held: the leases of ranks 4, 5 and 6 expired
+    moments apart and a round reads all three gone, but the controller's watch has delivered only rank 4's
+    deletion (6 ms ago): ranks 5 and 6 have no time."""
+    v = _lapsing_view()
+    _lapse(v, "w4", ago=0.006)
+    for m in ("w5", "w6"):
+        del v.members[m]
+    return v
+
+
+def test_a_lapse_read_before_its_deletion_is_seen_waits_like_one_seen():
+    """The controller runner starts the clock of a lapse it reads before its watch delivers it; without
+    that, ranks 5 and 6 skipped the wait and dragged rank 4 into a plan at once, without rank 7, whose
+    lease had not lapsed yet: one lost node in two plans (and a live rank whose keepalive was late, replaced)."""
+    v = _read_before_seen()
+    assert [r.rank for r in _plans(decide(v, NOW))[0].plan.replacement_list()] == [4, 5, 6], "the hazard, as it was"
+    v = _read_before_seen()
+    note_unseen_lapses(v, v.gone_at, {}, NOW)
+    assert v.gone_at["w5"] == v.gone_at["w6"] == NOW and v.gone_at["w4"] == NOW - 0.006, "a seen deletion is kept"
+    assert _plans(decide(v, NOW)) == [], "each lapse waits from the round that first read it"
+    # Then rank 7's lease lapses, and the agent's: the node is lost, and one plan takes all four.
+    _lapse(v, "w7", "a1", ago=0.0)
+    plan = _plans(decide(v, NOW + 0.5))
+    assert [r.rank for r in plan[0].plan.replacement_list()] == [4, 5, 6, 7]
+
+
+def test_a_lapse_after_a_registration_again_is_a_new_one():
+    """A member that lapsed, registered again and lapsed again: the first deletion's time is stale once the
+    runner saw the registration; a deletion seen after the registration stands."""
+    v = _lapsing_view()
+    for m in ("w4", "w5"):
+        del v.members[m]
+    gone_at = {"w4": NOW - 60.0, "w5": NOW - 0.2}
+    note_unseen_lapses(v, gone_at, {"w4": NOW - 30.0, "w5": NOW - 30.0}, NOW)
+    assert gone_at == {"w4": NOW, "w5": NOW - 0.2}

@@ -1,20 +1,23 @@
 """Failure detection with a real etcd and real processes: SIGKILL (fast path), SIGSTOP (the agent's
-heartbeat watch, and lease expiry without it), and leader failover without a lost or repeated decision."""
+heartbeat watch, and lease expiry without it, with a watch that lags behind the controller's reads), and
+leader failover without a lost or repeated decision."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
 
 from harness.member import ExitWatch, HangFence
-from trainmover_ext.control.controller import Controller, ControllerConfig
+from trainmover_ext.control.controller import Controller, ControllerConfig, rejoin_s
 from trainmover_ext.control.membership import PlanInbox, init_job
-from trainmover_ext.control.records import Event, RankRecord
+from trainmover_ext.control.records import Event, NodeRecord, RankRecord
 from trainmover_ext.control.view import read_view
 from trainmover_ext.kv import EtcdClientConfig, EtcdKV
+from trainmover_ext.kv.base import WatchEvent
 from trainmover_ext.kv.job import JobSpace
 from trainmover_ext.launch.heartbeat import HangWatch
 
@@ -107,6 +110,54 @@ def test_sigstop_is_detected_by_lease_expiry(etcd, kv, space):
     finally:
         ctl.close()
         reap(*workers, standby)
+
+
+class _LateDeletions:
+    """``kv`` whose watches deliver the deletion of a member key ``lag_s`` late, everything else at once: a
+    controller's watch behind its range reads, as when etcd expires a lost node's leases one by one and a
+    round woken by the first reads the others gone."""
+
+    def __init__(self, kv, lag_s: float) -> None:
+        self._kv, self.lag_s = kv, lag_s
+
+    def __getattr__(self, name):
+        return getattr(self._kv, name)
+
+    def watch_prefix(self, prefix, callback, **kw):
+        def deliver(events: list[WatchEvent]) -> None:
+            late = [e for e in events if e.kind == "delete" and "/members/" in e.key]
+            now = [e for e in events if e not in late]
+            if now:
+                callback(now)
+            if late:
+                threading.Timer(self.lag_s, callback, args=(late,)).start()
+
+        return self._kv.watch_prefix(prefix, deliver, **kw)
+
+
+def test_a_lapse_read_before_its_deletion_is_seen_still_waits_to_register_again(etcd, kv, space):
+    """A rank's lease lapses while its node's agent lives: the controller waits ``rejoin_s`` for it to
+    register again, also when a round reads the key gone before the watch delivers its deletion. Before,
+    such a lapse had no time and was planned at the first round that read it (here 1.35 s after the
+    SIGSTOP instead of 6.5 s): a live rank whose keepalive ran late would be replaced, and a lost node's
+    ranks split over two plans (the node-loss test's flake)."""
+    ttl, lag_s = 1, 1.5
+    workers, standby = start_job(etcd, space, ttl)
+    agent = spawn_member(etcd.endpoints, "det", space.token, "a0", kind="agent", ttl=ttl, host="h0")
+    space.put(space.key("nodes", "h0"), NodeRecord(host="h0", agent="a0", role="active", slots=1).to_bytes())
+    lagging = JobSpace.open(_LateDeletions(kv, lag_s), space.job, space.token)
+    ctl = Controller(lagging, ControllerConfig(controller_id="c0", ttl_s=2)).start()
+    try:
+        t_stop = time.time()
+        os.kill(workers[0].pid, signal.SIGSTOP)
+        view = wait_plan(space, 1, timeout=ttl + lag_s + rejoin_s(2) + 3)
+        waited = view.last_plan.decided_at - t_stop
+        assert waited >= rejoin_s(2), f"rank 0 was replaced {waited:.2f}s after its SIGSTOP, without its wait"
+        rep = view.last_plan.replacement_list()[0]
+        assert (rep.rank, rep.leaver, rep.joiner) == (0, "w0", "s0")
+    finally:
+        ctl.close()
+        reap(*workers, standby, agent)
 
 
 def test_sigstop_is_detected_by_the_agents_heartbeat_watch(etcd, kv, space):

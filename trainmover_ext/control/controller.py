@@ -42,6 +42,7 @@ from typing import Protocol
 from trainmover_ext.control.decide import PlanMigration, RaiseAlert, decide
 from trainmover_ext.control.election import LeaderElection
 from trainmover_ext.control.executor import Executor, Outcome
+from trainmover_ext.control.lapses import note_unseen_lapses
 from trainmover_ext.control.probes import next_probe_deadline, probe_timeout_s
 from trainmover_ext.control.rebalance import Rebalancer
 from trainmover_ext.control.records import NodeRecord
@@ -152,6 +153,10 @@ class Controller:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._gone_at: dict[str, float] = {}
+        """When this controller saw each member's key disappear (its watch, or a round that read it gone
+        first: :func:`~trainmover_ext.control.lapses.note_unseen_lapses`)."""
+        self._back_at: dict[str, float] = {}
+        """When its watch last saw each member's key written (a registration, or a registration again)."""
         self._handed_to: set[str] = set()
         """Preferred candidates this leader resigned for (never twice for one)."""
         self._vacant_since: float | None = None
@@ -202,9 +207,11 @@ class Controller:
             head = ev.key[len(root) :].partition("/")[0]
             if head in _TRIGGERS:
                 relevant = True
-                if head == "members" and ev.kind == "delete":
-                    # When the lease-expiry was observed: the start of slow-path detection latency.
-                    self._gone_at[ev.key[len(root) + len("members/") :]] = time.time()
+                if head == "members":
+                    # A deletion: when the lease expiry was observed (the start of slow-path detection
+                    # latency); a write: when the member registered (again).
+                    seen = self._gone_at if ev.kind == "delete" else self._back_at
+                    seen[ev.key[len(root) + len("members/") :]] = time.time()
         if relevant:
             self._wake.set()
 
@@ -306,6 +313,7 @@ class Controller:
         executor = Executor(self.space, leader_guard=self.election.guard())
         for _ in range(self.config.max_rounds):
             view = read_view(self.space)
+            note_unseen_lapses(view, self._gone_at, self._back_at, time.time())
             view.gone_at = dict(self._gone_at)
             view.settle_s = node_settle_s(self.config.ttl_s)
             view.own_member = self.config.controller_id

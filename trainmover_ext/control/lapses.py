@@ -5,6 +5,9 @@ Contract (pure functions of a :class:`View` and ``now``, no I/O):
   lapse counts (etcd's doing, not the members').
 - :func:`lapse_waits`: a rank whose lease lapsed while its node's agent lives waits ``View.rejoin_s``
   (and ``View.settle_s`` where a whole-node plan could follow) before its lapse counts.
+- :func:`note_unseen_lapses` (for the runner that fills ``View.gone_at``): a rank's member absent from
+  the view whose deletion the runner has not seen since it last registered lapsed *now*, so its wait
+  runs from the first round that saw it instead of being skipped.
 """
 
 from __future__ import annotations
@@ -33,3 +36,21 @@ def standby_elsewhere(view: View, rec: RankRecord) -> bool:
     """Whether a whole-node plan could follow ``rec``'s loss: a standby lives on another node (a single-node
     job, or one whose standbys all share the rank's node, would lose them with it)."""
     return any(m.kind == "standby" and m.host != rec.host for m in view.members.values())
+
+
+def note_unseen_lapses(view: View, gone_at: dict[str, float], back_at: dict[str, float], now: float) -> None:
+    """Set ``gone_at[m] = now`` for each member ``m`` a rank record names that ``view`` lacks and whose
+    deletion ``gone_at`` does not hold since ``m`` last registered (``back_at``, when the runner saw it
+    register). A round's range read can show a lapse before the watch delivers its deletion: etcd expires
+    the leases of a lost node one by one, each its own event, and a round woken by the first reads the
+    others gone. Without a time such a lapse skipped :func:`lapse_waits` and was planned at once, alone
+    with whichever ranks had lapsed by then (a node's ranks split over two plans); a rank that lapsed
+    while it lives (a starved keepalive) would be replaced. The watch's deletion, when it comes, moves
+    the time a few milliseconds later."""
+    for rec in view.ranks.values():
+        mid = rec.member_id
+        if mid in view.members:
+            continue
+        gone = gone_at.get(mid)
+        if gone is None or gone < back_at.get(mid, float("-inf")):
+            gone_at[mid] = now
