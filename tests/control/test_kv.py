@@ -131,6 +131,31 @@ def test_etcd_lease_expiry_deletes_keys(kv):
         kv.put("/l/b", b"x", lease=lease)
 
 
+def _keepalive_streams_started(etcd) -> float:
+    """etcd's own count of the LeaseKeepAlive streams it has served (its /metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{etcd.client_url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("grpc_server_started_total") and 'grpc_method="LeaseKeepAlive"' in line
+    )
+
+
+def test_etcd_keepalives_of_a_lease_share_one_stream(etcd, kv):
+    """Twenty renewals of one lease open one stream on etcd (pyetcd's refresh_lease opened one each); a
+    second lease has its own; a lease etcd no longer knows answers 0 on it."""
+    first, second = kv.grant_lease(5), kv.grant_lease(5)
+    before = _keepalive_streams_started(etcd)
+    assert [kv.refresh_lease(first) for _ in range(20)] == [5] * 20
+    assert kv.refresh_lease(second) == 5
+    assert _keepalive_streams_started(etcd) - before == 2
+    kv.revoke_lease(second)
+    assert kv.refresh_lease(second) == 0
+
+
 def test_wait_prefix_sees_writes_made_after_the_read_and_times_out(anykv):
     from trainmover_ext.kv.base import wait_prefix
 

@@ -17,6 +17,8 @@ Contract:
   from the revision after the last delivered event. If etcd compacted those
   revisions meanwhile, the watch re-reads its range, delivers every key written
   since as a put (deletes in that gap are not seen), and watches on from there.
+- A lease's keep-alives share one long-lived stream (:mod:`trainmover_ext.kv.keepalive`), reopened
+  after a failure.
 - Only etcd's own answer says a lease is gone (:class:`LeaseNotFound`, or
   :meth:`EtcdKV.refresh_lease` returning 0); an unreachable server raises
   :class:`EtcdUnavailable`, which says nothing about any lease.
@@ -60,6 +62,7 @@ from trainmover_ext.kv.base import (
     WatchHandle,
     prefix_end,
 )
+from trainmover_ext.kv.keepalive import KeepAliveStream
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +293,7 @@ class EtcdKV(KV):
         self._last_login = 0.0
         self.logged_in = False
         """Whether this client logged in (the server has auth enabled and ``user`` is set)."""
+        self._keepalives: dict[int, KeepAliveStream] = {}
         self._etcd = self._make_client()
         self._wait_ready()
 
@@ -549,14 +553,17 @@ class EtcdKV(KV):
         return int(self._call("grant lease", lambda c: c.lease(int(ttl_s))).id)
 
     def refresh_lease(self, lease_id: int) -> int:
-        responses = self._call("refresh lease", lambda c: list(c.refresh_lease(lease_id)))
-        if not responses:
-            # etcd answers every keep-alive request, with TTL 0 for a lease it does not know; a stream
-            # that ended without an answer says nothing about the lease.
-            raise StoreError(f"etcd refresh lease {lease_id:x}: the keep-alive stream ended without an answer")
-        return int(responses[0].TTL)
+        # One long-lived stream per lease (trainmover_ext.kv.keepalive), not one per renewal.
+        stream = self._keepalives.setdefault(lease_id, KeepAliveStream(lease_id))
+        remaining = self._call("refresh lease", stream.refresh)
+        if remaining <= 0:
+            self._keepalives.pop(lease_id, None)
+        return remaining
 
     def revoke_lease(self, lease_id: int) -> None:
+        stream = self._keepalives.pop(lease_id, None)
+        if stream is not None:
+            stream.close()
         try:
             self._call("revoke lease", lambda c: c.revoke_lease(lease_id))
         except StoreError as exc:
@@ -579,6 +586,8 @@ class EtcdKV(KV):
             return
         self._closed = True
         if os.getpid() == self._pid:
+            for stream in list(self._keepalives.values()):
+                stream.close()
             try:
                 self._etcd.close()
             except Exception:  # closing a channel to a dead server may raise; it is gone either way
