@@ -164,18 +164,19 @@ def test_straggler_policy_and_quarantine_at_run_time(etcd, kv, capsys):
         StragglerRecord,
         quarantine_key,
     )
-    from trainmover_ext.control.straggler_watch import read_policy, slow_link_key
+    from trainmover_ext.control.straggler_watch import slow_link_key, view_policy
+    from trainmover_ext.control.view import read_view
 
     space = JobSpace.create(kv, "strag")
     f = flags(etcd, space.token, job="strag")
     assert main(["straggler", *f]) == 0
     assert "straggler policy: report, threshold 1.15x the peers' median for 10 iterations" in capsys.readouterr().out
     assert main(["straggler", "--action", "migrate", "--threshold", "1.3", *f]) == 0
-    policy = read_policy(space)
+    policy = view_policy(read_view(space))
     assert (policy.action, policy.threshold, policy.window) == ("migrate", 1.3, 10)
     assert main(["straggler", "--threshold", "0.9", *f]) == 2
     assert "--tm-straggler-threshold must be > 1" in capsys.readouterr().err
-    assert read_policy(space).threshold == 1.3
+    assert view_policy(read_view(space)).threshold == 1.3
 
     space.put(quarantine_key(space, "n7", 3), Quarantine(host="n7", slot=3, reason="rank 5 at 1.4x").to_bytes())
     record = StragglerRecord(

@@ -24,9 +24,7 @@ from collections.abc import Callable
 from trainmover_ext.control.executor import event_put
 from trainmover_ext.control.membership import migration_request_puts
 from trainmover_ext.control.placement import warm_standbys
-from trainmover_ext.control.records import RebalancePolicy
 from trainmover_ext.control.view import View
-from trainmover_ext.errors import MalformedValue
 from trainmover_ext.kv.base import Guard, Put
 from trainmover_ext.kv.job import JobSpace
 
@@ -65,14 +63,12 @@ class Rebalancer:
     def tick(self, view: View, now: float | None = None) -> int | None:
         """Ask for one rotation move when due; returns its rank (None: nothing asked)."""
         now = time.time() if now is None else now
-        key = self.space.key(*POLICY_KEY)
-        entry = self.space.kv.get(key)
-        if entry is None:
+        if view.rebalance_policy is None:  # none set, or unreadable (the view's ``malformed`` says why)
             return None
         try:
-            policy = RebalancePolicy.from_bytes(entry.value, key=key, strict=True).check()
-        except (MalformedValue, ValueError) as exc:
-            logger.warning("rebalance policy unreadable (%s); no scheduled moves", exc)
+            policy = view.rebalance_policy.check()
+        except ValueError as exc:
+            logger.warning("rebalance policy out of range (%s); no scheduled moves", exc)
             return None
         if policy.interval_s <= 0 or now < max(policy.last_at, policy.set_at) + policy.interval_s:
             return None
@@ -85,8 +81,9 @@ class Rebalancer:
             return None
         rank, request, puts = planned
         policy.last_at = now
+        key = self.space.key(*POLICY_KEY)
         puts.append(Put(key, policy.to_bytes()))
-        if not self.space.commit([self.leader_guard(), Guard.mod_revision(key, entry.mod_revision)], puts):
+        if not self.space.commit([self.leader_guard(), Guard.mod_revision(key, view.rebalance_policy_rev)], puts):
             return None  # the lead or the policy changed meanwhile: judged again at the next round
         logger.info("rebalance: planned move of rank %d requested (%s)", rank, request)
         self.asked.append((rank, request))

@@ -2,8 +2,9 @@
 
 Contract:
 - :meth:`StragglerWatch.tick` runs in the leader's controller thread after each decision round (about
-  three times per lease TTL). It reads the job's policy (``policy/stragglers``, the flags' defaults
-  when absent) and the nodes' compute reports (``compute/<host>``, :mod:`trainmover_ext.launch.compute_relay`).
+  three times per lease TTL). It takes the job's policy (``policy/stragglers``, the flags' defaults
+  when absent), the nodes' compute reports (``compute/<host>``, :mod:`trainmover_ext.launch.compute_relay`)
+  and GPU health (``health/<host>``) from the round's view: it reads nothing of its own.
 - Iterations are fed to :class:`~trainmover_ext.control.stragglers.StragglerDetector` in order, each once:
   an iteration when every rank still training reported it, or, for a rank that reports late or no more,
   once another rank is :data:`LAG` iterations past it (its peers are then judged without it). The peers of
@@ -41,8 +42,6 @@ from trainmover_ext.control.executor import event_put
 from trainmover_ext.control.membership import migration_request_puts
 from trainmover_ext.control.placement import warm_standbys
 from trainmover_ext.control.records import (
-    ComputeReport,
-    GpuHealthReport,
     MemberRecord,
     Quarantine,
     SlowLinkRecord,
@@ -88,16 +87,15 @@ def is_quarantined(space: JobSpace, host: str, pid: int) -> bool:
     return False
 
 
-def read_policy(space: JobSpace) -> StragglerPolicy:
-    """The job's straggler policy; the defaults when none was recorded (or it is unreadable)."""
-    key = space.key(*POLICY_KEY)
-    entry = space.kv.get(key)
-    if entry is None:
+def view_policy(view: View) -> StragglerPolicy:
+    """The job's straggler policy in ``view``: the defaults when none was recorded, or when the recorded one
+    is unreadable (the view's ``malformed`` says why) or out of range."""
+    if view.straggler_policy is None:
         return StragglerPolicy()
     try:
-        return StragglerPolicy.from_bytes(entry.value, key=key, strict=True).check()
-    except (MalformedValue, ValueError) as exc:
-        logger.warning("straggler policy unreadable (%s); using the defaults", exc)
+        return view.straggler_policy.check()
+    except ValueError as exc:
+        logger.warning("straggler policy out of range (%s); using the defaults", exc)
         return StragglerPolicy()
 
 
@@ -137,7 +135,7 @@ class StragglerWatch:
 
     def tick(self, view: View) -> list[StragglerRecord]:
         """One round (see the module docstring); returns the stragglers recorded in it."""
-        policy = read_policy(self.space)
+        policy = view_policy(view)
         if policy.action == "off":
             self.detector, self.policy, self._unacted = None, policy, []
             return []
@@ -163,7 +161,7 @@ class StragglerWatch:
                     links.joined(pair, self._fed + 1)
                 self._unacted = [s for s in self._unacted if s.rank != rank]
             self._serving[rank] = rec.member_id
-        self._gather()
+        self._gather(view)
         self._hold = max(self._hold, self.first_counted - 1)
         self._hold_out_moves(view)
         training = set(view.ranks) - view.finished
@@ -254,12 +252,11 @@ class StragglerWatch:
     def _unfit_gpus(self, view: View) -> list[Straggler[int]]:
         """The ranks whose slot's GPU its agent reports unfit (``health/<host>``), each process once."""
         unfit: dict[tuple[str, int], list[str]] = {}
-        for entry in self.space.kv.get_prefix(self.space.key("health") + "/").entries:
+        for report in view.gpu_health.values():
             try:
-                report = GpuHealthReport.from_bytes(entry.value, key=entry.key, strict=True)
                 unfit |= {(report.host, int(slot)): found for slot, found in report.unfit.items() if found}
-            except (MalformedValue, ValueError) as exc:
-                logger.warning("GPU health report %s unreadable: %s", entry.key, exc)
+            except ValueError as exc:
+                logger.warning("GPU health report of %s unreadable: %s", report.host, exc)
         flagged = []
         for rank, rec in sorted(view.ranks.items()):
             found = unfit.get((rec.host, rec.local_rank))
@@ -269,11 +266,9 @@ class StragglerWatch:
                 flagged.append(Straggler(rank=rank, iteration=self._fed, ratio=0.0, peers_median_s=0.0))
         return flagged
 
-    def _gather(self) -> None:
-        prefix = self.space.key("compute") + "/"
-        for entry in self.space.kv.get_prefix(prefix).entries:
+    def _gather(self, view: View) -> None:
+        for report in view.compute.values():
             try:
-                report = ComputeReport.from_bytes(entry.value, key=entry.key, strict=True)
                 for rank_text, pairs in report.samples.items():
                     rank = int(rank_text)
                     for iteration, seconds, on_peer in map(_sample, pairs):
@@ -281,7 +276,7 @@ class StragglerWatch:
                             self._pending.setdefault(iteration, {})[rank] = (seconds, on_peer)
                         self._newest[rank] = max(self._newest.get(rank, 0), iteration)
             except (MalformedValue, ValueError, TypeError) as exc:
-                logger.warning("compute report %s unreadable: %s", entry.key, exc)
+                logger.warning("compute report of %s unreadable: %s", report.host, exc)
 
     def _due(self, training: set[int]) -> list[int]:
         newest = max((self._newest.get(r, 0) for r in training), default=0)

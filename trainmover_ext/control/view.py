@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from trainmover_ext.control.records import (
     MAX_EPOCH,
     Alert,
+    ComputeReport,
     FailureReport,
+    GpuHealthReport,
     MemberRecord,
     MigrationPlan,
     MigrationRequest,
@@ -95,6 +97,12 @@ class View:
     """The job's straggler policy (``policy/stragglers``); None until the first agent recorded it."""
     rebalance_policy: RebalancePolicy | None = None
     """The job's rebalancing schedule (``policy/rebalance``); None: none was ever set."""
+    rebalance_policy_rev: int = 0
+    """mod_revision of ``policy/rebalance`` (the rebalancer's write of it compares against it)."""
+    compute: dict[str, ComputeReport] = field(default_factory=dict)
+    """The nodes' ranks' recent compute times by host (``compute/<host>``), fed to the straggler watch."""
+    gpu_health: dict[str, GpuHealthReport] = field(default_factory=dict)
+    """What makes each node's GPUs unfit, by host (``health/<host>``)."""
     quarantine: list[Quarantine] = field(default_factory=list)
     """Slow slots and processes no standby is promoted from (``quarantine/<host>/<slot>``)."""
     malformed: dict[str, str] = field(default_factory=dict)
@@ -197,6 +205,15 @@ def parse_view(space: JobSpace, snap: Snapshot) -> View:
                 view.straggler_policy = StragglerPolicy.from_bytes(entry.value, key=key, strict=True)
             elif rel == "policy/rebalance":
                 view.rebalance_policy = RebalancePolicy.from_bytes(entry.value, key=key, strict=True)
+                view.rebalance_policy_rev = entry.mod_revision
+            elif head == "compute" and rest:
+                c = ComputeReport.from_bytes(entry.value, key=key, strict=True)
+                _own_key(rest, c.host, key)
+                view.compute[c.host] = c
+            elif head == "health" and rest:
+                h = GpuHealthReport.from_bytes(entry.value, key=key, strict=True)
+                _own_key(rest, h.host, key)
+                view.gpu_health[h.host] = h
             elif head == "quarantine" and rest:
                 q = Quarantine.from_bytes(entry.value, key=key, strict=True)
                 _own_key(rest, f"{q.host}/{q.slot}", key)
