@@ -15,7 +15,7 @@ again. Per job it reports:
 - ``cpu_per_iteration_s``: core-seconds per iteration of ``etcd``, the ``agent`` (the launcher process),
   the ranks' ``rank_main`` threads and the ranks' other threads (``rank_side``: gloo's and Python's).
 
-The summary gives, per key, the median of the rounds with its range, and ``control_cpu_per_iteration_s``:
+The summary gives, per key, the median of the rounds with its range (``median``, ``min``, ``max``, ``n``), and ``control_cpu_per_iteration_s``:
 etcd, agent and the ranks' Python side threads of the TrainMover job less the plain job's (each round's
 difference, then the median).
 
@@ -212,7 +212,13 @@ CONTROL_SHARES = ("etcd", "agent", "rank_side")
 
 
 def _spread(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values), 5), "range": [round(min(values), 5), round(max(values), 5)]}
+    """The project's figure: median, min, max and the number of runs."""
+    return {
+        "median": round(statistics.median(values), 5),
+        "min": round(min(values), 5),
+        "max": round(max(values), 5),
+        "n": len(values),
+    }
 
 
 def summarize(rounds: list[dict]) -> dict:
