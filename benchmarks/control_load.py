@@ -13,11 +13,12 @@ again. Per job it reports:
 - ``etcd_per_s``: requests etcd received per second, by gRPC method (a ``LeaseKeepAlive`` message is one
   renewal), and ``etcd_streams_per_s``: streams it opened per second, by method;
 - ``cpu_per_iteration_s``: core-seconds per iteration of ``etcd``, the ``agent`` (the launcher process),
-  the ranks' ``rank_main`` threads and the ranks' other threads (``rank_side``: gloo's and Python's).
+  the ranks' ``rank_main`` threads, their gloo threads (``rank_gloo``) and their other threads
+  (``rank_side``: the lease keep-alive, the heartbeat, the watches, gRPC's).
 
-The summary gives, per key, the median of the rounds with its range (``median``, ``min``, ``max``, ``n``), and ``control_cpu_per_iteration_s``:
-etcd, agent and the ranks' Python side threads of the TrainMover job less the plain job's (each round's
-difference, then the median).
+The summary gives, per key, the median of the rounds with its range (``median``, ``min``, ``max``,
+``n``), and ``control_cpu_per_iteration_s``: etcd, the agent and the ranks' side threads of the
+TrainMover job less the plain job's (each round's difference, then the median).
 
     python benchmarks/control_load.py --json benchmarks/results/control_load.json
     python benchmarks/control_load.py --rounds 1 --window 8        # a quick look

@@ -36,6 +36,7 @@ COMMANDS = {
     "mirror": "python benchmarks/mirror.py --json benchmarks/results/mirror.json",
     "straggler": "python benchmarks/straggler.py --json benchmarks/results/straggler.json",
     "rebalance": "python benchmarks/rebalance.py --json benchmarks/results/rebalance.json",
+    "control_load": "python benchmarks/control_load.py --json benchmarks/results/control_load.json",
     "downtime_distopt": "python benchmarks/downtime.py --strategies trainmover --planned-trials 0 --scale '' "
     "--json benchmarks/results/downtime_distopt.json",
 }
@@ -368,6 +369,24 @@ def rebalance_lines(data: dict | None) -> list[str]:
     ]
 
 
+def control_lines(data: dict | None) -> list[str]:
+    """The control plane's cost in a steady job: etcd's load and the CPU beside the training (docs/benchmarks.md)."""
+    if data is None:
+        return [f"**The control plane in a steady job**: {NOT_YET} (`{COMMANDS['control_load']}`)."]
+    job, s = data.get("config", {}), data["summary"]
+    tm = s["trainmover"]
+    requests = ", ".join(f"{method} {num(v['median'])}" for method, v in tm["etcd_per_s"].items())
+    streams = num(tm["etcd_streams_per_s"].get("LeaseKeepAlive", {}).get("median", 0.0))
+    return [
+        f"**The control plane in a steady job** ({job.get('ranks')} ranks, {job.get('model')} model, TP2·PP2, "
+        f"`--trainmover --tm-comm {job.get('comm')}` and the plain job alternating, {job.get('window')} s of each): "
+        f"etcd receives {requests} requests a second, and opens {streams} keep-alive streams a second; "
+        f"TrainMover's control work (etcd, the agent and the ranks' side threads, less the plain job's) costs "
+        f"{spread_cell(s['control_cpu_per_iteration_s'], ' core-s')} per iteration of "
+        f"{spread_cell(s['plain']['iteration_s'])}; iteration time ratio {spread_cell(s['ratio'], '')}. {stamp(data)}",
+    ]
+
+
 def mirror_lines(mirror: dict | None, distopt: dict | None) -> list[str]:
     """The distributed optimizer's mirror: its steady-state cost and the lost time it buys."""
     rows = {r["dp"]: r for r in (mirror or {}).get("overhead") or []}
@@ -463,6 +482,8 @@ def docs_block(results_dir: str) -> list[str]:
         *straggler_lines(load(results_dir, "straggler")),
         "",
         *rebalance_lines(load(results_dir, "rebalance")),
+        "",
+        *control_lines(load(results_dir, "control_load")),
     ]
     comm = load(results_dir, "comm")
     if comm and comm.get("allreduce"):
