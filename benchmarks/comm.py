@@ -350,7 +350,7 @@ def _layout(model: str, ranks: int) -> str:
     return layout + (", EP2 (4 experts, top-2, all-to-all)" if model == "moe" else "") + ", --overlap-grad-reduce"
 
 
-def _job_args(model: str, ranks: int, corpus: str, iters: int) -> list[str]:
+def training_job_args(model: str, ranks: int, corpus: str, iters: int) -> list[str]:
     """TP2.PP2.DP(ranks/4) of the demo model or of the tiny one (4 layers of 32), or TP1.PP2.DP(ranks/2) of
     the demo model made a mixture of experts (``moe``: ``harness.jobs.MOE_ARGS``)."""
     from harness.jobs import MOE_ARGS, model_args
@@ -391,7 +391,7 @@ def _train_once(
         "--run-dir",
         os.path.join(workdir, tag + ".run"),
         os.path.join(ROOT, "pretrain_gpt.py"),
-        *_job_args(model, ranks, corpus, args.training_iters),
+        *training_job_args(model, ranks, corpus, args.training_iters),
         *(["--trainmover", "--tm-standbys", "0", *extra] if trainmover else []),
         "--tm-metrics-file",
         metrics,

@@ -149,35 +149,17 @@ def _etcd_metrics(run_dir: str) -> dict:
         return etcd_counters(resp.read().decode())
 
 
-def job_args(args, corpus: str) -> list[str]:
-    from harness.jobs import model_args
-
-    if args.model == "demo":
-        flags = model_args(iters=args.iters)
-    else:
-        flags = model_args(layers=4, hidden=32, heads=4, seq=32, mbs=1, gbs=8, iters=args.iters)
-    return flags + [
-        "--tensor-model-parallel-size",
-        "2",
-        "--pipeline-model-parallel-size",
-        "2",
-        "--data-path",
-        corpus + "_text_document",
-        "--tokenizer-type",
-        "ByteLevelTokenizer",
-        "--overlap-grad-reduce",
-    ]
-
-
 def run_job(args, workdir: str, tag: str, trainmover: bool) -> dict:
     """One job; its window's figures (see the module docstring)."""
+    from benchmarks.comm import training_job_args
     from harness.jobs import ensure_corpus
 
     corpus = ensure_corpus(os.path.join(workdir, "corpus"))
     metrics, run_dir = os.path.join(workdir, f"{tag}.metrics.jsonl"), os.path.join(workdir, f"{tag}.run")
     tm = ["--trainmover", "--tm-standbys", "0"] + (["--tm-comm", "native"] if args.comm == "native" else [])
     cmd = [sys.executable, "-m", "trainmover_ext.cli", "launch", "--nproc-per-node", str(args.ranks)]
-    cmd += ["--run-dir", run_dir, os.path.join(ROOT, "pretrain_gpt.py"), *job_args(args, corpus)]
+    job = training_job_args(args.model, args.ranks, corpus, args.iters)  # comm.py's steady-state job
+    cmd += ["--run-dir", run_dir, os.path.join(ROOT, "pretrain_gpt.py"), *job]
     cmd += [*(tm if trainmover else []), "--tm-metrics-file", metrics]
     with open(os.path.join(workdir, f"{tag}.log"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
