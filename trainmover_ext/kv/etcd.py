@@ -554,7 +554,9 @@ class EtcdKV(KV):
 
     def refresh_lease(self, lease_id: int) -> int:
         # One long-lived stream per lease (trainmover_ext.kv.keepalive), not one per renewal.
-        stream = self._keepalives.setdefault(lease_id, KeepAliveStream(lease_id))
+        stream = self._keepalives.get(lease_id)
+        if stream is None:
+            stream = self._keepalives[lease_id] = KeepAliveStream(lease_id)
         remaining = self._call("refresh lease", stream.refresh)
         if remaining <= 0:
             self._keepalives.pop(lease_id, None)

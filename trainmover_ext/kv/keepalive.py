@@ -66,8 +66,6 @@ class KeepAliveStream:
 
     def __init__(self, lease_id: int) -> None:
         self.lease_id = lease_id
-        self.opened = 0
-        """How many streams this lease has opened (1 while etcd serves without a break)."""
         self._stream: _Stream | None = None
         self._lock = threading.Lock()
 
@@ -78,7 +76,6 @@ class KeepAliveStream:
         with self._lock:
             if self._stream is None:
                 self._stream = _Stream(client)
-                self.opened += 1
             stream = self._stream
             stream.requests.put(etcdrpc.LeaseKeepAliveRequest(ID=self.lease_id))
             try:
