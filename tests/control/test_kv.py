@@ -186,3 +186,47 @@ def test_job_tokens_never_look_like_a_flag():
     tokens = [new_token() for _ in range(2000)]
     assert all(t[0] != "-" and len(t) == 48 for t in tokens)
     assert len(set(tokens)) == len(tokens)
+
+
+def test_a_watch_created_after_one_that_timed_out_hears_its_own_keys(etcd):
+    """pyetcd binds a late "created" answer to whichever create waits then: after one watch's create timed
+    out (etcd stalled), the next watch took over the first one's stream and never heard its own keys (a
+    waiter that never woke). Each watch must hear exactly its own prefix."""
+    import os
+    import signal
+
+    from trainmover_ext.errors import EtcdUnavailable
+    from trainmover_ext.kv import EtcdClientConfig, EtcdKV
+
+    kv = EtcdKV(EtcdClientConfig(endpoints=etcd.endpoints, timeout_s=1.0))
+    heard: dict[str, list[str]] = {"a": [], "b": []}
+    got_b = threading.Event()
+
+    def hear(name):
+        def on(events):
+            heard[name].extend(e.key for e in events)
+            got_b.set() if name == "b" else None
+
+        return on
+
+    kv.get("/warm")  # the channel is up before etcd stalls
+    b_watch: list = []
+    os.kill(etcd.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(EtcdUnavailable):
+            kv.watch_prefix("/a/", hear("a"))  # its creates reach etcd, their answers come late
+        waiter = threading.Thread(target=lambda: b_watch.append(kv.watch_prefix("/b/", hear("b"))), daemon=True)
+        waiter.start()
+        time.sleep(0.3)  # b's create is queued behind a's on the stream
+    finally:
+        os.kill(etcd.pid, signal.SIGCONT)
+    try:
+        waiter.join(10)
+        assert b_watch, "the second watch was never created"
+        kv.put("/a/x", b"1")
+        kv.put("/b/x", b"1")
+        assert got_b.wait(5), f"the second watch never heard its own key; it heard {heard}"
+        time.sleep(0.2)
+        assert heard["b"] == ["/b/x"]
+    finally:
+        kv.close()

@@ -215,10 +215,11 @@ def prefix_end(prefix: str) -> str:
 
 
 RECHECK_S = 1.0
-"""How often a wait on etcd also reads the keys itself instead of relying on its watch alone: pyetcd can
-bind a new watch's callback to another watch when a create request timed out under load, and that
-waiter would never hear of its key (seen once: a 16-rank start, two ranks waiting out a 120 s
-timeout for a key their peer had written)."""
+"""How often a wait on etcd also reads the keys itself instead of relying on its watch alone: a safety net
+for a watch that never delivers. pyetcd gave a watch created after a timed-out create the other
+watch's stream (seen once: a 16-rank start, two ranks waiting out a 120 s timeout for a key their peer
+had written); :mod:`~trainmover_ext.kv.etcd_watch` prevents that one, and a wait stays bounded by this
+net should another defect of the kind remain."""
 
 
 def wait_prefix(

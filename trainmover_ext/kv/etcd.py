@@ -13,10 +13,9 @@ Contract:
 - Fork safety: a gRPC channel must not cross ``fork()``. An ``EtcdKV`` refuses
   use in a child process (:class:`StoreError`); build a new one there (the
   torch store does this for you).
-- Watches survive a server restart, however long it is down: they re-subscribe
-  from the revision after the last delivered event. If etcd compacted those
-  revisions meanwhile, the watch re-reads its range, delivers every key written
-  since as a put (deletes in that gap are not seen), and watches on from there.
+- Watches survive a server restart, however long it is down, and each hears its
+  own range only, even after etcd answered a create late
+  (:mod:`trainmover_ext.kv.etcd_watch`).
 - A lease's keep-alives share one long-lived stream (:mod:`trainmover_ext.kv.keepalive`), reopened
   after a failure.
 - Only etcd's own answer says a lease is gone (:class:`LeaseNotFound`, or
@@ -58,10 +57,10 @@ from trainmover_ext.kv.base import (
     Put,
     Snapshot,
     WatchCallback,
-    WatchEvent,
     WatchHandle,
     prefix_end,
 )
+from trainmover_ext.kv.etcd_watch import EtcdWatch
 from trainmover_ext.kv.keepalive import KeepAliveStream
 
 logger = logging.getLogger(__name__)
@@ -126,14 +125,6 @@ class EtcdClientConfig:
         return out
 
 
-def _compacted_error() -> type[Exception]:
-    """pyetcd's error for a watch whose start revision etcd compacted away."""
-    import pyetcd.exceptions as pe
-
-    error: type[Exception] = pe.RevisionCompactedError
-    return error
-
-
 def _is_unavailable(exc: BaseException) -> bool:
     import pyetcd.exceptions as pe
 
@@ -173,115 +164,6 @@ def _rotate(client: Any) -> None:
         pass
 
 
-class _EtcdWatch(WatchHandle):
-    """A prefix watch that re-subscribes after stream loss, from the last revision seen (re-reading its
-    range instead when etcd compacted that revision meanwhile)."""
-
-    def __init__(
-        self, kv: EtcdKV, prefix: str, callback: WatchCallback, start_revision: int, end: str | None = None
-    ) -> None:
-        self.kv, self.prefix, self.callback = kv, prefix, callback
-        self.end = end or prefix_end(prefix)
-        self.next_revision = start_revision
-        self.watch_id: int | None = None
-        self.cancelled = threading.Event()
-        self._lock = threading.Lock()
-
-    def _on_response(self, response: Any) -> None:
-        if self.cancelled.is_set() or self.kv._closed:
-            return
-        if response is None or isinstance(response, Exception):
-            # The stream died (server restart, network; None: it ended without an error) or etcd compacted
-            # the revisions this watch was to resume from. Re-subscribe from where we stopped on another
-            # thread: this callback runs on the dying watcher thread.
-            compacted = isinstance(response, _compacted_error())
-            logger.log(
-                logging.WARNING if compacted else logging.INFO,
-                "etcd watch on %s lost (%s); re-subscribing from revision %d",
-                self.prefix,
-                "history compacted" if compacted else response,
-                self.next_revision,
-            )
-            threading.Thread(target=self._resubscribe, args=(compacted,), name="tm-etcd-rewatch", daemon=True).start()
-            return
-        events = []
-        for ev in response.events:
-            kind = "delete" if type(ev).__name__ == "DeleteEvent" else "put"
-            events.append(
-                WatchEvent(kind=kind, key=ev.key.decode(), value=bytes(ev.value), mod_revision=ev.mod_revision)
-            )
-        if not events:
-            return
-        self.next_revision = events[-1].mod_revision + 1
-        try:
-            self.callback(events)
-        except Exception:  # a user callback bug must not kill the shared watcher thread
-            logger.exception("watch callback on %s failed", self.prefix)
-
-    def subscribe(self) -> None:
-        client = self.kv._client()
-        kwargs: dict[str, Any] = {"range_end": self.end}
-        if self.next_revision:
-            kwargs["start_revision"] = self.next_revision
-        self.watch_id = client.add_watch_callback(self.prefix, self._on_response, **kwargs)
-
-    def _catch_up(self) -> None:
-        """The revisions from ``next_revision`` on were compacted away: deliver the range as it is now
-        (each key written since, as a put) and go on watching after that read."""
-        snap = self.kv.get_prefix(self.prefix, end=self.end)
-        events = [
-            WatchEvent(kind="put", key=e.key, value=e.value, mod_revision=e.mod_revision)
-            for e in snap.entries
-            if e.mod_revision >= self.next_revision
-        ]
-        self.next_revision = snap.revision + 1
-        if events and not self.cancelled.is_set():
-            try:
-                self.callback(events)
-            except Exception:  # as in _on_response: a user callback bug must not stop the watch
-                logger.exception("watch callback on %s failed", self.prefix)
-
-    def _resubscribe(self, catch_up: bool = False) -> None:
-        """Watch again from ``next_revision``; with ``catch_up`` (or once etcd says that revision was
-        compacted) re-read the range first (:meth:`_catch_up`). Tries until cancelled."""
-        delay = 0.05
-        while not self.cancelled.is_set() and not self.kv._closed:
-            try:
-                if catch_up:
-                    self._catch_up()
-                    catch_up = False
-                with self._lock:
-                    self.subscribe()
-                return
-            except _compacted_error():
-                logger.warning(
-                    "etcd compacted the history of %s past revision %d while the watch was down; re-reading it",
-                    self.prefix,
-                    self.next_revision,
-                )
-                catch_up = True
-            except Exception as exc:  # keep trying until cancelled: watchers must outlive outages
-                logger.debug("re-watch of %s failed: %s", self.prefix, exc)
-                if self.kv.logged_in:  # a restarted etcd forgot the token the watch stream carried
-                    try:
-                        self.kv._relogin()
-                    except StoreError as login_exc:
-                        logger.debug("login again for the re-watch of %s failed: %s", self.prefix, login_exc)
-                self.kv._rotate()
-                self.cancelled.wait(delay)
-                delay = min(delay * 2, 1.0)
-
-    def cancel(self) -> None:
-        if self.cancelled.is_set():
-            return
-        self.cancelled.set()
-        if self.watch_id is not None and not self.kv._closed:
-            try:
-                self.kv._client().cancel_watch(self.watch_id)
-            except Exception:  # the stream may already be gone; nothing to cancel then
-                pass
-
-
 class EtcdKV(KV):
     """See the module docstring."""
 
@@ -294,6 +176,8 @@ class EtcdKV(KV):
         self.logged_in = False
         """Whether this client logged in (the server has auth enabled and ``user`` is set)."""
         self._keepalives: dict[int, KeepAliveStream] = {}
+        self._watch_create_lock = threading.Lock()
+        """Held while a watch is created (see :mod:`~trainmover_ext.kv.etcd_watch`)."""
         self._etcd = self._make_client()
         self._wait_ready()
 
@@ -575,7 +459,7 @@ class EtcdKV(KV):
     def watch_prefix(
         self, prefix: str, callback: WatchCallback, *, start_revision: int = 0, end: str | None = None
     ) -> WatchHandle:
-        watch = _EtcdWatch(self, prefix, callback, start_revision, end)
+        watch = EtcdWatch(self, prefix, callback, start_revision, end)
         try:
             self._call(f"watch {prefix}", lambda c: watch.subscribe())
         except BaseException:
