@@ -479,7 +479,7 @@ class JobProbe:
 
         space = self._space()
         try:
-            entries = space.kv.get_prefix(space.key("events") + "/").entries
+            entries = space.kv.get_prefix(space.events_prefix).entries
             return [ev.detail for ev in (Event.from_bytes(e.value, key=e.key) for e in entries) if ev.what == what]
         finally:
             space.kv.close()

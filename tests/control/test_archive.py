@@ -13,8 +13,8 @@ from trainmover_ext.kv.memory import MemoryKV
 def _space():
     space = JobSpace.create(MemoryKV(), "j", "tok")
     for t, what in ((10.0, "leader_elected"), (11.0, "migration_planned")):
-        space.put(space.key("events", event_key_suffix(t)), Event(time=t, what=what, detail={"n": 1}).to_bytes())
-    space.put(space.key("events", "garbage"), b"not json")
+        space.put(space.events_prefix + event_key_suffix(t), Event(time=t, what=what, detail={"n": 1}).to_bytes())
+    space.put(space.events_prefix + "garbage", b"not json")
     for epoch, status in ((1, "done"), (2, "preparing")):
         plan = MigrationPlan(
             epoch=epoch,

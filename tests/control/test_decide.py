@@ -547,9 +547,12 @@ def test_record_event_appends_to_the_timeline_and_reports_etcd_trouble_without_r
 
     space = JobSpace.create(MemoryKV(), "j", "tok")
     assert record_event(space, "standby_started", {"member": "s1"}) is None
-    (entry,) = space.kv.get_prefix(space.key("events") + "/").entries
+    (entry,) = space.kv.get_prefix(space.events_prefix).entries
     event = Event.from_bytes(entry.value, key=entry.key)
     assert (event.what, event.detail) == ("standby_started", {"member": "s1"})
+    # The timeline only grows: it lies outside the range every controller round reads (and watches).
+    control = space.kv.get_prefix(space.root, end=space.control_end).entries
+    assert control and not [e.key for e in control if e.key.startswith(space.events_prefix)]
 
     def down(guards, ops):
         raise StoreError("etcd is away")

@@ -179,7 +179,7 @@ def test_sigstop_is_detected_by_the_agents_heartbeat_watch(etcd, kv, space):
         assert (rep.rank, rep.leaver, rep.joiner) == (0, "w0", "s0")
         planned = [
             event.detail
-            for entry in space.kv.get_prefix(space.key("events") + "/").entries
+            for entry in space.kv.get_prefix(space.events_prefix).entries
             for event in [Event.from_bytes(entry.value, key=entry.key)]
             if event.what == "migration_planned"
         ]

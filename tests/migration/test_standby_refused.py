@@ -57,7 +57,7 @@ def _open(probe: JobProbe):
 
 
 def _events(space) -> list[Event]:
-    return [Event.from_bytes(e.value, key=e.key) for e in space.kv.get_prefix(space.key("events") + "/").entries]
+    return [Event.from_bytes(e.value, key=e.key) for e in space.kv.get_prefix(space.events_prefix).entries]
 
 
 def test_a_standby_of_another_model_shape_is_refused_and_not_restarted(tmp_path):

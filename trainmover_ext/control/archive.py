@@ -3,7 +3,7 @@
 Contract:
 - :meth:`RunArchive.start` runs :meth:`RunArchive.poll` on a daemon thread of
   the agent every ``interval_s`` while ``is_leader()`` (its controller leads),
-  and once more at :meth:`RunArchive.close`. A poll appends each ``events/`` record not yet copied
+  and once more at :meth:`RunArchive.close`. A poll appends each timeline record (``~events/``) not yet copied
   to ``RUN_DIR/events.jsonl``,
   and each migration plan once it finished (status ``done`` or ``aborted``)
   to ``RUN_DIR/migrations.jsonl``, with its per-step timestamps.
@@ -103,7 +103,7 @@ class RunArchive:
         """Copy what is new in ``space`` (a JobSpace); returns how many records were written."""
         written = 0
         new_events: list[dict[str, Any]] = []
-        for entry in space.kv.get_prefix(space.key("events/")).entries:
+        for entry in space.kv.get_prefix(space.events_prefix).entries:
             if entry.key in self._events:
                 continue
             try:

@@ -294,7 +294,7 @@ def cmd_events(args: argparse.Namespace) -> int:
         return _archived_events(args)
     space = open_job(args)
     try:
-        entries = space.kv.get_prefix(space.key("events/")).entries
+        entries = space.kv.get_prefix(space.events_prefix).entries
         rows = []
         for e in entries[-args.limit :] if args.limit else entries:
             try:

@@ -55,7 +55,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
 def rejection(space: JobSpace, request_id: str) -> str | None:
     """The controller's reason, when it rejected request ``request_id`` (from the events timeline)."""
-    for entry in reversed(space.kv.get_prefix(space.key("events/")).entries):
+    for entry in reversed(space.kv.get_prefix(space.events_prefix).entries):
         try:
             ev = Event.from_bytes(entry.value, key=entry.key)
         except MalformedValue:

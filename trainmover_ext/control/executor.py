@@ -63,7 +63,7 @@ def _why(action: PlanMigration, rank: int) -> dict[str, str]:
 
 def event_put(space: JobSpace, what: str, detail: dict[str, Any], now: float) -> Put:
     """A ``Put`` of one timeline event (append-only; keys sort by time)."""
-    return Put(space.key("events", event_key_suffix(now)), Event(time=now, what=what, detail=detail).to_bytes())
+    return Put(space.events_prefix + event_key_suffix(now), Event(time=now, what=what, detail=detail).to_bytes())
 
 
 def record_event(space: JobSpace, what: str, detail: dict[str, Any]) -> str | None:

@@ -244,7 +244,7 @@ def refusal_event(space: JobSpace, member: str, diff: dict[str, tuple[Any, Any]]
 
 def read_refusal(space: JobSpace, member: str) -> dict[str, tuple[Any, Any]] | None:
     """The differing fields of standby ``member``'s refusal, from the job's timeline; None if it has none."""
-    prefix = space.key("events") + "/"
+    prefix = space.events_prefix
     found: dict[str, tuple[Any, Any]] | None = None
     for entry in space.kv.get_prefix(prefix).entries:
         try:

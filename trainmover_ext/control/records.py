@@ -2,10 +2,10 @@
 
 Every key of a job, all under ``/trainmover/<job>/``, with who writes and who reads it. The
 job's etcd user may read and write that prefix and nothing else (:mod:`trainmover_ext.etcd.auth`).
-The rendezvous store, ``~store/<generation>/`` (written through
+The job's timeline, ``~events/``, and the rendezvous store, ``~store/<generation>/`` (written through
 ``trainmover_ext.kv.torch_store``: torch's rendezvous, link rendezvous, ``nccl_delta/ledgers/e<e>/<rank>``,
-state-transfer pairs), sorts after every control key, so the controller reads and watches
-``[/trainmover/<job>/, /trainmover/<job>/~)`` and never sees it (``JobSpace.control_end``):
+state-transfer pairs), sort after every control key, so the controller reads and watches
+``[/trainmover/<job>/, /trainmover/<job>/~)`` and never sees them (``JobSpace.control_end``):
 
 ======================  =============================================  ==========================  ==============================
 key                     value                                          written by                  read by
@@ -46,7 +46,8 @@ key                     value                                          written b
 ``quarantine/<host>/    :class:`Quarantine`: a slow slot no standby    the straggler watch         controller (placement),
 <slot>``                in it is promoted into                         (cleared by ``trainmover    ``status``
                                                                        quarantine --clear``)
-``events/<ns>-<id>``    :class:`Event`, the job's timeline             controller, CLI, agents     ``events``, the run archive
+``~events/<ns>-<id>``   :class:`Event`, the job's timeline (outside    controller, CLI, agents     ``events``, the run archive
+                        the control range: it only grows)
 ``~store/<g>/...``      the ranks' rendezvous store, start number g    ranks (torch, nccl_delta)   ranks
 ======================  =============================================  ==========================  ==============================
 
@@ -586,7 +587,7 @@ class Event(Record):
 
 
 def event_key_suffix(now: float | None = None) -> str:
-    """A sortable, unique ``events/`` key suffix."""
+    """A sortable, unique key suffix of an event (after ``JobSpace.events_prefix``)."""
     return f"{int((now if now is not None else time.time()) * 1e9):020d}-{os.urandom(3).hex()}"
 
 

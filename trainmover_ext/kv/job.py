@@ -67,6 +67,11 @@ STORE_DIR = "~store/"
 control key uses, so ``[root, root + "~")`` is the control plane and the store is outside it."""
 
 
+EVENTS_DIR = "~events/"
+"""The job's timeline (``Event`` records), outside the control range like the store: it only grows, and
+no read of the control plane's view (every controller round) carries it."""
+
+
 def store_prefix(job: str, generation: int) -> str:
     """Where the ranks of start number ``generation`` keep their rendezvous store."""
     return f"{job_root(job)}{STORE_DIR}{int(generation)}/"
@@ -126,6 +131,11 @@ class JobSpace:
         """End of the control plane's key range: ``[root, control_end)`` holds every control key and
         none of the rendezvous store (:data:`STORE_DIR`)."""
         return self.root + "~"
+
+    @property
+    def events_prefix(self) -> str:
+        """Prefix of the job's timeline (:data:`EVENTS_DIR`): ``events_prefix + suffix`` is one event."""
+        return self.root + EVENTS_DIR
 
     @classmethod
     def create(cls, kv: KV, job: str, token: str | None = None) -> JobSpace:
