@@ -43,6 +43,29 @@ def test_events_and_finished_migrations_are_copied_once(tmp_path):
     assert [p["epoch"] for p in read_jsonl(archive.migrations_path)] == [1, 2]
 
 
+def test_a_poll_reads_only_what_was_written_since_the_last_one(tmp_path):
+    """The leader's agent polls every second for the job's life: a poll reads the records written since
+    the previous one, not the whole history; a plan that finishes later is still copied."""
+    space = _space()
+    returned = []
+    get_prefix = space.kv.get_prefix
+
+    def counting(prefix, *, end=None, since=0):
+        snap = get_prefix(prefix, end=end, since=since)
+        returned.append(len(snap.entries))
+        return snap
+
+    space.kv.get_prefix = counting
+    archive = RunArchive(str(tmp_path))
+    assert archive.poll(space) == 3 and returned == [3, 2]  # everything once
+    assert archive.poll(space) == 0 and returned[2:] == [0, 0]
+    space.put(space.events_prefix + event_key_suffix(12.0), Event(time=12.0, what="x", detail={}).to_bytes())
+    plan = MigrationPlan(epoch=2, reason="failure", replacements=[], resume_iteration=4, status="done")
+    space.put(space.key("migrations", migration_key_suffix(2)), plan.to_bytes())
+    assert archive.poll(space) == 2 and returned[4:] == [1, 1]
+    assert [p["epoch"] for p in read_jsonl(archive.migrations_path)] == [1, 2]
+
+
 def test_a_torn_last_line_is_skipped(tmp_path):
     path = tmp_path / "events.jsonl"
     path.write_text(json.dumps({"key": "a", "what": "x"}) + "\n" + '{"key": "b", "wh')

@@ -317,6 +317,48 @@ def test_plan_inbox_delivers_each_plan_write_once_even_when_its_watch_is_deaf():
             watcher.close()
 
 
+def test_plan_inbox_backstop_reads_no_plan_while_none_is_written():
+    """The backstop asks only for the plans written since its last read: with a long history and no new
+    write, its reads return nothing; a write the watch missed still arrives."""
+    import time
+
+    from trainmover_ext.control.membership import PlanInbox
+
+    returned = []
+
+    class CountingDeafKV(MemoryKV):
+        def watch_prefix(self, prefix, callback, *, start_revision=0):
+            return super().watch_prefix(prefix, lambda events: None, start_revision=start_revision)
+
+        def get_prefix(self, prefix, *, end=None, since=0):
+            snap = super().get_prefix(prefix, end=end, since=since)
+            returned.append(len(snap.entries))
+            return snap
+
+    space = JobSpace.create(CountingDeafKV(), "j", "tok")
+    for epoch in range(1, 51):
+        space.put(
+            space.key("migrations", epoch),
+            MigrationPlan(epoch=epoch, reason="failure", replacements=[], resume_iteration=0).to_bytes(),
+        )
+    got = []
+    inbox = PlanInbox(space, lambda p: got.append(p.epoch), resync_s=0.02)
+    try:
+        time.sleep(0.3)
+        assert len(returned) >= 5 and returned[0] == 50, returned  # the inbox's first read, then the backstop's
+        assert returned[1:] == [0] * (len(returned) - 1), "a backstop read returned plans nobody wrote"
+        space.put(
+            space.key("migrations", 51),
+            MigrationPlan(epoch=51, reason="failure", replacements=[], resume_iteration=0).to_bytes(),
+        )
+        deadline = time.monotonic() + 5.0
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert got == [51]
+    finally:
+        inbox.close()
+
+
 def test_plan_inbox_keeps_the_newest_write_of_each_epoch_and_wakes_waiters():
     """One inbox serves every process: ``latest`` holds each epoch's newest write, ``take`` what arrived
     since the last call, ``wait_until`` blocks until a pick finds something (None after its timeout),

@@ -39,6 +39,21 @@ def test_cas_put_if_absent_and_commit(anykv):
         anykv.commit([], [Put("/t/x", b"1"), Delete("/t/", prefix=True)])
 
 
+def test_get_prefix_since_returns_only_what_was_written_from_that_revision_on(anykv):
+    anykv.put("/s/a", b"1")
+    anykv.put("/s/b", b"1")
+    first = anykv.get_prefix("/s/")
+    assert [e.key for e in first.entries] == ["/s/a", "/s/b"]
+    assert anykv.get_prefix("/s/", since=first.revision + 1).entries == []
+    anykv.put("/s/b", b"2")
+    anykv.put("/s/c", b"1")
+    anykv.put("/t", b"1")
+    changed = anykv.get_prefix("/s/", since=first.revision + 1)
+    assert [(e.key, e.value) for e in changed.entries] == [("/s/b", b"2"), ("/s/c", b"1")]
+    assert changed.revision > first.revision  # the store's revision: the next read asks from one more
+    assert [e.key for e in anykv.get_prefix("/s/", end="/s/c", since=first.revision + 1).entries] == ["/s/b"]
+
+
 def test_watch_sees_changes_in_order(anykv):
     seen: list = []
     done = threading.Event()

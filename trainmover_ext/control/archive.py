@@ -12,8 +12,10 @@ Contract:
   a reader skips a line it cannot parse (a torn last line after a crash).
 - What was already in the files (an earlier agent of the same run directory,
   or an earlier leader) is read back first and never written twice.
+- A poll reads only the events and plans written since the previous one (a plan that finished was
+  written again), so its cost does not grow with the job's history.
 - A malformed record is skipped; on the thread, a failed round (etcd away, disk
-  full) is logged and retried at the next one.
+  full) is logged and retried at the next one, which reads again what that one did not copy.
 """
 
 from __future__ import annotations
@@ -66,6 +68,8 @@ class RunArchive:
         self.migrations_path = os.path.join(run_dir, MIGRATIONS_FILE)
         self._events = {r.get("key") for r in read_jsonl(self.events_path)}
         self._epochs = {r.get("epoch") for r in read_jsonl(self.migrations_path)}
+        self._events_since = self._plans_since = 0
+        """The next poll reads only the events and plans written from these revisions on."""
 
     def start(self, space: JobSpace, is_leader: Callable[[], bool], interval_s: float = 1.0) -> RunArchive:
         """Poll ``space`` on a daemon thread while ``is_leader()``; see the module docstring."""
@@ -103,7 +107,8 @@ class RunArchive:
         """Copy what is new in ``space`` (a JobSpace); returns how many records were written."""
         written = 0
         new_events: list[dict[str, Any]] = []
-        for entry in space.kv.get_prefix(space.events_prefix).entries:
+        events = space.kv.get_prefix(space.events_prefix, since=self._events_since)
+        for entry in events.entries:
             if entry.key in self._events:
                 continue
             try:
@@ -112,8 +117,10 @@ class RunArchive:
                 continue
             new_events.append({"key": entry.key, **dataclasses.asdict(event)})
         written += self._append(self.events_path, new_events, self._events, "key")
+        self._events_since = events.revision + 1
         finished: list[dict[str, Any]] = []
-        for entry in space.kv.get_prefix(space.key("migrations/")).entries:
+        plans = space.kv.get_prefix(space.key("migrations/"), since=self._plans_since)
+        for entry in plans.entries:
             try:
                 plan = MigrationPlan.from_bytes(entry.value, key=entry.key)
             except MalformedValue:
@@ -121,6 +128,7 @@ class RunArchive:
             if plan.status in FINISHED and plan.epoch not in self._epochs:
                 finished.append(dataclasses.asdict(plan))
         written += self._append(self.migrations_path, finished, self._epochs, "epoch")
+        self._plans_since = plans.revision + 1
         return written
 
     @staticmethod

@@ -445,10 +445,10 @@ class PlanInbox:
     - :attr:`latest` maps each epoch to the newest write of its plan; :meth:`take` returns the writes
       delivered since the last call, in delivery order (for a caller that polls).
 
-    The watch delivers plans at once. A backstop thread also reads the plans every ``resync_s`` and
-    delivers any write the watch did not: pyetcd can bind a watch created right after a timed-out
-    create to the wrong stream (see ``kv.base.RECHECK_S``), and a rank that never hears of a failure
-    plan would hang in its recovery."""
+    The watch delivers plans at once. A backstop thread also reads, every ``resync_s``, the plans
+    written since its last read, and delivers any write the watch did not (a rank that never heard of
+    a failure plan would hang in its recovery; see ``kv.base.RECHECK_S``). In a steady job that read
+    returns no plan, however long the job's history."""
 
     def __init__(
         self,
@@ -481,19 +481,18 @@ class PlanInbox:
         self._backstop.start()
 
     def _resync(self, every_s: float) -> None:
+        since = self._start
         while not self._closed.wait(every_s):
             try:
-                entries = self.space.kv.get_prefix(self._prefix).entries
+                # Only the plans written since the last read: a steady job's backstop reads no plan.
+                snap = self.space.kv.get_prefix(self._prefix, since=since)
             except Exception as exc:  # noqa: BLE001 - etcd trouble: the watch may still deliver; read again later
                 logger.info("plan resync failed: %s", exc)
                 continue
             self._on_events(
-                [
-                    WatchEvent(kind="put", key=e.key, value=e.value, mod_revision=e.mod_revision)
-                    for e in entries
-                    if e.mod_revision >= self._start
-                ]
+                [WatchEvent(kind="put", key=e.key, value=e.value, mod_revision=e.mod_revision) for e in snap.entries]
             )
+            since = snap.revision + 1
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         for ev in events:

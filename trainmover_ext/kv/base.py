@@ -138,10 +138,12 @@ class KV(abc.ABC):
         """The entry at ``key``, or None when absent."""
 
     @abc.abstractmethod
-    def get_prefix(self, prefix: str, *, end: str | None = None) -> Snapshot:
+    def get_prefix(self, prefix: str, *, end: str | None = None, since: int = 0) -> Snapshot:
         """Every key that starts with ``prefix``, read at one revision; with ``end``, only the keys
         below ``end`` (a job's control plane reads its namespace without the rendezvous store,
-        which sorts last: see :attr:`~trainmover_ext.kv.job.JobSpace.control_end`)."""
+        which sorts last: see :attr:`~trainmover_ext.kv.job.JobSpace.control_end`); with ``since``,
+        only the keys last written at revision ``since`` or later (a reader that keeps what it read
+        asks for what changed: the snapshot's revision is the store's, the next ``since`` is one more)."""
 
     @abc.abstractmethod
     def put(self, key: str, value: bytes, *, lease: int = 0) -> int:

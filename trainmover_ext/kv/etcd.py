@@ -385,16 +385,14 @@ class EtcdKV(KV):
             lease=kv.lease,
         )
 
-    def get_prefix(self, prefix: str, *, end: str | None = None) -> Snapshot:
+    def get_prefix(self, prefix: str, *, end: str | None = None, since: int = 0) -> Snapshot:
+        kwargs: dict[str, Any] = {"sort_order": "ascend", "sort_target": "key"}
+        if since > 0:
+            kwargs["min_mod_revision"] = since  # etcd filters: the reply carries only what changed
         if end is None:
-            resp = self._call(
-                f"get prefix {prefix}", lambda c: c.get_prefix_response(prefix, sort_order="ascend", sort_target="key")
-            )
+            resp = self._call(f"get prefix {prefix}", lambda c: c.get_prefix_response(prefix, **kwargs))
         else:
-            resp = self._call(
-                f"get range {prefix}..{end}",
-                lambda c: c.get_range_response(prefix, end, sort_order="ascend", sort_target="key"),
-            )
+            resp = self._call(f"get range {prefix}..{end}", lambda c: c.get_range_response(prefix, end, **kwargs))
         return Snapshot(revision=resp.header.revision, entries=[self._entry(kv) for kv in resp.kvs])
 
     def put(self, key: str, value: bytes, *, lease: int = 0) -> int:

@@ -61,9 +61,13 @@ class MemoryKV(KV):
         with self._lock:
             return self._data.get(key)
 
-    def get_prefix(self, prefix: str, *, end: str | None = None) -> Snapshot:
+    def get_prefix(self, prefix: str, *, end: str | None = None, since: int = 0) -> Snapshot:
         with self._lock:
-            entries = [e for k, e in sorted(self._data.items()) if k.startswith(prefix) and (end is None or k < end)]
+            entries = [
+                e
+                for k, e in sorted(self._data.items())
+                if k.startswith(prefix) and (end is None or k < end) and e.mod_revision >= since
+            ]
             return Snapshot(revision=self._revision, entries=entries)
 
     # -- writes --

@@ -65,8 +65,8 @@ class CountingKV(MemoryKV):
             self.keys_written += len(ops)
         return applied
 
-    def get_prefix(self, prefix: str, *, end=None):
-        snap = super().get_prefix(prefix, end=end)
+    def get_prefix(self, prefix: str, *, end=None, since: int = 0):
+        snap = super().get_prefix(prefix, end=end, since=since)
         self.keys_read += len(snap.entries)
         return snap
 
@@ -330,9 +330,9 @@ class RankClient:
         self.reads += 1
         return self._kv.get(key)
 
-    def get_prefix(self, prefix: str, *, end=None):
+    def get_prefix(self, prefix: str, *, end=None, since: int = 0):
         self.reads += 1
-        return self._kv.get_prefix(prefix, end=end)
+        return self._kv.get_prefix(prefix, end=end, since=since)
 
     def commit(self, guards, ops) -> bool:
         self.writes += len(ops)
