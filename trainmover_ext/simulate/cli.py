@@ -219,6 +219,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "with --band or --sweep, exit 1 if a figure lies outside the band, naming the input that comes closest",
     )
     run_group.add_argument(
+        "--replay",
+        default=None,
+        metavar="CHAOS_JSON",
+        help="instead of projecting, predict the wall time and ETTR of each TrainMover and fork-restart run of "
+        "a benchmarks/chaos.py result from its schedule, with every failure's loss composed from "
+        "--downtimes-json and --detection-json (both required; nothing is fitted to the run); exit 1 when "
+        "either strategy's prediction is off by more than 2 percent of wall time or 0.01 of ETTR; JSON key replay",
+    )
+    run_group.add_argument(
+        "--detection-json",
+        default=None,
+        metavar="FILE",
+        help="JSON from benchmarks/detection.py (SIGKILL and SIGSTOP detection medians), for --replay",
+    )
+    run_group.add_argument(
         "--scale-check",
         type=int,
         default=None,
@@ -366,6 +381,8 @@ def run(args: argparse.Namespace) -> int:
     from trainmover_ext.simulate.engine import project
     from trainmover_ext.simulate.sources import format_inputs, inputs_of
 
+    if args.replay:
+        return _replay(args)
     if args.check and not args.paper:
         raise ConfigError("--check compares with the paper's figures: give --paper too")
     ranges = [sensitivity.parse_sweep(text) for text in args.sweep]
@@ -461,3 +478,33 @@ def run(args: argparse.Namespace) -> int:
         report.plot_sweep(report.sweep(cfg), args.plot, bands)
         print(f"wrote {args.plot}")
     return status
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """``--replay``: predict a measured chaos run (see :mod:`.replay`)."""
+    import json
+
+    from trainmover_ext.simulate.replay import STRATEGIES, format_replay, replay
+
+    if not args.downtimes_json or not args.detection_json:
+        raise ConfigError(
+            "--replay composes each failure's loss from measured results: give --downtimes-json "
+            "(benchmarks/results/downtime.json) and --detection-json (benchmarks/results/detection.json)"
+        )
+    docs = []
+    for flag, path in (
+        ("--replay", args.replay),
+        ("--downtimes-json", args.downtimes_json),
+        ("--detection-json", args.detection_json),
+    ):
+        try:
+            with open(path) as f:
+                docs.append(json.load(f))
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{flag} {path}: cannot read it as JSON ({exc})") from exc
+    doc = replay(*docs)
+    print(format_replay(doc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"replay": doc}, f, indent=1)
+    return 0 if all(doc[k]["within_tolerance"] for k in STRATEGIES) else 1
