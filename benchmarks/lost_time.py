@@ -234,3 +234,40 @@ def young_daly_interval_iters(checkpoint_s: float, steady_s: float, mean_gap_ite
     """:func:`young_daly_interval_s` in whole iterations (at least 1), for a failure every
     ``mean_gap_iters`` iterations of ``steady_s``."""
     return max(1, round(young_daly_interval_s(checkpoint_s, mean_gap_iters * steady_s) / steady_s))
+
+
+def excess_by_phase(
+    faulted: Sequence[Iteration],
+    twin: Sequence[Iteration],
+    fault_iterations: Sequence[int],
+    busy: Sequence[tuple[float, float]],
+    first: int,
+    last: int,
+    after: int = 3,
+) -> dict[str, float]:
+    """Where a run's lost time went: its excess over the twin (wall time over ``first..last``) split into
+    the iterations within a recovery (``k - 1`` to ``k + after`` for a fault in iteration ``k``), the other
+    iterations that overlap one of the ``busy`` wall-clock intervals (a refill standby warming beside the
+    job), the remaining iterations, and the rest: pauses between iterations and re-runs after a rollback.
+    Each iteration counts its first run's time minus the twin's; the four add up to the total."""
+    f_first: dict[int, Iteration] = {}
+    for it in faulted:
+        f_first.setdefault(it.iteration, it)
+    t_first: dict[int, Iteration] = {}
+    for it in twin:
+        t_first.setdefault(it.iteration, it)
+    out = {"recovery_s": 0.0, "refill_s": 0.0, "other_iterations_s": 0.0}
+    for i in range(first, last + 1):
+        f, t = f_first.get(i), t_first.get(i)
+        if f is None or t is None:
+            continue
+        if any(k - 1 <= i <= k + after for k in fault_iterations):
+            key = "recovery_s"
+        elif any(a < f.end and f.start < b for a, b in busy):
+            key = "refill_s"
+        else:
+            key = "other_iterations_s"
+        out[key] += f.seconds - t.seconds
+    total = wall_s(faulted, first, last) - wall_s(twin, first, last)
+    out["between_iterations_s"] = total - sum(out.values())
+    return {k: round(v, 4) for k, v in out.items()} | {"total_s": round(total, 4)}

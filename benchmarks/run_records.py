@@ -153,6 +153,21 @@ def standby_starts(archive_events: list[dict]) -> dict[str, dict]:
     }
 
 
+WARM_IN_RE = re.compile(r"standby (\S+) warm in ([\d.]+)s \(")
+
+
+def refill_warmups(archive_events: list[dict], log: str, after: float) -> list[tuple[float, float]]:
+    """(start, end) wall times of the warm-up of each standby started after ``after`` (a refill, started
+    while the job trained): from its ``standby_started`` event for the seconds the launcher logged it took
+    (``warm in``, to warm or to stop warming). A standby with no such line is left out."""
+    took = {m[1]: float(m[2]) for m in WARM_IN_RE.finditer(log)}
+    return sorted(
+        (s["t"], s["t"] + took[member])
+        for member, s in standby_starts(archive_events).items()
+        if s["t"] > after and member in took
+    )
+
+
 def idle_standbys(archive_events: list[dict], at: float) -> int:
     """Standbys registered (``member_joined`` of kind standby) before ``at`` and not yet a joiner or gone."""
     joined, used = set(), set()

@@ -23,7 +23,16 @@ from dataclasses import dataclass, field
 import faults
 import run_records as rr
 from common import Tail, start_launcher
-from lost_time import Fault, Iteration, ettr_relative, event_record, lost_per_failure_s, steady_iteration_s, wall_s
+from lost_time import (
+    Fault,
+    Iteration,
+    ettr_relative,
+    event_record,
+    excess_by_phase,
+    lost_per_failure_s,
+    steady_iteration_s,
+    wall_s,
+)
 
 from harness.jobs import RECORDED_PRETRAIN
 from harness.recorder import INITIAL_STANDBYS_ENV, RECORDS_ENV, REFILL_DELAY_ENV
@@ -276,6 +285,15 @@ def compare(faulted: Run, twin: Run, *, scheduled: int, window: tuple[int, int])
         "restarts": max(0, sum(1 for r in faulted.files.metrics_records() if r.get("event") == "startup") - 1),
         "twin": rr.fenced_and_planned(twin_log, twin.files.plans()),
         "unscheduled_epochs": unscheduled(run_epochs, injected),
+        # where the lost time went: recoveries, iterations beside a refill standby's warm-up, the rest
+        "excess_by_phase": excess_by_phase(
+            f_its,
+            t_its,
+            [i["iteration"] for i in injected],
+            rr.refill_warmups(archive, log, f_its[0].start) if f_its else [],
+            window_from,
+            iters,
+        ),
         "events": events,
     }
 

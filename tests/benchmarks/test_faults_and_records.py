@@ -120,3 +120,20 @@ def test_warmth_and_fenced_processes_from_the_launcher_output():
     )
     assert rr.standby_warmth(log) == {"s0": "promoted before every role was warm", "s1": "warm"}
     assert rr.fenced_and_planned(log, []) == {"fenced": 1, "plans": 0}
+
+
+def test_refill_warmups_run_from_each_later_start_for_the_logged_warm_up():
+    """A standby started after the job began (a refill) is busy from its start for as long as the launcher
+    says it warmed (or warmed until it stopped); one started before, or with no such line, is not counted."""
+    archive = [
+        {"what": "standby_started", "time": 1.0, "detail": {"member": "s0", "how": "fork"}},
+        {"what": "standby_started", "time": 20.0, "detail": {"member": "s1", "how": "pre-forked"}},
+        {"what": "standby_started", "time": 30.0, "detail": {"member": "s2", "how": "pre-forked"}},
+        {"what": "standby_started", "time": 40.0, "detail": {"member": "s3", "how": "pre-forked"}},
+    ]
+    log = (
+        "[trainmover] standby s0 warm in 9.00s (sandbox, roles ['first']); waiting to be promoted [x]\n"
+        "[trainmover] standby s1 warm in 17.25s (sandbox, roles ['first', 'last']); waiting to be promoted [x]\n"
+        "[trainmover] standby s2 warm in 4.50s (sandbox, roles ['first']); warming stopped: promoted first [x]\n"
+    )
+    assert rr.refill_warmups(archive, log, after=5.0) == [(20.0, 37.25), (30.0, 34.5)]

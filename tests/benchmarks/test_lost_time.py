@@ -123,3 +123,17 @@ def test_young_daly():
 def test_spread():
     assert spread([3.0, None, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3, "values": [3.0, 1.0, 2.0]}
     assert spread([None])["median"] is None
+
+
+def test_excess_by_phase_splits_the_lost_time_and_adds_up():
+    """A failure in iteration 5 (a 1 s pause, iteration 6 0.5 s slower), and iteration 9 0.25 s slower while
+    a refill warms beside the job: 0.5 s in the recovery, 0.25 s beside the refill, the pause between."""
+    from lost_time import excess_by_phase
+
+    faulted = run([(1, 1), (2, 1), (3, 1), (4, 1), (5, 1), (6, 1.5), (7, 1), (8, 1), (9, 1.25), (10, 1)], gaps={4: 1.0})
+    out = excess_by_phase(faulted, TWIN, [5], [(9.6, 9.8)], 1, 10)
+    assert out["recovery_s"] == pytest.approx(0.5) and out["refill_s"] == pytest.approx(0.25)
+    assert out["other_iterations_s"] == pytest.approx(0.0) and out["between_iterations_s"] == pytest.approx(1.0)
+    assert out["total_s"] == pytest.approx(1.75)
+    # without the refill interval its 0.25 s counts among the other iterations
+    assert excess_by_phase(faulted, TWIN, [5], [], 1, 10)["other_iterations_s"] == pytest.approx(0.25)
