@@ -20,7 +20,7 @@ COMPAT_VPY := $(COMPAT_VENV)/bin/python
 # move, each bit-identical to the fault-free run: an unexpected failure and a planned migration. And
 # the container image's install steps, replayed on this stack's Python and megatron-core. And MoE
 # (the CPU patches of its dispatchers, router and experts on 0.19).
-COMPAT_TESTS := tests/training/test_units.py tests/training/test_grad_sync.py tests/nccl_delta/test_units.py tests/control/test_decide.py \
+COMPAT_TESTS := tests/training/test_units.py tests/training/test_grad_sync.py tests/nccl_delta/test_units.py tests/control/test_decide.py tests/control/test_plan_inbox.py \
 	tests/training/test_moe_flags.py tests/training/test_moe_training.py \
 	tests/control/test_kv.py tests/control/test_fingerprint.py tests/migration/test_transfer_format.py \
 	tests/sandbox/test_units.py tests/test_layering.py tests/test_deadline.py tests/test_fsutil.py \
