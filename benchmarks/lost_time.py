@@ -64,6 +64,14 @@ def steady_iteration_s(its: Sequence[Iteration], skip: int = 2) -> float:
     return statistics.median(times)
 
 
+def first_runs(its: Sequence[Iteration]) -> dict[int, Iteration]:
+    """Each iteration's first run (a re-run after a rollback is left out)."""
+    out: dict[int, Iteration] = {}
+    for it in its:
+        out.setdefault(it.iteration, it)
+    return out
+
+
 def _first_run(its: Sequence[Iteration], iteration: int) -> Iteration:
     for it in its:
         if it.iteration == iteration:
@@ -250,12 +258,7 @@ def excess_by_phase(
     iterations that overlap one of the ``busy`` wall-clock intervals (a refill standby warming beside the
     job), the remaining iterations, and the rest: pauses between iterations and re-runs after a rollback.
     Each iteration counts its first run's time minus the twin's; the four add up to the total."""
-    f_first: dict[int, Iteration] = {}
-    for it in faulted:
-        f_first.setdefault(it.iteration, it)
-    t_first: dict[int, Iteration] = {}
-    for it in twin:
-        t_first.setdefault(it.iteration, it)
+    f_first, t_first = first_runs(faulted), first_runs(twin)
     out = {"recovery_s": 0.0, "refill_s": 0.0, "other_iterations_s": 0.0}
     for i in range(first, last + 1):
         f, t = f_first.get(i), t_first.get(i)

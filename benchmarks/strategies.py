@@ -29,6 +29,7 @@ from lost_time import (
     ettr_relative,
     event_record,
     excess_by_phase,
+    first_runs,
     lost_per_failure_s,
     steady_iteration_s,
     wall_s,
@@ -319,10 +320,8 @@ def pre_fault_ratio(faulted: list[Iteration], twin: list[Iteration], iteration: 
     time of that pair carries the machine's drift (another job started or stopped between the runs)."""
 
     def median_of(its: list[Iteration]) -> float | None:
-        first = {}
-        for it in its:
-            first.setdefault(it.iteration, it.seconds)
-        vals = [first[i] for i in range(max(1, iteration - n), iteration) if i in first]
+        first = first_runs(its)
+        vals = [first[i].seconds for i in range(max(1, iteration - n), iteration) if i in first]
         return statistics.median(vals) if vals else None
 
     f, t = median_of(faulted), median_of(twin)

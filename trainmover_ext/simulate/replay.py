@@ -81,7 +81,7 @@ def inputs_from(downtime: dict, detection: dict) -> ReplayInputs:
             raise ConfigError(
                 f"the detection results have no {kind} median: regenerate them with benchmarks/detection.py"
             )
-    down, det = f"benchmarks/results/downtime.json ({_stamp(downtime)})", f"detection.json ({_stamp(detection)})"
+    down, det = f"the downtime results ({_stamp(downtime)})", f"the detection results ({_stamp(detection)})"
     return ReplayInputs(
         tm_loss_iters=_median_of(events, "unexpected", "controllable_loss_iters", "the downtime results"),
         fork_loss_iters=_median_of(events, "restart_fork", "controllable_loss_iters", "the downtime results"),
@@ -90,8 +90,8 @@ def inputs_from(downtime: dict, detection: dict) -> ReplayInputs:
         sources={
             "tm_loss_iters": f"{down}: median controllable_loss_iters of the unexpected events",
             "fork_loss_iters": f"{down}: median controllable_loss_iters of the restart_fork events",
-            "kill_detect_s": f"benchmarks/results/{det}: SIGKILL median_s",
-            "hang_detect_s": f"benchmarks/results/{det}: SIGSTOP median_s",
+            "kill_detect_s": f"{det}: SIGKILL median_s",
+            "hang_detect_s": f"{det}: SIGSTOP median_s",
         },
     )
 
