@@ -117,7 +117,11 @@ def main(argv=None) -> int:
     parser.add_argument("--standby-reserves", type=int, default=16, help="--tm-standby-reserves of TrainMover.")
     parser.add_argument("--checkpoint-cost-s", type=float, default=None, help="Skip the calibration: save time.")
     parser.add_argument("--steady-s", type=float, default=None, help="Skip the calibration: steady iteration.")
-    parser.add_argument("--keep-logs", action="store_true", help="Keep every run's files (the path is printed).")
+    parser.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="Keep every run's logs and records (the path is printed); its checkpoints go when it ends.",
+    )
     parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]

@@ -193,7 +193,11 @@ def main(argv=None) -> int:
     parser.add_argument("--scale-trials", type=int, default=3, help="Trials per scale world size.")
     parser.add_argument("--precision", choices=sorted(PRECISION_FLAGS), default="bf16")
     parser.add_argument("--dropout", type=float, default=0.1, help="Hidden and attention dropout (Megatron's 0.1).")
-    parser.add_argument("--keep-logs", action="store_true", help="Keep every run's files (the path is printed).")
+    parser.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="Keep every run's logs and records (the path is printed); its checkpoints go when it ends.",
+    )
     parser.add_argument("--data-prefix", default=DEFAULT_CORPUS_PREFIX, help="Corpus prefix (built if missing).")
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.strategies.split(",") if s.strip()]

@@ -344,6 +344,7 @@ def run_job(
             proc.wait(30)
         _kill_token(token)  # nvrx's monitor daemons (double-forked, re-parented to init)
         del servers
+        shutil.rmtree(ckpt, ignore_errors=True)  # Megatron keeps every save; nothing reads them after the run
     return {
         "t_kill": t_kill,
         "injected": injected,

@@ -16,6 +16,7 @@ comparison (``lost_time.py`` holds the definitions). Every process of every run 
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,8 +96,8 @@ class Strategy:
             return self._run_nvrx(files, name, job, schedule, steady_s)
         env = {RECORDS_ENV: files.records_dir}
         args = [*job.args, *self.extra_args, "--tm-metrics-file", files.metrics]
+        ckpt = files.prefix + ".ckpt"
         if job.save_interval:
-            ckpt = files.prefix + ".ckpt"
             args += ["--save", ckpt, "--load", ckpt, "--save-interval", str(job.save_interval)]
         flags = ["--run-dir", files.run_dir, "--metrics-port", "-1", *self.launch_flags]
         if self.name == "trainmover":
@@ -130,6 +131,9 @@ class Strategy:
         finally:
             if proc.poll() is None:
                 proc.kill()
+            # Megatron keeps every checkpoint it saves (26 MB each for the demo model); a chaos run's
+            # 36 runs kept 69 GB. Nothing reads them once the run ended: its records say what it did.
+            shutil.rmtree(ckpt, ignore_errors=True)
         if code != 0:
             raise RuntimeError(f"{name} exited {code}; see {files.err}")
         return Run(strategy=self.name, name=name, files=files, injected=injected, world=job.world)
