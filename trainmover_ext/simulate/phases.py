@@ -4,12 +4,14 @@ Contract: :func:`measured_phases` reads the events of a ``benchmarks/downtime.py
 unexpected recovery its plan's ``steps_s`` (seconds from the fault, cumulative: ``detected``,
 ``decided``, ``joined``, ``transferred``, ``first_iteration``) and its ``penalty_iters``. It returns the
 median of each phase (detection; decision; the communicators and the joiner, ``joined``; the state copy;
-the first iteration) and of the penalty, or None when the file has no such events. Pure: no file is
-written, nothing is fitted.
+the first iteration's excess over the file's steady ``iteration_s``) and of the penalty, or None when the
+file has no such events. Pure: no file is written, nothing is fitted.
 
 The recovery is their sum: the redo of the killed iteration's computed part and the post-promotion
 penalty are the engine's (the in-flight fraction, ``tm_promotion_penalty_iters``), so neither is
-counted twice, as a lost time (``unexpected_s``) would count them.
+counted twice, as a lost time (``unexpected_s``) would count them. Nor is the first iteration's own
+work: the engine runs that iteration after the recovery, so only what it took beyond a steady one
+(warm-up) is recovery.
 
 Scale model (stated, not fitted; :data:`CONTROL_S_PER_GPU`): detection, the communicator change (the
 groups and members rebuilt per replacement are constant with the job's size: ``benchmarks/comm.py``'s
@@ -50,6 +52,7 @@ class Phases:
     join_s: float
     transfer_s: float
     first_iteration_s: float
+    """The first iteration after the recovery, beyond a steady one (its own work is the engine's)."""
     penalty_iters: float
     """The median as measured: below 0 when the recovered job ran faster than its twin (noise)."""
     ranks: int
@@ -57,20 +60,22 @@ class Phases:
 
     @property
     def recovery_s(self) -> float:
-        """Fault to the end of the first iteration after it: the phases' sum."""
+        """Fault to the end of the first iteration after it, less a steady iteration: the phases' sum."""
         return self.detect_s + self.decide_s + self.join_s + self.transfer_s + self.first_iteration_s
 
     def describe(self) -> str:
         """The phases as the inputs list names them."""
         return (
             f"phases detect {self.detect_s:.3g} + decide {self.decide_s:.3g} + join {self.join_s:.3g} + "
-            f"state {self.transfer_s:.3g} + first iteration {self.first_iteration_s:.3g} s (medians of "
-            f"{self.events} unexpected recoveries at {self.ranks} ranks)"
+            f"state {self.transfer_s:.3g} + first iteration beyond a steady one {self.first_iteration_s:.3g} s "
+            f"(medians of {self.events} unexpected recoveries at {self.ranks} ranks)"
         )
 
 
 def measured_phases(doc: dict[str, Any]) -> Phases | None:
     """The phases of ``doc``'s unexpected recoveries (see the module docstring); None without any."""
+    steady = doc.get("iteration_s")
+    steady = float(steady) if isinstance(steady, (int, float)) and steady > 0 else 0.0
     rows = []
     for event in doc.get("events") or []:
         if not isinstance(event, dict) or event.get("scenario") != "unexpected":
@@ -79,7 +84,9 @@ def measured_phases(doc: dict[str, Any]) -> Phases | None:
         if not all(isinstance(steps.get(s), (int, float)) for s in STEPS):
             continue
         at = [float(steps[s]) for s in STEPS]
-        rows.append(([at[0]] + [b - a for a, b in zip(at, at[1:], strict=False)], event.get("penalty_iters")))
+        phases = [at[0]] + [b - a for a, b in zip(at, at[1:], strict=False)]
+        phases[-1] -= steady
+        rows.append((phases, event.get("penalty_iters")))
     if not rows:
         return None
     phase = [statistics.median(max(0.0, r[0][i]) for r in rows) for i in range(len(STEPS))]
