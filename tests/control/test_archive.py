@@ -85,3 +85,28 @@ def test_the_thread_copies_only_while_leading(tmp_path):
         leading["now"] = True
         archive.close()  # the final round copies (this agent leads now)
     assert len(list(read_jsonl(archive.events_path))) == 2
+
+
+def test_two_archives_of_one_run_directory_never_write_a_record_twice(tmp_path):
+    """Two agents of one run directory, leading in turn and both alive: the second one was made before
+    the first wrote, and still copies only what the first did not (it reads the file's new lines first)."""
+    space = _space()
+    first, second = RunArchive(str(tmp_path)), RunArchive(str(tmp_path))
+    assert first.poll(space) == 3
+    assert second.poll(space) == 0
+    space.put(space.events_prefix + event_key_suffix(12.0), Event(time=12.0, what="x", detail={}).to_bytes())
+    plan = MigrationPlan(epoch=2, reason="failure", replacements=[], resume_iteration=4, status="done")
+    space.put(space.key("migrations", migration_key_suffix(2)), plan.to_bytes())
+    assert second.poll(space) == 2
+    assert first.poll(space) == 0
+    assert [r["what"] for r in read_jsonl(first.events_path)] == ["leader_elected", "migration_planned", "x"]
+    assert [p["epoch"] for p in read_jsonl(first.migrations_path)] == [1, 2]
+
+
+def test_a_line_torn_by_a_dead_writer_is_ended_before_the_next_record(tmp_path):
+    space = _space()
+    (tmp_path / "events.jsonl").write_text(json.dumps({"key": "old", "what": "y"}) + "\n" + '{"key": "b", "wh')
+    archive = RunArchive(str(tmp_path))
+    assert archive.poll(space) == 3
+    assert [r["key"] for r in read_jsonl(archive.events_path)][0] == "old"
+    assert [r["what"] for r in read_jsonl(archive.events_path)] == ["y", "leader_elected", "migration_planned"]

@@ -10,8 +10,11 @@ Contract:
 - Lines are the records' own JSON (:class:`~trainmover_ext.control.records.Event`,
   :class:`~trainmover_ext.control.records.MigrationPlan` as dicts), one per line;
   a reader skips a line it cannot parse (a torn last line after a crash).
-- What was already in the files (an earlier agent of the same run directory,
-  or an earlier leader) is read back first and never written twice.
+- What is already in the files is never written twice, whoever wrote it: an earlier agent of the
+  same run directory, or another leader meanwhile (two agents of one run directory, leading in
+  turn, each alive). Every append holds an exclusive ``flock`` on the file and first reads the lines
+  other writers appended since this archive's last look; a torn last line (a writer that died
+  mid-write) is ended before the next record.
 - A poll reads only the events and plans written since the previous one (a plan that finished was
   written again), so its cost does not grow with the job's history.
 - A malformed record is skipped; on the thread, a failed round (etcd away, disk
@@ -21,12 +24,13 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from trainmover_ext.control.records import Event, MigrationPlan
 from trainmover_ext.errors import MalformedValue
@@ -66,8 +70,14 @@ class RunArchive:
         os.makedirs(run_dir, exist_ok=True)
         self.events_path = os.path.join(run_dir, EVENTS_FILE)
         self.migrations_path = os.path.join(run_dir, MIGRATIONS_FILE)
-        self._events = {r.get("key") for r in read_jsonl(self.events_path)}
-        self._epochs = {r.get("epoch") for r in read_jsonl(self.migrations_path)}
+        self._events: set[Any] = set()
+        self._epochs: set[Any] = set()
+        self._read_to = {self.events_path: 0, self.migrations_path: 0}
+        """How far each file has been read (bytes): lines past it were written by another archive."""
+        for path, seen, key in ((self.events_path, self._events, "key"), (self.migrations_path, self._epochs, "epoch")):
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    self._catch_up(f, seen, key)
         self._events_since = self._plans_since = 0
         """The next poll reads only the events and plans written from these revisions on."""
 
@@ -131,14 +141,38 @@ class RunArchive:
         self._plans_since = plans.revision + 1
         return written
 
-    @staticmethod
-    def _append(path: str, records: list[dict[str, Any]], seen: set[Any], key: str) -> int:
+    def _catch_up(self, f: BinaryIO, seen: set[Any], key: str) -> None:
+        """Add the ``key`` of every whole line of ``f`` past where this archive last read to ``seen``."""
+        path = f.name
+        f.seek(self._read_to[path])
+        data = f.read()
+        end = data.rfind(b"\n") + 1  # a torn last line is not read (its writer died, or writes it now)
+        for line in data[:end].splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                seen.add(record.get(key))
+        self._read_to[path] += end
+
+    def _append(self, path: str, records: list[dict[str, Any]], seen: set[Any], key: str) -> int:
+        """Append the records whose ``key`` no writer of ``path`` wrote yet; how many were written."""
         if not records:
             return 0
-        with open(path, "a") as f:
-            for record in records:
-                f.write(json.dumps(record, sort_keys=True) + "\n")
-                seen.add(record[key])
+        with open(path, "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+            self._catch_up(f, seen, key)
+            fresh = [r for r in records if r[key] not in seen]
+            if not fresh:
+                return 0
+            f.seek(0, os.SEEK_END)
+            out = b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in fresh)
+            if f.tell() > self._read_to[path]:  # a torn line: end it, so that ours parse
+                out = b"\n" + out
+            f.write(out)
             f.flush()
             os.fsync(f.fileno())
-        return len(records)
+            self._read_to[path] = f.tell()
+            seen.update(r[key] for r in fresh)
+        return len(fresh)
