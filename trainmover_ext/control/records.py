@@ -58,15 +58,13 @@ with ``to_bytes`` / ``from_bytes``; unknown fields from newer writers are ignore
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import time
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
+from trainmover_ext.control.json_types import field_type_problems
 from trainmover_ext.errors import MalformedValue
 from trainmover_ext.kv.codec import decode, encode
 
@@ -84,8 +82,11 @@ class Record:
     """Mixin: versioned-JSON (de)serialization of a dataclass."""
 
     KIND: ClassVar[str]
+    PLAIN: ClassVar[bool] = False  # only JSON values at any depth: encoded without asdict's deep copy
 
     def to_bytes(self) -> bytes:
+        if self.PLAIN:
+            return encode(self.KIND, {f.name: getattr(self, f.name) for f in dataclasses.fields(self)})  # type: ignore[arg-type]
         return encode(self.KIND, dataclasses.asdict(self))  # type: ignore[call-overload]
 
     @classmethod
@@ -112,56 +113,6 @@ class Record:
     def problems(self) -> list[str]:
         """The fields whose value does not have its annotated JSON type (empty: the record is sound)."""
         return field_type_problems(self)
-
-
-def field_type_problems(obj: object) -> list[str]:
-    """The fields of dataclass ``obj`` whose value does not have the annotated type, in words.
-
-    JSON has one number type, so an integral value is a valid ``float``; a ``bool`` is never an
-    ``int``, and a ``float`` field must be finite (``Infinity``/``NaN`` parse, but no writer means them)."""
-    cls: type = type(obj)  # a plain `type`: mypy does not take type[object] as Hashable (functools.cache)
-    return [
-        f"{name} is {getattr(obj, name)!r:.40}, not {_type_name(hint)}"
-        for name, hint in _field_types(cls).items()
-        if not _has_type(getattr(obj, name), hint)
-    ]
-
-
-def _type_name(hint: Any) -> str:
-    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
-
-
-@functools.cache
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _has_type(value: object, hint: Any) -> bool:
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is Any:
-        return True
-    if origin is types.UnionType or origin is typing.Union:
-        return any(_has_type(value, a) for a in args)
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return (isinstance(value, int) and not isinstance(value, bool)) or (
-            isinstance(value, float) and math.isfinite(value)
-        )
-    if hint is str:
-        return isinstance(value, str)
-    if origin is list:
-        return isinstance(value, list) and all(_has_type(v, args[0]) for v in value)
-    if origin is dict:
-        return isinstance(value, dict) and all(
-            _has_type(k, args[0]) and _has_type(v, args[1]) for k, v in value.items()
-        )
-    raise TypeError(f"no JSON type check for the annotation {hint!r}")
 
 
 @dataclass(kw_only=True)
@@ -432,6 +383,7 @@ class ComputeReport(Record):
     samples as ``[iteration, seconds]`` pairs, oldest first (:mod:`trainmover_ext.launch.compute_relay`)."""
 
     KIND: ClassVar[str] = "compute"
+    PLAIN: ClassVar[bool] = True
     host: str
     samples: dict[str, list[list[float]]] = field(default_factory=dict)
     """Rank (a decimal string: JSON keys are strings) -> ``[[iteration, compute_s, peer, wait_s, ...], ...]``:
