@@ -138,3 +138,42 @@ def test_plan_inbox_keeps_the_newest_write_of_each_epoch_and_wakes_waiters():
 
 
 # -- convergence: the controller alone decides where every rank resumes ---------------------
+
+
+def test_etcd_keeps_only_the_newest_plans_and_convergences_and_the_inbox_forgets_the_pruned():
+    """Every controller round reads the whole control range: a plan commit prunes the plan and the
+    convergence of the epoch PLANS_KEPT before it, so that read does not grow with the job's life."""
+    import time
+
+    from trainmover_ext.control.actions import PlanMigration
+    from trainmover_ext.control.executor import PLANS_KEPT, Executor, Outcome
+    from trainmover_ext.control.membership import PlanInbox
+    from trainmover_ext.control.records import ConvergenceRecord, convergence_key
+    from trainmover_ext.control.view import epoch_value, read_view
+
+    space = JobSpace.create(MemoryKV(), "j", "tok")
+    space.put(space.key("epoch"), epoch_value(0))
+    inbox = PlanInbox(space, resync_s=0.05)
+    last = PLANS_KEPT + 4
+    try:
+        for e in range(1, last + 1):
+            rev = space.kv.get(space.key("epoch")).mod_revision
+            plan = MigrationPlan(epoch=e, reason="failure", replacements=[], resume_iteration=0)
+            action = PlanMigration(plan=plan, expected_epoch=e - 1, expected_epoch_rev=rev, rank_updates=())
+            assert Executor(space).apply(action) is Outcome.APPLIED
+            space.put(convergence_key(space, e), ConvergenceRecord(epoch=e, resume_iteration=0).to_bytes())
+
+        def epochs(kind: str) -> list[int]:
+            return [int(x.key.rsplit("/", 1)[1]) for x in space.kv.get_prefix(space.key(kind) + "/").entries]
+
+        kept = list(range(last - PLANS_KEPT + 1, last + 1))
+        assert epochs("migrations") == kept and epochs("convergence") == kept
+        view = read_view(space)
+        assert view.epoch == last and view.last_plan.epoch == last and view.newest_plan_epoch == last
+        assert sorted(view.converged) == kept
+        deadline = time.monotonic() + 5.0
+        while sorted(inbox.snapshot()) != kept and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(inbox.snapshot()) == kept
+    finally:
+        inbox.close()

@@ -5,7 +5,10 @@ transaction. A :class:`PlanMigration` commits only if ``epoch`` is still at the
 revision the decision saw *and* this controller still holds the leader key
 (fencing: a deposed leader whose lease ran out cannot write). It bumps
 ``epoch``, writes ``migrations/<e+1>``, repoints ``ranks/<r>`` at the joiners,
-deletes the reports/requests/alerts it settles and appends an event, all at one
+deletes the reports/requests/alerts it settles and the plan and convergence of epoch
+``e+1 - PLANS_KEPT`` (so etcd holds the last :data:`PLANS_KEPT` of each, and every controller
+round's view read stays the same size however many epochs the job lives through; older plans are
+in the run archive, ``RUN_DIR/migrations.jsonl``) and appends an event, all at one
 revision. Hence at most one migration commits per epoch, and a decision is
 either wholly visible or absent. A :class:`CommitConvergence` writes
 ``convergence/<e>`` only while the epoch is unchanged (a newer failure voids it)
@@ -48,6 +51,10 @@ from trainmover_ext.kv.base import Delete, Guard, Put
 from trainmover_ext.kv.job import JobSpace
 
 logger = logging.getLogger(__name__)
+
+PLANS_KEPT = 16
+"""How many epochs' plans (``migrations/<e>``) and convergences etcd keeps; only the newest is ever
+decided on, the others serve ``trainmover status`` and the metrics."""
 
 
 class Outcome(enum.Enum):
@@ -107,6 +114,8 @@ class Executor:
             ]
             ops += [Put(s.key("ranks", rec.rank), rec.to_bytes()) for rec in action.rank_updates]
             ops += [Delete(k) for k in action.consumed]
+            if (gone := plan.epoch - PLANS_KEPT) >= 1:
+                ops += [Delete(s.key("migrations", migration_key_suffix(gone))), Delete(convergence_key(s, gone))]
             ops.append(
                 event_put(
                     s,

@@ -24,7 +24,8 @@ Contract:
   for r's lease. A rank whose link to r broke writes a suspicion (``suspect``):
   the controller then probes r's node (:mod:`~trainmover_ext.control.probes`).
 - :class:`PlanInbox` is every process's one inbox of ``migrations/<e>``: it hears of each plan
-  within milliseconds of the controller's commit, keeps the newest write of each, and wakes waiters.
+  within milliseconds of the controller's commit, keeps the newest write of each (until the executor
+  prunes the plan, :data:`~trainmover_ext.control.executor.PLANS_KEPT` epochs later), and wakes waiters.
 
 Example (an agent or worker)::
 
@@ -496,7 +497,12 @@ class PlanInbox:
 
     def _on_events(self, events: list[WatchEvent]) -> None:
         for ev in events:
-            if ev.kind != "put":
+            if ev.kind != "put":  # an old epoch's plan pruned by the executor: forget it here too
+                with self._seen_lock, self._cond:
+                    self._seen.pop(ev.key, None)
+                    suffix = ev.key[len(self._prefix) :]
+                    if suffix.isdigit():
+                        self.latest.pop(int(suffix), None)
                 continue
             # Each write once, whichever of the watch and the backstop saw it first, and the check and
             # the delivery under one lock: a plan's writes arrive in revision order (an older write
