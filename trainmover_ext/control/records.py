@@ -21,11 +21,13 @@ key                     value                                          written b
 ``ranks/<r>``           :class:`RankRecord`: who serves rank r         launcher; controller        controller, agents, ``status``
 ``epoch``               ``{"epoch": e}``, compare-and-swap only         controller                  controller
 ``migrations/<e>``      :class:`MigrationPlan` that opened epoch e     controller; steps: ranks    every rank, agent, controller
+                        (the last 16 epochs': ``executor.PLANS_KEPT``)
 ``reports/<r>/<by>``    :class:`FailureReport`: r's process died       agents                      controller
 ``requests/<id>``       :class:`MigrationRequest`                      ``trainmover migrate``      controller
 ``alerts/<r>``          :class:`Alert`: no standby can serve rank r    controller                  controller, ``status``
 ``recovery/<e>/<r>``    ``{"iteration": k|null}``: r holds k steps     that stayer (once)          controller only
 ``convergence/<e>``     :class:`ConvergenceRecord`: resume and copies  controller                  every rank of epoch e (one key)
+                        (the last 16 epochs', as plans)
 ``checkpoint``          ``{"iteration": k}``: newest full checkpoint   rank 0                      controller
 ``finished/<r>``        ``{"iteration": k}``: rank r completed         that rank                   controller, ``trainmover controller``
 ``recordings/<role>``   the sandbox's recording index                  the recording rank          standbys
