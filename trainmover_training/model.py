@@ -58,7 +58,10 @@ def transformer_config_from_args(args, layout):
         recompute_method=getattr(args, "recompute_method", None),
         recompute_num_layers=getattr(args, "recompute_num_layers", None),
         use_cpu_initialization=True,
-        perform_initialization=True,
+        # Every weight is drawn by get_model's layout_independent_init_ (or, for a rank whose state is
+        # about to be transferred, by nothing): megatron-core's own draw, a full master tensor per
+        # parameter on the CPU, would be thrown away.
+        perform_initialization=False,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=args.bf16,
@@ -167,10 +170,27 @@ def layout_independent_init_(
             param.copy_(full.to(param.dtype))
 
 
+def poison_(chunk) -> None:
+    """Set every floating-point parameter of ``chunk`` to NaN: for a model whose state a transfer is about
+    to overwrite, a value the transfer misses then shows as NaN in the first loss, never as a plausible
+    number (and nothing is drawn in vain)."""
+    with torch.no_grad():
+        for param in chunk.parameters():
+            if param.is_floating_point():
+                param.fill_(float("nan"))
+
+
 def get_model(
-    model_provider: Callable, args, layout, transformer_config, prepare_chunk: Callable | None = None
+    model_provider: Callable,
+    args,
+    layout,
+    transformer_config,
+    prepare_chunk: Callable | None = None,
+    *,
+    initialize: bool = True,
 ) -> list:
-    """Build, initialise and DDP-wrap this rank's model chunks."""
+    """Build, initialise and DDP-wrap this rank's model chunks; ``initialize=False`` leaves every
+    parameter NaN (:func:`poison_`) for a state transfer to fill."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -180,18 +200,21 @@ def get_model(
         pre = mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage if vpp else None)
         post = mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage if vpp else None)
         chunk = model_provider(pre_process=pre, post_process=post, vp_stage=vp_stage if vpp else None)
-        layout_independent_init_(
-            chunk,
-            args.seed,
-            args.init_method_std,
-            args.num_layers,
-            layout.tp_rank,
-            layout.tp_size,
-            ep_rank=mpu.get_expert_model_parallel_rank() if getattr(args, "moe_layer", False) else 0,
-            num_local_experts=(args.num_experts // args.expert_model_parallel_size)
-            if getattr(args, "moe_layer", False)
-            else 0,
-        )
+        if not initialize:
+            poison_(chunk)
+        else:
+            layout_independent_init_(
+                chunk,
+                args.seed,
+                args.init_method_std,
+                args.num_layers,
+                layout.tp_rank,
+                layout.tp_size,
+                ep_rank=mpu.get_expert_model_parallel_rank() if getattr(args, "moe_layer", False) else 0,
+                num_local_experts=(args.num_experts // args.expert_model_parallel_size)
+                if getattr(args, "moe_layer", False)
+                else 0,
+            )
         chunk.to(layout.device)
         if prepare_chunk is not None:
             prepare_chunk(chunk)  # e.g. TrainMover's --tm-compile, in place

@@ -327,12 +327,21 @@ def train_step(session: Session, finishing: contextlib.AbstractContextManager | 
 
 
 def build_session(
-    args, layout, model_provider, dataset_provider, forward_step_func, metrics, prepare_chunk: Callable | None = None
+    args,
+    layout,
+    model_provider,
+    dataset_provider,
+    forward_step_func,
+    metrics,
+    prepare_chunk: Callable | None = None,
+    *,
+    initialize: bool = True,
 ) -> Session:
-    """Seeds, model, optimizer, scheduler and dataset for this rank (no checkpoint loaded)."""
+    """Seeds, model, optimizer, scheduler and dataset for this rank (no checkpoint loaded).
+    ``initialize=False``: the parameters are left NaN for a state transfer to fill (``model.get_model``)."""
     set_random_seeds(args.seed, layout)
     config = transformer_config_from_args(args, layout)
-    model = get_model(model_provider, args, layout, config, prepare_chunk)
+    model = get_model(model_provider, args, layout, config, prepare_chunk, initialize=initialize)
     optimizer, scheduler = setup_optimizer(model, args)
     _wire_config(config, model, optimizer)
     evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters * args.global_batch_size

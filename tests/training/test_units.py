@@ -329,3 +329,17 @@ def test_a_torch_dist_checkpoint_is_read_in_the_optimizer_layout_it_names():
     other = _checkpoint_args(use_distributed_optimizer=True, tensor_model_parallel_size=2)
     with pytest.raises(CheckpointError, match="tensor-model-parallel-size saved=1 now=2"):
         _check_optimizer_layout(distopt, saved, other, "p")
+
+
+def test_poison_leaves_every_floating_parameter_nan_and_buffers_alone():
+    """A rank whose state a transfer fills is built with NaN parameters: a value the transfer missed
+    shows as NaN in the first loss (``model.poison_``)."""
+    import torch
+
+    from trainmover_training.model import poison_
+
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4).to(torch.bfloat16))
+    module.register_buffer("steps", torch.tensor([3]))
+    poison_(module)
+    assert all(torch.isnan(p).all() for p in module.parameters())
+    assert module.steps.item() == 3

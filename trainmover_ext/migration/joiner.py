@@ -114,8 +114,10 @@ def serve_rank(
 
         def build(why: str) -> Session:
             print(f"[trainmover] standby {ident.member_id} builds rank {rep.rank}'s model ({why})", flush=True)
-            with no_collectives():  # everything they would set comes with the state transfer
-                return build_session(args, layout, *providers, metrics, chunk_preparer(args))
+            # Everything the build's collectives and its initialisation would set comes with the state
+            # transfer: none runs, and the parameters stay NaN until it fills them.
+            with no_collectives():
+                return build_session(args, layout, *providers, metrics, chunk_preparer(args), initialize=False)
 
         kept_role = kept.role if kept is not None else None
         # not_adopted is None only with parts kept, and adopt_or_build reads it only without any
