@@ -58,10 +58,11 @@ def transformer_config_from_args(args, layout):
         recompute_method=getattr(args, "recompute_method", None),
         recompute_num_layers=getattr(args, "recompute_num_layers", None),
         use_cpu_initialization=True,
-        # Every weight is drawn by get_model's layout_independent_init_ (or, for a rank whose state is
-        # about to be transferred, by nothing): megatron-core's own draw, a full master tensor per
-        # parameter on the CPU, would be thrown away.
-        perform_initialization=False,
+        # get_model's layout_independent_init_ overwrites every weight megatron-core draws here, but the
+        # draw cannot be skipped: megatron-core 0.16 gives a weight its tensor-parallel attributes
+        # (partition_dim, ...) inside it, and the layout-independent draw, the gradient norm and the
+        # checkpoints all read them.
+        perform_initialization=True,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=args.bf16,
