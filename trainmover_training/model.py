@@ -174,7 +174,7 @@ def layout_independent_init_(
 def poison_(chunk) -> None:
     """Set every floating-point parameter of ``chunk`` to NaN: for a model whose state a transfer is about
     to overwrite, a value the transfer misses then shows as NaN in the first loss, never as a plausible
-    number (and nothing is drawn in vain)."""
+    number (and the layout-independent draw, a full tensor per parameter, is not made in vain)."""
     with torch.no_grad():
         for param in chunk.parameters():
             if param.is_floating_point():
