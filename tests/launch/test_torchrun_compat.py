@@ -165,7 +165,9 @@ def _tiny_script(tmp_path, code: str) -> str:
 
 
 def test_local_ranks_filter_keeps_other_ranks_off_the_console(tmp_path):
-    script = _tiny_script(tmp_path, "print('hello from local rank', os.environ['LOCAL_RANK'])\n")
+    # One write per line: the ranks share the console, and a pipe keeps a write of under PIPE_BUF bytes whole
+    # (print's separate writes of its arguments interleave when the interpreter runs unbuffered).
+    script = _tiny_script(tmp_path, "os.write(1, f\"hello from local rank {os.environ['LOCAL_RANK']}\\n\".encode())\n")
     cmd = [sys.executable, "-m", "trainmover_ext.cli", "launch", "--nproc-per-node", "2", "--rdzv-backend", "c10d"]
     cmd += ["--start-method", "spawn"]  # no warm parent needed for a script this small
     res = subprocess.run(
