@@ -20,6 +20,10 @@ mkdir -p "$OUT"
 PY=${PY:-python3}
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
+# The project installed (`pip install -e .` maps patches/ to trainmover_ext.patches) with its needs, and etcd.
+$PY -c "import megatron.core, pyetcd, trainmover_ext.patches" || {
+  echo "gpu_check.sh: install the project first (pip install -e . with megatron-core and etcd-sdk-python)"; exit 1; }
+command -v etcd >/dev/null || { echo "gpu_check.sh: no etcd on PATH (apt-get install etcd-server)"; exit 1; }
 status=0
 # A skip of a one-GPU test is a failure here: the device is present.
 $PY -m pytest -q -rs --timeout 600 tests/training/test_gpu.py tests/migration/test_handover_transport.py \
