@@ -129,6 +129,12 @@ class RecoverReport:
     """Groups whose communicator was built anew in generation ``epoch``."""
     members_rebuilt: int = 0
     """The members of those groups, summed (the size of the communicator set-ups this rank took part in)."""
+    agree_s: float = 0.0
+    """Seconds spent agreeing on what is kept (the ledger exchange with every peer)."""
+    groups_s: float = 0.0
+    """Seconds spent building the groups' communicators (a rendezvous with the joiner and the other stayers)."""
+    rings_s: float = 0.0
+    """Seconds spent building WORLD ring links."""
 
 
 def affected_groups(world: DeltaWorld, ranks: Iterable[int]) -> list[NativeGroup]:
@@ -323,7 +329,9 @@ def recover(world: DeltaWorld, epoch: int, *, replaced: Iterable[int] = ()) -> R
         swap.discard()
     for rank in replaced:
         world.incarnation[rank] = epoch
+    t_agree = time.monotonic()
     keep_links, keep_groups = agree_on_kept(world, epoch, replaced)
+    t_groups = time.monotonic()
     for (transport, peer), link in world.links_snapshot():
         if (transport, peer) in keep_links:
             link.resume()
@@ -347,6 +355,7 @@ def recover(world: DeltaWorld, epoch: int, *, replaced: Iterable[int] = ()) -> R
     for group in world.native_groups():
         if group.spans_world and group.name not in keep_groups:
             group.reset()
+    t_rings = time.monotonic()
     rebuilt = connect_all_rings(world, epoch)
     return RecoverReport(
         epoch=epoch,
@@ -355,6 +364,9 @@ def recover(world: DeltaWorld, epoch: int, *, replaced: Iterable[int] = ()) -> R
         groups_kept=kept,
         groups_rebuilt=len(rebuild),
         members_rebuilt=sum(g.size for g in rebuild),
+        agree_s=t_groups - t_agree,
+        groups_s=t_rings - t_groups,
+        rings_s=time.monotonic() - t_rings,
     )
 
 
@@ -370,6 +382,7 @@ def join(world: DeltaWorld, epoch: int) -> None:
     comms = build_groups(world, groups, epoch)
     for group in groups:
         group.install(comms[group.name])
+    world.groups_joined_at = time.time()
     connect_all_rings(world, epoch)
     world.joining = False
 

@@ -95,6 +95,8 @@ class DeltaWorld:
         self.finish_watcher: threading.Thread | None = None
         self.prepared: dict[int, PreparedSwap] = {}
         self.world_group_name: str | None = None
+        self.groups_joined_at: float | None = None
+        """``time.time()`` when this joiner's groups were built (``join``), before its WORLD ring links."""
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:

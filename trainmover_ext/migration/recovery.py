@@ -62,12 +62,17 @@ def converge(rt: WorkerRuntime, session: Session, plan: MigrationPlan, *, fresh_
         )
         report = world.recover(e, replaced=replaced)
         logger.info(
-            "rank %d: epoch %d kept %d groups, rebuilt %d (%d members in all)",
+            "rank %d: epoch %d kept %d groups, rebuilt %d (%d members in all); agreed in %.3fs, groups built "
+            "in %.3fs, %d ring links in %.3fs",
             layout.rank,
             e,
             report.groups_kept,
             report.groups_rebuilt,
             report.members_rebuilt,
+            report.agree_s,
+            report.groups_s,
+            report.rebuilt,
+            report.rings_s,
         )
     mark_step(rt.space, e, "joined" if fresh_joiner else "links_rebuilt", only_if=layout.rank in replaced)
     cplan = _await_convergence(rt, e)
