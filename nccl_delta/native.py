@@ -145,13 +145,13 @@ def _build_gloo(store: PrefixStore, rank: int, size: int, generation: int, confi
     opts._timeout = datetime.timedelta(seconds=config.op_timeout_s)
     device, listener = sockets.new_gloo_device(config.link_host)
     opts._devices = [device]
-    before = sockets.connected_endpoints()
+    before = sockets.socket_inodes()
     backend = ProcessGroupGloo(store, rank, size, opts)
     comm = NativeComm(backend=backend, device_type="cpu", generation=generation, listener=listener)
     # Who listens where, and which local addresses each member's new sockets have: the group's
     # sockets for abort(), and a peer's name in an error. Noise from other groups built meanwhile on
     # other threads is harmless: an address a member lists is one of that member's own sockets.
-    new = {fd: ends for fd, ends in sockets.connected_endpoints().items() if before.get(fd) != ends}
+    new = sockets.connected_endpoints(sockets.new_sockets(before))
     mine = [list(local) for local, _ in new.values()]
     store.set(f"tm/{rank}", json.dumps({"listen": list(listener) if listener else None, "locals": mine}))
     for peer in range(size):

@@ -51,6 +51,26 @@ def socket_fds() -> set[int]:
     return fds
 
 
+def socket_inodes() -> dict[int, str]:
+    """fd -> the socket it holds (``socket:[inode]``) for this process's descriptors that are sockets:
+    cheap (no socket is opened), and an inode names one socket for as long as it exists."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed between listdir and readlink
+        if link.startswith("socket:"):
+            found[int(name)] = link
+    return found
+
+
+def new_sockets(before: dict[int, str]) -> list[int]:
+    """The descriptors that hold a socket not in ``before`` (a :func:`socket_inodes` snapshot): the
+    sockets opened since, whatever numbers they took."""
+    return [fd for fd, inode in socket_inodes().items() if before.get(fd) != inode]
+
+
 def _inspect(fds: Iterable[int], *, listeners: bool) -> dict[int, tuple[Address, Address | None]]:
     """fd -> (local, peer) of the TCP sockets among ``fds``: listeners (peer None) or connected ones."""
     found: dict[int, tuple[Address, Address | None]] = {}
@@ -108,14 +128,14 @@ def new_gloo_device(host: str | None) -> tuple[ProcessGroupGloo.Device, Address 
     this module); the caller then cannot cut the group's sockets and says so."""
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
     with _DEVICE_LOCK:
-        before = listening_addresses()
+        before = socket_inodes()
         if host is not None:
             device = ProcessGroupGloo.create_device(hostname=host)
         elif iface:
             device = ProcessGroupGloo.create_device(interface=iface.split(",")[0])
         else:
             device = ProcessGroupGloo.create_default_device()
-        new = listening_addresses() - before
+        new = {local for local, _ in _inspect(new_sockets(before), listeners=True).values()}
     return device, (next(iter(new)) if len(new) == 1 else None)
 
 
