@@ -1,7 +1,7 @@
 """A standby's CPU priority (launch.priority): lowered, it runs at the given niceness under the idle
-policy, and so do the threads it starts later, except its lease keepalive, which leaves the idle
-policy; restored at promotion, every thread is back at niceness 0 under the normal policy. Also the
-command prefix a spawned standby starts with.
+policy, and so do the threads it starts later, except its lease keepalive and the thread that hears its
+promotion, which leave the idle policy; restored at promotion, every thread is back at niceness 0 under
+the normal policy. Also the command prefix a spawned standby starts with.
 
 Each case runs in a fresh interpreter (the test process may hold gRPC channels, and a lowered
 priority cannot be undone without privilege)."""
@@ -73,3 +73,33 @@ def test_a_spawned_standby_starts_idle_and_lowered():
     probe = "import os; print(os.sched_getscheduler(0) == os.SCHED_IDLE, os.getpriority(os.PRIO_PROCESS, 0))"
     out = subprocess.run([*prefix, sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["True", "19"], out.stdout + out.stderr
+
+
+PLAN_WATCH = textwrap.dedent("""
+    import os, sys
+    from trainmover_ext.control.membership import PlanInbox
+    from trainmover_ext.kv.etcd import EtcdClientConfig, EtcdKV
+    from trainmover_ext.kv.job import JobSpace
+    from trainmover_ext.launch import priority
+
+    priority.lower(19)
+    config = EtcdClientConfig(endpoints=sys.argv[1].split(","), timeout_s=3.0)
+    plain, inboxed = EtcdKV(config), EtcdKV(config)  # a client each: a client's watches share one thread
+    watch = plain.watch_prefix("/other/", lambda events: None)
+    inbox = PlanInbox(JobSpace.create(inboxed, "j", "tok"))
+    for name, handle in (("plain watch", watch), ("plan watch", inbox._watch)):
+        tid = handle.delivery_thread_id()
+        print(name, priority.is_idle(tid), os.getpriority(os.PRIO_PROCESS, tid))
+    inbox.close(); watch.cancel(); plain.close(); inboxed.close()
+""")
+
+
+def test_a_lowered_standby_hears_its_promotion_outside_the_idle_policy(etcd):
+    """The thread that delivers plans to a lowered standby leaves the idle policy (keeping its niceness):
+    under it, the promotion waited for a free core while every rank waited for the standby. A watch
+    opened otherwise (the companion) keeps the inherited policy."""
+    out = subprocess.run(
+        [sys.executable, "-c", PLAN_WATCH, ",".join(etcd.endpoints)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines() == ["plain watch True 19", "plan watch False 19"], out.stdout + out.stderr

@@ -89,19 +89,21 @@ WARN_EVERY_S = 5.0
 """A keeper that cannot reach etcd logs a warning at most this often (an outage can last minutes)."""
 
 
-def _leave_idle_policy() -> None:
-    """Put the calling thread back under the normal scheduling policy if it inherited the idle one.
+def _leave_idle_policy(tid: int = 0, what: str = "lease keepalive") -> None:
+    """Put thread ``tid`` (0: the calling one) back under the normal scheduling policy if it inherited the
+    idle one.
 
     A standby with lowered priority runs under ``SCHED_IDLE`` (``launch.priority``), which gets no CPU
     while the ranks keep the cores busy. Its keepalive must not starve with it, or its lease would
-    lapse: the thread keeps the standby's niceness and leaves only the idle policy."""
+    lapse, nor the thread that hears its promotion, or every rank would wait for it: such a thread
+    keeps the standby's niceness and leaves only the idle policy."""
     if not hasattr(os, "SCHED_IDLE"):
         return
     try:
-        if os.sched_getscheduler(0) == os.SCHED_IDLE:
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        if os.sched_getscheduler(tid) == os.SCHED_IDLE:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
     except OSError as exc:
-        logger.warning("lease keepalive stays under the idle scheduling policy (%s): it may renew late", exc)
+        logger.warning("%s stays under the idle scheduling policy (%s): it may run late", what, exc)
 
 
 REGISTER_ATTEMPTS = 5
@@ -478,6 +480,9 @@ class PlanInbox:
                 ]
             )
         self._watch = space.kv.watch_prefix(self._prefix, self._on_events, start_revision=snapshot.revision + 1)
+        tid = self._watch.delivery_thread_id()
+        if tid is not None:  # a standby hears its promotion at once, however busy the ranks keep the cores
+            _leave_idle_policy(tid, "the plan watch")
         self._backstop = threading.Thread(target=self._resync, args=(resync_s,), name="tm-plan-resync", daemon=True)
         self._backstop.start()
 

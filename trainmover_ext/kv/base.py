@@ -129,6 +129,11 @@ class WatchHandle(abc.ABC):
     @abc.abstractmethod
     def cancel(self) -> None: ...
 
+    def delivery_thread_id(self) -> int | None:
+        """The native id of the thread that runs the callback, when one thread does (None: unknown, or
+        the writer's own thread). A process at a low CPU priority raises this thread's priority alone."""
+        return None
+
 
 class KV(abc.ABC):
     """The storage interface (see the module docstring for the contract)."""

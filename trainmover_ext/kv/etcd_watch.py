@@ -108,6 +108,11 @@ class EtcdWatch(WatchHandle):
                 raise
             self._watcher = watcher
 
+    def delivery_thread_id(self) -> int | None:
+        """The native id of the pyetcd watcher thread this watch was created on (its stream's reader)."""
+        thread = getattr(self._watcher, "_callback_thread", None)
+        return getattr(thread, "native_id", None)
+
     def _catch_up(self) -> None:
         """The revisions from ``next_revision`` on were compacted away: deliver the range as it is now
         (each key written since, as a put) and go on watching after that read."""

@@ -18,6 +18,7 @@ Contract (the promoted standby's main thread):
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -37,6 +38,8 @@ from trainmover_ext.errors import (
 from trainmover_ext.launch import progress
 from trainmover_ext.migration.timeline import mark_rank_step, mark_step
 from trainmover_ext.runtime import faults
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import argparse
@@ -59,11 +62,13 @@ def serve_rank(
     space: JobSpace,
     member: Membership,
     kept: KeptRole | None = None,
+    niceness_before: int | None = None,
 ) -> dict[str, Any]:
     """Join the communicator as the plan's rank, take the state, and train (see the module docstring).
 
     With ``kept`` (the sandbox role this standby kept) it adopts those parts when they were built
-    for this rank, and drops them otherwise, before it builds the rank's model."""
+    for this rank, and drops them otherwise, before it builds the rank's model. ``niceness_before``: the
+    standby's niceness when its promotion was heard, if its priority was restored then."""
     from trainmover_ext.launch.distributed import TrainMoverDistributed
     from trainmover_ext.migration.planned import receive_from_leaver
     from trainmover_ext.migration.recovery import converge
@@ -80,8 +85,10 @@ def serve_rank(
     t_promoted = time.time()
     from trainmover_ext.launch import priority
 
-    niceness = os.getpriority(os.PRIO_PROCESS, 0)
-    failed = priority.restore()  # a rank at a standby's low priority would hold every other rank back
+    niceness = os.getpriority(os.PRIO_PROCESS, 0) if niceness_before is None else niceness_before
+    # A rank at a standby's low priority would hold every other rank back (again here: a thread started
+    # since the promotion was heard).
+    failed = priority.restore()
     now = os.getpriority(os.PRIO_PROCESS, 0)
     print(
         f"[trainmover] standby {ident.member_id} promoted to rank {rep.rank} (local rank {rep.local_rank}, "
@@ -148,6 +155,16 @@ def serve_rank(
                 print(f"[trainmover] rank {rep.rank} (joiner of epoch {plan.epoch}): {exc}; leaving", flush=True)
                 return {"iterations": 0, "exit_reason": "the job finished before this move took effect"}
             mark_step(space, plan.epoch, "joined", at=joining.done_at)
+            logger.info(
+                "rank %d (joiner of epoch %d): groups registered %.3fs, built %.3fs, ring links up %.3fs, model "
+                "built %.3fs after its promotion",
+                rep.rank,
+                plan.epoch,
+                t_groups - t_promoted,
+                (joining.groups_at or joining.done_at or t_promoted) - t_promoted,
+                (joining.done_at or t_promoted) - t_promoted,
+                t_session - t_promoted,
+            )
             if plan.reason == "planned":
                 # Links up and model built: the job may now pick the hand-over boundary.
                 mark_rank_step(space, plan.epoch, "ready", rep.rank)  # ``ready`` once every joiner is
@@ -176,6 +193,7 @@ def serve_rank(
             promoted_at=t_promoted,
             groups_built=t_groups,
             session_built=t_session,
+            groups_up=joining.groups_at,
             links_up=joining.done_at,
             resumed_iteration=args.iteration,
             state_ready=time.time(),
@@ -219,6 +237,8 @@ class _Joining:
         self.timeout_s = max(timeout_s, world.config.connect_timeout_s + 5.0)
         self.error: BaseException | None = None
         self.done_at: float | None = None
+        self.groups_at: float | None = None
+        """When the groups were up, before the WORLD ring links (None until then)."""
 
         def run() -> None:
             try:
@@ -227,6 +247,7 @@ class _Joining:
                 self.error = exc
             finally:
                 self.done_at = time.time()
+                self.groups_at = world.groups_joined_at
 
         self._thread = threading.Thread(target=run, name=f"tm_join_e{epoch}", daemon=True)
         self._thread.start()

@@ -241,8 +241,17 @@ def _standby_once(
     def promotion(latest: dict[int, MigrationPlan]) -> MigrationPlan | None:
         return next((p for _, p in sorted(latest.items()) if names_me(p)), None)
 
+    niceness_before: list[int] = []
+
     def end_pause(plan: MigrationPlan) -> None:
         if names_me(plan):
+            if not niceness_before:
+                # At once, on the watch thread (it left the idle policy): the main thread, woken next,
+                # would otherwise wait for a core at the standby's priority while every rank waits for it.
+                from trainmover_ext.launch import priority
+
+                niceness_before.append(os.getpriority(os.PRIO_PROCESS, 0))
+                priority.restore()
             pacer.stop()  # a pause in progress ends now: the rank waits for us
 
     inbox = PlanInbox(space, end_pause)
@@ -281,7 +290,8 @@ def _standby_once(
     inbox.close()
     from trainmover_ext.migration.joiner import serve_rank
 
-    return serve_rank(args, config, providers, plan, ident, space, member, kept=kept)
+    before = niceness_before[0] if niceness_before else None
+    return serve_rank(args, config, providers, plan, ident, space, member, kept=kept, niceness_before=before)
 
 
 def rejoin_as_standby(
