@@ -238,7 +238,12 @@ def socket_inodes() -> set[str]:
 
 
 def standby_process(
-    argv: list[str], world_size: int, record_dir: str, roles: list[str] | None = None, iters: int | None = None
+    argv: list[str],
+    world_size: int,
+    record_dir: str,
+    roles: list[str] | None = None,
+    iters: int | None = None,
+    promoted_in_call: int | None = None,
 ) -> dict:
     """A general standby, alone: warm ``roles`` (default all recorded) from ``record_dir``.
 
@@ -246,7 +251,8 @@ def standby_process(
     digests, each role's :class:`WarmResult` summary, and what isolation
     checks need: every process group alive during the shadow iterations (its
     class, and whether it is one of the replay session's groups) and the
-    sockets this process opened while warming.
+    sockets this process opened while warming. ``promoted_in_call``: the standby
+    is promoted (its ``should_stop`` turns true) once that many calls were replayed.
     """
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
@@ -274,7 +280,16 @@ def standby_process(
         group_classes.update((type(pg).__name__, id(pg) in replay._SESSION.members) for pg in c10d._world.pg_map)
         sockets_during.update(socket_inodes())
 
-    results = warm_standby(args, recordings, iters=iters, on_progress=on_progress)
+    stopped_at: list[int] = []
+
+    def promoted() -> bool:
+        session = replay._SESSION
+        if promoted_in_call is None or session is None or session.replayed_calls < promoted_in_call:
+            return False
+        stopped_at.append(session.replayed_calls)
+        return True
+
+    results = warm_standby(args, recordings, iters=iters, on_progress=on_progress, should_stop=promoted)
     return {
         "shadow": shadow,
         "results": [r.to_dict() for r in results],
@@ -282,4 +297,5 @@ def standby_process(
         "kept_models": sum(r.kept is not None for r in results),
         "new_sockets": sorted((sockets_during | socket_inodes()) - sockets_before),
         "initialized_after": dist.is_initialized(),
+        "calls_when_stopped": stopped_at[:1],
     }

@@ -71,3 +71,24 @@ def test_standby_peak_rss_within_an_active_rank(pp3_job, standby):
     job_peak = max(r["peak_rss_bytes"] for r in pp3_job.ranks.values())
     standby_peak = max(r["peak_rss_bytes"] for r in standby["results"])
     assert standby_peak <= job_peak * 1.05, f"standby peak {standby_peak} > active rank peak {job_peak}"
+
+
+def test_a_promotion_stops_the_shadow_iteration_at_its_next_collective(pp3_job):
+    """A standby promoted inside a shadow iteration stops at its next replayed call, not at the end of the
+    iteration (on the 2-core machine a shadow iteration took 0.25 s, which every rank then waited for):
+    the interrupted role is dropped, and no process group is left behind."""
+    from harness import sandbox as harness
+    from trainmover_ext.sandbox.recording import load_recordings
+
+    first = load_recordings(pp3_job.record_dir, ["first"])["first"]
+    per_iteration = sum(1 for r in first.records if r["iteration"] == first.records[0]["iteration"])
+    assert per_iteration > 3
+    promoted_in_call = per_iteration + 3  # three calls into the second shadow iteration of the first role
+    kids = harness.fork_children(
+        {"standby": (harness.standby_process, pp3_job.argv, 3, pp3_job.record_dir, ["first"], None, promoted_in_call)}
+    )
+    out = kids.results(300)["standby"]
+    assert out["calls_when_stopped"] == [promoted_in_call], out["calls_when_stopped"]
+    assert len(out["shadow"]) == 1, [s["iteration"] for s in out["shadow"]]  # the second one never ended
+    assert out["results"] == [] and out["kept_models"] == 0
+    assert out["initialized_after"] is False

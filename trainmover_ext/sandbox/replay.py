@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -55,11 +55,20 @@ BACKEND_NAME = "tm_replay"
 _SESSION: ReplaySession | None = None  # the backend creator has no other way to reach it
 
 
+class ReplayInterrupted(Exception):
+    """A replayed call found the session's ``interrupt`` set (the standby was promoted): the shadow
+    iteration ends at that call, its model and state are to be dropped."""
+
+
 class ReplaySession:
     """The cursor over one role's recording, shared by all replay groups of this process."""
 
-    def __init__(self, recording: Recording):
+    def __init__(self, recording: Recording, interrupt: Callable[[], bool] | None = None):
         self.recording = recording
+        self.interrupt = interrupt
+        """Asked at each replayed call: True ends the shadow iteration there (:class:`ReplayInterrupted`)."""
+        self.interrupted = False
+        """Whether a replayed call raised :class:`ReplayInterrupted` (a caller may see it wrapped)."""
         self.phase = "setup"
         self.iteration: int | None = None
         self.cursor = 0
@@ -112,6 +121,9 @@ class ReplaySession:
             self.setup_calls += 1
             _answer_locally(pg, call)
             return DoneWork(call.results)
+        if self.interrupt is not None and self.interrupt():
+            self.interrupted = True
+            raise ReplayInterrupted(f"shadow iteration {self.iteration} interrupted at call #{self.cursor}")
         record = self._peek()
         where = f"shadow iteration {self.iteration}, call #{self.cursor} ({call.op} on group {self._kind(pg)})"
         if record is None or record["iteration"] != self.iteration:
@@ -268,8 +280,11 @@ def register() -> None:
 
 
 @contextlib.contextmanager
-def replay_world(recording: Recording, timeout_s: float = 600.0) -> Iterator[ReplaySession]:
-    """Init WORLD on ``tm_replay`` as the recorded rank, alone; destroy it (and megatron's state) on exit."""
+def replay_world(
+    recording: Recording, timeout_s: float = 600.0, interrupt: Callable[[], bool] | None = None
+) -> Iterator[ReplaySession]:
+    """Init WORLD on ``tm_replay`` as the recorded rank, alone; destroy it (and megatron's state) on exit.
+    ``interrupt``: see :attr:`ReplaySession.interrupt`."""
     global _SESSION
     if dist.is_initialized():
         raise RuntimeError(
@@ -277,7 +292,7 @@ def replay_world(recording: Recording, timeout_s: float = 600.0) -> Iterator[Rep
             "warm up before joining the job, or call trainmover_training.initialize.shutdown() first"
         )
     register()
-    session = ReplaySession(recording)
+    session = ReplaySession(recording, interrupt)
     saved: list = []
     if recording.index["layout"].get("comm") == "nccl_delta":
         from nccl_delta.backend import DeltaProcessGroup

@@ -178,6 +178,7 @@ def warm_up(
     *,
     program: ShadowProgram | None = None,
     keep_model: bool = False,
+    interrupt: Callable[[], bool] | None = None,
 ) -> WarmResult:
     """Run ``iters`` shadow iterations of ``role`` (default: every recorded one) in this process.
 
@@ -185,6 +186,8 @@ def warm_up(
     role's opened recording. With ``args.tm_compile`` the model is compiled
     (``get_model`` does it), exactly as in the job.
     The process must not have a process group; it has none again on return.
+    ``interrupt``, asked at every replayed call, ends a shadow iteration mid-way with
+    :class:`WarmUpStopped` (the model is dropped).
     """
     import trainmover_ext.patches as patches
 
@@ -201,16 +204,21 @@ def warm_up(
     patches.install()
     saved_position = (getattr(args, "iteration", 0), getattr(args, "consumed_train_samples", 0))
     try:
-        return _shadow_iterations(args, role, recording, iters, on_progress, program, compile, keep_model, t_start)
+        return _shadow_iterations(
+            args, role, recording, iters, on_progress, program, compile, keep_model, t_start, interrupt
+        )
     finally:
         args.iteration, args.consumed_train_samples = saved_position  # train_step advances them
 
 
-def _shadow_iterations(args, role, recording, iters, on_progress, program, compile, keep_model, t_start) -> WarmResult:
+def _shadow_iterations(
+    args, role, recording, iters, on_progress, program, compile, keep_model, t_start, interrupt=None
+) -> WarmResult:
     from trainmover_training.initialize import initialize_model_parallel
     from trainmover_training.training import train_step
 
-    with replay_world(recording, timeout_s=60.0 * args.distributed_timeout_minutes) as replay:
+    timeout_s = 60.0 * args.distributed_timeout_minutes
+    with replay_world(recording, timeout_s=timeout_s, interrupt=interrupt) as replay:
         initialize_model_parallel(args)
         layout = _layout_from_mpu(args, recording)
         session = build_parts(
@@ -231,7 +239,12 @@ def _shadow_iterations(args, role, recording, iters, on_progress, program, compi
                 replay.rewind()
             replay.begin_iteration(iteration)
             t0 = time.perf_counter()
-            loss = train_step(session)
+            try:
+                loss = train_step(session)
+            except Exception as exc:
+                if replay.interrupted:  # raised by a replayed call, maybe wrapped by autograd or the schedule
+                    raise WarmUpStopped(f"{role} shadow iteration {iteration}: the standby was promoted") from exc
+                raise
             dt = time.perf_counter() - t0
             replay.end_iteration(iteration)
             times.append(dt)
@@ -306,8 +319,9 @@ def warm_standby(
     so that freeing them collects only them. Every
     config is checked against every
     recording before anything is built. ``should_stop`` is asked before each
-    role and after each shadow iteration (a standby promoted mid-way stops warming within one
-    iteration; the interrupted role is dropped, not reported); ``on_role_done`` is
+    role, after each shadow iteration and at each replayed call inside one (a standby promoted
+    mid-way stops warming at its next collective; the interrupted role is dropped, not reported,
+    and its kept parts too); ``on_role_done`` is
     called after each. ``pacer`` (``--tm-standby-duty``, see :mod:`.pacing`)
     pauses after every shadow iteration and every role as its budget needs.
     """
@@ -329,7 +343,7 @@ def warm_standby(
             if _user is not None:
                 _user(progress)
             if should_stop is not None and should_stop():
-                raise _WarmUpStopped  # unwinds the replay world; the role's model is dropped
+                raise WarmUpStopped  # unwinds the replay world; the role's model is dropped
             if pacer is not None:
                 pacer.pace()
 
@@ -347,8 +361,19 @@ def warm_standby(
             gc.collect()
             freeze_warm_objects()
         try:
-            results.append(warm_up(args, role, recordings[role], iters, on_progress, program=program, keep_model=keep))
-        except _WarmUpStopped:
+            results.append(
+                warm_up(
+                    args,
+                    role,
+                    recordings[role],
+                    iters,
+                    on_progress,
+                    program=program,
+                    keep_model=keep,
+                    interrupt=should_stop,
+                )
+            )
+        except WarmUpStopped:
             gc.collect()  # the interrupted role's model and optimizer
             break
         if not keep:
@@ -360,8 +385,9 @@ def warm_standby(
     return results
 
 
-class _WarmUpStopped(Exception):
-    """Raised between two shadow iterations when ``should_stop`` says the standby was promoted."""
+class WarmUpStopped(Exception):
+    """Raised when ``should_stop`` says the standby was promoted: between two shadow iterations, or at a
+    replayed call inside one."""
 
 
 def freeze_warm_objects() -> int:
