@@ -41,14 +41,7 @@ _DEVICE_LOCK = threading.Lock()
 
 def socket_fds() -> set[int]:
     """This process's descriptors that are sockets."""
-    fds = set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                fds.add(int(name))
-        except OSError:
-            continue  # closed between listdir and readlink
-    return fds
+    return set(socket_inodes())
 
 
 def socket_inodes() -> dict[int, str]:
@@ -107,11 +100,6 @@ def connected_endpoints(fds: Iterable[int] | None = None) -> Endpoints:
     """fd -> (local, peer) of the connected TCP sockets among ``fds`` (default: all of this process)."""
     found = _inspect(socket_fds() if fds is None else fds, listeners=False)
     return {fd: (local, peer) for fd, (local, peer) in found.items() if peer is not None}
-
-
-def listening_addresses() -> set[Address]:
-    """The addresses this process listens on."""
-    return {local for local, _ in _inspect(socket_fds(), listeners=True).values()}
 
 
 def endpoint(fd: int) -> tuple[Address, Address] | None:
