@@ -43,7 +43,7 @@ from torch.futures import Future
 from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout
 
 from .native import NativeComm, build_comm
-from .waiter import Pending, wait_cancellable
+from .waiter import Pending, wait, wait_sliced
 
 if TYPE_CHECKING:
     from .world import DeltaWorld
@@ -249,7 +249,9 @@ class NativeGroup:
             number = self.issued
         if _observer is not None:
             _observer(self, op)
-        return NativeWork(work, self, comm, op, number, send_to if send_to is not None else recv_from)
+        peer = send_to if send_to is not None else recv_from
+        p2p = peer is not None or any_source
+        return NativeWork(work, self, comm, op, number, peer, p2p)
 
     def _refused(self, op: str) -> CommLinkError:
         if self.state in (QUIET, ABORTED):
@@ -311,12 +313,13 @@ class NativeGroup:
         for pending in waits:
             _cancel_later(pending, f"group {self.name!r} was cut: {reason}")
 
-    def wait(self, work: Any, comm: NativeComm, timeout: datetime.timedelta | None) -> None:
-        """Wait for ``work``, an op of ``comm``. On gloo an abort of the group lets the op end by itself (its
-        outcome, success included, is what the wait returns, as without a cut: raising for an op that did
-        complete would break :mod:`nccl_delta.finishing`), and cancels the wait
-        (:class:`~nccl_delta.waiter.WaitCancelled`) only if gloo leaves the op pending past
-        :data:`ABORT_SETTLE_S`."""
+    def wait(self, work: Any, comm: NativeComm, timeout: datetime.timedelta | None, p2p: bool = False) -> None:
+        """Wait for ``work``, an op of ``comm`` (``p2p``: a send or a receive). On gloo an abort of the group
+        lets the op end by itself (its outcome, success included, is what the wait returns, as without a
+        cut: raising for an op that did complete would break :mod:`nccl_delta.finishing`), and cancels the
+        wait (:class:`~nccl_delta.waiter.WaitCancelled`) only if gloo leaves the op pending past
+        :data:`ABORT_SETTLE_S`. A collective is waited for on the calling thread, in slices; a send or a
+        receive on a waiter thread (:mod:`nccl_delta.waiter`)."""
         if comm.device_type != "cpu":
             work.wait() if timeout is None else work.wait(timeout)
             return
@@ -328,7 +331,7 @@ class NativeGroup:
         if late:
             _cancel_later(pending, f"group {self.name!r} was cut: {self.reason}")
         try:
-            wait_cancellable(pending)
+            wait(pending) if p2p else wait_sliced(pending)
         finally:
             with self._lock:
                 self._waits.discard(pending)
@@ -396,7 +399,14 @@ class NativeWork(dist.Work):
     """A native backend's work behind the group handle; ``wait`` turns its errors into ours."""
 
     def __init__(
-        self, work: Any, group: NativeGroup, comm: NativeComm, op: str, number: int = 0, peer: int | None = None
+        self,
+        work: Any,
+        group: NativeGroup,
+        comm: NativeComm,
+        op: str,
+        number: int = 0,
+        peer: int | None = None,
+        p2p: bool = False,
     ):
         super().__init__()
         self._work = work
@@ -406,6 +416,8 @@ class NativeWork(dist.Work):
         self._number = number
         self._peer = peer
         """The logical rank at the other end of a point-to-point op (None: a collective)."""
+        self._p2p = p2p
+        """A send or a receive (from one peer or any)."""
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         observer = _wait_observer
@@ -416,7 +428,7 @@ class NativeWork(dist.Work):
 
     def _wait(self, timeout: datetime.timedelta | None) -> bool:
         try:
-            self._group.wait(self._work, self._comm, timeout)
+            self._group.wait(self._work, self._comm, timeout, self._p2p)
         except Exception as exc:
             raise self._group.failed(self._comm, self._op, exc) from exc
         return True

@@ -29,7 +29,7 @@ from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 from torch.distributed import AllreduceOptions, Work
 
 from .sockets import Address, Endpoints, connected_endpoints, endpoint, new_gloo_device, shut_down, socket_fds
-from .waiter import Pending, Waitable, WaitCancelled, wait_completion
+from .waiter import Pending, Waitable, WaitCancelled, wait_sliced
 from .waiter import wait as wait_interruptible
 
 if TYPE_CHECKING:
@@ -108,8 +108,8 @@ class _Sends:
 
 
 class _Collective(_Send):
-    """The pair's all-reduce: gloo runs it on the pair's worker thread and completes its future there, so
-    :meth:`GlooPair.wait` waits for the future, interruptibly, on the caller's thread."""
+    """The pair's all-reduce: gloo runs it on the pair's worker thread and completes it there, so
+    :meth:`GlooPair.wait` waits for it in slices, interruptibly, on the caller's thread."""
 
     __slots__ = ()
 
@@ -187,7 +187,7 @@ class GlooPair:
         to leave pending after its pair closed is a send, while a receive on a closed pair
         raises. Receives, most of a ring's waits, block on the caller's thread. The pair's
         all-reduce, which gloo was also seen to leave pending after a sever, completes on the
-        pair's worker thread: the caller waits for its future, which a sever interrupts too.
+        pair's worker thread: the caller waits for it in slices, which a sever interrupts too.
         """
         if not isinstance(work, _Send):
             work.wait(timeout)
@@ -199,7 +199,7 @@ class GlooPair:
             self._pending.add(pending)
         try:
             if isinstance(work, _Collective):
-                wait_completion(pending)
+                wait_sliced(pending)
             else:
                 wait_interruptible(pending)
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -174,20 +175,25 @@ def test_a_late_abandon_leaves_the_new_epoch_alone():
 
 
 class _NeverDone:
-    """A gloo work whose op never completes (what gloo was seen to do with a pair op after a sever)."""
+    """A gloo collective's work whose op never completes (what gloo was seen to do with a pair op after a
+    sever): like c10d's, a wait with a timeout raises when it runs out and leaves the op pending."""
 
-    def __init__(self):
-        self.future = torch.futures.Future()
+    completed = False
 
-    def get_future(self):
-        return self.future
+    def is_completed(self):
+        return self.completed
 
     def wait(self, timeout=None):
-        raise AssertionError("wait() on a work that never completes would block")
+        if timeout is None:
+            raise AssertionError("wait() on a work that never completes would block")
+        if self.completed:
+            return True
+        time.sleep(timeout.total_seconds())
+        raise RuntimeError("Operation timed out!")
 
 
 def test_a_sever_frees_a_pair_all_reduce_gloo_never_completes():
-    """The pair all-reduce is waited for through its future on the caller's thread; the sever cancels it."""
+    """The pair all-reduce is waited for in slices on the caller's thread; the sever cancels it."""
     import datetime
 
     from nccl_delta.transport_gloo import GlooPair, _Collective
@@ -213,9 +219,50 @@ def test_a_sever_frees_a_pair_all_reduce_gloo_never_completes():
         pair.wait(_Collective(_NeverDone()), datetime.timedelta(seconds=60))
 
     done = _NeverDone()
-    done.future.set_result(None)
-    done.wait = lambda timeout=None: None
+    done.completed = True
     GlooPair(None, 0, {}, datetime.timedelta(seconds=60)).wait(_Collective(done), datetime.timedelta(seconds=1))
+
+
+class _EndsLater(_NeverDone):
+    """A collective's work that ends ``after_s`` from now, with ``error`` (None: success)."""
+
+    def __init__(self, after_s: float, error: BaseException | None = None):
+        self.end, self.error = time.monotonic() + after_s, error
+
+    def is_completed(self):
+        return time.monotonic() >= self.end
+
+    def wait(self, timeout=None):
+        left = self.end - time.monotonic()
+        if left > timeout.total_seconds():
+            time.sleep(timeout.total_seconds())
+            raise RuntimeError("Operation timed out!")
+        time.sleep(max(0.0, left))
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_a_sliced_wait_returns_the_op_s_own_outcome_and_ends_at_a_cancel():
+    """A collective's wait on the caller's thread: the slices running out are not the op's outcome."""
+    import datetime
+
+    from nccl_delta.waiter import SLICE_S, Pending, WaitCancelled, wait_sliced
+
+    minute = datetime.timedelta(seconds=60)
+    wait_sliced(Pending(_EndsLater(3.5 * SLICE_S), minute))  # three slices ran out, then success
+    with pytest.raises(ValueError, match="peer closed"):
+        wait_sliced(Pending(_EndsLater(2.5 * SLICE_S, ValueError("peer closed")), minute))
+
+    pending = Pending(_NeverDone(), minute)
+    threading.Timer(0.2, pending.cancel, args=("the group was cut",)).start()
+    start = time.monotonic()
+    with pytest.raises(WaitCancelled, match="was cut"):
+        wait_sliced(pending)
+    assert 0.2 <= time.monotonic() - start < 0.2 + 3 * SLICE_S
+
+    with pytest.raises(WaitCancelled, match="outlived its timeout"):  # the op's timeout, plus 5 s
+        wait_sliced(Pending(_NeverDone(), datetime.timedelta(seconds=-4.8)))
 
 
 def _pair_end(port: int, side: int, queue) -> None:
@@ -281,25 +328,22 @@ def test_the_pair_socket_is_found_when_its_fd_number_held_another_socket_before(
 class _StuckWork:
     """A gloo work whose op never ends (gloo left it pending after its pair closed)."""
 
-    def __init__(self, has_future: bool):
-        self.future: torch.futures.Future = torch.futures.Future()
-        self.has_future = has_future
-
-    def get_future(self) -> torch.futures.Future:
-        if not self.has_future:
-            raise RuntimeError("Work::getFuture not implemented.")  # gloo's sends and receives
-        return self.future
+    def __init__(self, p2p: bool):
+        self.p2p = p2p
 
     def wait(self, timeout=None) -> bool:
-        threading.Event().wait(30)  # what gloo's wait does with such an op: nothing
-        return True
+        if self.p2p or timeout is None:
+            threading.Event().wait(30)  # what gloo's wait does with such an op: nothing
+            return True
+        time.sleep(timeout.total_seconds())  # a collective's: c10d raises when the timeout runs out
+        raise RuntimeError("Operation timed out!")
 
     def is_completed(self) -> bool:
         return False
 
 
-@pytest.mark.parametrize("has_future", [True, False], ids=["collective", "send-recv"])
-def test_an_abort_frees_a_wait_that_gloo_leaves_pending(has_future):
+@pytest.mark.parametrize("p2p", [False, True], ids=["collective", "send-recv"])
+def test_an_abort_frees_a_wait_that_gloo_leaves_pending(p2p):
     import time
     from types import SimpleNamespace
 
@@ -316,7 +360,7 @@ def test_an_abort_frees_a_wait_that_gloo_leaves_pending(has_future):
     cut.start()
     t0 = time.monotonic()
     with pytest.raises(WaitCancelled, match="the control plane cut it"):
-        group.wait(_StuckWork(has_future), comm, None)
+        group.wait(_StuckWork(p2p), comm, None, p2p)
     from nccl_delta.native_group import ABORT_SETTLE_S
 
     assert time.monotonic() - t0 < 2.0 + ABORT_SETTLE_S  # the op gets ABORT_SETTLE_S to end; this one never does
