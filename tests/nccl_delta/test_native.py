@@ -125,6 +125,44 @@ def test_an_abandon_ends_a_receive_a_send_and_a_collective_blocked_on_a_hung_pee
         assert abandoned_at <= r["at"] < abandoned_at + 1.0, f"rank {rank} unblocked {r['at'] - abandoned_at:.2f}s"
 
 
+def _late_peer(rank, n, store):
+    from nccl_delta.waiter import SLICE_S
+
+    group = dist.new_group(list(range(n)))
+    dist.all_reduce(torch.ones(4), group=group)  # builds the communicator
+    t = torch.full((1000,), float(rank + 1))
+    if rank == 1:
+        time.sleep(8 * SLICE_S)
+    started = time.monotonic()
+    dist.all_reduce(t, group=group)
+    waited = time.monotonic() - started
+    after = torch.full((4,), float(rank + 1))
+    dist.all_reduce(after, group=group)
+    message = torch.full((4,), 7.0) if rank == 0 else torch.zeros(4)
+    dist.send(message, dst=1, group=group) if rank == 0 else dist.recv(message, src=0, group=group)
+    state = nccl_delta.current_world().groups[group.group_name].state
+    return dict(
+        waited=waited,
+        slices=waited / SLICE_S,
+        sum=t[0].item(),
+        after=after[0].item(),
+        message=message[0].item(),
+        state=state,
+    )
+
+
+def test_a_collective_waited_for_in_slices_keeps_its_communicator():
+    """A gloo collective is waited for on the training thread in slices (c10d's timed wait raises when a
+    slice runs out and leaves the op running; gloo's own timed-out send or receive would close its pair):
+    a member that waits through several slices for a late peer gets the right sum, and the same group
+    then runs an all-reduce, a send and a receive."""
+    results = harness.run(2, _late_peer)
+    assert results[0]["slices"] >= 5, f"the wait never outlasted a slice; this tests nothing: {results[0]}"
+    for rank in (0, 1):
+        r = results[rank]
+        assert (r["sum"], r["after"], r["message"], r["state"]) == (3.0, 3.0, 7.0, "open"), (rank, r)
+
+
 # --- recovery: what is kept, what is rebuilt ----------------------------------------------------
 
 EPOCH = 1
