@@ -143,9 +143,10 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--iters",
         type=int,
-        default=60,
+        default=100,
         help="Iterations of every run: TrainMover's fault waits for a warm standby, at most until the "
-        "window after it still fits (on 2 shared cores a standby warms slowly beside 8 ranks).",
+        "window after it still fits (on 2 shared cores a standby warms at idle priority beside 8 ranks in "
+        "about 60 iterations of the demo job).",
     )
     parser.add_argument(
         "--at-iteration",

@@ -92,12 +92,22 @@ def yes(v) -> str:
 
 
 DOWNTIME_ROWS = (
-    ("unexpected", "TrainMover, SIGKILL, a warm standby takes the rank", "unexpected_lost_s"),
+    ("unexpected", "TrainMover, SIGKILL, a standby takes the rank", "unexpected_lost_s"),
     ("restart", "stop-restart from the checkpoint, fresh interpreters", "restart_lost_s"),
     ("restart_fork", "stop-restart from the checkpoint, forked ranks", "restart_fork_lost_s"),
     ("nvrx", "NVIDIA resiliency-ext in-process restart", "nvrx_lost_s"),
     ("planned", "TrainMover, `trainmover migrate` (planned)", "planned_lost_s"),
 )
+
+
+def warm_joiners(data: dict, scenario: str) -> str:
+    """How many of ``scenario``'s TrainMover events had a warm joiner (``events[].joiner_warm``), as the
+    row's label says it: a standby still warming when the fault landed is another path."""
+    joined = [e for e in data.get("events", []) if e.get("scenario") == scenario and e.get("plan")]
+    if not joined:
+        return ""
+    warm = sum(1 for e in joined if e.get("joiner_warm") == "warm")
+    return f" (warm in {warm} of {len(joined)})"
 
 
 def downtime_table(data: dict | None) -> list[str]:
@@ -119,6 +129,7 @@ def downtime_table(data: dict | None) -> list[str]:
             else (f"skipped: {data['skipped'][name]}" if name in data.get("skipped", {}) else NOT_YET)
         )
         ident = f"{yes(s['bit_identical'])} / {yes(s['state_identical'])}" if s else "-"
+        what += warm_joiners(data, name)
         rows.append(f"| {what} (`{key}`) | {cell} | {num(ratio) if ratio is not None else '-'} | {ident} |")
     for s in data.get("scale", []):
         rows.append(

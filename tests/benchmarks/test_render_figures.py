@@ -88,6 +88,19 @@ def test_a_figure_is_a_median_with_its_range_runs_date_and_commit(tmp_path):
     assert "| TrainMover, `trainmover migrate` (planned) (`planned_lost_s`) | " + rf.NOT_YET in text
 
 
+def test_the_downtime_row_says_how_many_joiners_were_warm(tmp_path):
+    data = _downtime(3)
+    plan = {"epoch": 1}
+    data["events"] = [
+        {"scenario": "unexpected", "plan": plan, "joiner_warm": "warm"},
+        {"scenario": "unexpected", "plan": plan, "joiner_warm": "promoted before every role was warm"},
+        {"scenario": "restart_fork", "joiner_warm": False},  # a baseline's event: no plan, not counted
+    ]
+    (tmp_path / "downtime.json").write_text(json.dumps(data))
+    text = "\n".join(rf.readme_block(str(tmp_path)))
+    assert "| TrainMover, SIGKILL, a standby takes the rank (warm in 1 of 2) (`unexpected_lost_s`) |" in text
+
+
 def test_fewer_than_three_runs_say_so(tmp_path):
     (tmp_path / "downtime.json").write_text(json.dumps(_downtime(1)))
     assert "(0.600-1.10, 1 run; a figure needs 3)" in "\n".join(rf.readme_block(str(tmp_path)))
