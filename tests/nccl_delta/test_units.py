@@ -344,7 +344,6 @@ class _StuckWork:
 
 @pytest.mark.parametrize("p2p", [False, True], ids=["collective", "send-recv"])
 def test_an_abort_frees_a_wait_that_gloo_leaves_pending(p2p):
-    import time
     from types import SimpleNamespace
 
     from nccl_delta.config import DeltaConfig
