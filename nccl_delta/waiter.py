@@ -19,7 +19,10 @@ Contract
   work: c10d's ``Work.wait(timeout)`` on such a work only raises when the slice
   runs out, leaving the op running (gloo's own send and receive waits close
   their pair instead), so the wait goes on in slices of :data:`SLICE_S` and a
-  cancel ends it at the next slice. Nothing is handed between threads: on two
+  cancel ends it at the next slice. Only that timeout's error
+  (:data:`SLICE_RAN_OUT`) means "not yet": any other error is the op's outcome
+  at once, since gloo's reduce-scatter (a composite work that waits for an inner
+  all-reduce, ignoring the slice) never reports itself completed. Nothing is handed between threads: on two
   loaded cores each hand-off cost 0.25 ms, and a training iteration waits for
   dozens of collectives.
 """
@@ -123,8 +126,12 @@ def wait_sliced(pending: Pending) -> None:
         try:
             work.wait(_SLICE)
         except RuntimeError as exc:
-            if cast(_Completable, work).is_completed():
-                # Ended as the slice ran out, or failed: its own outcome, at once.
+            if not _slice_ran_out(exc):
+                # The op's own error. A composite work (gloo's reduce-scatter, which waits for an inner
+                # all-reduce and ignores the slice) fails without ever reporting itself completed.
+                error = exc
+            elif cast(_Completable, work).is_completed():
+                # Ended as the slice ran out: its own outcome, at once.
                 error = _outcome(pending)
             elif pending.cancelled is None and time.monotonic() < deadline:
                 continue  # the slice ran out; the op goes on
@@ -138,6 +145,15 @@ def wait_sliced(pending: Pending) -> None:
         if error is not None:
             raise error
         return
+
+
+SLICE_RAN_OUT = "Operation timed out!"
+"""What c10d's ``Work::wait(timeout)`` raises when the timeout runs out before the op ends; gloo's
+own errors, its op timeout included, read otherwise."""
+
+
+def _slice_ran_out(exc: RuntimeError) -> bool:
+    return SLICE_RAN_OUT in str(exc)
 
 
 def _outcome(pending: Pending) -> BaseException | None:

@@ -243,6 +243,14 @@ class _EndsLater(_NeverDone):
         return True
 
 
+class _CompositeFails(_NeverDone):
+    """gloo's reduce-scatter (a LambdaWork): its wait ignores the timeout and waits for an inner
+    all-reduce, and it never reports itself completed, even once that all-reduce failed."""
+
+    def wait(self, timeout=None):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+
+
 def test_a_sliced_wait_returns_the_op_s_own_outcome_and_ends_at_a_cancel():
     """A collective's wait on the caller's thread: the slices running out are not the op's outcome."""
     import datetime
@@ -253,6 +261,11 @@ def test_a_sliced_wait_returns_the_op_s_own_outcome_and_ends_at_a_cancel():
     wait_sliced(Pending(_EndsLater(3.5 * SLICE_S), minute))  # three slices ran out, then success
     with pytest.raises(ValueError, match="peer closed"):
         wait_sliced(Pending(_EndsLater(2.5 * SLICE_S, ValueError("peer closed")), minute))
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="closed by peer"):  # its own error at once, with no cancel
+        wait_sliced(Pending(_CompositeFails(), minute))
+    assert time.monotonic() - start < SLICE_S
 
     pending = Pending(_NeverDone(), minute)
     threading.Timer(0.2, pending.cancel, args=("the group was cut",)).start()
