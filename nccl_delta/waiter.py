@@ -123,6 +123,7 @@ def wait_sliced(pending: Pending) -> None:
     work = pending.work
     deadline = time.monotonic() + pending.timeout.total_seconds() + 5.0
     while True:
+        error: BaseException | None
         try:
             work.wait(_SLICE)
         except RuntimeError as exc:
