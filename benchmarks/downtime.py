@@ -176,12 +176,19 @@ def main(argv=None) -> int:
         default="trainmover,restart,restart_fork,nvrx",
         help="Which of trainmover, restart, restart_fork, nvrx to run (comma-separated).",
     )
-    parser.add_argument("--planned-trials", type=int, default=3, help="Planned-move trials (0 skips).")
+    parser.add_argument(
+        "--planned-trials",
+        type=int,
+        default=None,
+        help="Planned-move trials (default: --trials; 0 skips; at most --trials: each runs at one trial's fault "
+        "point).",
+    )
     parser.add_argument(
         "--distopt-trials",
         type=int,
-        default=3,
-        help="Trials of the unexpected scenario with --use-distributed-optimizer (its shard from the mirror; 0 skips).",
+        default=None,
+        help="Trials of the unexpected scenario with --use-distributed-optimizer (its shard from the mirror; 0 "
+        "skips; default and most: --trials, as above).",
     )
     parser.add_argument(
         "--planned-iters",
@@ -191,7 +198,9 @@ def main(argv=None) -> int:
         "still pending at the job's last boundary makes every rank wait there for it.",
     )
     parser.add_argument("--scale", default="4,16", help="More world sizes of the unexpected scenario ('' skips).")
-    parser.add_argument("--scale-trials", type=int, default=3, help="Trials per scale world size.")
+    parser.add_argument(
+        "--scale-trials", type=int, default=None, help="Trials per scale world size (default and most: --trials)."
+    )
     parser.add_argument("--precision", choices=sorted(PRECISION_FLAGS), default="bf16")
     parser.add_argument("--dropout", type=float, default=0.1, help="Hidden and attention dropout (Megatron's 0.1).")
     parser.add_argument(
@@ -203,10 +212,21 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = set(chosen) - {"trainmover", *BASELINES}
-    if unknown or args.trials < 1 or not args.window_before < args.at_iteration < args.iters - args.window_after:
+    if unknown or not chosen:
+        parser.error(f"--strategies: choose from trainmover, {', '.join(BASELINES)} (unknown: {sorted(unknown)})")
+    if args.trials < 1:
+        parser.error("--trials must be at least 1")
+    for name in ("planned_trials", "distopt_trials", "scale_trials"):
+        n = getattr(args, name)
+        if n is None:
+            setattr(args, name, args.trials)
+        elif not 0 <= n <= args.trials:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} {n}: between 0 and --trials ({args.trials}); each runs at one trial's fault point")
+    if not args.window_before < args.at_iteration < args.iters - args.window_after:
         parser.error(
-            f"check --strategies ({sorted(unknown)}), --trials >= 1, "
-            "window-before < at-iteration < iters - window-after"
+            f"need --window-before ({args.window_before}) < --at-iteration ({args.at_iteration}) < --iters "
+            f"({args.iters}) - --window-after ({args.window_after})"
         )
     ensure_corpus(args.data_prefix)
     rng = random.Random(args.seed)
