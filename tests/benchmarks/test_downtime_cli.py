@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import downtime
+import pytest
 
 
 @pytest.mark.parametrize(
