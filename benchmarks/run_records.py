@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -159,12 +160,13 @@ WARM_IN_RE = re.compile(r"standby (\S+) warm in ([\d.]+)s \(")
 def refill_warmups(archive_events: list[dict], log: str, after: float) -> list[tuple[float, float]]:
     """(start, end) wall times of the warm-up of each standby started after ``after`` (a refill, started
     while the job trained): from its ``standby_started`` event for the seconds the launcher logged it took
-    (``warm in``, to warm or to stop warming). A standby with no such line is left out."""
+    (``warm in``, to warm or to stop warming). One with no such line was still warming when the run ended
+    (the agent stops a warming standby with the job): busy until then (``inf``)."""
     took = {m[1]: float(m[2]) for m in WARM_IN_RE.finditer(log)}
     return sorted(
-        (s["t"], s["t"] + took[member])
+        (s["t"], s["t"] + took.get(member, math.inf))
         for member, s in standby_starts(archive_events).items()
-        if s["t"] > after and member in took
+        if s["t"] > after
     )
 
 

@@ -3,6 +3,7 @@ and a run's records give every rank's resume, its state, and the plans no fault 
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -124,7 +125,9 @@ def test_warmth_and_fenced_processes_from_the_launcher_output():
 
 def test_refill_warmups_run_from_each_later_start_for_the_logged_warm_up():
     """A standby started after the job began (a refill) is busy from its start for as long as the launcher
-    says it warmed (or warmed until it stopped); one started before, or with no such line, is not counted."""
+    says it warmed (or warmed until it stopped), or to the run's end when it never said (still warming as
+    the job ended: left out before, which put a warming refill's cost under other iterations); one
+    started before the job is not counted."""
     archive = [
         {"what": "standby_started", "time": 1.0, "detail": {"member": "s0", "how": "fork"}},
         {"what": "standby_started", "time": 20.0, "detail": {"member": "s1", "how": "pre-forked"}},
@@ -136,4 +139,4 @@ def test_refill_warmups_run_from_each_later_start_for_the_logged_warm_up():
         "[trainmover] standby s1 warm in 17.25s (sandbox, roles ['first', 'last']); waiting to be promoted [x]\n"
         "[trainmover] standby s2 warm in 4.50s (sandbox, roles ['first']); warming stopped: promoted first [x]\n"
     )
-    assert rr.refill_warmups(archive, log, after=5.0) == [(20.0, 37.25), (30.0, 34.5)]
+    assert rr.refill_warmups(archive, log, after=5.0) == [(20.0, 37.25), (30.0, 34.5), (40.0, math.inf)]
