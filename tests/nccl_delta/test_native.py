@@ -87,48 +87,10 @@ def test_abandon_unblocks_a_group_collective_waiting_on_a_hung_peer():
     assert any(results[r]["kind"] == "CommAbandoned" for r in (0, 1, 3)), results
 
 
-def _blocked_on_the_hung_rank(rank, n, store):
-    """Rank 0 receives from rank 2, rank 1 sends it 16 MB, rank 3 all-reduces, until the abandon cuts the group."""
-    world = nccl_delta.current_world()
-    group = dist.new_group(list(range(n)))
-    dist.all_reduce(torch.ones(8), group=group)  # builds the communicator
-    severable = world.groups[group.group_name].comms["cpu"].severable
-    watcher_store = store.clone()
-
-    def watch():
-        watcher_store.wait(["abandon"])
-        world.abandon(1, "test control plane declared rank 2 gone", dead={2})
-
-    threading.Thread(target=watch, daemon=True).start()
-    store.set(f"looping/{rank}", "1")
-    if rank == 2:
-        time.sleep(120)  # stopped by the test
-    try:
-        if rank == 0:
-            dist.recv(torch.zeros(4), src=2, group=group)
-        elif rank == 1:
-            dist.send(torch.ones(4 << 20), dst=2, group=group)
-        else:
-            dist.all_reduce(torch.ones(4), group=group)
-    except CommLinkError as exc:
-        return dict(at=time.time(), kind=type(exc).__name__, severable=severable)
-    return dict(at=None, kind="completed", severable=severable)
-
-
-def test_an_abandon_ends_a_receive_a_send_and_a_collective_blocked_on_a_hung_peer():
-    """The abandon's socket cut itself ends every kind of op pending on a hung peer, each within a second:
-    sooner than the cancel of a wait gloo leaves pending (``ABORT_SETTLE_S`` after the cut)."""
-    results, abandoned_at = harness.hang_then_abandon(_blocked_on_the_hung_rank)
-    for rank in (0, 1, 3):
-        r = results[rank]
-        assert r["severable"], f"rank {rank}: the group's sockets were not identified; this tests nothing"
-        assert r["kind"] in ("CommAbandoned", "CommLinkError"), (rank, r)
-        assert abandoned_at <= r["at"] < abandoned_at + 1.0, f"rank {rank} unblocked {r['at'] - abandoned_at:.2f}s"
-
-
-def _distopt_collective_on_the_hung_rank(rank, n, store, op):
-    """Every rank but the hung one runs ``op`` (the distributed optimizer's gradient reduce-scatter or
-    parameter all-gather) until the abandon cuts the group."""
+def _blocked_on_the_hung_rank(rank, n, store, op="mixed"):
+    """Until the abandon cuts the group: rank 0 receives from rank 2, rank 1 sends it 16 MB and rank 3
+    all-reduces (``mixed``); or every rank but the hung one runs ``op`` (the distributed optimizer's
+    gradient reduce-scatter or parameter all-gather)."""
     world = nccl_delta.current_world()
     group = dist.new_group(list(range(n)))
     dist.all_reduce(torch.ones(8), group=group)  # builds the communicator
@@ -146,11 +108,31 @@ def _distopt_collective_on_the_hung_rank(rank, n, store, op):
     try:
         if op == "reduce_scatter_tensor":
             dist.reduce_scatter_tensor(torch.zeros(1024), torch.ones(1024 * n), group=group)
-        else:
+        elif op == "all_gather_into_tensor":
             dist.all_gather_into_tensor(torch.zeros(1024 * n), torch.ones(1024), group=group)
+        elif rank == 0:
+            dist.recv(torch.zeros(4), src=2, group=group)
+        elif rank == 1:
+            dist.send(torch.ones(4 << 20), dst=2, group=group)
+        else:
+            dist.all_reduce(torch.ones(4), group=group)
     except CommLinkError as exc:
         return dict(at=time.time(), kind=type(exc).__name__, severable=severable)
     return dict(at=None, kind="completed", severable=severable)
+
+
+def _each_unblocked_within_a_second(results, abandoned_at):
+    for rank in (0, 1, 3):
+        r = results[rank]
+        assert r["severable"], f"rank {rank}: the group's sockets were not identified; this tests nothing"
+        assert r["kind"] in ("CommAbandoned", "CommLinkError"), (rank, r)
+        assert abandoned_at <= r["at"] < abandoned_at + 1.0, f"rank {rank} unblocked {r['at'] - abandoned_at:.2f}s"
+
+
+def test_an_abandon_ends_a_receive_a_send_and_a_collective_blocked_on_a_hung_peer():
+    """The abandon's socket cut itself ends every kind of op pending on a hung peer, each within a second:
+    sooner than the cancel of a wait gloo leaves pending (``ABORT_SETTLE_S`` after the cut)."""
+    _each_unblocked_within_a_second(*harness.hang_then_abandon(_blocked_on_the_hung_rank))
 
 
 @pytest.mark.parametrize("op", ["reduce_scatter_tensor", "all_gather_into_tensor"])
@@ -159,12 +141,7 @@ def test_an_abandon_ends_the_distributed_optimizer_s_collectives_at_once(op):
     the cut must end the wait at once, not at the cancel ``ABORT_SETTLE_S`` (2 s) later. Seen failing,
     every rank 2.02 s after the abandon, with the failure taken for a slice that ran out (a stayer of a
     distributed-optimizer job then reached recovery 2 s late)."""
-    results, abandoned_at = harness.hang_then_abandon(_distopt_collective_on_the_hung_rank, op)
-    for rank in (0, 1, 3):
-        r = results[rank]
-        assert r["severable"], f"rank {rank}: the group's sockets were not identified; this tests nothing"
-        assert r["kind"] in ("CommAbandoned", "CommLinkError"), (rank, r)
-        assert abandoned_at <= r["at"] < abandoned_at + 1.0, f"rank {rank} unblocked {r['at'] - abandoned_at:.2f}s"
+    _each_unblocked_within_a_second(*harness.hang_then_abandon(_blocked_on_the_hung_rank, op))
 
 
 def _late_peer(rank, n, store):
