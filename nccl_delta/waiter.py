@@ -22,9 +22,9 @@ Contract
   cancel ends it at the next slice. Only that timeout's error
   (:data:`SLICE_RAN_OUT`) means "not yet": any other error is the op's outcome
   at once, since gloo's reduce-scatter (a composite work that waits for an inner
-  all-reduce, ignoring the slice) never reports itself completed. Nothing is handed between threads: on two
-  loaded cores each hand-off cost 0.25 ms, and a training iteration waits for
-  dozens of collectives.
+  all-reduce, ignoring the slice) never reports itself completed. Nothing is
+  handed between threads: on two loaded cores each hand-off cost 0.25 ms, and a
+  training iteration waits for dozens of collectives.
 """
 
 from __future__ import annotations
@@ -114,6 +114,9 @@ SLICE_S = 0.05
 """How long :func:`wait_sliced` blocks at a time: a cancelled wait ends within this."""
 
 _SLICE = datetime.timedelta(seconds=SLICE_S)
+SLICE_RAN_OUT = "Operation timed out!"
+"""What c10d's ``Work::wait(timeout)`` raises when the timeout runs out before the op ends; gloo's
+own errors, its op timeout included, read otherwise."""
 
 
 def wait_sliced(pending: Pending) -> None:
@@ -127,7 +130,7 @@ def wait_sliced(pending: Pending) -> None:
         try:
             work.wait(_SLICE)
         except RuntimeError as exc:
-            if not _slice_ran_out(exc):
+            if SLICE_RAN_OUT not in str(exc):
                 # The op's own error. A composite work (gloo's reduce-scatter, which waits for an inner
                 # all-reduce and ignores the slice) fails without ever reporting itself completed.
                 error = exc
@@ -146,15 +149,6 @@ def wait_sliced(pending: Pending) -> None:
         if error is not None:
             raise error
         return
-
-
-SLICE_RAN_OUT = "Operation timed out!"
-"""What c10d's ``Work::wait(timeout)`` raises when the timeout runs out before the op ends; gloo's
-own errors, its op timeout included, read otherwise."""
-
-
-def _slice_ran_out(exc: RuntimeError) -> bool:
-    return SLICE_RAN_OUT in str(exc)
 
 
 def _outcome(pending: Pending) -> BaseException | None:
