@@ -110,7 +110,7 @@ class TrainMoverConfig:
     and quarantine its slot, or ``off``. The job's policy; ``trainmover straggler`` changes it at run time."""
     straggler_threshold: float = 1.15
     """``--tm-straggler-threshold``: slow means this many times the median compute time of the rank's peers."""
-    straggler_window: int = 10
+    straggler_window: int = 20
     """``--tm-straggler-window``: consecutive slow iterations that make a straggler."""
     rebalance_interval_min: float = 0.0
     """``--tm-rebalance-interval``: minutes between scheduled planned moves (``trainmover_ext.control.rebalance``);
@@ -523,8 +523,9 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--tm-straggler-window",
         type=int,
         default=None,
-        help="Consecutive slow iterations that make a straggler (default 10). A rank's pace in an iteration is the "
-        "median of its last 9 compute times, so one spike (a garbage collection) makes no slow iteration. A rank's "
+        help="Consecutive slow iterations that make a straggler (default 20). A rank's pace in an iteration is the "
+        "mean of its last 15 compute times less their highest 3, so one spike (a garbage collection) makes no slow "
+        "iteration. A rank's "
         "first 3 iterations after "
         "it joins are not counted, nor are saves and evaluations (they are outside the measured compute)."
         + _FOR_THE_AGENT,

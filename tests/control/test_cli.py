@@ -170,7 +170,7 @@ def test_straggler_policy_and_quarantine_at_run_time(etcd, kv, capsys):
     space = JobSpace.create(kv, "strag")
     f = flags(etcd, space.token, job="strag")
     assert main(["straggler", *f]) == 0
-    assert "straggler policy: report, threshold 1.15x the peers' median for 10 iterations" in capsys.readouterr().out
+    assert "straggler policy: report, threshold 1.15x the peers' median for 20 iterations" in capsys.readouterr().out
     assert main(["straggler", "--action", "migrate", "--threshold", "1.3", *f]) == 0
     policy = view_policy(read_view(space))
     assert (policy.action, policy.threshold, policy.window) == ("migrate", 1.3, 10)

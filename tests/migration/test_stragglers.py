@@ -29,13 +29,13 @@ def test_a_slowed_rank_is_found_and_moved_bit_identically(tmp_path, corpus, refe
     err = finish_job(job, 400)
     found = [e["detail"] for e in job.events("straggler")]
     assert [(f["rank"], f["action"]) for f in found] == [(1, "migrate")], err[-3000:]
-    # Its pace (the median of 9) is slow from iteration 14, so 10 slow paces name it at 23, give or take a
-    # few noisy iterations; never before the slowdown began. At 1.2x, within reach of the threshold (1.15) on
-    # 2 busy cores, the 10 slow paces in a row may take longer.
-    assert found[0]["ratio"] >= 1.15 and found[0]["iteration"] >= 10, found
+    # Its pace (the mean of the lowest 12 of its last 15) is slow once 5 (2x) or 7 (1.5x) of them are slowed,
+    # so 20 slow paces name it at 34 or 36, give or take a few noisy iterations; never before the slowdown
+    # began. At 1.2x, measured 1.16x its peer on 2 busy cores (the threshold is 1.15), it takes longer.
+    assert found[0]["ratio"] >= 1.15 and found[0]["iteration"] >= 10 + 20, found
     assert found[0]["slot"] == 1 and found[0]["request"], found  # its slot (LOCAL_RANK 1) quarantined with the move
     if float(factor) >= 1.5:
-        assert found[0]["iteration"] <= 27, found
+        assert found[0]["iteration"] <= 42, found
     moves = [(r["rank"], r["reason"], r["joiner"][:7]) for r in replaced(job)]
     assert moves == [(1, "planned", "standby")], err[-3000:]
     assert not fell_back(job)

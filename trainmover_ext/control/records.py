@@ -419,7 +419,7 @@ class StragglerPolicy(Record):
     """``report``: log it, record it under ``stragglers/`` and on the timeline; ``migrate``: also move it to a
     warm standby and quarantine its slot; ``off``: nothing is judged."""
     threshold: float = 1.15
-    window: int = 10
+    window: int = 20
     set_by: str = ""
     set_at: float = 0.0
 

@@ -5,11 +5,13 @@ Contract (pure logic, no I/O, no clock; the caller feeds it what the ranks publi
   without the time spent waiting in communication) of the ranks that reported, each with its **peer
   key**: ranks with the same key do the same work (the same pipeline stage and layout position), so
   a last stage that is slower than a first one is no straggler.
-- A rank's *pace* in an iteration is the median of its last ``smooth`` counted compute times (one
-  garbage collection or page fault moves no median). It is *slow* in an iteration when its pace
-  exceeds the median of its peers' paces (the other ranks of its key) by ``threshold`` or more. It is
-  flagged when it was slow in ``window`` consecutive counted iterations; each flag is returned once,
-  and the rank is flagged again only after it was seen at its peers' pace in between.
+- A rank's *pace* in an iteration is the mean of its last ``smooth`` counted compute times less the
+  highest ``trim`` of them (:func:`pace`): one garbage collection or page fault is left out, and the rest
+  is averaged, which on shared cores is steadier than a median (see :class:`StragglerConfig`). It is
+  *slow* in an iteration when its pace exceeds the median of its peers' paces (the other ranks of its
+  key) by ``threshold`` or more. It is flagged when it was slow in ``window`` consecutive counted
+  iterations; each flag is returned once, and the rank is flagged again only after it was seen at its
+  peers' pace in between.
 - Not counted, so that one-off spikes never add up to a flag: an iteration the caller marks
   ``excluded`` (a checkpoint save, an evaluation), and a rank's first ``settle`` iterations after it
   joined (a promoted standby warms its caches; its peers are not compared with it meanwhile
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -37,23 +39,27 @@ class StragglerConfig:
 
     threshold: float = 1.15
     """A rank is slow in an iteration when its compute time is at least this many times its peers' median."""
-    window: int = 10
-    """Consecutive slow iterations that make a straggler."""
-    smooth: int = 9
-    """Compute times whose median is a rank's pace. 9, not 5: on 2 shared cores a rank slowed 1.2x shows as
-    1.16-1.19x its peer (the peers then contend less), within the noise of a median of 5 of the 1.15
-    threshold; five recorded runs named it 12-68 iterations late with 5, 13-21 with 9
-    (tests/control/test_stragglers.py)."""
+    window: int = 20
+    """Consecutive slow iterations that make a straggler. 20, not 10, with the pace below: CPU compute times of
+    identical work on 2 shared cores drift apart 1.2-1.4x for 10-20 iterations at a time (one rank preempted
+    more than its peer, ~80 times an iteration, refills its caches more). Replayed over 9 recorded
+    300-iteration steady runs (tests/control/data/compute_cpu_2cores_runs.json), the former detector (window 10,
+    median of 9) named a healthy rank in 4 of them, this one in none; it names the rank slowed 1.2x (1.16x
+    its peer as measured) in each of 3 recorded runs, 20-61 iterations after its slowdown began."""
+    smooth: int = 15
+    """Compute times whose trimmed mean is a rank's pace."""
+    trim: int = 3
+    """The highest of those ``smooth`` left out of the mean (one-off spikes: a garbage collection)."""
     settle: int = 3
     """Iterations of a newly joined rank that are not counted (nor compared with its peers)."""
 
     def __post_init__(self) -> None:
         if not self.threshold > 1.0:
             raise ValueError(f"straggler threshold must be > 1, got {self.threshold}")
-        if self.window < 1 or self.settle < 0 or self.smooth < 1:
+        if self.window < 1 or self.settle < 0 or self.smooth < 1 or not 0 <= self.trim < self.smooth:
             raise ValueError(
-                f"straggler window and smooth must be >= 1 and settle >= 0, got {self.window}, {self.smooth}, "
-                f"{self.settle}"
+                f"straggler window and smooth must be >= 1, settle >= 0 and trim in [0, smooth), got {self.window}, "
+                f"{self.smooth}, {self.settle}, {self.trim}"
             )
 
 
@@ -114,7 +120,7 @@ class StragglerDetector(Generic[K]):
         for r, s in counted.items():
             recent = self._recent.setdefault(r, deque(maxlen=self.config.smooth))
             recent.append(s.compute_s)
-            groups.setdefault(s.peer_key, {})[r] = statistics.median(recent)
+            groups.setdefault(s.peer_key, {})[r] = pace(recent, self.config)
         flagged: list[Straggler[K]] = []
         for members in groups.values():
             if len(members) < 2:
@@ -134,3 +140,11 @@ class StragglerDetector(Generic[K]):
     def _settling(self, rank: K, iteration: int) -> bool:
         joined = self._joined_at.get(rank)
         return joined is not None and iteration < joined + self.config.settle
+
+
+def pace(recent: Iterable[float], config: StragglerConfig) -> float:
+    """The mean of ``recent`` (at most ``config.smooth`` times) less its highest ones: ``config.trim`` of a full
+    ``smooth``, proportionally fewer of a shorter history (a rank that just started)."""
+    times = sorted(recent)
+    keep = len(times) - len(times) * config.trim // config.smooth
+    return sum(times[:keep]) / keep
