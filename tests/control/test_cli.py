@@ -173,7 +173,7 @@ def test_straggler_policy_and_quarantine_at_run_time(etcd, kv, capsys):
     assert "straggler policy: report, threshold 1.15x the peers' median for 20 iterations" in capsys.readouterr().out
     assert main(["straggler", "--action", "migrate", "--threshold", "1.3", *f]) == 0
     policy = view_policy(read_view(space))
-    assert (policy.action, policy.threshold, policy.window) == ("migrate", 1.3, 10)
+    assert (policy.action, policy.threshold, policy.window) == ("migrate", 1.3, 20)
     assert main(["straggler", "--threshold", "0.9", *f]) == 2
     assert "--tm-straggler-threshold must be > 1" in capsys.readouterr().err
     assert view_policy(read_view(space)).threshold == 1.3
