@@ -78,6 +78,17 @@ def test_no_false_positive_on_compute_times_recorded_on_a_busy_machine():
     assert run(StragglerConfig(window=5, smooth=1, trim=0)) != []
 
 
+def _replay(run: dict, config: StragglerConfig | None = None) -> list[tuple[int, int]]:
+    """(rank, iteration) of each flag over one recorded run, its first 10 iterations not counted (as by the watch)."""
+    times = {int(r): {int(i): s for i, s in v.items()} for r, v in run.items()}
+    det, found = StragglerDetector(config or StragglerConfig()), []
+    for it in sorted(set.intersection(*(set(v) for v in times.values()))):
+        if it > 10:
+            samples = {r: Sample(peer_key=r // 2, compute_s=v[it]) for r, v in times.items()}
+            found += [(f.rank, it) for f in det.observe(it, samples)]
+    return found
+
+
 def test_cpu_compute_times_recorded_on_a_busy_machine_name_the_slowed_rank_alone():
     """Compute times as ranks now publish them off the device (CPU time less waits; tests/control/data/
     compute_cpu_2cores.json), from the straggler benchmark's job on 2 shared cores: the defaults name nobody in
@@ -88,29 +99,12 @@ def test_cpu_compute_times_recorded_on_a_busy_machine_name_the_slowed_rank_alone
     runs = json.load(open(path))["runs"]
 
     def named(run, config=None):
-        times = {int(r): {int(i): s for i, s in v.items()} for r, v in runs[run].items()}
-        det, found = StragglerDetector(config or StragglerConfig()), []
-        for it in sorted(set.intersection(*(set(v) for v in times.values()))):
-            if it > 10:
-                samples = {r: Sample(peer_key=r // 2, compute_s=v[it]) for r, v in times.items()}
-                found += [(f.rank, it) for f in det.observe(it, samples)]
-        return found
+        return _replay(runs[run], config)
 
     assert named("ideal") == []
     found = named("slow")
     assert {rank for rank, _ in found} == {1} and found[0][1] <= 20 + 60, found
     assert named("slow", StragglerConfig(threshold=1.25)) == []
-
-
-def _replay(run: dict, config: StragglerConfig | None = None) -> list[tuple[int, int]]:
-    """(rank, iteration) of each flag over one recorded run, its first 10 iterations not counted (as by the watch)."""
-    times = {int(r): {int(i): s for i, s in v.items()} for r, v in run.items()}
-    det, found = StragglerDetector(config or StragglerConfig()), []
-    for it in sorted(set.intersection(*(set(v) for v in times.values()))):
-        if it > 10:
-            samples = {r: Sample(peer_key=r // 2, compute_s=v[it]) for r, v in times.items()}
-            found += [(f.rank, it) for f in det.observe(it, samples)]
-    return found
 
 
 def test_recorded_steady_runs_name_nobody_and_a_1_2x_rank_is_named_in_each_slowed_run():
