@@ -344,12 +344,14 @@ def straggler_lines(data: dict | None) -> list[str]:
     if data is None:
         return [f"**A straggler**: {NOT_YET} (`{COMMANDS['straggler']}`)."]
     job = data.get("config", {})
+    trials, named = len(data.get("trials", [])), data["detected_after_iterations"].get("n", 0)
+    missed = f" (not named in {trials - named} of {trials} runs)" if named < trials else ""
     return [
         f"**A straggler** (rank 1 of a 4-rank job computing {job.get('factor')}x slower from iteration "
         f"{job.get('start')} of {job.get('iters')}; throughput over that span against the run without it): no action "
         f"loses {spread_cell(data['no_action']['loss_pct'], ' %')}, TrainMover moving it "
         f"{spread_cell(data['trainmover']['loss_pct'], ' %')} (goal <= 5 %); named "
-        f"{spread_cell(data['detected_after_iterations'], '')} iterations after the slowdown began; "
+        f"{spread_cell(data['detected_after_iterations'], '')} iterations after the slowdown began{missed}; "
         f"{data['false_positives']} ranks named that were not slow; losses bit-identical: "
         f"{yes(data['bit_identical'])}. {stamp(data)}",
     ]

@@ -240,3 +240,14 @@ def test_detection_is_a_line_in_the_readme_and_a_table_in_the_docs(tmp_path):
     (tmp_path / "detection.json").write_text(json.dumps(data))
     assert "**not every** trial" in "\n".join(rf.readme_block(str(tmp_path)))
     assert "| **no** |" in "\n".join(rf.docs_block(str(tmp_path)))
+
+
+def test_the_straggler_line_says_in_how_many_runs_the_slow_rank_was_not_named():
+    """A run whose straggler was never named has no detection figure: the line says so rather than showing the
+    median of the runs that named it as if it were all of them."""
+    data = json.load(open(os.path.join(REPO_ROOT, "benchmarks", "results", "straggler.json")))
+    data["trials"] = data["trials"][:2]
+    data["detected_after_iterations"] = {"median": 31, "min": 31, "max": 31, "n": 1, "values": [31]}
+    assert "(not named in 1 of 2 runs)" in rf.straggler_lines(data)[0]
+    data["detected_after_iterations"] = {"median": 31, "min": 30, "max": 32, "n": 2, "values": [30, 32]}
+    assert "not named" not in rf.straggler_lines(data)[0]
