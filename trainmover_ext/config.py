@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from trainmover_ext.control.records import STRAGGLER_ACTIONS, RebalancePolicy, StragglerPolicy
+from trainmover_ext.control.stragglers import StragglerConfig
 from trainmover_ext.errors import ConfigError
 from trainmover_ext.launch.heartbeat import DEFAULT_HANG_TIMEOUT_S
 
@@ -104,13 +105,13 @@ class TrainMoverConfig:
     """``--tm-inject-slowdown RANK:FACTOR[:FROM]``: straggler drill (see trainmover_ext.runtime.slowdown)."""
     inject_link_delay: str | None = None
     """``--tm-inject-link-delay A:B:SECONDS[:FROM]``: slow-link drill (see trainmover_ext.runtime.slowdown)."""
-    straggler_action: str = "report"
+    straggler_action: str = StragglerPolicy.action
     """``--tm-straggler-action``: what the controller does with a rank whose compute time stays above its
     peers' (``trainmover_ext.control.straggler_watch``): ``report`` it, ``migrate`` it to a warm standby
     and quarantine its slot, or ``off``. The job's policy; ``trainmover straggler`` changes it at run time."""
-    straggler_threshold: float = 1.15
+    straggler_threshold: float = StragglerPolicy.threshold
     """``--tm-straggler-threshold``: slow means this many times the median compute time of the rank's peers."""
-    straggler_window: int = 20
+    straggler_window: int = StragglerPolicy.window
     """``--tm-straggler-window``: consecutive slow iterations that make a straggler."""
     rebalance_interval_min: float = 0.0
     """``--tm-rebalance-interval``: minutes between scheduled planned moves (``trainmover_ext.control.rebalance``);
@@ -227,6 +228,8 @@ _FLAG_TO_FIELD = {
 
 
 _FOR_THE_AGENT = " Read by the agents of `trainmover launch`; needs --trainmover."
+_PACE = StragglerConfig()
+"""The detector's pace and settle, which the window's help describes."""
 
 _FOR_THE_LAUNCHER = (
     " Read by `trainmover launch` (before or after the script), which gives it to every process it starts; "
@@ -517,17 +520,16 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         type=float,
         default=None,
         help="A rank is slow in an iteration when its compute time is at least this many times its peers' "
-        "median (default 1.15, must be > 1)." + _FOR_THE_AGENT,
+        f"median (default {StragglerPolicy.threshold:g}, must be > 1)." + _FOR_THE_AGENT,
     )
     g.add_argument(
         "--tm-straggler-window",
         type=int,
         default=None,
-        help="Consecutive slow iterations that make a straggler (default 20). A rank's pace in an iteration is the "
-        "mean of its last 15 compute times less their highest 3, so one spike (a garbage collection) makes no slow "
-        "iteration. A rank's "
-        "first 3 iterations after "
-        "it joins are not counted, nor are saves and evaluations (they are outside the measured compute)."
+        help=f"Consecutive slow iterations that make a straggler (default {StragglerPolicy.window}). A rank's pace in "
+        f"an iteration is the mean of its last {_PACE.smooth} compute times less their highest {_PACE.trim}, so one "
+        f"spike (a garbage collection) makes no slow iteration. A rank's first {_PACE.settle} iterations after it "
+        "joins are not counted, nor are saves and evaluations (they are outside the measured compute)."
         + _FOR_THE_AGENT,
     )
     g.add_argument(

@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from trainmover_ext.control.json_types import field_type_problems
+from trainmover_ext.control.stragglers import StragglerConfig
 from trainmover_ext.errors import MalformedValue
 from trainmover_ext.kv.codec import decode, encode
 
@@ -418,8 +419,8 @@ class StragglerPolicy(Record):
     action: str = "report"
     """``report``: log it, record it under ``stragglers/`` and on the timeline; ``migrate``: also move it to a
     warm standby and quarantine its slot; ``off``: nothing is judged."""
-    threshold: float = 1.15
-    window: int = 20
+    threshold: float = StragglerConfig.threshold
+    window: int = StragglerConfig.window
     set_by: str = ""
     set_at: float = 0.0
 
