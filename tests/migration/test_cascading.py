@@ -78,6 +78,22 @@ def test_the_joiner_dies_during_its_promotion(tmp_path, corpus, reference):
     assert took < DeltaConfig().connect_timeout_s / 2, f"epoch 2 took {took:.1f}s: a rank waited for dead links"
 
 
+def test_the_only_standby_dies_during_its_promotion_and_the_pool_s_refill_takes_the_rank(tmp_path, corpus, reference):
+    """As above with one standby: once its joiner died, none is left. The agent wakes the pool's refill at
+    once (not after the epoch settled, which it never will) and waits for it to warm up instead of falling
+    back to stop-restart after ``replacement_s``; epoch 2 gives rank 6 to the refill."""
+    ref = reference("tp2pp2dp2", 8, tm_args(corpus))
+    job = run_job(
+        tmp_path, 8, _cascade_args(corpus, "6:6:backward,6:1:join", standbys=1), name="only_joiner_dies", timeout=400
+    )
+    assert_bit_identical_without_restart(job, ref)
+    assert _plans(job)[:2] == [(1, "failure", 6), (2, "failure", 6)], job.stderr()[-3000:]
+    refills = [e["detail"]["member"] for e in job.events("standby_started") if e["detail"]["how"] != "fork"]
+    epoch2 = next(p for p in job.migrations() if p["epoch"] == 2)
+    assert [r["joiner"] for r in epoch2["replacements"]] == refills[:1], (epoch2, refills)
+    assert "no standby of this node is idle: refilling the pool now" in job.stderr(), job.stderr()[-3000:]
+
+
 def test_another_rank_dies_during_a_recovery(tmp_path, corpus, reference):
     """Rank 5 dies; during epoch 1's recovery, before it reports what it holds, rank 2 dies too, so
     epoch 1 cannot converge. Every rank, the joiner of epoch 1 included, restarts recovery at epoch 2."""

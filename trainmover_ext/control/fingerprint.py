@@ -254,3 +254,15 @@ def read_refusal(space: JobSpace, member: str) -> dict[str, tuple[Any, Any]] | N
         if event.what == REFUSAL_EVENT and event.detail.get("member") == member:
             found = {k: tuple(v) for k, v in event.detail.get("fields", {}).items()}
     return found
+
+
+def why_refused(space: JobSpace, member: str) -> str:
+    """Why the job refused standby ``member``, in words, from the job's timeline (the standby wrote it);
+    never raises (etcd trouble: the standby's own log has the fields)."""
+    try:
+        fields = read_refusal(space, member)
+    except Exception as exc:  # noqa: BLE001 - said instead: the caller only logs it
+        return f"its model fingerprint differs from the job's (could not read which fields: {exc})"
+    if not fields:
+        return "its model fingerprint differs from the job's (see its log for the fields)"
+    return describe_diff(fields)

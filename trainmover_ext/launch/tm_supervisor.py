@@ -17,10 +17,12 @@ Contract (one agent per node; the single-node case is what runs today):
   it forked at the start (``process.fork_reserve``), which skips a new
   interpreter's imports, and spawns a new interpreter once none is left.
   Waiting keeps the new standby's start and warm-up off the node's cores
-  while the job is still recovering.
+  while the job is still recovering; a rank lost while none of the node's
+  standbys is idle (its joiner died in its join) starts the refills at once.
 - A plan that leaves a rank unserved (no standby), or no plan within the
-  deadline, ends the job the classic way: every process is stopped and the
-  agent's restart policy applies.
+  deadline (``replacement_s``; ``decision_s``, as long as the ranks wait, while
+  a standby of the node is idle: it is warming), ends the job the classic way:
+  every process is stopped and the agent's restart policy applies.
 - With ``--tm-leaver-becomes-standby`` a planned leaver of this agent stays
   alive as one of its standbys (``leaver_standby_id``), so the standby the move
   consumed here is not replaced: the leaver refills the pool.
@@ -47,7 +49,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from trainmover_ext.control.fingerprint import describe_diff, read_refusal
+from trainmover_ext.control.fingerprint import why_refused
 from trainmover_ext.deadline import RecoveryTimeouts
 from trainmover_ext.errors import STANDBY_REFUSED_EXIT_CODE, StoreError
 from trainmover_ext.launch.heartbeat import HangWatch
@@ -419,14 +421,18 @@ class TrainMoverSupervisor:
                     self.replenish.append((plan.epoch, time.time() + REPLENISH_AFTER_S))
         return None
 
-    def _replenish(self) -> None:
+    def _replenish(self, now_too: bool = False) -> None:
+        """Start the refills that are due: their epoch settled (its first iteration ran: its joiners no
+        longer need the cores), ``REPLENISH_AFTER_S`` passed, or ``now_too`` (a rank was lost with none of
+        this node's standbys idle: the pool is needed now, not the cores)."""
         latest = self.inbox.snapshot()
-        # settled: the epoch's first iteration ran (its joiners no longer need the cores)
         due = [
             (e, t)
             for e, t in self.replenish
-            if (e in latest and "first_iteration" in latest[e].steps) or time.time() > t
+            if now_too or (e in latest and "first_iteration" in latest[e].steps) or time.time() > t
         ]
+        if now_too and due:
+            self.agent.log(f"a rank was lost and no standby of this node is idle: refilling the pool now ({len(due)})")
         for entry in due:
             self.replenish.remove(entry)
             self._start_standby("spawn")
@@ -439,16 +445,6 @@ class TrainMoverSupervisor:
             self.agent.log(f"could not read the job's progress: {exc}")
             return False
         return len(entries) >= self.cfg.nnodes * self.cfg.nproc_per_node
-
-    def _refusal(self, member: str) -> str:
-        """Why the job refused standby ``member``, from the job's timeline (the standby wrote it)."""
-        try:
-            fields = read_refusal(self.space, member)
-        except Exception as exc:  # noqa: BLE001 - etcd trouble: the standby's own log has the fields
-            return f"its model fingerprint differs from the job's (could not read which fields: {exc})"
-        if not fields:
-            return "its model fingerprint differs from the job's (see its log for the fields)"
-        return describe_diff(fields)
 
     def _report(self, rank: int, member: str, code: int, *, track: bool = True, hung: str = "") -> None:
         """Report ``member``'s exit, or with ``hung`` (what was seen) its hang; ``track``: expect a plan for
@@ -486,6 +482,8 @@ class TrainMoverSupervisor:
             self.agent.log(f"rank {rank} ({member}) hung: {hung}; killed it and reported to the controller")
         else:
             self.agent.log(f"rank {rank} ({member}) exited with code {code}; reported to the controller")
+        if track and not self.standbys:  # e.g. the joiner promoted into it died before its epoch settled
+            self._replenish(now_too=True)
 
     def _fence_hung(self) -> None:
         """Kill and report every serving process and planned leaver that froze (``launch.heartbeat``), and
@@ -537,7 +535,7 @@ class TrainMoverSupervisor:
 
     def supervise(self) -> tuple[bool, int]:
         """Block until done. Returns (finished_ok, exit code); (False, code) asks for the classic fallback."""
-        deadline_s = RecoveryTimeouts(self.cfg.lease_ttl_s).replacement_s
+        timeouts = RecoveryTimeouts(self.cfg.lease_ttl_s)
         while True:
             if self.agent.stop_signal is not None:
                 return False, 128 + self.agent.stop_signal
@@ -559,6 +557,8 @@ class TrainMoverSupervisor:
                     self.retired.append(proc)
                     if code != 0:
                         self._report(rank, member, code, track=False)
+            # An idle standby of this node is warming (once warm, it is named): wait as long as the ranks do.
+            deadline_s = timeouts.decision_s if self.standbys else timeouts.replacement_s
             for rank, t in self.reported.items():
                 if time.time() - t > deadline_s:
                     return self._fall_back(f"no replacement for rank {rank} within {deadline_s:.0f}s")
@@ -568,7 +568,7 @@ class TrainMoverSupervisor:
                     if proc.returncode == STANDBY_REFUSED_EXIT_CODE:
                         self.agent.log(
                             f"standby {member} was refused by the job (exit {proc.returncode}): "
-                            f"{self._refusal(member)}; not restarting it (start standbys with the "
+                            f"{why_refused(self.space, member)}; not restarting it (start standbys with the "
                             "job's flags)"
                         )
                         continue
