@@ -75,6 +75,18 @@ def start_job(
     return LaunchedJob(popen, out, err, metrics, run_dir=run_dir)
 
 
+def crash_head(stderr: str, limit: int = 3000) -> str:
+    """The first crash dump's header and its crashing thread's stack (faulthandler's "Fatal Python error"
+    and "Current thread" block), or "" without one: a stderr tail shows only the dump's last thread."""
+    at = stderr.find("Fatal Python error")
+    if at < 0:
+        return ""
+    header = stderr[at : stderr.find("\n", at)]
+    current = stderr.find("Current thread", at)
+    block = stderr[current : stderr.find("\n\n", current)][:limit] if current >= 0 else "(no current thread)"
+    return f"first crash: {header}\n{block}\n...\n"
+
+
 def run_job(
     tmp_path,
     nproc: int,
@@ -86,7 +98,9 @@ def run_job(
 ) -> LaunchedJob:
     job = start_job(tmp_path, nproc, script_args, *launch_flags, name=name, env=env)
     code = job.wait(timeout)
-    assert code == 0, f"{name} exited {code}; stderr tail:\n{job.stderr()[-4000:]}"
+    if code != 0:
+        err = job.stderr()
+        raise AssertionError(f"{name} exited {code}; {crash_head(err)}stderr tail:\n{err[-4000:]}")
     return job
 
 
