@@ -209,6 +209,43 @@ def test_iterations_a_move_disturbs_are_not_counted():
     assert (link.ranks, link.iteration) == ([0, 2], max(30, 25 + SETTLE_AFTER) + 5)  # the window of 5 after
 
 
+def _refill(space: JobSpace, host: str, warm: bool, registered_at: float) -> None:
+    roles = ["first", "middle", "last"] if warm else []
+    s = MemberRecord(member_id="s2", kind="standby", host=host, pid=300, warm_roles=roles, registered_at=registered_at)
+    space.put(space.key("members", "s2"), s.to_bytes())
+
+
+@pytest.mark.parametrize("host,registered_at", [("h0", 101.0), ("h2", 101.0), ("h0", 99.0)])
+def test_iterations_run_while_the_pools_refill_warms_beside_ranks_are_not_counted(host, registered_at):
+    """A standby with no warm role yet that registered after the last plan (the pool's refill) on a host that
+    runs ranks holds the watch like a move in flight, until it advertises its roles. One on a host without
+    ranks, or one there since before the plan, holds nothing."""
+    space = _space()
+    _job(space)
+    watch = _watch(space, "report")
+    plan = MigrationPlan(
+        epoch=1,
+        reason="planned",
+        replacements=[{"rank": 3, "leaver": "w3", "joiner": "s1", "role": "last", "state_source": {"kind": "leaver"}}],
+        resume_iteration=None,
+        switch_at=2,
+        decided_at=100.0,
+        steps={"transferred": 1.0},
+    )
+    space.put(space.key("migrations", migration_key_suffix(1)), plan.to_bytes())
+    space.put(space.key("epoch"), encode("epoch", {"epoch": 1}))
+    _refill(space, host, warm=False, registered_at=registered_at)
+    _report(space, range(1, 31), {1: 0.2})
+    held = host == "h0" and registered_at > plan.decided_at
+    found = watch.tick(read_view(space))
+    assert [(f.rank, f.iteration) for f in found] == ([] if held else [(1, 2 + SETTLE_AFTER + 5)])
+    if held:
+        _refill(space, host, warm=True, registered_at=registered_at)
+        _report(space, range(1, 101), {1: 0.2})
+        (late,) = watch.tick(read_view(space))
+        assert (late.rank, late.iteration) == (1, 30 + 2 * 30 + 5)  # the round's advance after it held out too
+
+
 def test_the_jobs_first_iterations_are_not_counted():
     space = _space()
     _job(space)

@@ -25,8 +25,9 @@ Contract:
 - **Moves and recoveries disturb everyone's timing** (a joiner's preparation shares the hosts, the ranks
   pause at the switch): an iteration reported while one is in flight (the view not quiet), or up to
   :data:`SETTLE_AFTER` iterations after a planned move's switch point (and the job's first as many), is not
-  counted by either detector; while in flight, the iterations the ranks run until the next round (twice the last round's
-  advance, at least :data:`LAG`) are held out too.
+  counted by either detector; nor is one reported while the pool's refill warms up beside ranks
+  (:func:`refill_warming`). While in flight or warming, the iterations the ranks run until the next round
+  (twice the last round's advance, at least :data:`LAG`) are held out too.
 - Every write is guarded by the leader key: a controller that lost the lead writes nothing. The watch's
   streaks live in memory: a new leader starts them afresh (at most one window later).
 """
@@ -187,7 +188,7 @@ class StragglerWatch:
         """Extend :attr:`_hold` over what a move or recovery in flight disturbs (see the module docstring)."""
         newest = max(self._newest.values(), default=0)
         advance, self._seen = max(0, newest - self._seen), newest
-        if not _quiet(view):
+        if not _quiet(view) or refill_warming(view):
             self._hold = max(self._hold, newest + max(LAG, 2 * advance))
         plan = view.last_plan
         if plan is not None and plan.switch_at is not None:
@@ -364,6 +365,19 @@ def _sample(entry: list[float]) -> tuple[int, float, dict[int, float]]:
     if len(links) % 2:
         raise ValueError(f"compute sample {entry!r}: peers and waits must pair up")
     return int(entry[0]), float(entry[1]), {int(links[k]): float(links[k + 1]) for k in range(0, len(links), 2)}
+
+
+def refill_warming(view: View) -> bool:
+    """Whether a standby that registered after the last plan was decided (the pool's refill) still warms up
+    on a host that runs ranks: it takes their CPU (14-30 s on 2 shared cores, measured) as a move would."""
+    plan = view.last_plan
+    if plan is None:
+        return False
+    hosts = {rec.host for rec in view.ranks.values()}
+    return any(
+        m.kind == "standby" and (not m.warm_roles or m.warming) and m.host in hosts and m.registered_at > plan.decided_at
+        for m in view.members.values()
+    )
 
 
 def _quiet(view: View) -> bool:
