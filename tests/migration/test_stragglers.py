@@ -20,13 +20,16 @@ ITERS = 150
 @pytest.mark.parametrize("factor", ["1.2", "1.5", "2"])
 def test_a_slowed_rank_is_found_and_moved_bit_identically(tmp_path, corpus, reference, factor):
     """PP2 x DP2 in bf16 at dropout 0.1, one standby; rank 1 (first stage, the peer of rank 0) computes
-    ``factor`` times slower from iteration 10 of 150. The watch names rank 1 alone, its move is planned and
-    carried out, and the trajectory matches the run without the slowdown bit for bit."""
-    args = tm_args(corpus, tp=1, pp=2, gbs=8, iters=ITERS, extra=["--bf16"])
-    ref = reference("tp1pp2dp2-bf16-i150", 4, args)
+    ``factor`` times slower from iteration 10 of 150 (of 250 at 1.2x: measured 1.16x its peer on 2 busy cores,
+    just over the 1.15 threshold, it was named 20-61 iterations after its slowdown in recorded runs, and in one
+    benchmark run of 8 not within 130). The watch names rank 1 alone, its move is planned and carried out, and
+    the trajectory matches the run without the slowdown bit for bit."""
+    iters = 250 if factor == "1.2" else ITERS
+    args = tm_args(corpus, tp=1, pp=2, gbs=8, iters=iters, extra=["--bf16"])
+    ref = reference(f"tp1pp2dp2-bf16-i{iters}", 4, args)
     slowed = args + ["--tm-straggler-action", "migrate", "--tm-inject-slowdown", f"1:{factor}:10"]
     job = start_job(tmp_path, 4, slowed, name=f"straggler_{factor}")
-    err = finish_job(job, 400)
+    err = finish_job(job, 600)
     found = [e["detail"] for e in job.events("straggler")]
     assert [(f["rank"], f["action"]) for f in found] == [(1, "migrate")], err[-3000:]
     # Its pace (the mean of the lowest 12 of its last 15) is slow once 5 (2x) or 7 (1.5x) of them are slowed,
