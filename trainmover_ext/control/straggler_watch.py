@@ -375,8 +375,9 @@ def refill_warming(view: View) -> bool:
         return False
     hosts = {rec.host for rec in view.ranks.values()}
     return any(
-        m.kind == "standby" and (not m.warm_roles or m.warming) and m.host in hosts and m.registered_at > plan.decided_at
+        m.kind == "standby" and (not m.warm_roles or m.warming) and m.host in hosts
         for m in view.members.values()
+        if m.registered_at > plan.decided_at
     )
 
 
