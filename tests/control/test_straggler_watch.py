@@ -178,6 +178,22 @@ def test_a_slow_rank_makes_its_partner_wait_but_is_no_slow_link():
     assert found.rank == 2 and watch.slow_links == []
 
 
+def _moved_rank_3(space: JobSpace, switch_at: int, decided_at: float = 0.0) -> MigrationPlan:
+    """Epoch 1: rank 3 moved to s1 by a planned move, transferred, switching at ``switch_at``."""
+    plan = MigrationPlan(
+        epoch=1,
+        reason="planned",
+        replacements=[{"rank": 3, "leaver": "w3", "joiner": "s1", "role": "last", "state_source": {"kind": "leaver"}}],
+        resume_iteration=None,
+        switch_at=switch_at,
+        decided_at=decided_at,
+        steps={"transferred": 1.0},
+    )
+    space.put(space.key("migrations", migration_key_suffix(1)), plan.to_bytes())
+    space.put(space.key("epoch"), encode("epoch", {"epoch": 1}))
+    return plan
+
+
 def test_iterations_a_move_disturbs_are_not_counted():
     """A request in flight holds out what the ranks run until the next round (twice the last advance); after
     the move, SETTLE_AFTER iterations past its switch point. A slow pair is named only from then on."""
@@ -193,16 +209,7 @@ def test_iterations_a_move_disturbs_are_not_counted():
     watch.tick(read_view(space))
     assert watch.slow_links == [] and watch._hold == 10 + 2 * 10  # the 10 reported, and 20 more
     space.kv.delete(space.key("requests", request))
-    plan = MigrationPlan(
-        epoch=1,
-        reason="planned",
-        replacements=[{"rank": 3, "leaver": "w3", "joiner": "s1", "role": "last", "state_source": {"kind": "leaver"}}],
-        resume_iteration=None,
-        switch_at=25,
-        steps={"transferred": 1.0},
-    )
-    space.put(space.key("migrations", migration_key_suffix(1)), plan.to_bytes())
-    space.put(space.key("epoch"), encode("epoch", {"epoch": 1}))
+    _moved_rank_3(space, switch_at=25)
     _report_links(space, range(1, 46), {(0, 2): 0.1})
     watch.tick(read_view(space))
     (link,) = watch.slow_links
@@ -223,17 +230,7 @@ def test_iterations_run_while_the_pools_refill_warms_beside_ranks_are_not_counte
     space = _space()
     _job(space)
     watch = _watch(space, "report")
-    plan = MigrationPlan(
-        epoch=1,
-        reason="planned",
-        replacements=[{"rank": 3, "leaver": "w3", "joiner": "s1", "role": "last", "state_source": {"kind": "leaver"}}],
-        resume_iteration=None,
-        switch_at=2,
-        decided_at=100.0,
-        steps={"transferred": 1.0},
-    )
-    space.put(space.key("migrations", migration_key_suffix(1)), plan.to_bytes())
-    space.put(space.key("epoch"), encode("epoch", {"epoch": 1}))
+    plan = _moved_rank_3(space, switch_at=2, decided_at=100.0)
     _refill(space, host, warm=False, registered_at=registered_at)
     _report(space, range(1, 31), {1: 0.2})
     held = host == "h0" and registered_at > plan.decided_at
