@@ -228,8 +228,6 @@ _FLAG_TO_FIELD = {
 
 
 _FOR_THE_AGENT = " Read by the agents of `trainmover launch`; needs --trainmover."
-_PACE = StragglerConfig()
-"""The detector's pace and settle, which the window's help describes."""
 
 _FOR_THE_LAUNCHER = (
     " Read by `trainmover launch` (before or after the script), which gives it to every process it starts; "
@@ -526,11 +524,11 @@ def add_trainmover_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "--tm-straggler-window",
         type=int,
         default=None,
-        help=f"Consecutive slow iterations that make a straggler (default {StragglerPolicy.window}). A rank's pace in "
-        f"an iteration is the mean of its last {_PACE.smooth} compute times less their highest {_PACE.trim}, so one "
-        f"spike (a garbage collection) makes no slow iteration. A rank's first {_PACE.settle} iterations after it "
-        "joins are not counted, nor are saves and evaluations (they are outside the measured compute)."
-        + _FOR_THE_AGENT,
+        help=f"Consecutive slow iterations that make a straggler (default {StragglerPolicy.window}). A rank's pace "
+        f"in an iteration is the mean of its last {StragglerConfig.smooth} compute times less their highest "
+        f"{StragglerConfig.trim}, so one spike (a garbage collection) makes no slow iteration. A rank's first "
+        f"{StragglerConfig.settle} iterations after it joins are not counted, nor are saves and evaluations (they "
+        "are outside the measured compute)." + _FOR_THE_AGENT,
     )
     g.add_argument(
         "--tm-rebalance-interval",
