@@ -131,6 +131,7 @@ class NativeGroup:
         """gloo: the waits in progress on this group's works, which an abort cancels (gloo may leave an
         op pending after its pair closed: the waiter must not depend on it)."""
         self._lock = threading.Lock()
+        self._op_timeout = datetime.timedelta(seconds=world.config.op_timeout_s)
 
     def __repr__(self) -> str:
         return f"NativeGroup({self.name!r}, members={self.members}, gen={self.generation}, {self.state})"
@@ -323,8 +324,7 @@ class NativeGroup:
         if comm.device_type != "cpu":
             work.wait() if timeout is None else work.wait(timeout)
             return
-        limit = timeout or datetime.timedelta(seconds=self.world.config.op_timeout_s)
-        pending = Pending(work, limit)
+        pending = Pending(work, timeout or self._op_timeout)
         with self._lock:
             self._waits.add(pending)
             late = comm.aborted  # cut before this wait began: the op may have ended, or may never

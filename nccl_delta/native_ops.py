@@ -80,9 +80,7 @@ class NativeOps:
     def __init__(self, group: NativeGroup):
         self.group = group
         self.single = group.size == 1
-
-    def _run(self, op: str, device: torch.device, call: Any, **kw: Any) -> dist.Work:
-        return self.group.run(op, device, call, **kw)
+        self._run = group.run  # bound once: every op goes through it
 
     # --- collectives -------------------------------------------------------------------
     def allreduce(self, tensors: Any, opts: AllreduceOptions | None) -> dist.Work:

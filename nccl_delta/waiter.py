@@ -48,22 +48,29 @@ class Waitable(Protocol):
 
 
 class Pending:
-    """One wait in flight; ``cancel`` may be called from any thread."""
+    """One wait in flight; ``cancel`` may be called from any thread.
 
-    __slots__ = ("work", "timeout", "done", "error", "cancelled", "_lock")
+    It ends once: finished (``_finish``, the op's outcome) or cancelled, whichever comes first. Cheap to
+    make, as a collective's wait makes one per op: a sliced wait reads ``cancelled`` at each slice, and
+    only a waiter thread's caller blocks on :meth:`wait_ended` (a bare lock held until the end, not an
+    ``Event``: its condition variable cost more than the rest of the op's bookkeeping)."""
+
+    __slots__ = ("work", "timeout", "ended", "error", "cancelled", "_lock", "_gate")
 
     def __init__(self, work: Waitable, timeout: datetime.timedelta):
         self.work, self.timeout = work, timeout
-        self.done = threading.Event()
+        self.ended = False
         self.error: BaseException | None = None
         self.cancelled: str | None = None
         self._lock = threading.Lock()
+        self._gate = threading.Lock()
+        self._gate.acquire()  # released once, when the wait ends
 
     def cancel(self, reason: str) -> None:
         with self._lock:
-            if not self.done.is_set():
+            if not self.ended:
                 self.cancelled = reason
-                self.done.set()
+                self._end()
 
     def _finish(self, error: BaseException | None) -> bool:
         """Record the outcome; False if the wait had been cancelled meanwhile."""
@@ -71,8 +78,19 @@ class Pending:
             if self.cancelled is not None:
                 return False
             self.error = error
-            self.done.set()
+            self._end()
             return True
+
+    def _end(self) -> None:  # under self._lock, once
+        self.ended = True
+        self._gate.release()
+
+    def wait_ended(self, timeout_s: float) -> bool:
+        """Block until the wait finished or was cancelled; False if ``timeout_s`` ran out first."""
+        if self._gate.acquire(timeout=max(0.0, timeout_s)):
+            self._gate.release()  # any later caller returns at once too
+            return True
+        return self.ended
 
 
 class _Waiter:
@@ -173,7 +191,7 @@ def wait(pending: Pending) -> None:
     w = _waiter()
     w.queue.put(pending)
     # The op's own timeout bounds the wait; the margin lets gloo report it first.
-    if not pending.done.wait(pending.timeout.total_seconds() + 5.0):
+    if not pending.wait_ended(pending.timeout.total_seconds() + 5.0):
         pending.cancel("the op outlived its timeout")
     if pending.cancelled is not None:
         w.stuck = True

@@ -251,6 +251,30 @@ class _CompositeFails(_NeverDone):
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
 
 
+def test_a_pending_wait_ends_once_by_its_outcome_or_a_cancel():
+    """Whichever comes first wins: a cancel after the outcome changes nothing, an outcome after a cancel
+    is refused; a waiter thread's caller wakes at either, and only then."""
+    import datetime
+
+    from nccl_delta.waiter import Pending
+
+    minute = datetime.timedelta(seconds=60)
+    done = Pending(_NeverDone(), minute)
+    assert not done.wait_ended(0.05)
+    assert done._finish(None)
+    done.cancel("too late")
+    assert done.wait_ended(0.0) and done.wait_ended(0.0)  # every caller returns once it ended
+    assert (done.cancelled, done.error) == (None, None)
+
+    cut = Pending(_NeverDone(), minute)
+    threading.Timer(0.1, cut.cancel, args=("the group was cut",)).start()
+    start = time.monotonic()
+    assert cut.wait_ended(5.0)
+    assert 0.1 <= time.monotonic() - start < 1.0
+    assert not cut._finish(ValueError("the op's outcome, after the cancel"))
+    assert (cut.cancelled, cut.error) == ("the group was cut", None)
+
+
 def test_a_sliced_wait_returns_the_op_s_own_outcome_and_ends_at_a_cancel():
     """A collective's wait on the caller's thread: the slices running out are not the op's outcome."""
     import datetime
