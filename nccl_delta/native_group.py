@@ -43,7 +43,7 @@ from torch.futures import Future
 from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout
 
 from .native import NativeComm, build_comm
-from .waiter import Pending, wait, wait_sliced
+from .waiter import SLICE, Pending, first_slice, wait, wait_sliced
 
 if TYPE_CHECKING:
     from .world import DeltaWorld
@@ -319,10 +319,12 @@ class NativeGroup:
         lets the op end by itself (its outcome, success included, is what the wait returns, as without a
         cut: raising for an op that did complete would break :mod:`nccl_delta.finishing`), and cancels the
         wait (:class:`~nccl_delta.waiter.WaitCancelled`) only if gloo leaves the op pending past
-        :data:`ABORT_SETTLE_S`. A collective is waited for on the calling thread, in slices; a send or a
-        receive on a waiter thread (:mod:`nccl_delta.waiter`)."""
+        :data:`ABORT_SETTLE_S`. A collective is waited for on the calling thread, in slices (the first with no
+        bookkeeping: most ops end within it); a send or a receive on a waiter thread (:mod:`nccl_delta.waiter`)."""
         if comm.device_type != "cpu":
             work.wait() if timeout is None else work.wait(timeout)
+            return
+        if not p2p and (timeout is None or timeout >= SLICE) and first_slice(work):
             return
         pending = Pending(work, timeout or self._op_timeout)
         with self._lock:

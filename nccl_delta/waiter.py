@@ -131,10 +131,25 @@ def _waiter() -> _Waiter:
 SLICE_S = 0.05
 """How long :func:`wait_sliced` blocks at a time: a cancelled wait ends within this."""
 
-_SLICE = datetime.timedelta(seconds=SLICE_S)
+SLICE = datetime.timedelta(seconds=SLICE_S)
+"""The slice as c10d takes it."""
 SLICE_RAN_OUT = "Operation timed out!"
 """What c10d's ``Work::wait(timeout)`` raises when the timeout runs out before the op ends; gloo's
 own errors, its op timeout included, read otherwise."""
+
+
+def first_slice(work: Waitable) -> bool:
+    """Wait up to one :data:`SLICE_S` for a collective's ``work``, with no :class:`Pending` to make, register
+    and drop (most ops end within it): True if it ended well, False if the slice ran out (the op may go on:
+    wait for it with :func:`wait_sliced`); raises the op's own error. No cancel can reach this wait, and
+    none needs to: it ends within the slice, as a cancelled sliced wait does."""
+    try:
+        work.wait(SLICE)
+    except RuntimeError as exc:
+        if SLICE_RAN_OUT not in str(exc):
+            raise
+        return False
+    return True
 
 
 def wait_sliced(pending: Pending) -> None:
@@ -146,7 +161,7 @@ def wait_sliced(pending: Pending) -> None:
     while True:
         error: BaseException | None
         try:
-            work.wait(_SLICE)
+            work.wait(SLICE)
         except RuntimeError as exc:
             if SLICE_RAN_OUT not in str(exc):
                 # The op's own error. A composite work (gloo's reduce-scatter, which waits for an inner
