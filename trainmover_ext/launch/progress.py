@@ -54,7 +54,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainmover_ext.launch.device_time import IterationTimes, Timeline
@@ -223,28 +223,44 @@ def _publish(fd: int, iteration: int, compute_s: float, on_peer: dict[int, float
         pass
 
 
-@contextlib.contextmanager
-def waiting(group: str, op: int, peer: int | None = None) -> Iterator[None]:
+def waiting(group: str, op: int, peer: int | None = None) -> contextlib.AbstractContextManager[None]:
     """The main thread blocks in ``group``'s op number ``op`` for the duration (a point-to-point op with the
     logical rank ``peer``, or a collective when None)."""
     w = _writer
     if w is None or threading.get_ident() != _MAIN:
-        yield
-        return
-    w.at = time.monotonic()
-    w.write(group, op)
-    started, cpu_started = w.at, cpu_clock()
-    if w.device is not None:
-        w.device.stall_begin(peer)
-    try:
-        yield
-    finally:
+        return _UNPUBLISHED
+    return _Waiting(w, group, op, peer)
+
+
+_UNPUBLISHED = contextlib.nullcontext()
+
+
+class _Waiting:
+    """What :func:`waiting` returns while progress is published. A class, not a generator's context manager:
+    it runs around every collective's wait, and the generator's machinery cost as much as the two writes."""
+
+    __slots__ = ("_w", "_group", "_op", "_peer", "_started", "_cpu_started")
+
+    def __init__(self, w: _Writer, group: str, op: int, peer: int | None) -> None:
+        self._w, self._group, self._op, self._peer = w, group, op, peer
+        self._started = self._cpu_started = 0.0
+
+    def __enter__(self) -> None:
+        w = self._w
+        w.at = self._started = time.monotonic()
+        w.write(self._group, self._op)
+        self._cpu_started = cpu_clock()
+        if w.device is not None:
+            w.device.stall_begin(self._peer)
+
+    def __exit__(self, *exc: object) -> None:
+        w = self._w
         if w.device is not None:
             w.device.stall_end()
         w.at = time.monotonic()
-        w.waited += cpu_clock() - cpu_started
-        if peer is not None:
-            w.on_peer[peer] = w.on_peer.get(peer, 0.0) + w.at - started
+        w.waited += cpu_clock() - self._cpu_started
+        if self._peer is not None:
+            w.on_peer[self._peer] = w.on_peer.get(self._peer, 0.0) + w.at - self._started
         w.write()
 
 
