@@ -25,6 +25,8 @@ Contract
   all-reduce, ignoring the slice) never reports itself completed. Nothing is
   handed between threads: on two loaded cores each hand-off cost 0.25 ms, and a
   training iteration waits for dozens of collectives.
+- :func:`first_slice` waits one slice with nothing to register (most collectives
+  end within it); only an op still running after it needs a :class:`Pending`.
 """
 
 from __future__ import annotations
