@@ -43,7 +43,7 @@ from torch.futures import Future
 from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout
 
 from .native import NativeComm, build_comm
-from .waiter import SLICE, Pending, first_slice, wait, wait_sliced
+from .waiter import SLICE, Pending, one_slice, wait, wait_sliced
 
 if TYPE_CHECKING:
     from .world import DeltaWorld
@@ -324,7 +324,7 @@ class NativeGroup:
         if comm.device_type != "cpu":
             work.wait() if timeout is None else work.wait(timeout)
             return
-        if not p2p and (timeout is None or timeout >= SLICE) and first_slice(work):
+        if not p2p and (timeout is None or timeout >= SLICE) and one_slice(work):
             return
         pending = Pending(work, timeout or self._op_timeout)
         with self._lock:

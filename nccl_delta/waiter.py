@@ -25,7 +25,7 @@ Contract
   all-reduce, ignoring the slice) never reports itself completed. Nothing is
   handed between threads: on two loaded cores each hand-off cost 0.25 ms, and a
   training iteration waits for dozens of collectives.
-- :func:`first_slice` waits one slice with nothing to register (most collectives
+- :func:`one_slice` waits one slice with nothing to register (most collectives
   end within it); only an op still running after it needs a :class:`Pending`.
 """
 
@@ -140,11 +140,11 @@ SLICE_RAN_OUT = "Operation timed out!"
 own errors, its op timeout included, read otherwise."""
 
 
-def first_slice(work: Waitable) -> bool:
-    """Wait up to one :data:`SLICE_S` for a collective's ``work``, with no :class:`Pending` to make, register
-    and drop (most ops end within it): True if it ended well, False if the slice ran out (the op may go on:
-    wait for it with :func:`wait_sliced`); raises the op's own error. No cancel can reach this wait, and
-    none needs to: it ends within the slice, as a cancelled sliced wait does."""
+def one_slice(work: Waitable) -> bool:
+    """Wait up to one :data:`SLICE_S` for a collective's ``work``: True if it ended well, False if the slice ran
+    out (the op may go on); raises the op's own error. The step of :func:`wait_sliced`; a caller may also take
+    the first slice with it alone, with no :class:`Pending` to make, register and drop (most ops end within
+    it): no cancel can reach that wait, and none needs to, as it ends within the slice."""
     try:
         work.wait(SLICE)
     except RuntimeError as exc:
@@ -161,24 +161,21 @@ def wait_sliced(pending: Pending) -> None:
     work = pending.work
     deadline = time.monotonic() + pending.timeout.total_seconds() + 5.0
     while True:
-        error: BaseException | None
+        error: BaseException | None = None
         try:
-            work.wait(SLICE)
+            ended = one_slice(work)
         except RuntimeError as exc:
-            if SLICE_RAN_OUT not in str(exc):
-                # The op's own error. A composite work (gloo's reduce-scatter, which waits for an inner
-                # all-reduce and ignores the slice) fails without ever reporting itself completed.
-                error = exc
-            elif cast(_Completable, work).is_completed():
-                # Ended as the slice ran out: its own outcome, at once.
-                error = _outcome(pending)
+            # The op's own error. A composite work (gloo's reduce-scatter, which waits for an inner
+            # all-reduce and ignores the slice) fails without ever reporting itself completed.
+            error, ended = exc, True
+        if not ended:
+            if cast(_Completable, work).is_completed():
+                error = _outcome(pending)  # ended as the slice ran out: its own outcome, at once
             elif pending.cancelled is None and time.monotonic() < deadline:
                 continue  # the slice ran out; the op goes on
             else:
                 pending.cancel("the op outlived its timeout")
-                raise WaitCancelled(pending.cancelled or "the op outlived its timeout") from exc
-        else:
-            error = None
+                raise WaitCancelled(pending.cancelled or "the op outlived its timeout")
         if not pending._finish(error):  # cancelled as it ended: the caller moves on either way
             raise WaitCancelled(pending.cancelled or "cancelled")
         if error is not None:
