@@ -19,7 +19,12 @@ of ``--trials`` with its range and every trial:
 - ``restart_fork_lost_s``: the same with ranks forked from the warm agent (``--restart-start-method fork``).
 - ``nvrx_lost_s``: NVIDIA resiliency-ext 0.4.1's in-process restart (``nvrx_inprocess.py``; needs
   ``pip install -r requirements-bench.txt``, otherwise null with the reason).
-- ``planned_lost_s``: ``trainmover migrate --rank VICTIM`` while the job trains (``--planned-iters``).
+- ``planned_lost_s``: ``trainmover migrate --rank VICTIM`` while the job trains (``--planned-iters``);
+  ``planned_lost_iters`` the same in steady iterations. ``planned_switch_s`` (and ``_iters``): its phase
+  2 alone, the extra time of the step the joiner's resume falls in (``lost_time.resume_step_excess_s``:
+  the hand-over and the swap at the agreed boundary, and the joiner's first iteration), median of the
+  trials; phase 1 (the joiner's set-up and the stayers' new groups, beside the training on the same
+  cores) is the rest of ``planned_lost_s``.
 - ``distopt_lost_s``: ``unexpected`` with ``--use-distributed-optimizer`` (``--distopt-trials``): the lost
   rank's optimizer shard comes from its holder's host-memory mirror; ``distopt_over_unexpected`` is its
   ratio to the replicated case of the same run (goal <= 1.5).
@@ -121,6 +126,7 @@ class Scenario:
             "lost_iters": spread(t["lost_per_failure_s"] / t["steady_iteration_s"] for t in trials),
             "steady_iteration_s": spread(t["steady_iteration_s"] for t in trials),
             "pre_fault_ratio": spread(t["pre_fault_ratio"] for t in trials),
+            "resume_step_excess_s": spread(e.get("resume_step_excess_s") for t in trials for e in t["events"]),
             "bit_identical": bool(trials) and all(t["bit_identical"] for t in trials),
             "state_identical": bool(trials) and all(t["state_identical"] for t in trials),
             "failed": self.failed,
@@ -335,8 +341,14 @@ def summarize(scenarios: dict[str, dict], skipped: dict[str, str], args, argv) -
     # same-run "before" exists.
     out["unexpected_lost_s_native"] = out["unexpected_lost_s"]
     out["unexpected_lost_s_before"] = None
+    # The planned move's phase 2 (lost_time.resume_step_excess_s): the stall at the agreed boundary and
+    # the joiner's first iteration, beside the move's whole lost time (phase 1 included) in iterations.
     planned, it = out["planned_lost_s"], out["iteration_s"]
-    out["planned_switch_iters"] = round(planned / it, 3) if planned is not None and it else None
+    out["planned_lost_iters"] = round(planned / it, 3) if planned is not None and it else None
+    switch = scenarios["planned"]["resume_step_excess_s"] if "planned" in scenarios else None
+    out["planned_switch_s"] = switch["median"] if switch else None
+    out["planned_switch_range_s"] = [switch["min"], switch["max"]] if switch and switch["n"] else None
+    out["planned_switch_iters"] = round(switch["median"] / it, 3) if switch and switch["n"] and it else None
     tm = out["unexpected_lost_s"]
     for base in BASELINES:
         b = out[f"{base}_lost_s"]

@@ -17,6 +17,11 @@ records say of each fault (detection, every rank's resume). Nothing here reads a
   inside x s - detection; recovery = detection to every rank's resume; the post-promotion penalty =
   sum(t_i - t_ref,i) over the ``PENALTY_WINDOW`` iterations after the resume (the first one
   included) against the same run's iterations before the failure.
+- **The resume step's excess** (``resume_step_excess_s``): the time from the last iteration boundary
+  before every rank resumed to the first boundary after it, less the twin's between the same two
+  boundaries. For a planned move it is phase 2, the switch: the stall at the agreed boundary (the
+  hand-over, the communicator swap) and the joiner's first iteration. A phase of the lost time, reported
+  beside it, never instead of it.
 """
 
 from __future__ import annotations
@@ -164,6 +169,7 @@ def event_record(
         first_end = next((it.end for it in faulted if it.end > last_resume), None)
     recovery = None if last_resume is None or fault.detected_t is None else last_resume - fault.detected_t
     penalty = penalty_window(faulted, fault, last_resume, next_iteration, window)
+    step_excess = None if last_resume is None else resume_step_excess_s(faulted, twin, last_resume)
     controllable = lost - fraction * steady_s - (detect or 0.0)
     return {
         "kind": fault.kind,
@@ -180,11 +186,26 @@ def event_record(
         "controllable_loss_s": round(controllable, 4),
         "controllable_loss_iters": round(controllable / steady_s, 4),
         "recovery_iters": _r(None if recovery is None else recovery / steady_s),
+        "resume_step_excess_s": _r(step_excess),
         "cascade": fault.cascade,
         **penalty,
         "penalty_iters": _r(None if penalty["penalty_s"] is None else penalty["penalty_s"] / steady_s),
         **fault.extra,
     }
+
+
+def resume_step_excess_s(faulted: Sequence[Iteration], twin: Sequence[Iteration], last_resume: float) -> float | None:
+    """(end of the first iteration ending after ``last_resume`` - end of the record before it) in ``faulted``,
+    less the twin's time between the same two iteration ends; None when the two records are not
+    consecutive iterations (a rollback re-runs older ones) or the twin lacks them."""
+    i = next((n for n, it in enumerate(faulted) if it.end > last_resume), None)
+    if not i:  # None, or the run's first record: no boundary before it
+        return None
+    it, prev = faulted[i], faulted[i - 1]
+    ref = first_runs(twin)
+    if prev.iteration != it.iteration - 1 or it.iteration not in ref or prev.iteration not in ref:
+        return None
+    return (it.end - prev.end) - (ref[it.iteration].end - ref[prev.iteration].end)
 
 
 def penalty_window(

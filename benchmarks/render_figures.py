@@ -135,10 +135,19 @@ def downtime_table(data: dict | None) -> list[str]:
             f"{yes(s['bit_identical'])} / {yes(s['state_identical'])} |"
         )
     steady = data.get("iteration_s")
+    switch = data.get("planned_switch_range_s")
+    switch_line = (
+        f" A planned move's switch alone (phase 2: the stall at the agreed boundary and the joiner's first "
+        f"iteration, `planned_switch_s`) costs {num(data['planned_switch_s'], ' s')} ({num(switch[0])} to "
+        f"{num(switch[1])}), {num(data['planned_switch_iters'])} iterations (goal ≤ 0.5); the rest of its lost "
+        "time is phase 1 beside the training on the same cores."
+        if switch and data.get("planned_switch_s") is not None
+        else ""
+    )
     tail = [
         "",
         f"Steady iteration {num(steady, ' s')}; the same fault for every strategy of a trial "
-        f"(checkpoint every {data.get('config', {}).get('save_interval')} iterations). {stamp(data)}",
+        f"(checkpoint every {data.get('config', {}).get('save_interval')} iterations).{switch_line} {stamp(data)}",
     ]
     return head + rows + tail
 

@@ -12,6 +12,7 @@ from lost_time import (
     event_record,
     iterations_from_records,
     lost_per_failure_s,
+    resume_step_excess_s,
     spread,
     steady_iteration_s,
     wall_s,
@@ -68,6 +69,30 @@ def test_event_record_splits_the_loss():
     assert e["controllable_loss_iters"] == pytest.approx(1.5 - 0.4 - 0.1)
     # 4 iterations before the kill, against the first 4 after the resume (1 + 1.5 + 1 + 1)
     assert (e["penalty_n"], e["penalty_s"], e["penalty_window"]) == (4, pytest.approx(0.5), [5, 8])
+
+
+def test_the_resume_step_s_excess_is_the_switch_of_a_planned_move():
+    """A planned move: the ranks stall 0.2 s at boundary 6 (the hand-over), the joiner resumes at 6.15
+    and its first iteration (7) takes 1.1 s: the step's excess over the twin is 0.3 s. The iterations of
+    phase 1 (4 and 5, 0.25 s slower beside the joiner's set-up) are not in it."""
+    faulted = run([(1, 1), (2, 1), (3, 1), (4, 1.25), (5, 1.25), (6, 1), (7, 1.1), (8, 1)], gaps={6: 0.2})
+    twin = run([(i, 1.0) for i in range(1, 9)])
+    move = Fault(kind="migrate", rank=5, t=3.5, iteration=4, resume_t_by_rank={0: 6.7, 5: 6.7 + 0.05})
+    assert resume_step_excess_s(faulted, twin, 6.75) == pytest.approx(0.3)
+    e = event_record(move, faulted, twin, None, steady_s=1.0)
+    assert e["resume_step_excess_s"] == pytest.approx(0.3)
+    assert e["lost_s"] == pytest.approx(0.8)  # phase 1's 0.5 s and the switch's 0.3 s
+    # An unexpected kill: the step from the boundary before the killed iteration to the end of its
+    # re-run holds its computed share, detection, recovery and the re-run (2 s against 1).
+    assert event_record(KILL, FAULTED, TWIN, None, 1.0)["resume_step_excess_s"] == pytest.approx(1.0)
+
+
+def test_a_rollback_has_no_resume_step_to_compare():
+    """After a rollback the record before the first one after the resume is a later iteration: the two
+    boundaries are not one step apart, so there is no figure rather than a wrong one."""
+    faulted = run([(i, 1.0) for i in range(1, 7)] + [(i, 1.0) for i in range(6, 11)], gaps={6: 2.5})
+    assert resume_step_excess_s(faulted, TWIN, 8.5) is None
+    assert resume_step_excess_s(FAULTED, TWIN, 0.5) is None  # the run's first record: no boundary before it
 
 
 def test_an_unrecorded_detection_is_none_and_stays_in_the_controllable_loss():

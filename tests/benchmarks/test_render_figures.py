@@ -101,6 +101,16 @@ def test_the_downtime_row_says_how_many_joiners_were_warm(tmp_path):
     assert "| TrainMover, SIGKILL, a standby takes the rank (warm in 1 of 2) (`unexpected_lost_s`) |" in text
 
 
+def test_the_planned_switch_is_said_beside_the_moves_lost_time(tmp_path):
+    data = _downtime(3)
+    (tmp_path / "downtime.json").write_text(json.dumps(data))
+    assert "A planned move's switch alone" not in "\n".join(rf.readme_block(str(tmp_path)))  # not measured
+    data |= {"planned_switch_s": 0.097, "planned_switch_range_s": [0.041, 0.119], "planned_switch_iters": 0.248}
+    (tmp_path / "downtime.json").write_text(json.dumps(data))
+    text = "\n".join(rf.readme_block(str(tmp_path)))
+    assert "costs 0.097 s (0.041 to 0.119), 0.248 iterations (goal ≤ 0.5)" in text
+
+
 def test_fewer_than_three_runs_say_so(tmp_path):
     (tmp_path / "downtime.json").write_text(json.dumps(_downtime(1)))
     assert "(0.600-1.10, 1 run; a figure needs 3)" in "\n".join(rf.readme_block(str(tmp_path)))
