@@ -111,6 +111,34 @@ def test_the_planned_switch_is_said_beside_the_moves_lost_time(tmp_path):
     assert "costs 0.097 s (0.041 to 0.119), 0.248 iterations (goal ≤ 0.5)" in text
 
 
+def test_the_distributed_optimizer_line_prefers_its_own_alternating_run(tmp_path):
+    """The A/B of ``downtime_distopt.json`` (more trials, the two scenarios alternating) over the
+    downtime run's; with the recovery's own phase, which no twin's pace enters."""
+
+    def doc(distopt: float, unexpected: float, trials: int) -> dict:
+        events = [
+            {"scenario": "unexpected", "first_iteration_s": 1.0},
+            {"scenario": "distopt", "first_iteration_s": 1.2},
+        ]
+        return _downtime(3) | {
+            "config": {"trials": trials, "save_interval": 5},
+            "distopt_lost_s": distopt,
+            "distopt_lost_range_s": [distopt - 0.5, distopt + 0.5],
+            "unexpected_lost_s": unexpected,
+            "unexpected_lost_range_s": [unexpected - 0.5, unexpected + 0.5],
+            "distopt_over_unexpected": round(distopt / unexpected, 4),
+            "events": events,
+        }
+
+    (tmp_path / "downtime.json").write_text(json.dumps(doc(2.0, 0.8, 3)))
+    text = "\n".join(rf.readme_block(str(tmp_path)))
+    assert "one SIGKILL loses 2.00 s (1.50 to 2.50) against 0.800 s" in text and "3 trials of each" in text
+    (tmp_path / "downtime_distopt.json").write_text(json.dumps(doc(1.5, 2.5, 5)))
+    text = "\n".join(rf.readme_block(str(tmp_path)))
+    assert "one SIGKILL loses 1.50 s (1.00 to 2.00) against 2.50 s (2.00 to 3.00) replicated, 5 trials" in text
+    assert "(0.600×, goal ≤ 1.5" in text and "1.20 s against 1.00 s (1.20×)" in text
+
+
 def test_fewer_than_three_runs_say_so(tmp_path):
     (tmp_path / "downtime.json").write_text(json.dumps(_downtime(1)))
     assert "(0.600-1.10, 1 run; a figure needs 3)" in "\n".join(rf.readme_block(str(tmp_path)))
