@@ -18,6 +18,13 @@ Contract
   counts (*committed*) only once all its bytes landed; its CRC-32 is taken then and checked again
   before it is served, so host memory that changed since is refused. A failure cuts the exchange
   like any collective (:class:`CommLinkError`): the generation being received stays uncommitted.
+- The exchange overlaps the next iteration: it posts its sends and receives and returns; the bytes
+  cross while the next forward and backward run, and :meth:`Mirror.settle` waits for them (and
+  commits the ward's copy) at the start of the next exchange, so only a copy not done by then holds
+  the training thread. The first exchange of each membership epoch waits at once instead: it carries
+  the layouts, which both ends need before a copy can be laid out. A recovery's :meth:`Mirror.report`,
+  a planned move's switch and the end of training settle the exchange in flight first (a report
+  offers the copy only if it completed; an exchange cut by the failure leaves it uncommitted).
 - Holder and ward each keep two generations (the step just completed and the one before), so a
   recovery can resume one step back when a ward's newest copy never landed: the stayers go back to
   their own copies or their holders'. A rank whose step ran in an iteration that then failed (the
@@ -136,6 +143,19 @@ class Generation:
         return zlib.crc32(self.buffer.numpy().data)
 
 
+@dataclass
+class InFlight:
+    """One exchange posted and not yet settled: this rank's copy on its way to its holder, the ward's
+    copy of ``iteration`` on its way into ``gen``."""
+
+    gen: Generation
+    iteration: int
+    header: torch.Tensor
+    """Where the ward's header lands: (its iteration, the size of a layout record: 0 here)."""
+    receives: list[Any]
+    sends: list[Any]
+
+
 def _slot(generations: list[Generation], iteration: int) -> Generation:
     """The generation to overwrite with ``iteration``: one already at it (a re-run), else the older."""
     for gen in generations:
@@ -163,6 +183,8 @@ class Mirror:
         """The membership epoch in which this rank last sent its holder its layout (a new epoch may have
         a new holder process: a failure's or a planned move's joiner)."""
         self._ward_layout: dict[str, Any] | None = None
+        self._in_flight: InFlight | None = None
+        """The exchange posted after the last step, until :meth:`settle`."""
         self.stepped_at: int | None = None
         """The iteration whose optimizer step ran on this rank's shard (set when the inner step ends)."""
         for opt in rank_state.optimizers(session):
@@ -211,12 +233,74 @@ class Mirror:
         Per step one header (the iteration, and the length of a layout record that follows only when
         the holder may lack it: the first copy, and the first of each membership epoch) and the shard as one
         buffer. The boundary's plain values do not travel: a ward's equal its holder's, a data-parallel
-        peer of the same shard (:meth:`serve`)."""
+        peer of the same shard (:meth:`serve`). Every rank of the data-parallel group decides alike
+        whether this exchange waits (the first of an epoch: every rank entered the epoch at the same
+        boundary) or overlaps the next iteration."""
         import nccl_delta
-        from trainmover_ext.migration.transfer import GroupChannel
 
+        self.settle()
         own = self._stage()
         epoch = nccl_delta.current_world().epoch
+        if self._layout_epoch == epoch and self._ward_layout is not None:
+            self._post(own)
+        else:
+            self._exchange_with_layouts(own, epoch)
+
+    def _post(self, own: Generation) -> None:
+        """Post this step's exchange and return (:meth:`settle` completes it); no layout travels."""
+        from trainmover_ext.migration.transfer import GroupChannel
+
+        assert own.buffer is not None and self._ward_layout is not None
+        out, inc = GroupChannel(self.holder), GroupChannel(self.ward)
+        sends = [out.send(torch.tensor([own.iteration, 0], dtype=torch.int64), TAG)]
+        faults.mirror_point(rank=self.session.layout.rank, iteration=own.iteration)
+        sends.append(out.send(own.buffer, TAG + 2))
+        # The ward is a data-parallel peer: its step just completed the same iteration as ours.
+        gen = self._slot_for(own.iteration)
+        gen.checksum, gen.iteration = None, own.iteration
+        gen.record = {"kind": "mirror", "ward": self.ward, "iteration": own.iteration, **self._ward_layout}
+        gen.shape_for(self._ward_layout["manifest"])
+        assert gen.buffer is not None
+        header = torch.zeros(2, dtype=torch.int64)
+        receives = [inc.recv(header, TAG), inc.recv(gen.buffer, TAG + 2)]
+        self._in_flight = InFlight(gen, own.iteration, header, receives, sends)
+
+    def settle(self) -> None:
+        """Wait for the exchange in flight, if any, and commit the ward's copy it brought. Raises what its
+        ops raise (a cut exchange: the copy stays uncommitted), or :class:`MirrorRefused` for a header
+        that is not the copy expected."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return
+        for work in flight.receives:
+            work.wait()
+        iteration, size = (int(v) for v in flight.header.tolist())
+        if iteration != flight.iteration or size:
+            raise MirrorRefused(
+                f"rank {self.session.layout.rank}: rank {self.ward} sent its copy of iteration {iteration} "
+                f"(a layout of {size} bytes with it) where iteration {flight.iteration} was due with none"
+            )
+        for work in flight.sends:
+            work.wait()
+        flight.gen.checksum = flight.gen.crc()
+        self._landed()
+
+    def _landed(self) -> None:
+        self._copies += 1
+        if self._copies == 2:
+            own = max(self.owns, key=lambda g: g.iteration)
+            print(
+                f"[trainmover] rank {self.session.layout.rank}: optimizer-shard mirror holds {self.host_bytes()} "
+                f"bytes of host memory (rank {self.ward}'s shard twice, and its own twice); sends "
+                f"{own.buffer.numel() if own.buffer is not None else 0} bytes to rank {self.holder} per step",
+                flush=True,
+            )
+
+    def _exchange_with_layouts(self, own: Generation, epoch: int) -> None:
+        """The exchange that waits: headers first, then the layout records where they travel, then the
+        shards (the first exchange of a membership epoch)."""
+        from trainmover_ext.migration.transfer import GroupChannel
+
         layout = (
             b"" if self._layout_epoch == epoch else transfer.encode_meta({"kind": "mirror", **(self._layout or {})})
         )
@@ -249,14 +333,7 @@ class Mirror:
         out.wait_sends(sends)
         self._layout_epoch = epoch
         gen.checksum = gen.crc()
-        self._copies += 1
-        if self._copies == 2:
-            print(
-                f"[trainmover] rank {self.session.layout.rank}: optimizer-shard mirror holds {self.host_bytes()} "
-                f"bytes of host memory (rank {self.ward}'s shard twice, and its own twice); sends "
-                f"{own.buffer.numel()} bytes to rank {self.holder} per step",
-                flush=True,
-            )
+        self._landed()
 
     def host_bytes(self) -> int:
         """Host memory the mirror holds on this rank: the ward's two generations and its own two."""
@@ -269,7 +346,16 @@ class Mirror:
     def report(self) -> dict[str, Any]:
         """What the controller reads of this rank: its shard's boundary, its own staged copies, and the ward's
         copies that are committed and still pass their checksum (one that fails is dropped here, so the
-        controller never plans a copy from it: the job then resumes from another copy or the checkpoint)."""
+        controller never plans a copy from it: the job then resumes from another copy or the checkpoint).
+        The exchange in flight is settled first: a copy it did not complete is not offered."""
+        try:
+            self.settle()
+        except Exception as exc:  # noqa: BLE001 - cut by the failure, or refused: the copy stays uncommitted
+            print(
+                f"[trainmover] rank {self.session.layout.rank}: the mirror exchange in flight did not complete "
+                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); its copy is not offered",
+                flush=True,
+            )
         held = []
         for gen in self.generations:
             if gen.committed:
@@ -307,6 +393,7 @@ class Mirror:
             if gen.iteration > iteration:
                 gen.checksum, gen.iteration = None, -1
         self.stepped_at = None
+        self._in_flight = None  # settled by the report, or cut with its group
         self._layout_epoch = None  # the holder may be a joiner
 
     def serve(self, channel: Channel[Any], iteration: int) -> int:

@@ -258,6 +258,10 @@ class WorkerRuntime(Runtime):
     def after_step(self, session: Session) -> None:
         if self.mirror is not None:
             self.mirror.exchange()
+            if session.args.iteration >= session.args.train_iters:
+                # The last step's copy lands here, where a failure is still recoverable, before the
+                # ranks close their groups.
+                self.mirror.settle()
 
     def track_progress(self, session: Session) -> None:
         """Publish the main thread's progress to the agent (:mod:`trainmover_ext.launch.progress`): each
@@ -550,6 +554,8 @@ class WorkerRuntime(Runtime):
         switch_at = self._switch_point(session, plan, leaver and layout.rank == moving[0])
         if switch_at is None or args.iteration < switch_at:
             return True
+        if self.mirror is not None:
+            self.mirror.settle()  # its exchange in flight is on the groups about to be swapped
         if leaver:
             try:
                 hand_over(self, session, plan, self._handover_pairs.pop(plan.epoch, None))
