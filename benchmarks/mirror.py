@@ -39,7 +39,7 @@ LAYOUTS = {2: ("2", "2"), 4: ("1", "2")}
 """Data-parallel size -> (tensor, pipeline) parallel sizes of an 8-rank job."""
 WARMUP = 5
 """Iterations left out of the median (start-up, allocator, first exchange)."""
-SAID = re.compile(r"mirror holds (\d+) bytes of host memory .* sends (\d+) bytes")
+SAID = re.compile(r"mirror holds (\d+) bytes of host memory .*? sends (\d+) bytes")
 
 
 def _run(dp: int, mirror: bool, args, workdir: str, tag: str) -> tuple[list[float], list[tuple[int, int]]]:
