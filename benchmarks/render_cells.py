@@ -14,8 +14,6 @@ COMMANDS = {
     "comm": "python benchmarks/comm.py --json benchmarks/results/comm.json",
     "detection": "python benchmarks/detection.py --json benchmarks/results/detection.json",
     "mirror": "python benchmarks/mirror.py --json benchmarks/results/mirror.json",
-    "distopt_ab": "python benchmarks/downtime.py --strategies trainmover --trials 5 --planned-trials 0 --scale '' "
-    "--json benchmarks/results/downtime_distopt.json",
     "straggler": "python benchmarks/straggler.py --json benchmarks/results/straggler.json",
     "rebalance": "python benchmarks/rebalance.py --json benchmarks/results/rebalance.json",
     "control_load": "python benchmarks/control_load.py --json benchmarks/results/control_load.json",

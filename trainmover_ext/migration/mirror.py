@@ -146,10 +146,9 @@ class Generation:
 @dataclass
 class InFlight:
     """One exchange posted and not yet settled: this rank's copy on its way to its holder, the ward's
-    copy of ``iteration`` on its way into ``gen``."""
+    copy on its way into ``gen`` (whose ``iteration`` is the one due)."""
 
     gen: Generation
-    iteration: int
     header: torch.Tensor
     """Where the ward's header lands: (its iteration, the size of a layout record: 0 here)."""
     receives: list[Any]
@@ -263,7 +262,7 @@ class Mirror:
         assert gen.buffer is not None
         header = torch.zeros(2, dtype=torch.int64)
         receives = [inc.recv(header, TAG), inc.recv(gen.buffer, TAG + 2)]
-        self._in_flight = InFlight(gen, own.iteration, header, receives, sends)
+        self._in_flight = InFlight(gen, header, receives, sends)
 
     def settle(self) -> None:
         """Wait for the exchange in flight, if any, and commit the ward's copy it brought. Raises what its
@@ -275,10 +274,10 @@ class Mirror:
         for work in flight.receives:
             work.wait()
         iteration, size = (int(v) for v in flight.header.tolist())
-        if iteration != flight.iteration or size:
+        if iteration != flight.gen.iteration or size:
             raise MirrorRefused(
                 f"rank {self.session.layout.rank}: rank {self.ward} sent its copy of iteration {iteration} "
-                f"(a layout of {size} bytes with it) where iteration {flight.iteration} was due with none"
+                f"(a layout of {size} bytes with it) where iteration {flight.gen.iteration} was due with none"
             )
         for work in flight.sends:
             work.wait()
