@@ -30,7 +30,8 @@ $PY -m pytest -q -rs --timeout 600 tests/training/test_gpu.py tests/migration/te
   tests/nccl_delta/test_units.py tests/nccl_delta/test_gpu.py::test_auto_transport_is_nccl_with_cuda \
   tests/migration/test_gpu_moves.py::test_a_planned_move_on_one_gpu_is_bit_identical \
   tests/launch/test_gpu_health.py::test_nvml_reads_every_local_gpu \
-  tests/launch/test_device_time.py::test_cuda_events_split_a_gpu_iteration_into_compute_and_stalls 2>&1 \
+  tests/launch/test_device_time.py::test_cuda_events_split_a_gpu_iteration_into_compute_and_stalls \
+  tests/migration/test_mirror_copy.py 2>&1 \
   | tee "$OUT/gpu_tests.log"
 if [ "${PIPESTATUS[0]}" -ne 0 ] || grep -q "SKIPPED" "$OUT/gpu_tests.log"; then status=1; fi
 for comm in native nccl_delta; do

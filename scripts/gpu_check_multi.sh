@@ -8,7 +8,10 @@
 #   4. context parallelism (TransformerEngine's attention): CP2 trains one rank's losses, and with 4+
 #      GPUs a rank of a CP2 x DP2 job is killed and recovered bit-identically
 #      (tests/training/test_context_parallel.py);
-#   5. the communicator benchmark on NCCL: all-reduce against torch's own groups with bus bandwidth,
+#   5. the distributed optimizer's host-memory mirror: a DP2 job's shards copied from the devices on a side
+#      stream, a rank killed and its shard taken from its peer's host memory, bit-identically
+#      (tests/migration/test_optimizer_mirror.py -m gpu);
+#   6. the communicator benchmark on NCCL: all-reduce against torch's own groups with bus bandwidth,
 #      a planned replacement (groups rebuilt, and the device memory the pending communicators hold),
 #      at as many ranks as there are GPUs (multiples of 4 for the replacement).
 # A skip is a failure here; with fewer than 2 GPUs the script says NOT RUN and exits 2.
@@ -41,6 +44,7 @@ if [ "$NGPU" -ge 4 ]; then
 else  # the straggler check needs a GPU per rank of its 4
   run gpu_moves tests/migration/test_gpu_moves.py -k "not devices_timelines"
 fi
+run optimizer_mirror -m gpu tests/migration/test_optimizer_mirror.py
 RANKS=2 SWITCH=4 SECTIONS=allreduce
 if [ "$NGPU" -ge 4 ]; then RANKS=2,4; SECTIONS=allreduce,replacement; fi
 if [ "$NGPU" -ge 8 ]; then RANKS=2,4,8; SWITCH=4,8; fi

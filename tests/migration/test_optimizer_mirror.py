@@ -9,6 +9,7 @@ checkpoint unless it says so: recovering at all proves the state came from the m
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import (
     assert_killed,
@@ -20,6 +21,7 @@ from helpers import (
     trajectory,
     transfers,
 )
+from trainmover_ext.migration.mirror_copy import HELPER_ENV
 
 DISTOPT = ["--bf16", "--use-distributed-optimizer"]
 
@@ -54,9 +56,25 @@ def test_a_lost_rank_takes_its_shard_from_the_mirror(
     """8 ranks (TP2 x PP2 x DP2, or TP1 x PP2 x DP4), no checkpoint: the victim's holder serves its shard
     of the resume iteration, ranks ahead of it roll back, the parameters are rebuilt from the main
     ones, and the job goes on bit-identically; with no rollback every iteration is logged once."""
+    _kill_and_recover(tmp_path, corpus, reference, dp, victim, iteration, phase, resumed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", [CELLS[3], CELLS[6]], ids=["dp2-mirror", "dp4-in-gather"])
+def test_the_sends_posted_from_the_helper_thread(tmp_path, corpus, reference, cell):
+    """The path an accelerator's copy takes (``mirror_copy``): every rank's send of its copy is posted
+    from the helper thread while the training thread goes on. A victim killed between its header and
+    its copy's post (its copy never lands: everyone goes back one step), and peers that stepped rolling
+    back from their holders' copies, recover bit-identically as on the direct path."""
+    _kill_and_recover(tmp_path, corpus, reference, *cell, env={HELPER_ENV: "1"})
+
+
+def _kill_and_recover(tmp_path, corpus, reference, dp, victim, iteration, phase, resumed, env=None):
     base = tm_args(corpus, tp=LAYOUTS[dp], extra=DISTOPT)
     ref = reference(f"tp{LAYOUTS[dp]}pp2dp{dp}-bf16-distopt", 8, base)
-    job = run_job(tmp_path, 8, base + ["--tm-inject-fault", f"{victim}:{iteration}:{phase}"], name=f"mirror_{phase}")
+    job = run_job(
+        tmp_path, 8, base + ["--tm-inject-fault", f"{victim}:{iteration}:{phase}"], name=f"mirror_{phase}", env=env
+    )
     if phase.startswith("in-"):
         assert "inside all_gather" in job.stdout(), job.stdout()[-3000:]
     else:
@@ -99,3 +117,21 @@ def test_holder_and_ward_lost_together_fall_back_to_the_checkpoint(tmp_path, cor
     ]
     assert sources[-1]["kind"] == "checkpoint" and "lost too" in sources[-1]["why"], sources
     assert 4 in [r["resumed_iteration"] for r in read_metrics(job.metrics_path, "recovered")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (DP=2 on NCCL)"
+)
+def test_a_lost_rank_takes_its_shard_from_the_mirror_on_gpus(tmp_path, corpus):
+    """2 GPUs (scripts/gpu_check_multi.sh), TP1 x PP1 x DP2 on NCCL, bf16: each rank's shard is copied from
+    the device on a side stream into page-locked memory and sent from the helper thread; rank 1 is
+    killed in its backward, its replacement takes the shard from rank 0's host memory, and the job goes
+    on bit-identically."""
+    base = tm_args(corpus, tp=1, pp=1, extra=DISTOPT)
+    ref = trajectory(run_job(tmp_path, 2, base, name="ref").metrics_path)
+    job = run_job(tmp_path, 2, base + ["--tm-inject-fault", "1:7:backward"], name="gpu_mirror")
+    assert_killed(job, 1)
+    assert_recovered(job, ref, 1)
+    assert state_sources(job, 1) == ["mirror"]
+    assert "copied from the device on a side stream" in job.stdout(), job.stdout()[-3000:]

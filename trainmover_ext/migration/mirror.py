@@ -21,7 +21,10 @@ Contract
 - The exchange overlaps the next iteration: it posts its sends and receives and returns; the bytes
   cross while the next forward and backward run, and :meth:`Mirror.settle` waits for them (and
   commits the ward's copy) at the start of the next exchange, so only a copy not done by then holds
-  the training thread. The first exchange of each membership epoch waits at once instead: it carries
+  the training thread. On an accelerator the device-to-host copy itself runs on a side stream and its
+  send is posted once it is done (:mod:`~trainmover_ext.migration.mirror_copy`): the training thread
+  does not wait for the copy, and the next step waits on the device only if the copy still reads the
+  shard. The first exchange of each membership epoch waits at once instead: it carries
   the layouts, which both ends need before a copy can be laid out. A recovery's :meth:`Mirror.report`,
   a planned move's switch and the end of training settle the exchange in flight first (a report
   offers the copy only if it completed; an exchange cut by the failure leaves it uncommitted).
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +56,7 @@ import torch
 
 from trainmover_ext.errors import MigrationAborted
 from trainmover_ext.migration import transfer
+from trainmover_ext.migration.mirror_copy import ShardCopier
 from trainmover_ext.runtime import faults
 from trainmover_training import rank_state
 
@@ -153,6 +158,8 @@ class InFlight:
     """Where the ward's header lands: (its iteration, the size of a layout record: 0 here)."""
     receives: list[Any]
     sends: list[Any]
+    posting: Future[Any]
+    """The send of this rank's copy, posted once the copy is done (:meth:`ShardCopier.then`)."""
 
 
 def _slot(generations: list[Generation], iteration: int) -> Generation:
@@ -186,8 +193,11 @@ class Mirror:
         """The exchange posted after the last step, until :meth:`settle`."""
         self.stepped_at: int | None = None
         """The iteration whose optimizer step ran on this rank's shard (set when the inner step ends)."""
+        self.copier = ShardCopier()
+        """The device-to-host copies and the posting of their sends."""
         for opt in rank_state.optimizers(session):
             opt.optimizer.register_step_post_hook(self._stepped)
+            opt.optimizer.register_step_pre_hook(self.copier.before_step)
 
     def _stepped(self, *_: Any) -> None:
         self.stepped_at = self.session.args.iteration + 1
@@ -219,10 +229,7 @@ class Mirror:
         own = _slot(self.owns, record["iteration"])
         own.checksum, own.iteration = None, -1
         own.shape_for(self._layout["manifest"])
-        for view, t in zip(own.views, tensors, strict=True):
-            view.copy_(t, non_blocking=True)
-        if any(t.device.type == "cuda" for t in tensors):
-            torch.cuda.current_stream().synchronize()
+        self.copier.copy(own.views, tensors)  # on an accelerator still under way: read it after settle()
         own.iteration, own.record, own.checksum = record["iteration"], record, 0
         return own
 
@@ -253,7 +260,8 @@ class Mirror:
         out, inc = GroupChannel(self.holder), GroupChannel(self.ward)
         sends = [out.send(torch.tensor([own.iteration, 0], dtype=torch.int64), TAG)]
         faults.mirror_point(rank=self.session.layout.rank, iteration=own.iteration)
-        sends.append(out.send(own.buffer, TAG + 2))
+        buffer = own.buffer
+        posting = self.copier.then(lambda: out.send(buffer, TAG + 2))
         # The ward is a data-parallel peer: its step just completed the same iteration as ours.
         gen = self._slot_for(own.iteration)
         gen.checksum, gen.iteration = None, own.iteration
@@ -262,7 +270,7 @@ class Mirror:
         assert gen.buffer is not None
         header = torch.zeros(2, dtype=torch.int64)
         receives = [inc.recv(header, TAG), inc.recv(gen.buffer, TAG + 2)]
-        self._in_flight = InFlight(gen, header, receives, sends)
+        self._in_flight = InFlight(gen, header, receives, sends, posting)
 
     def settle(self) -> None:
         """Wait for the exchange in flight, if any, and commit the ward's copy it brought. Raises what its
@@ -271,6 +279,7 @@ class Mirror:
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return
+        sends = [*flight.sends, self.copier.result(flight.posting)]
         for work in flight.receives:
             work.wait()
         iteration, size = (int(v) for v in flight.header.tolist())
@@ -279,7 +288,7 @@ class Mirror:
                 f"rank {self.session.layout.rank}: rank {self.ward} sent its copy of iteration {iteration} "
                 f"(a layout of {size} bytes with it) where iteration {flight.gen.iteration} was due with none"
             )
-        for work in flight.sends:
+        for work in sends:
             work.wait()
         flight.gen.checksum = flight.gen.crc()
         self._landed()
@@ -291,7 +300,8 @@ class Mirror:
             print(
                 f"[trainmover] rank {self.session.layout.rank}: optimizer-shard mirror holds {self.host_bytes()} "
                 f"bytes of host memory (rank {self.ward}'s shard twice, and its own twice); sends "
-                f"{own.buffer.numel() if own.buffer is not None else 0} bytes to rank {self.holder} per step",
+                f"{own.buffer.numel() if own.buffer is not None else 0} bytes to rank {self.holder} per step"
+                + (", copied from the device on a side stream" if self.copier.on_device else ""),
                 flush=True,
             )
 
@@ -309,6 +319,7 @@ class Mirror:
             sends.append(out.send(torch.frombuffer(bytearray(layout), dtype=torch.uint8), TAG + 1))
         faults.mirror_point(rank=self.session.layout.rank, iteration=own.iteration)
         assert own.buffer is not None
+        self.copier.wait()
         sends.append(out.send(own.buffer, TAG + 2))  # both ends lay a manifest out alike: one message
         header = torch.zeros(2, dtype=torch.int64)
         inc.recv(header, TAG).wait()
@@ -392,7 +403,12 @@ class Mirror:
             if gen.iteration > iteration:
                 gen.checksum, gen.iteration = None, -1
         self.stepped_at = None
-        self._in_flight = None  # settled by the report, or cut with its group
+        flight, self._in_flight = self._in_flight, None  # settled by the report, or cut with its group
+        if flight is not None:
+            try:  # its send is posted (or refused) before a new epoch's groups could carry it
+                self.copier.result(flight.posting)
+            except Exception:  # noqa: BLE001, S110 - a cut exchange: nothing of it is kept
+                pass
         self._layout_epoch = None  # the holder may be a joiner
 
     def serve(self, channel: Channel[Any], iteration: int) -> int:
@@ -469,6 +485,7 @@ class Mirror:
         """Check a generation's record against this rank, give the optimizer its layout and settings,
         and return the shard tensors to copy into."""
         session, rank = self.session, self.session.layout.rank
+        self.copier.wait()  # no copy of the shard is still reading it
         if meta.get("ward") != rank or meta.get("iteration") != iteration:
             raise MirrorRefused(
                 f"rank {rank}: the mirror offered is of rank {meta.get('ward')} at iteration "
