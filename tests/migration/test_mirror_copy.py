@@ -4,7 +4,7 @@ On CPU the copy is done when it returns and the send is posted at once; with the
 path an accelerator takes, asked for here by its environment variable) the send is posted on that
 thread, in order, and the training thread only waits when it reads the result. The jobs in
 test_optimizer_mirror.py run both paths with real gloo sends and kills; the side stream itself runs in
-scripts/gpu_check_multi.sh."""
+scripts/gpu_check.sh (the GPU test below) and a 2-GPU failover in scripts/gpu_check_multi.sh."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_the_helper_posts_in_order_on_its_own_thread(monkeypatch):
     assert seen == [("first", "tm-mirror-post"), ("second", "tm-mirror-post")]
 
 
-def test_a_failed_post_reaches_the_reader_and_a_stuck_one_is_refused_in_time(monkeypatch):
+def test_a_failed_post_reaches_the_reader_and_a_late_one_is_cancelled(monkeypatch):
     monkeypatch.setenv(HELPER_ENV, "1")
     copier = ShardCopier()
 
@@ -59,12 +59,23 @@ def test_a_failed_post_reaches_the_reader_and_a_stuck_one_is_refused_in_time(mon
     with pytest.raises(RuntimeError, match="cut"):
         copier.result(copier.then(cut))
     monkeypatch.setattr(mirror_copy, "COPY_TIMEOUT_S", 0.2)
-    gate = threading.Event()
+    gate, ran = threading.Event(), []
     stuck = copier.then(lambda: gate.wait(5))
-    with pytest.raises(MigrationAborted, match="not done in 0.2 s"):
-        copier.result(stuck)
+    late = copier.then(lambda: ran.append("late"))
+    with pytest.raises(MigrationAborted, match="send is cancelled"):
+        copier.result(late)  # not started in time: it never runs
+    with pytest.raises(MigrationAborted, match="stuck"):
+        copier.result(stuck)  # running: waited for once more, then refused
     gate.set()
-    assert copier.result(stuck) is True  # the helper goes on serving once unstuck
+    assert copier.result(stuck) is True
+    assert copier.result(copier.then(lambda: "next")) == "next"  # the helper goes on serving
+    assert ran == [], "a cancelled post ran"
+
+
+def test_a_post_run_at_once_raises_at_once(monkeypatch):
+    monkeypatch.delenv(HELPER_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="cut"):
+        ShardCopier().then(lambda: (_ for _ in ()).throw(RuntimeError("cut")))
 
 
 @pytest.mark.gpu
@@ -74,12 +85,14 @@ def test_a_device_copy_runs_on_a_side_stream_and_the_next_step_waits_for_it():
     is posted from the helper once it is done, and a step that writes the shard next waits for it."""
     copier = ShardCopier()
     shard = torch.full((1 << 22,), 1.0, device="cuda")
+    views = [torch.empty(1 << 22, pin_memory=True)]  # allocated, and the side stream made, beforehand:
+    copier.copy(views, [shard])  # page-locked allocation may synchronize the device
+    torch.cuda.synchronize()
     torch.cuda._sleep(50_000_000)  # the training stream is busy; the write below lands after it
     shard.add_(1.0)
-    views = [torch.empty(1 << 22, pin_memory=True)]
     copier.copy(views, [shard])
     posted = copier.then(lambda: views[0].clone())
-    assert copier._event is not None and copier._stream is not None
+    assert copier.on_device and copier.posts_from_helper
     copier.before_step()
     shard.mul_(10.0)  # the "step": queued after the copy on the device
     assert torch.equal(copier.result(posted), torch.full((1 << 22,), 2.0))

@@ -66,7 +66,8 @@ def test_the_sends_posted_from_the_helper_thread(tmp_path, corpus, reference, ce
     from the helper thread while the training thread goes on. A victim killed between its header and
     its copy's post (its copy never lands: everyone goes back one step), and peers that stepped rolling
     back from their holders' copies, recover bit-identically as on the direct path."""
-    _kill_and_recover(tmp_path, corpus, reference, *cell, env={HELPER_ENV: "1"})
+    job = _kill_and_recover(tmp_path, corpus, reference, *cell, env={HELPER_ENV: "1"})
+    assert "posted from a helper thread" in job.stdout(), job.stdout()[-3000:]
 
 
 def _kill_and_recover(tmp_path, corpus, reference, dp, victim, iteration, phase, resumed, env=None):
@@ -87,6 +88,7 @@ def _kill_and_recover(tmp_path, corpus, reference, dp, victim, iteration, phase,
     if phase in ("forward", "backward", "allreduce"):  # nobody stepped: nothing is re-run
         logged = [r["iteration"] for r in read_metrics(job.metrics_path, "iteration")]
         assert sorted(logged) == sorted(set(logged)), f"an iteration was logged twice: {logged}"
+    return job
 
 
 @pytest.mark.slow
@@ -134,4 +136,5 @@ def test_a_lost_rank_takes_its_shard_from_the_mirror_on_gpus(tmp_path, corpus):
     assert_killed(job, 1)
     assert_recovered(job, ref, 1)
     assert state_sources(job, 1) == ["mirror"]
-    assert "copied from the device on a side stream" in job.stdout(), job.stdout()[-3000:]
+    out = job.stdout()
+    assert "copied from the device on a side stream, posted from a helper thread" in out, out[-3000:]

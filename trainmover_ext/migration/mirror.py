@@ -301,7 +301,8 @@ class Mirror:
                 f"[trainmover] rank {self.session.layout.rank}: optimizer-shard mirror holds {self.host_bytes()} "
                 f"bytes of host memory (rank {self.ward}'s shard twice, and its own twice); sends "
                 f"{own.buffer.numel() if own.buffer is not None else 0} bytes to rank {self.holder} per step"
-                + (", copied from the device on a side stream" if self.copier.on_device else ""),
+                + (", copied from the device on a side stream" if self.copier.on_device else "")
+                + (", posted from a helper thread" if self.copier.posts_from_helper else ""),
                 flush=True,
             )
 
@@ -359,6 +360,7 @@ class Mirror:
         controller never plans a copy from it: the job then resumes from another copy or the checkpoint).
         The exchange in flight is settled first: a copy it did not complete is not offered."""
         try:
+            self.copier.wait()  # a copy cut before its send was posted still reads the shard
             self.settle()
         except Exception as exc:  # noqa: BLE001 - cut by the failure, or refused: the copy stays uncommitted
             print(
@@ -405,10 +407,7 @@ class Mirror:
         self.stepped_at = None
         flight, self._in_flight = self._in_flight, None  # settled by the report, or cut with its group
         if flight is not None:
-            try:  # its send is posted (or refused) before a new epoch's groups could carry it
-                self.copier.result(flight.posting)
-            except Exception:  # noqa: BLE001, S110 - a cut exchange: nothing of it is kept
-                pass
+            flight.posting.cancel()  # a send not yet posted never is (the new epoch's groups are up)
         self._layout_epoch = None  # the holder may be a joiner
 
     def serve(self, channel: Channel[Any], iteration: int) -> int:

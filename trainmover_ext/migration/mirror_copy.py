@@ -12,12 +12,14 @@ Contract
 - :meth:`ShardCopier.then` runs a function (posting the send of the copy) once the last copy is
   done: at once on the caller's thread when nothing is pending, else on one helper thread, which waits
   for the event (the training thread does not). The result is a :class:`~concurrent.futures.Future`;
-  :meth:`ShardCopier.result` waits for it within :data:`COPY_TIMEOUT_S`.
+  :meth:`ShardCopier.result` waits for it within :data:`COPY_TIMEOUT_S`, and cancels a job that has not
+  started by then, so a late send never meets the next membership epoch's groups.
 - :meth:`ShardCopier.before_step` is an optimizer step pre-hook: on an accelerator the step's kernels
   wait (on the device, not the host) for a copy still reading the shard, so the step never overwrites
   it mid-copy.
-- :meth:`ShardCopier.wait` blocks the host until the last copy is done (the exchange that waits, and
-  anything that reads the host copy itself).
+- :meth:`ShardCopier.wait` blocks the host until the last copy is done, within :data:`COPY_TIMEOUT_S`
+  (the exchange that waits, a recovery's report, and anything that reads or writes the shard or its
+  host copy itself).
 
 Only the side stream, the event and the page-locked memory are accelerator code, all torch's own;
 the helper thread's path is the same on CPU when :data:`HELPER_ENV` asks for it (the tests do, with
@@ -29,6 +31,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -47,6 +50,10 @@ HELPER_ENV = "TRAINMOVER_MIRROR_HELPER"
 """Set to 1 to post the sends from the helper thread on CPU too (tests of that path)."""
 
 
+Job = tuple[Any, Callable[[], Any], "Future[Any]"]
+"""A helper job: the copy's event to wait for (or None), what to run then, and where its result goes."""
+
+
 class ShardCopier:
     """One rank's mirror copies: at most one in flight (module docstring)."""
 
@@ -54,14 +61,19 @@ class ShardCopier:
         self._stream: Any = None
         """The side stream (made on the first accelerator copy)."""
         self._event: Any = None
-        """The last accelerator copy's completion, until the host has seen it done."""
+        """The last accelerator copy's completion (kept: waiting on a completed event costs nothing)."""
         self._helper_always = os.environ.get(HELPER_ENV) == "1"
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] | None = None
+        self._jobs: queue.SimpleQueue[Job | None] | None = None
 
     @property
     def on_device(self) -> bool:
         """Whether a copy ran on the side stream (the shard is on an accelerator)."""
         return self._stream is not None
+
+    @property
+    def posts_from_helper(self) -> bool:
+        """Whether a send was posted from the helper thread."""
+        return self._jobs is not None
 
     # --- the copy ---------------------------------------------------------------------
     def copy(self, views: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
@@ -76,7 +88,8 @@ class ShardCopier:
         with torch.cuda.stream(self._stream):
             for view, t in zip(views, tensors, strict=True):
                 view.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # as above
+            # blocking: a host thread waiting on it sleeps instead of spinning a core
+            event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]  # as above
             event.record(self._stream)
         self._event = event
 
@@ -86,55 +99,68 @@ class ShardCopier:
             torch.cuda.current_stream().wait_event(self._event)
 
     def wait(self) -> None:
-        """Block until the last copy is done."""
+        """Block until the last copy is done, at most :data:`COPY_TIMEOUT_S`."""
         event = self._event
-        if event is not None:
-            event.synchronize()
+        if event is None:
+            return
+        deadline = time.monotonic() + COPY_TIMEOUT_S
+        while not event.query():
+            if time.monotonic() > deadline:
+                raise MigrationAborted(
+                    f"the optimizer shard's copy to host memory was not done in {COPY_TIMEOUT_S:g} s; "
+                    "the device is stuck"
+                )
+            time.sleep(0.001)
 
     # --- what follows a copy ----------------------------------------------------------
     def then(self, fn: Callable[[], T]) -> Future[T]:
-        """Run ``fn`` once the last copy is done (module docstring)."""
+        """Run ``fn`` once the last copy is done (module docstring). Run at once, an exception of ``fn``
+        is raised here; on the helper it is the future's."""
         future: Future[T] = Future()
-        event = self._event
-        if event is None and not self._helper_always:
-            _run_into(future, fn)
+        if self._event is None and not self._helper_always:
+            future.set_result(fn())
             return future
-
-        def after_copy() -> T:
-            if event is not None:
-                event.synchronize()
-            return fn()
-
-        self._helper().put((after_copy, future))
+        self._helper().put((self._event, fn, future))
         return future
 
     def result(self, future: Future[T]) -> T:
-        """What ``fn`` returned (or raised), waiting at most :data:`COPY_TIMEOUT_S`."""
+        """What ``fn`` returned (or raised), waiting at most :data:`COPY_TIMEOUT_S`. A job not started by
+        then is cancelled: it never runs (a send posted that late could meet the groups of the next
+        membership epoch)."""
         try:
+            return future.result(timeout=COPY_TIMEOUT_S)
+        except FutureTimeout:
+            pass
+        if future.cancel():
+            raise MigrationAborted(
+                f"the optimizer shard's copy to host memory was not done in {COPY_TIMEOUT_S:g} s; its send is "
+                "cancelled (the device or the mirror's helper thread is stuck)"
+            )
+        try:  # it was running as the time ran out (posting a send does not block)
             return future.result(timeout=COPY_TIMEOUT_S)
         except FutureTimeout as exc:
             raise MigrationAborted(
-                f"the optimizer shard's copy to host memory and its send were not done in {COPY_TIMEOUT_S:g} s; "
-                "the device or the mirror's helper thread is stuck"
+                f"the mirror's helper thread has been posting the shard's send for {COPY_TIMEOUT_S:g} s; it is stuck"
             ) from exc
 
-    def _helper(self) -> queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]:
+    def _helper(self) -> queue.SimpleQueue[Job | None]:
         if self._jobs is None:
-            jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+            jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
             threading.Thread(target=_serve, args=(jobs,), name="tm-mirror-post", daemon=True).start()
             self._jobs = jobs
         return self._jobs
 
 
-def _run_into(future: Future[T], fn: Callable[[], T]) -> None:
-    try:
-        future.set_result(fn())
-    except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the future
-        future.set_exception(exc)
-
-
-def _serve(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None]) -> None:
-    """The helper thread: run each job in order (a daemon: a process that exits leaves it)."""
+def _serve(jobs: queue.SimpleQueue[Job | None]) -> None:
+    """The helper thread: for each job in order, wait for its copy, then run it unless it was cancelled
+    meanwhile (a daemon: a process that exits leaves it)."""
     while (job := jobs.get()) is not None:
-        fn, future = job
-        _run_into(future, fn)
+        event, fn, future = job
+        if event is not None:
+            event.synchronize()
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the future
+            future.set_exception(exc)
