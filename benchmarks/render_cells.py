@@ -62,5 +62,12 @@ def stamp(data: dict) -> str:
     return f"Measured {m.get('date')} at commit `{m.get('commit')}`{dirty}: `{data.get('command')}`."
 
 
+def unmeasured_table(head: list[str], command: str) -> list[str]:
+    """A table's header with one row saying it is not measured yet (a cell per column), and the command
+    that measures it (a key of :data:`COMMANDS`)."""
+    columns = head[0].count("|") - 1
+    return head + ["| - | " + NOT_YET + " |" + " - |" * (columns - 2), "", f"Regenerate with `{COMMANDS[command]}`."]
+
+
 def yes(v) -> str:
     return "-" if v is None else ("yes" if v else "**no**")

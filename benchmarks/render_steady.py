@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from render_cells import COMMANDS, MIN_RUNS, NOT_YET, num, spread_cell, stamp, values_cell, yes
+from render_cells import COMMANDS, MIN_RUNS, NOT_YET, num, spread_cell, stamp, unmeasured_table, values_cell, yes
 
 
 def comm_table(data: dict | None, *, full: bool = True) -> list[str]:
@@ -18,7 +18,7 @@ def comm_table(data: dict | None, *, full: bool = True) -> list[str]:
     ]
     training = (data or {}).get("training") or []
     if not training:
-        return head + [f"| - | {NOT_YET} | - | - |", "", f"Regenerate with `{COMMANDS['comm']}`."]
+        return unmeasured_table(head, "comm")
     rows = []
     for r in training:
         lo, hi = r["ratio_range"]
@@ -66,7 +66,7 @@ def detection_table(data: dict | None) -> list[str]:
     ]
     faults = (data or {}).get("faults") or []
     if not faults:
-        return head + [f"| - | {NOT_YET} | - | - | - | - |", "", f"Regenerate with `{COMMANDS['detection']}`."]
+        return unmeasured_table(head, "detection")
     rows = []
     for f in faults:
         lat = values_cell(f["latencies_s"], " s") if f["latencies_s"] else "-"
