@@ -237,6 +237,35 @@ def test_etcd_keeps_a_port_the_caller_gave_and_says_it_is_taken(tmp_path):
     server.stop()
 
 
+def test_a_standby_registers_again_at_once_without_waiting_for_its_own_next_step(kv):
+    """A standby paced to a small CPU share (``--tm-standby-duty``) calls ``check()`` only between its paced
+    steps, seconds apart: with ``rejoin_in_background`` (as ``run_standby`` sets it) a lost lease is registered
+    again on a thread of its own, with no call from the owner, so the pool is not short of it meanwhile. A
+    ``check()`` after it registers nothing twice, and once promotion turns it off it stops."""
+    from trainmover_ext.config import TrainMoverConfig
+    from trainmover_ext.launch.identity import Identity
+    from trainmover_ext.migration.standby import register_standby
+
+    space = JobSpace.create(kv, "rejoin-bg")
+    ident = Identity(member_id="s1", job="rejoin-bg", token="", host="h", pid=1)
+    standby = register_standby(space, ident, TrainMoverConfig(lease_ttl_s=1))
+    try:
+        first = standby.keeper.lease_id
+        kv.revoke_lease(first)
+        assert wait_until(lambda: standby.rejoins == 1 and kv.get(standby.key) is not None, 10)
+        assert standby.keeper.lease_id != first and not standby.keeper.lost.is_set()
+        standby.check()  # the owner's next step finds it registered: nothing more
+        assert standby.rejoins == 1
+        # Promoted: no longer rejoins by itself (the rank's runtime decides from then on).
+        standby.rejoin_on_loss = False
+        kv.revoke_lease(standby.keeper.lease_id)
+        assert wait_until(standby.keeper.lost.is_set, 5)
+        time.sleep(1.5)
+        assert standby.rejoins == 1 and kv.get(standby.key) is None
+    finally:
+        standby.close()
+
+
 def test_an_unpromoted_standby_registers_again_after_losing_its_lease(kv):
     """A standby starved of CPU past its TTL loses its lease; it serves no rank, so it registers again (same
     record, fresh lease) instead of leaving the pool. A worker in the same spot leaves (MembershipLost)."""

@@ -108,6 +108,8 @@ def _leave_idle_policy(tid: int = 0, what: str = "lease keepalive") -> None:
 
 REGISTER_ATTEMPTS = 5
 """Leases granted for one registration at most (each lost to a starvation past the TTL)."""
+CLOSE_WAIT_S = 30.0
+"""How long ``Membership.close`` waits for a registration in progress on the rejoin thread."""
 
 
 class LeaseKeeper:
@@ -226,6 +228,9 @@ class Membership:
         self.rejoins = 0
         self._rejoin_allowed: Callable[[], bool] | None = None
         self._closed = threading.Event()
+        self._rejoining = threading.Lock()
+        """Held while a lost lease is registered again: the owner's ``check()`` and the background rejoin
+        (:meth:`rejoin_in_background`) may both find it lost at once, and only one may register."""
 
     @property
     def key(self) -> str:
@@ -311,14 +316,21 @@ class Membership:
             allowed = self._rejoin_allowed
             if allowed is None or not allowed():
                 return
-            self.check()  # registers again, or says why not yet
+            try:
+                self.check()  # registers again, or says why not yet
+            except MembershipLost:  # no longer allowed (promoted or replaced in the meantime): the owner's call
+                return
             if self.keeper is not None and not self.keeper.lost.is_set():
                 return
             self._closed.wait(interval)
 
     def check(self) -> None:
         """Raise :class:`MembershipLost` if the lease is gone (with ``rejoin_on_loss``: register again)."""
-        if self.keeper is not None and self.keeper.lost.is_set() and self.rejoin_on_loss:
+        with self._rejoining:
+            self._check()
+
+    def _check(self) -> None:
+        if self.keeper is not None and self.keeper.lost.is_set() and self.rejoin_on_loss and not self._closed.is_set():
             lost = self.keeper
             lost.close(revoke=False)
             try:
@@ -339,8 +351,14 @@ class Membership:
     def close(self) -> None:
         """Leave the job cleanly (revokes the lease). Idempotent."""
         self._closed.set()
-        if self.keeper is not None:
-            self.keeper.close(revoke=True)
+        # A registration in progress on the rejoin thread finishes first, so its fresh lease is revoked too.
+        held = self._rejoining.acquire(timeout=CLOSE_WAIT_S)
+        try:
+            if self.keeper is not None:
+                self.keeper.close(revoke=True)
+        finally:
+            if held:
+                self._rejoining.release()
 
 
 def init_job(space: JobSpace, ranks: list[RankRecord]) -> None:

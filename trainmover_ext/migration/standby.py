@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
     from trainmover_ext.config import TrainMoverConfig
     from trainmover_ext.kv.job import JobSpace
+    from trainmover_ext.launch.identity import Identity
     from trainmover_ext.sandbox.adopt import KeptRole
     from trainmover_ext.sandbox.pacing import Pacer
 
@@ -207,19 +208,17 @@ def run_standby(
         _become_standby_again(config, *rejoin)
 
 
-def _standby_once(
-    args: argparse.Namespace, config: TrainMoverConfig, providers: Providers, t_process: float
-) -> dict[str, Any]:
-    """Warm up, wait to be promoted, serve the rank: one turn of :func:`run_standby`."""
+def register_standby(space: JobSpace, ident: Identity, config: TrainMoverConfig) -> Membership:
+    """Register this process as an unpromoted standby, with no warm role yet (the controller picks it only
+    once ``warm_up`` reports roles).
+
+    Until its promotion it serves no rank, so a lease lost to CPU starvation (it runs at a low priority
+    beside busy ranks) is not its death: it registers again at once, on a thread of its own, not at its
+    next paced step (a standby at ``--tm-standby-duty 0.02`` sat out of the pool long enough that a rank
+    lost then had no replacement within the agent's 30 s). ``serve_rank`` turns that off at promotion."""
     from trainmover_ext.launch.identity import slot_from_env
-    from trainmover_ext.sandbox.pacing import Pacer
     from trainmover_ext.sandbox.standby import StandbyMemberRecord
 
-    ident = identity_from_env()
-    space = open_space(ident)
-    # Registered with no warm role: the controller picks it only once warm_up reports roles. Until its
-    # promotion it serves no rank, so a lease lost to CPU starvation (it runs at a low priority beside
-    # busy ranks) is not its death: it registers again (Membership.rejoin_on_loss).
     member = Membership(
         space,
         StandbyMemberRecord(
@@ -233,6 +232,19 @@ def _standby_once(
         ttl_s=max(1, round(config.lease_ttl_s)),
         rejoin_on_loss=True,
     ).register()
+    member.rejoin_in_background(lambda: member.rejoin_on_loss)
+    return member
+
+
+def _standby_once(
+    args: argparse.Namespace, config: TrainMoverConfig, providers: Providers, t_process: float
+) -> dict[str, Any]:
+    """Warm up, wait to be promoted, serve the rank: one turn of :func:`run_standby`."""
+    from trainmover_ext.sandbox.pacing import Pacer
+
+    ident = identity_from_env()
+    space = open_space(ident)
+    member = register_standby(space, ident, config)
     pacer = Pacer(config.standby_duty)
 
     def names_me(plan: MigrationPlan) -> bool:
