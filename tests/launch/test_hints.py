@@ -49,3 +49,25 @@ def test_unreachable_etcd_hint_does_not_offer_an_embedded_etcd_to_status():
     with pytest.raises(EtcdUnavailable) as err:
         EtcdKV(EtcdClientConfig(endpoints=["127.0.0.1:1"], timeout_s=0.3, connect_timeout_s=0.3))
     assert "omit it" not in str(err.value) and "--tm-etcd-endpoints" in str(err.value)
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_giving_up_on_live_recovery_says_whether_a_restart_or_the_jobs_end_follows(restarts):
+    """With a restart left (--max-restarts 1, none used) the agent falls back to stop-restart; with none left
+    the line says the job fails and what to change, instead of promising a restart that will not come."""
+    from types import SimpleNamespace
+
+    from trainmover_ext.launch.tm_supervisor import TrainMoverSupervisor
+
+    lines: list[str] = []
+    agent = SimpleNamespace(config=SimpleNamespace(max_restarts=1, node_rank=0), restarts=restarts, log=lines.append)
+    sup = TrainMoverSupervisor(agent)
+    events: list[str] = []
+    sup._event = lambda what, detail: events.append(what)
+    assert sup._fall_back("no replacement for rank 5 within 30s") == (False, 1)
+    assert events == ["stop_restart"]
+    if restarts == 0:
+        assert lines == ["no replacement for rank 5 within 30s; falling back to stop-restart"]
+    else:
+        assert lines[0].startswith("no replacement for rank 5 within 30s; the job fails: no stop-restart is left")
+        assert "--max-restarts 1" in lines[0] and "falling back" not in lines[0], lines

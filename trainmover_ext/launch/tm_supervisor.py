@@ -177,8 +177,16 @@ class TrainMoverSupervisor:
             self.agent.log(f"could not record event {what}: {failed}")
 
     def _fall_back(self, why: str) -> tuple[bool, int]:
-        """Give up on live recovery: (False, 1) asks the agent for the classic stop-restart."""
-        self.agent.log(why + "; falling back to stop-restart")
+        """Give up on live recovery: (False, 1) asks the agent for the classic stop-restart, which fails the
+        job when no restart is left (``--max-restarts``); the log line says which."""
+        agent = self.agent
+        if agent.restarts < agent.config.max_restarts:
+            agent.log(why + "; falling back to stop-restart")
+        else:
+            agent.log(
+                f"{why}; the job fails: no stop-restart is left to fall back on (--max-restarts "
+                f"{agent.config.max_restarts}). Keep more standbys, or allow restarts from the checkpoint"
+            )
         self._event("stop_restart", {"node": self.cfg.node_rank, "reason": why})
         return False, 1
 
