@@ -29,6 +29,13 @@ Unexpected failure of rank ``r`` (an op raised :class:`CommLinkError`, or the co
    ledgers (:mod:`nccl_delta.ledgers`) and keep a quiet group (or link) only when every member agrees
    nothing is left in it. Every other group is rebuilt in generation e, all at once.
 
+An abandon of a newer epoch may come while ``recover`` or ``switch`` builds and installs the
+communicators of its own epoch: it cuts what is there, and an install after it would open the group
+again behind its back (a member would train on while its peers recover the newer epoch). So each ends
+by cutting, under the world's lock as ``abandon`` does, whatever it opened after such an abandon
+(:func:`cut_reopened`); ``recover`` then raises :class:`CommAbandoned` so that its caller moves on to the
+newer epoch at once, and after ``switch`` the next op fails fast as after any abandon.
+
 Failures: ``switch`` raises :class:`~nccl_delta.errors.SwapAborted` (nothing swapped, the old epoch
 stays in force) if the replacements are not up within its deadline or failed to build.
 """
@@ -48,6 +55,7 @@ from nccl_delta.errors import CommAbandoned, CommLinkError, CommTimeout, SwapAbo
 from .finishing import defer, defer_group
 from .ledgers import agree_on_kept
 from .links import Link
+from .native_group import OPEN
 
 if TYPE_CHECKING:
     from .native import NativeComm
@@ -254,6 +262,7 @@ def switch(world: DeltaWorld, epoch: int, *, timeout_s: float | None = None) -> 
             touched += 1
         world.incarnation[rank] = epoch
     with world._lock:  # abandon(epoch) is a no-op from here on
+        cut_reopened(world, since=world.epoch)
         world.epoch = epoch
     return SwitchReport(
         rank=swap.rank,
@@ -265,6 +274,23 @@ def switch(world: DeltaWorld, epoch: int, *, timeout_s: float | None = None) -> 
         switch_s=time.perf_counter() - t1,
         wait_s=wait_s,
     )
+
+
+def cut_reopened(world: DeltaWorld, *, since: int) -> bool:
+    """With the world's lock held, after installing communicators of a later epoch than ``since``: if an
+    abandon of an epoch newer than ``since`` came meanwhile, cut every group and link that is open again
+    (quiesce the idle ones, abort or sever the others, as that abandon did); True if one came. See the
+    module docstring."""
+    if not world.superseded(since):
+        return False
+    reason = world.abandoned or f"epoch {world.newest_abandon} abandoned"
+    for group in world.native_groups():
+        if group.state == OPEN and not group.quiesce(reason):
+            group.abort(reason)
+    for _, link in world.links_snapshot():
+        if link.state == "open" and not link.quiesce(reason):
+            link.sever(reason)
+    return True
 
 
 def abandon(world: DeltaWorld, epoch: int, reason: str, *, dead: Iterable[int] = ()) -> int:
@@ -357,6 +383,9 @@ def recover(world: DeltaWorld, epoch: int, *, replaced: Iterable[int] = ()) -> R
             group.reset()
     t_rings = time.monotonic()
     rebuilt = connect_all_rings(world, epoch)
+    with world._lock:
+        if cut_reopened(world, since=epoch):
+            raise CommAbandoned(f"rank {world.rank}: recover({epoch}) superseded while it rebuilt: {world.abandoned}")
     return RecoverReport(
         epoch=epoch,
         kept=len(keep_links),

@@ -278,6 +278,62 @@ def test_recover_keeps_idle_groups_and_rebuilds_the_busy_ones_and_those_of_the_r
         assert results[rank]["sums"] == {k: v for k, v in expected.items() if k in results[rank]["sums"]}
 
 
+def _stayer_abandoned_again_while_it_rebuilds(rank, n, store):
+    """Ranks 0 and 1 share group A, busy at epoch 1's abandon, so recover(1) rebuilds it. On rank 0 the
+    control plane abandons epoch 2 while A's new communicator is being built (after the build, before the
+    install), as CI's cascade saw when the joiner of epoch 1 died in its promotion."""
+    import nccl_delta.delta as delta
+
+    world = nccl_delta.current_world()
+    group = dist.new_group([0, 1])
+    dist.new_group([1, 2])
+    if rank < 2:
+        dist.all_reduce(torch.ones(100), group=group)
+        if rank == 0:
+            dist.isend(torch.ones(4), dst=1, group=group)  # never waited for: A is busy at the abandon
+        else:
+            dist.irecv(torch.zeros(4), src=0, group=group)
+    store.set(f"idle/{rank}", "1")
+    store.wait(["abandon"])
+    world.abandon(EPOCH, "a rank failed")
+    if rank == 0:
+        built = delta.build_groups
+
+        def build_then_abandon_again(*args, **kwargs):
+            comms = built(*args, **kwargs)
+            world.abandon(EPOCH + 1, "the joiner of epoch 1 died")
+            return comms
+
+        delta.build_groups = build_then_abandon_again
+    try:
+        world.recover(EPOCH)
+        outcome = "recovered"
+    except CommAbandoned as exc:
+        outcome = str(exc)
+    states = {"A": world.groups[group.group_name].state} if rank < 2 else {}
+    return dict(outcome=outcome, states=states)
+
+
+def test_an_abandon_that_comes_while_recover_rebuilds_leaves_nothing_open():
+    """A newer epoch's abandon that comes while ``recover`` builds its epoch's communicators is not undone
+    by their install: recover cuts what it reopened and says it was superseded, so the rank recovers the
+    newer epoch with its peers instead of training on in the old one (where it would wait on a peer that
+    left for the newer epoch until the joiner's deadline). The other member, abandoned after its recover,
+    recovered as usual; the newer abandon reaches it the usual way."""
+    store = harness.host_store()
+    ranks = harness.spawn(3, _stayer_abandoned_again_while_it_rebuilds, store=store)
+    try:
+        store.wait([f"idle/{r}" for r in range(3)])
+        store.set("abandon", "1")
+        results = ranks.results(timeout=60)
+    finally:
+        ranks.kill_all()
+    assert "recover(1) superseded while it rebuilt: epoch 2 abandoned" in results[0]["outcome"], results
+    assert results[0]["states"]["A"] in ("quiet", "aborted"), results  # not open behind epoch 2's back
+    assert results[1] == {"outcome": "recovered", "states": {"A": "open"}}, results
+    assert results[2]["outcome"] == "recovered", results
+
+
 # --- the keep rule (pure) -----------------------------------------------------------------------
 
 
