@@ -54,5 +54,5 @@ setup(
         "plot": [pin("matplotlib")],
         "bench": [pin("nvidia-resiliency-ext")],
     },
-    entry_points={"console_scripts": ["trainmover=trainmover_ext.cli:main"]},
+    entry_points={"console_scripts": ["trainmover=trainmover_ext.cli:entry"]},
 )

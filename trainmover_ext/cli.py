@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         args.rest = rest
     if args.command == "launch":
         args.preflight = preflight
+        global _LEFT_AT_ONCE
+        _LEFT_AT_ONCE = True
     from trainmover_ext.logconfig import ENV_JSON, ENV_LEVEL, configure
 
     if args.log_level:
@@ -280,5 +282,29 @@ def preflight(script: str, script_args: list[str], world_size: int) -> None:
         raise ConfigError(f"{os.path.basename(script)} on {world_size} ranks: {exc}") from exc
 
 
+def entry() -> None:
+    """The ``trainmover`` console script and ``python -m trainmover_ext.cli``: :func:`main`, then exit.
+
+    After ``launch`` the process leaves at once (``os._exit``, streams and log handlers flushed): a
+    launcher holds torch and megatron-core, imported before it forks its ranks, and the interpreter's
+    teardown of them took 1 to 2 s on 2 cores, after the job's processes and etcd had all been stopped."""
+    code = main()
+    if not _LEFT_AT_ONCE:
+        sys.exit(code)
+    import logging
+
+    from trainmover_ext.launch.logs import wait_for_tees
+
+    wait_for_tees()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+_LEFT_AT_ONCE = False
+"""Set by :func:`main` for the commands whose process :func:`entry` ends with ``os._exit``."""
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

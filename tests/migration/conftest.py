@@ -11,15 +11,17 @@ from helpers import run_job, trajectory
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory, corpus):
-    """Fault-free trajectories by layout key, computed lazily."""
+    """Fault-free trajectories, computed lazily, once per job: cached by ``(nproc, args)``, so two tests that
+    name the same job differently share one run (``key`` names its directory)."""
     cache: dict = {}
 
     def get(key: str, nproc: int, args: list[str]):
-        if key not in cache:
+        job_key = (nproc, tuple(args))
+        if job_key not in cache:
             tmp = tmp_path_factory.mktemp(f"ref_{key}")
             job = run_job(tmp, nproc, args, name=f"ref_{key}")
-            cache[key] = trajectory(job.metrics_path)
-        return cache[key]
+            cache[job_key] = trajectory(job.metrics_path)
+        return cache[job_key]
 
     return get
 

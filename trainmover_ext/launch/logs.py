@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 from trainmover_ext.errors import ConfigError
@@ -128,8 +129,22 @@ class ProcessOutput:
             os.close(fd)
         self.child_fds = {}
         for read_fd, path, console in self.copiers:
-            threading.Thread(target=_copy, args=(read_fd, path, console), name="trainmover_tee", daemon=True).start()
+            copier = threading.Thread(target=_copy, args=(read_fd, path, console), name="trainmover_tee", daemon=True)
+            copier.start()
+            _COPIERS.append(copier)
         self.copiers = []
+
+
+_COPIERS: list[threading.Thread] = []
+"""Every tee copier this process started (each ends when its writer closes the pipe)."""
+
+
+def wait_for_tees(timeout_s: float = 5.0) -> None:
+    """Let the tee copiers finish what the processes wrote (all of them at most ``timeout_s``): a launcher
+    that leaves with ``os._exit`` would otherwise cut the tail of a stream still in its pipe."""
+    deadline = time.monotonic() + timeout_s
+    for copier in _COPIERS:
+        copier.join(max(0.0, deadline - time.monotonic()))
 
 
 def _copy(read_fd: int, path: str, console) -> None:

@@ -207,6 +207,9 @@ class TrainMoverSupervisor:
         self.hangs = HangWatch(cfg.hang_timeout_s)
         self.stalls = StallWatch(cfg.progress_timeout_s if self.hangs.enabled else 0)
         preimport_for_fork()
+        import trainmover_ext.patches as patches
+
+        patches.install()  # once, here: every rank and standby forked below inherits them installed
         if self.standby_machine:
             for slot in range(cfg.nproc_per_node):
                 self._start_standby("fork", slot)
