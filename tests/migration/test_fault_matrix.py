@@ -5,7 +5,10 @@ a fault-free run of the same flags.
 
 - The matrix: first, middle and last pipeline stage x TP rank 0 and 1 x forward, backward, the
   gradient all-reduce and the optimizer step (24 cells), in bf16 on TP2 x PP3 x DP2 (12 ranks,
-  one layer per stage). Under the slow mark; CI runs it.
+  one layer per stage). One job per phase and TP rank kills its three stages in turn, each at its own
+  iteration with a warm standby of its own (8 jobs, 24 kills): every cell is still a kill of its own,
+  recovered bit for bit, and the later ones land in a job that has recovered before. Under the slow
+  mark; CI runs it.
 - A kill during a checkpoint save: the save is recovered and done again.
 - A kill that leaves the data-parallel replicas one step apart: stayers receive copies.
 - The distributed optimizer with DP=2 and its mirror off (``--tm-optimizer-mirror off``: its shards have
@@ -42,15 +45,20 @@ STAGES = {"first": 0, "middle": 1, "last": 2}
 PHASES = ("forward", "backward", "allreduce", "step")
 
 
+KILL_AT = (6, 8, 10)
+"""The iterations of a matrix job's three kills: the first, middle and last stage, in that order."""
+
+
 def _matrix():
-    cells = []
-    for stage, pp in STAGES.items():
-        for tp in (0, 1):
-            for i, phase in enumerate(PHASES):
-                dp = (i + tp) % 2  # both data-parallel replicas of each shard get hit somewhere
-                victim = tp + 2 * dp + 4 * pp  # TP2 x PP3 x DP2: rank = tp + 2*dp + 4*pp
-                cells.append(pytest.param(victim, phase, id=f"{stage}-tp{tp}-{phase}"))
-    return cells
+    """One job per phase and TP rank: its three cells, ``(victim, iteration)`` per pipeline stage."""
+    jobs = []
+    for tp in (0, 1):
+        for i, phase in enumerate(PHASES):
+            dp = (i + tp) % 2  # both data-parallel replicas of each shard get hit somewhere
+            # TP2 x PP3 x DP2: rank = tp + 2*dp + 4*pp
+            cells = [(tp + 2 * dp + 4 * pp, at) for pp, at in zip(STAGES.values(), KILL_AT, strict=True)]
+            jobs.append(pytest.param(phase, cells, id=f"{phase}-tp{tp}"))
+    return jobs
 
 
 def _pp3_args(corpus, extra=()):
@@ -58,18 +66,21 @@ def _pp3_args(corpus, extra=()):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim,phase", _matrix())
-def test_bf16_fault_matrix(tmp_path, corpus, reference, victim, phase):
+@pytest.mark.parametrize("phase,cells", _matrix())
+def test_bf16_fault_matrix(tmp_path, corpus, reference, phase, cells):
+    """The first, middle and last stage's rank of one column is killed in ``phase``, at iterations 6, 8 and
+    10, with three warm standbys: each kill is replaced by a standby in a failure epoch of its own, from its
+    data-parallel replica, and the whole run is bit-identical to the fault-free one."""
     ref = reference("tp2pp3dp2-bf16", 12, _pp3_args(corpus))
-    job = run_job(
-        tmp_path,
-        12,
-        _pp3_args(corpus, ["--tm-inject-fault", f"{victim}:6:{phase}"]),
-        name=f"cell_{victim}_{phase}",
-        timeout=400,
-    )
-    assert_recovered(job, ref, victim)
-    assert_killed(job, victim)
+    drills = ",".join(f"{victim}:{at}:{phase}" for victim, at in cells)
+    args = _pp3_args(corpus, ["--tm-inject-fault", drills])
+    args[args.index("--tm-standbys") + 1] = str(len(cells))
+    job = run_job(tmp_path, 12, args, name=f"cells_{phase}", timeout=400)
+    victims = [victim for victim, _ in cells]
+    assert [r["rank"] for r in replaced(job, "failure")] == victims, job.stderr()[-3000:]
+    for victim in victims:
+        assert_recovered(job, ref, victim)
+        assert_killed(job, victim)
 
 
 def test_kill_during_a_checkpoint_save_is_recovered_and_the_save_redone(tmp_path, corpus, reference):
