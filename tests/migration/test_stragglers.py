@@ -17,13 +17,13 @@ from trainmover_ext.launch import priority
 ITERS = 150
 
 
-@pytest.mark.parametrize("factor", ["1.2", "1.5", "2"])
+@pytest.mark.parametrize("factor", ["1.2", "1.5"])
 def test_a_slowed_rank_is_found_and_moved_bit_identically(tmp_path, corpus, reference, factor):
     """PP2 x DP2 in bf16 at dropout 0.1, one standby; rank 1 (first stage, the peer of rank 0) computes
     ``factor`` times slower from iteration 10 of 150 (of 250 at 1.2x: measured 1.16x its peer on 2 busy cores,
     just over the 1.15 threshold, it was named 20-61 iterations after its slowdown in recorded runs, and in one
     benchmark run of 8 not within 130). The watch names rank 1 alone, its move is planned and carried out, and
-    the trajectory matches the run without the slowdown bit for bit."""
+    the trajectory matches the run without the slowdown bit for bit. 2x is the next test's slowdown."""
     iters = 250 if factor == "1.2" else ITERS
     args = tm_args(corpus, tp=1, pp=2, gbs=8, iters=iters, extra=["--bf16"])
     ref = reference(f"tp1pp2dp2-bf16-i{iters}", 4, args)
