@@ -64,7 +64,10 @@ def _migrate_and_check(tmp_path, corpus, reference, nproc, args, ref_key, rank, 
 
 @pytest.mark.parametrize("rank", CASES)
 def test_planned_migration_is_bit_identical(tmp_path, corpus, reference, rank):
-    _migrate_and_check(tmp_path, corpus, reference, 8, tm_args(corpus), "tp2pp2dp2", rank)
+    """40 iterations: on the Python 3.12 stack (`make test-compat`) the job ended its 12 before the standby
+    was warm and the request came (the controller refused the move: the job was finishing)."""
+    args = tm_args(corpus, iters=40)
+    _migrate_and_check(tmp_path, corpus, reference, 8, args, "tp2pp2dp2-i40", rank, iters=40)
 
 
 def test_planned_migration_with_the_distributed_optimizer(tmp_path, corpus, reference):
