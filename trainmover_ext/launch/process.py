@@ -65,8 +65,10 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def preimport_for_fork() -> None:
-    """Import the heavy modules once in the agent so forked ranks skip 4-10 s of imports."""
+def preimport_for_fork(*, install_patches: bool = False) -> None:
+    """Import the heavy modules once in the agent so forked ranks skip 4-10 s of imports; with
+    ``install_patches`` (the ranks are TrainMover's, which install them anyway) also install the
+    megatron-core patches, so that every process forked afterwards inherits them installed."""
     fork_safe_cuda_checks()
     import trainmover_training  # noqa: F401  (first: it quiets megatron-core's CPU fallback warnings)
 
@@ -77,7 +79,10 @@ def preimport_for_fork() -> None:
     import megatron.core.pipeline_parallel  # noqa: F401
     import torch  # noqa: F401
 
-    import trainmover_ext.patches  # noqa: F401
+    import trainmover_ext.patches
+
+    if install_patches:
+        trainmover_ext.patches.install()
 
 
 @dataclass

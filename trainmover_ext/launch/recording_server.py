@@ -40,9 +40,14 @@ import urllib.parse
 import weakref
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING
 
 from trainmover_ext.deadline import Deadline
 from trainmover_ext.errors import RecordingNotFound
+from trainmover_ext.netutil import address_towards
+
+if TYPE_CHECKING:
+    from trainmover_ext.launch.config import LaunchConfig
 
 FILES = ("index.json", "tensors.bin")
 """The files of one recorded role (``sandbox.recording``'s ``INDEX_FILE`` and ``DATA_FILE``)."""
@@ -277,3 +282,34 @@ def _get(url: str, token: str, role: str, name: str, out: str, deadline: Deadlin
         ) from exc
     finally:
         conn.close()
+
+
+def serve_node_recordings(cfg: LaunchConfig, log: Callable[[str], None]) -> RecordingServer | None:
+    """An active node's agent: serve its recordings to standbys on other nodes (the module docstring); the
+    caller puts the server's URL on the node record. Without the sandbox, a record directory or the job
+    token, or when the address cannot be bound, nothing is served (None), and why is logged with ``log``."""
+    if not cfg.sandbox or cfg.record_dir is None:
+        return None
+    if not cfg.rendezvous.token:
+        log(
+            "sandbox: this node's recordings are not served to other nodes: the job has no token to "
+            "authenticate standbys with (pass --tm-job-token); standbys elsewhere do the basic warm-up"
+        )
+        return None
+    try:
+        host = cfg.recordings_host or address_towards(cfg.master_addr)
+        # bound to every interface, it is still reached at one address: the one the job's nodes use
+        shown = address_towards(cfg.master_addr) if host in ("0.0.0.0", "::") else None
+        server = RecordingServer(
+            cfg.record_dir, cfg.rendezvous.token, host, cfg.recordings_port, advertise=shown, log=log
+        ).start()
+    except OSError as exc:
+        log(
+            f"sandbox: cannot serve this node's recordings on {cfg.recordings_host or cfg.master_addr}"
+            f"{f':{cfg.recordings_port}' if cfg.recordings_port else ''} ({exc}); standbys on other nodes "
+            "do the basic warm-up unless --tm-record-dir is shared (--recordings-host and --recordings-port "
+            "pick the address)"
+        )
+        return None
+    log(f"sandbox: serving {cfg.record_dir} to standbys on other nodes at {server.url} (job token required)")
+    return server

@@ -64,9 +64,8 @@ from trainmover_ext.launch.process import (
     spawn_rank,
     wait_any_exit,
 )
-from trainmover_ext.launch.recording_server import RecordingServer
+from trainmover_ext.launch.recording_server import RecordingServer, serve_node_recordings
 from trainmover_ext.launch.stalls import StallWatch
-from trainmover_ext.netutil import address_towards
 
 if TYPE_CHECKING:
     from trainmover_ext.launch.node_reports import NodeReports
@@ -206,10 +205,7 @@ class TrainMoverSupervisor:
         self.port = cfg.master_port or free_port(cfg.master_addr)
         self.hangs = HangWatch(cfg.hang_timeout_s)
         self.stalls = StallWatch(cfg.progress_timeout_s if self.hangs.enabled else 0)
-        preimport_for_fork()
-        import trainmover_ext.patches as patches
-
-        patches.install()  # once, here: every rank and standby forked below inherits them installed
+        preimport_for_fork(install_patches=True)
         if self.standby_machine:
             for slot in range(cfg.nproc_per_node):
                 self._start_standby("fork", slot)
@@ -238,40 +234,8 @@ class TrainMoverSupervisor:
             f"started {len(self.serving)} ranks, pids {[p.pid for p, _ in self.serving.values()]}, "
             f"and {len(self.standbys)} standby(s)"
         )
-        self._serve_recordings()  # after every fork, like /metrics
+        self.recordings = serve_node_recordings(self.cfg, self.agent.log)  # after every fork, like /metrics
         self._connect()
-
-    def _serve_recordings(self) -> None:
-        """Serve this node's recordings to standbys on other nodes (see ``launch.recording_server``); its
-        URL goes on the node record. Without the sandbox or the job token nothing is served, and why is logged."""
-        cfg = self.cfg
-        if not cfg.sandbox or cfg.record_dir is None:
-            return
-        if not cfg.rendezvous.token:
-            self.agent.log(
-                "sandbox: this node's recordings are not served to other nodes: the job has no token to "
-                "authenticate standbys with (pass --tm-job-token); standbys elsewhere do the basic warm-up"
-            )
-            return
-        try:
-            host = cfg.recordings_host or address_towards(cfg.master_addr)
-            # bound to every interface, it is still reached at one address: the one the job's nodes use
-            shown = address_towards(cfg.master_addr) if host in ("0.0.0.0", "::") else None
-            self.recordings = RecordingServer(
-                cfg.record_dir, cfg.rendezvous.token, host, cfg.recordings_port, advertise=shown, log=self.agent.log
-            ).start()
-        except OSError as exc:
-            self.agent.log(
-                f"sandbox: cannot serve this node's recordings on {cfg.recordings_host or cfg.master_addr}"
-                f"{f':{cfg.recordings_port}' if cfg.recordings_port else ''} ({exc}); standbys on other nodes "
-                "do the basic warm-up unless --tm-record-dir is shared (--recordings-host and --recordings-port "
-                "pick the address)"
-            )
-            return
-        self.agent.log(
-            f"sandbox: serving {cfg.record_dir} to standbys on other nodes at {self.recordings.url} "
-            "(job token required)"
-        )
 
     def _connect(self) -> None:
         """Open etcd only now: a gRPC channel must not be inherited by forked ranks."""
