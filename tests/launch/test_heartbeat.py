@@ -176,6 +176,12 @@ def test_cpu_time_sums_every_thread_and_stops_when_stopped():
     assert cpu_time_ns(proc.pid) is None  # reaped: /proc cannot tell
 
 
+def _state(pid: int) -> str:
+    """The process state letter of ``/proc/<pid>/stat`` (R running, S sleeping, T stopped, ...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_a_process_starved_of_cpu_counts_its_wait_for_one():
     """Two spinners on one core: each waits on the run queue about as long as it runs. The wait counts
     (``waited``), so a runnable process that gets no CPU for a while is not taken for a frozen one; a
@@ -191,7 +197,11 @@ def test_a_process_starved_of_cpu_counts_its_wait_for_one():
         waited_more = cpu_time_ns(procs[0].pid, waited=True) - both - ran_more
         assert waited_more > 0.1e9, (ran_more, waited_more)  # it waited for the core it shares
         os.kill(procs[0].pid, signal.SIGSTOP)
-        time.sleep(0.1)
+        # stopped once the kernel says so (state T): on a crowded core the spinner, runnable, may still wait
+        # for it, and its wait still counts, for more than 0.1 s (seen: 111 ms more after a 0.1 s sleep)
+        deadline = time.monotonic() + 10
+        while _state(procs[0].pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
         stopped = cpu_time_ns(procs[0].pid, waited=True)
         time.sleep(0.3)
         assert cpu_time_ns(procs[0].pid, waited=True) == stopped
